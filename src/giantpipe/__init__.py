@@ -1,0 +1,18 @@
+"""giantpipe: GPipe pipeline parallelism with a config-driven experiment runner.
+
+Example::
+
+    import torch
+    from torch import nn
+    from giantpipe import GPipe
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    pipe = GPipe(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=4)
+    loss = pipe(torch.randn(16, 8)).sum()
+    loss.backward()
+"""
+
+from giantpipe.pipe import GPipe, is_recomputing
+
+__all__ = ["GPipe", "is_recomputing"]
+__version__ = "0.1.0"

@@ -1,0 +1,294 @@
+"""The local executor: one process, one worker thread per pipeline worker, any schedule.
+
+Each worker runs its list of actions in order. An action waits only for what it consumes::
+
+    F(k, m): activation of m from stage k-1  --(mailbox)-->  runs stage k  --> activation to k+1
+    B(k, m): gradient of m from stage k+1    --(mailbox)-->  backward of k --> gradient to k-1
+
+Every stage's autograd graph starts at detached copies of its inputs ("leaves"), so a backward
+never crosses threads or devices by itself: gradients cross the boundary through the mailbox,
+exactly as activations do. Torch kernels release the GIL, so workers on CPU stand-ins really run
+concurrently.
+
+A failing action aborts the step: the other workers stop at their next wait, all threads are
+joined, and :class:`PipelineError` names the stage and micro-batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from giantpipe.pipe.checkpoint import recomputing
+from giantpipe.pipe.mailbox import Aborted, Mailbox
+from giantpipe.pipe.memory import SavedTensorMeter
+from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, nbytes, to_device
+from giantpipe.pipe.rng import rng_context
+from giantpipe.pipe.schedule import Action, Schedule
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class PipelineError(RuntimeError):
+    """An action of the pipeline failed; ``stage`` and ``microbatch`` say which."""
+
+    def __init__(self, stage: int, microbatch: int, device: torch.device, cause: BaseException):
+        self.stage, self.microbatch, self.device = stage, microbatch, device
+        super().__init__(
+            f"stage {stage} (device {device}) failed on micro-batch {microbatch}: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+@dataclass
+class LossSpec:
+    """The step API's loss: ``loss_fn(output_m, target_m) * scale[m]`` on the last stage."""
+
+    fn: LossFn
+    targets: list[TensorOrTensors]
+    scales: list[float]
+
+
+@dataclass
+class StepConfig:
+    """Everything a step needs that the workers only read."""
+
+    stages: Sequence[nn.Sequential]
+    devices: Sequence[torch.device]
+    checkpoint_stop: int
+    grad_enabled: bool
+    seed: int
+    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    loss: LossSpec | None = None
+    threads_per_worker: int | None = None
+    timeout: float = 300.0
+
+
+class StepRun:
+    """State of one training (or inference) step, shared by the workers of its phases.
+
+    The front door runs the forward phase in ``forward()`` and the backward phase when autograd
+    calls back; the step API runs the whole schedule at once. Both use :meth:`run`.
+    """
+
+    def __init__(self, config: StepConfig, inputs: list[TensorOrTensors]) -> None:
+        self.cfg = config
+        k = len(config.stages)
+        self.mailbox = Mailbox(config.timeout)
+        self.leaves: list[dict[int, Any]] = [{} for _ in range(k)]
+        self.held: list[dict[int, int]] = [{} for _ in range(k)]
+        self.outputs: list[dict[int, Any]] = [{} for _ in range(k)]
+        self.results: dict[int, TensorOrTensors] = {}  # last stage's outputs (front door)
+        self.losses: dict[int, torch.Tensor] = {}
+        self.input_grads: dict[int, tuple[Any, ...]] = {}
+        self.busy = [0.0] * k
+        self.span = 0.0
+        self.live = [0] * k
+        self.peaks = [0] * k
+        for m, x in enumerate(inputs):
+            self.mailbox.put(("act", 0, m), x)
+
+    # ---- running a phase -------------------------------------------------------------------
+
+    def run(self, schedule: Schedule) -> None:
+        """Runs every worker's actions of ``schedule``; raises PipelineError on failure."""
+        self.mailbox = _reopen(self.mailbox)
+        errors: list[tuple[Action, BaseException]] = []
+        times: list[tuple[float, float]] = []
+        workers = [w for w in schedule.actions if w]
+        if len(workers) == 1:
+            self._work(workers[0], errors, times, own_thread=False)
+        else:
+            threads = [
+                threading.Thread(
+                    target=self._work, args=(w, errors, times, True), daemon=True,
+                    name=f"giantpipe-worker-{i}",
+                )
+                for i, w in enumerate(workers)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if times:
+            self.span += max(e for _, e in times) - min(s for s, _ in times)
+        if errors:
+            action, exc = min(errors, key=lambda e: isinstance(e[1], Aborted))
+            stage = action.stage
+            raise PipelineError(stage, action.microbatch, self.cfg.devices[stage], exc) from exc
+
+    def _work(
+        self,
+        actions: Sequence[Action],
+        errors: list[tuple[Action, BaseException]],
+        times: list[tuple[float, float]],
+        own_thread: bool,
+    ) -> None:
+        start = time.perf_counter()
+        action = actions[0]
+        try:
+            with self._worker_context(own_thread):
+                for action in actions:
+                    t0 = time.perf_counter()
+                    if action.kind == "F":
+                        self.forward(action.stage, action.microbatch)
+                    elif action.kind == "B":
+                        self.backward(action.stage, action.microbatch)
+                    else:
+                        raise ValueError(f"the local executor cannot run action {action}")
+                    self.busy[action.stage] += time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+            errors.append((action, exc))
+            self.mailbox.abort()
+        finally:
+            times.append((start, time.perf_counter()))
+
+    @contextmanager
+    def _worker_context(self, own_thread: bool) -> Iterator[None]:
+        # New threads start with grad mode on, autocast off and all cores; give them the
+        # caller's state, and one share of the cores each so stages don't oversubscribe.
+        with ExitStack() as stack:
+            if own_thread and self.cfg.threads_per_worker:
+                torch.set_num_threads(self.cfg.threads_per_worker)
+            stack.enter_context(torch.set_grad_enabled(self.cfg.grad_enabled))
+            for device_type, dtype in self.cfg.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            yield
+
+    # ---- actions ---------------------------------------------------------------------------
+
+    def forward(self, stage: int, m: int) -> None:
+        """F(stage, m): run the stage on micro-batch m and hand the result on."""
+        cfg = self.cfg
+        device = cfg.devices[stage]
+        x = to_device(self.mailbox.get(("act", stage, m)), device)
+        train = cfg.grad_enabled
+        leaves = _make_leaves(x, first=stage == 0) if train else x
+        recompute_later = train and m < cfg.checkpoint_stop
+        meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
+        with rng_context(cfg.seed, m, device), meter:
+            if recompute_later:
+                with torch.no_grad():
+                    y = self._run_stage(stage, leaves, m)
+            else:
+                y = self._run_stage(stage, leaves, m)
+        if train:
+            self.leaves[stage][m] = leaves
+            if not recompute_later:
+                self.outputs[stage][m] = y
+            self._hold(stage, m, nbytes(leaves) + (0 if recompute_later else meter.bytes))
+        self._hand_on(stage, m, y)
+
+    def _run_stage(self, stage: int, x: Any, m: int) -> Any:
+        y = self.cfg.stages[stage](x)
+        loss = self.cfg.loss
+        if loss is not None and stage == len(self.cfg.stages) - 1:
+            target = to_device(loss.targets[m], self.cfg.devices[stage])
+            return loss.fn(y, target) * loss.scales[m]
+        return y
+
+    def _hand_on(self, stage: int, m: int, y: Any) -> None:
+        if stage == len(self.cfg.stages) - 1:
+            if self.cfg.loss is not None:
+                self.losses[m] = y.detach()
+            else:
+                self.results[m] = _detach(y)
+            return
+        self.mailbox.put(("act", stage + 1, m), _detach(y))
+
+    def backward(self, stage: int, m: int) -> None:
+        """B(stage, m): backward of the stage for micro-batch m, gradient to the previous one."""
+        cfg = self.cfg
+        leaves = self.leaves[stage].pop(m)
+        if m < cfg.checkpoint_stop:
+            meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
+            with rng_context(cfg.seed, m, cfg.devices[stage]), recomputing(cfg.stages[stage]):
+                with meter:
+                    y = self._run_stage(stage, leaves, m)
+            self._hold(stage, m, meter.bytes)
+        else:
+            y = self.outputs[stage].pop(m)
+        if stage == len(cfg.stages) - 1 and cfg.loss is not None:
+            tensors, grads = [y], [None]
+        else:
+            received = as_tuple(self.mailbox.get(("grad", stage, m)))
+            tensors, grads = _pair_gradients(as_tuple(y), received, cfg.devices[stage])
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        del y, tensors, grads
+        input_grads = tuple(
+            t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+            for t in as_tuple(leaves)
+        )
+        self._release(stage, m)
+        if stage == 0:
+            self.input_grads[m] = input_grads
+        else:
+            self.mailbox.put(("grad", stage - 1, m), input_grads)
+
+    # ---- memory accounting -------------------------------------------------------------
+
+    def _hold(self, stage: int, m: int, added: int) -> None:
+        self.held[stage][m] = self.held[stage].get(m, 0) + added
+        self.live[stage] += added
+        self.peaks[stage] = max(self.peaks[stage], self.live[stage])
+
+    def _release(self, stage: int, m: int) -> None:
+        self.live[stage] -= self.held[stage].pop(m, 0)
+
+
+def _reopen(box: Mailbox) -> Mailbox:
+    # A phase after a failed phase must not inherit the abort flag; live items carry over.
+    if not box.aborted:
+        return box
+    fresh = Mailbox(box.timeout)
+    fresh._items = box._items  # noqa: SLF001
+    return fresh
+
+
+def _make_leaves(x: TensorOrTensors, first: bool) -> TensorOrTensors:
+    """Detached copies of a stage's inputs, in the same structure (tensor or tuple).
+
+    Float leaves require grad so that the gradient for the previous stage can be read off them;
+    on the first stage only where the user's input requires grad (no wasted input gradient).
+    The detach is what keeps each stage's graph to itself (see the module docstring).
+    """
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        wants = t.requires_grad if first else t.is_floating_point()
+        return t.detach().requires_grad_(wants)
+
+    if isinstance(x, torch.Tensor):
+        return leaf(x)
+    return tuple(leaf(t) for t in x)
+
+
+def _detach(y: Any) -> Any:
+    if isinstance(y, torch.Tensor):
+        return y.detach()
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in y)
+
+
+def _pair_gradients(
+    outputs: tuple[Any, ...], grads: tuple[Any, ...], device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs that need a backward, each with its incoming gradient (None and ints dropped)."""
+    if len(outputs) != len(grads):
+        raise RuntimeError(
+            f"stage returned {len(outputs)} tensors but {len(grads)} gradients came back"
+        )
+    tensors, out_grads = [], []
+    for y, g in zip(outputs, grads):
+        if isinstance(y, torch.Tensor) and y.requires_grad and g is not None:
+            tensors.append(y)
+            out_grads.append(g.to(device, non_blocking=True))
+    return tensors, out_grads

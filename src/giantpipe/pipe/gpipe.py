@@ -1,0 +1,306 @@
+"""GPipe: the engine's module, with two front doors to the same executor.
+
+1. torchgpipe's door: ``y = model(x); loss = f(y); loss.backward()``. ``forward`` runs the
+   forward half of fill-drain, autograd calls back into the pipeline for the backward half.
+2. The step door: ``loss = model.train_step(x, target, loss_fn)``. The engine owns the loss,
+   so any schedule (fill-drain now; 1F1B and zero-bubble are other lists) can run.
+
+Example::
+
+    >>> model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    >>> pipe = GPipe(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=4)
+    >>> x, target = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    >>> loss = pipe.train_step(x, target, nn.functional.cross_entropy)  # grads in p.grad
+    >>> pipe.last_stats.expected_bubble
+    0.2
+
+Parameters keep the names they have in the plain module (``"0.weight"``, ``"2.bias"``), so a
+state dict saved from one partitioning loads into any other, or into the plain model.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from giantpipe.pipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from giantpipe.pipe.checkpoint import MODES, checkpoint_stop
+from giantpipe.pipe.executor import LossFn, LossSpec, StepConfig, StepRun
+from giantpipe.pipe.memory import device_peak, reset_device_peak
+from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, batch_size, gather, scatter
+from giantpipe.pipe.partition import (
+    BalanceError,
+    Device,
+    resolve_devices,
+    split_module,
+    verify_balance,
+    verify_module,
+)
+from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks
+from giantpipe.pipe.schedule import Schedule, build_schedule
+from giantpipe.pipe.stats import StepStats
+
+MOVING_DENIED = TypeError(
+    "denied to move parameters and buffers, because GPipe should manage device placement"
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, stages: int, chunks: int) -> Schedule:
+    return build_schedule(name, stages, chunks)
+
+
+class GPipe(nn.Module):
+    """Wraps a flat ``nn.Sequential`` to train it with pipeline parallelism.
+
+    Args:
+        module: the model; its children are the layers that stages are cut from.
+        balance: number of layers per stage (see :mod:`giantpipe.pipe.balance` to compute one).
+        devices: one per stage; may repeat (``["cpu", "cpu"]`` gives CPU stand-ins). Default:
+            every CUDA device, else CPU stand-ins.
+        chunks: M, the number of micro-batches per mini-batch.
+        checkpoint: ``'always'``, ``'except_last'`` or ``'never'`` re-materialization.
+        deferred_batch_norm: update BatchNorm running statistics once per mini-batch.
+        schedule: the schedule ``train_step`` runs (``forward`` always runs fill-drain).
+        timeout: seconds a worker may wait for a neighbour before the step fails.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Iterable[int] | None = None,
+        *,
+        devices: Iterable[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+        schedule: str = "gpipe",
+        timeout: float = 300.0,
+    ) -> None:
+        super().__init__()
+        if balance is None:
+            raise ValueError(
+                "balance is required; compute one with giantpipe.pipe.balance_by_time, "
+                "balance_by_size or balance_by_params"
+            )
+        chunks = int(chunks)
+        if chunks <= 0:
+            raise ValueError("number of chunks must be positive integer")
+        if checkpoint not in MODES:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        verify_module(module)
+        balance = list(balance)
+        resolved = resolve_devices(devices, len(balance))
+        try:
+            balance = verify_balance(len(module), balance, len(resolved))
+        except BalanceError as exc:
+            raise ValueError(str(exc)) from exc
+        _schedule(schedule, len(balance), 1)  # fail early on an unknown schedule name
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(module)
+        for name, layer in module.named_children():
+            if hasattr(self, name) and name not in self._modules:
+                raise ValueError(f"layer name {name!r} clashes with a GPipe attribute")
+            self.add_module(name, layer)
+        self.balance: list[int] = balance
+        self.devices: list[torch.device] = resolved[: len(balance)]
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.schedule = schedule
+        self.timeout = timeout
+        self.partitions: list[nn.Sequential] = split_module(module, balance, self.devices)
+        self._rng_hooks = install_rng_hooks(module)
+        self.last_stats: StepStats | None = None
+
+    # ---- Sequential-like access ------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return sum(self.balance)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        layers = list(self._modules.values())
+        return layers[index]  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def cuda(self, device: Any = None) -> GPipe:  # type: ignore[override]
+        raise MOVING_DENIED
+
+    def cpu(self) -> GPipe:
+        raise MOVING_DENIED
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        # Only dtype conversions are allowed; placement belongs to the partitioning.
+        if "device" in kwargs or "tensor" in kwargs:
+            raise MOVING_DENIED
+        if args and isinstance(args[0], (torch.device, int, str, torch.Tensor)):
+            raise MOVING_DENIED
+        return super().to(*args, **kwargs)
+
+    # ---- front door 1: torchgpipe's forward / backward ------------------------------------
+
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
+        """Pipelines the forward pass; with grad enabled, ``backward`` is pipelined too."""
+        started = time.perf_counter()
+        self._reset_peaks()
+        micro = scatter(_check_input(input), self.chunks)
+        grad = torch.is_grad_enabled()
+        run = StepRun(self._step_config(grad, None), micro)
+        fill_drain = _schedule("gpipe", len(self.partitions), self.chunks)
+        if not grad:
+            run.run(fill_drain.phase("F"))
+            self._commit_batchnorm()
+            self._finish(run, started)
+            return gather([run.results[m] for m in range(self.chunks)])
+        tensors = as_tuple(input)
+        phony = torch.empty(0, requires_grad=True)  # gives the output a grad_fn in any case
+        out = _PipelineFunction.apply(self, run, fill_drain, started, phony, *tensors)
+        return out[0] if out_is_tensor(run) else out
+
+    # ---- front door 2: the step API --------------------------------------------------------
+
+    def train_step(
+        self,
+        inputs: TensorOrTensors,
+        targets: TensorOrTensors,
+        loss_fn: LossFn,
+        loss_normalizer: Callable[[TensorOrTensors], float] | None = None,
+    ) -> torch.Tensor:
+        """Forward + backward of one mini-batch under ``self.schedule``; returns the loss.
+
+        ``loss_fn(output, target)`` is called per micro-batch and must return the MEAN over
+        the micro-batch; each is weighted by its share of the mini-batch so that gradients equal
+        those of the un-pipelined model. With ``loss_normalizer(targets) -> n`` (e.g. the number
+        of non-padding tokens), ``loss_fn`` returns a SUM and the engine divides by ``n``.
+        Gradients accumulate into ``p.grad``; zero them between steps as usual.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step needs grad mode; use model(x) under torch.no_grad()")
+        started = time.perf_counter()
+        self._reset_peaks()
+        micro = scatter(_check_input(inputs), self.chunks)
+        if batch_size(targets) != batch_size(inputs):
+            raise ValueError(
+                f"targets have batch size {batch_size(targets)}, inputs {batch_size(inputs)}"
+            )
+        micro_targets = scatter(targets, self.chunks)
+        if loss_normalizer is None:
+            total = batch_size(inputs)
+            scales = [batch_size(t) / total for t in micro_targets]
+        else:
+            norm = float(loss_normalizer(targets))
+            if not norm > 0:
+                raise ValueError(f"loss_normalizer returned {norm}; it must be positive")
+            scales = [1.0 / norm] * self.chunks
+        spec = LossSpec(loss_fn, micro_targets, scales)
+        run = StepRun(self._step_config(True, spec), micro)
+        run.run(_schedule(self.schedule, len(self.partitions), self.chunks))
+        self._commit_batchnorm()
+        self._finish(run, started)
+        return torch.stack([run.losses[m] for m in range(self.chunks)]).sum()
+
+    # ---- shared plumbing ------------------------------------------------------------------
+
+    def _step_config(self, grad: bool, loss: LossSpec | None) -> StepConfig:
+        cpu_workers = sum(d.type == "cpu" for d in self.devices)
+        threads = max(1, torch.get_num_threads() // cpu_workers) if cpu_workers > 1 else None
+        return StepConfig(
+            stages=self.partitions,
+            devices=self.devices,
+            checkpoint_stop=checkpoint_stop(self.checkpoint, self.chunks) if grad else 0,
+            grad_enabled=grad,
+            seed=draw_step_seed(),
+            autocast=_autocast_state(self.devices),
+            loss=loss,
+            threads_per_worker=threads,
+            timeout=self.timeout,
+        )
+
+    def _reset_peaks(self) -> None:
+        for device in set(self.devices):
+            reset_device_peak(device)
+
+    def _commit_batchnorm(self) -> None:
+        # Deferred BatchNorm moves running statistics once per mini-batch, after all forwards.
+        if self.training:
+            for stage in self.partitions:
+                commit_deferred_batch_norm(stage)
+
+    def _finish(self, run: StepRun, started: float) -> None:
+        on_cuda = all(d.type == "cuda" for d in self.devices)
+        self.last_stats = StepStats.from_timings(
+            wall=time.perf_counter() - started,
+            span=run.span,
+            busy=run.busy,
+            peaks=[device_peak(d) for d in self.devices] if on_cuda else run.peaks,
+            num_microbatches=self.chunks,
+            memory_kind="cuda_allocator" if on_cuda else "saved_activations",
+        )
+
+
+def out_is_tensor(run: StepRun) -> bool:
+    """Whether the last stage returned a lone tensor (the front door then unwraps it)."""
+    return isinstance(run.results[0], torch.Tensor)
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """Autograd bridge of the front door: forward phase now, backward phase on ``backward()``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, pipe: GPipe, run: StepRun, schedule: Schedule, started: float, phony: Any,
+        *inputs: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        run.run(schedule.phase("F"))
+        pipe._commit_batchnorm()
+        ctx.pipe, ctx.run, ctx.schedule, ctx.started = pipe, run, schedule, started
+        ctx.num_inputs = len(inputs)
+        out = as_tuple(gather([run.results[m] for m in range(pipe.chunks)]))
+        ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point()])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+        pipe, run = ctx.pipe, ctx.run
+        chunks = pipe.chunks
+        per_output = [
+            scatter(g, chunks) if g is not None else [None] * chunks for g in grad_outputs
+        ]
+        last = len(pipe.partitions) - 1
+        for m in range(chunks):
+            run.mailbox.put(("grad", last, m), tuple(col[m] for col in per_output))
+        run.run(ctx.schedule.phase("B"))
+        pipe._finish(run, ctx.started)
+        grads = _gather_input_grads(run, chunks, ctx.num_inputs)
+        return (None, None, None, None, None, *grads)
+
+
+def _gather_input_grads(run: StepRun, chunks: int, num_inputs: int) -> list[Any]:
+    grads: list[Any] = []
+    for i in range(num_inputs):
+        parts = [run.input_grads[m][i] for m in range(chunks)]
+        grads.append(None if any(p is None for p in parts) else torch.cat(parts))
+    return grads
+
+
+def _check_input(input: Any) -> TensorOrTensors:
+    if isinstance(input, torch.Tensor):
+        return input
+    if isinstance(input, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in input):
+        return tuple(input)
+    raise TypeError(f"expected Tensor or Tuple[Tensor, ...], but got {type(input).__name__}")
+
+
+def _autocast_state(devices: Sequence[torch.device]) -> list[tuple[str, torch.dtype]]:
+    """Autocast settings of the caller, for each device type the pipeline uses."""
+    state = []
+    for device_type in sorted({d.type for d in devices}):
+        if torch.is_autocast_enabled(device_type):
+            state.append((device_type, torch.get_autocast_dtype(device_type)))
+    return state
