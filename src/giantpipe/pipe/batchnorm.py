@@ -92,10 +92,8 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         )
         new.load_state_dict(module.state_dict())
         new.train(module.training)
-        factory = {"device": None, "dtype": None}
-        if module.running_mean is not None:
-            factory = {"device": module.running_mean.device, "dtype": module.running_mean.dtype}
-        return new.to(**{k: v for k, v in factory.items() if v is not None})
+        ref = module.running_mean if module.running_mean is not None else module.weight
+        return new if ref is None else new.to(device=ref.device, dtype=ref.dtype)
 
 
 def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:

@@ -108,7 +108,9 @@ class StepRun:
         else:
             threads = [
                 threading.Thread(
-                    target=self._work, args=(w, errors, times, True), daemon=True,
+                    target=self._work,
+                    args=(w, errors, times, True),
+                    daemon=True,
                     name=f"giantpipe-worker-{i}",
                 )
                 for i, w in enumerate(workers)
@@ -173,6 +175,7 @@ class StepRun:
         leaves = _make_leaves(x, first=stage == 0) if train else x
         recompute_later = train and m < cfg.checkpoint_stop
         meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
+        meter.ignore(as_tuple(leaves))  # counted once, as held inputs, below
         with rng_context(cfg.seed, m, device), meter:
             if recompute_later:
                 with torch.no_grad():
@@ -209,12 +212,15 @@ class StepRun:
         leaves = self.leaves[stage].pop(m)
         if m < cfg.checkpoint_stop:
             meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
+            meter.ignore(as_tuple(leaves))
             with rng_context(cfg.seed, m, cfg.devices[stage]), recomputing(cfg.stages[stage]):
                 with meter:
                     y = self._run_stage(stage, leaves, m)
             self._hold(stage, m, meter.bytes)
         else:
             y = self.outputs[stage].pop(m)
+        tensors: list[torch.Tensor]
+        grads: list[torch.Tensor | None]
         if stage == len(cfg.stages) - 1 and cfg.loss is not None:
             tensors, grads = [y], [None]
         else:
@@ -280,13 +286,14 @@ def _detach(y: Any) -> Any:
 
 def _pair_gradients(
     outputs: tuple[Any, ...], grads: tuple[Any, ...], device: torch.device
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """Outputs that need a backward, each with its incoming gradient (None and ints dropped)."""
     if len(outputs) != len(grads):
         raise RuntimeError(
             f"stage returned {len(outputs)} tensors but {len(grads)} gradients came back"
         )
-    tensors, out_grads = [], []
+    tensors: list[torch.Tensor] = []
+    out_grads: list[torch.Tensor | None] = []
     for y, g in zip(outputs, grads):
         if isinstance(y, torch.Tensor) and y.requires_grad and g is not None:
             tensors.append(y)

@@ -254,7 +254,12 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, pipe: GPipe, run: StepRun, schedule: Schedule, started: float, phony: Any,
+        ctx: Any,
+        pipe: GPipe,
+        run: StepRun,
+        schedule: Schedule,
+        started: float,
+        phony: Any,
         *inputs: Any,
     ) -> tuple[torch.Tensor, ...]:
         run.run(schedule.phase("F"))

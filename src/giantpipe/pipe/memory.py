@@ -36,6 +36,12 @@ class SavedTensorMeter:
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
+    def ignore(self, tensors: Iterable[object]) -> None:
+        """Treats the storages of ``tensors`` as already counted (e.g. stage inputs)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._seen.add(t.untyped_storage().data_ptr())
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         # Views share a storage; count each storage once. Meta and fake tensors have no data.
         if tensor.device.type != "meta":

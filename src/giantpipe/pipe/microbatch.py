@@ -16,12 +16,12 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 Tensors = tuple[Any, ...]
-TensorOrTensors = Union[torch.Tensor, Tensors]
+TensorOrTensors = torch.Tensor | Tensors
 
 
 def as_tuple(batch: TensorOrTensors) -> Tensors:
@@ -86,7 +86,11 @@ def gather(outputs: Sequence[TensorOrTensors]) -> TensorOrTensors:
     """
     first = outputs[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(list(outputs)) if first.dim() > 0 else first
+        return (
+            torch.cat([o for o in outputs if isinstance(o, torch.Tensor)])
+            if first.dim() > 0
+            else first
+        )
     gathered = []
     for i, item in enumerate(first):
         if isinstance(item, torch.Tensor) and item.dim() > 0:
@@ -100,11 +104,11 @@ def to_device(batch: TensorOrTensors, device: torch.device) -> TensorOrTensors:
     """Moves every tensor of a batch to ``device`` (non-blocking; no copy if already there)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    return tuple(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch)
+    return tuple(
+        t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch
+    )
 
 
 def nbytes(batch: TensorOrTensors) -> int:
     """Bytes held by the tensors of a batch (used for activation accounting)."""
-    return sum(
-        t.numel() * t.element_size() for t in as_tuple(batch) if isinstance(t, torch.Tensor)
-    )
+    return sum(t.numel() * t.element_size() for t in as_tuple(batch) if isinstance(t, torch.Tensor))

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Union
 
 import torch
 from torch import nn
 
-Device = Union[int, str, torch.device]
+Device = int | str | torch.device
 
 
 class BalanceError(ValueError):

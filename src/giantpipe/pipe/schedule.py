@@ -112,9 +112,7 @@ def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int,
     _check_sizes(num_stages, num_microbatches)
     ticks = []
     for t in range(num_microbatches + num_stages - 1):
-        ticks.append(
-            [(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches]
-        )
+        ticks.append([(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches])
     return ticks
 
 
