@@ -217,6 +217,8 @@ class SourceTargetEmbedding(nn.Module):
         src_x, src_pad, tgt_x, tgt_pad = emb((src_tokens, tgt_in_tokens))
     """
 
+    positions: Tensor
+
     def __init__(
         self,
         vocab_size: int,
@@ -290,6 +292,8 @@ class OutputHead(nn.Module):
 
 class LMEmbedding(nn.Module):
     """Child 0 of Transformer-L: tokens [B, T] -> states [B, T, D] (sinusoidal positions)."""
+
+    positions: Tensor
 
     def __init__(self, vocab_size: int, d_model: int, max_len: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -463,10 +467,17 @@ def split_points(model: nn.Sequential) -> tuple[int, int]:
     return first, len(model) - 1
 
 
+def _embedding(model: nn.Sequential) -> SourceTargetEmbedding:
+    embedding = model[0]
+    if not isinstance(embedding, SourceTargetEmbedding):
+        raise TypeError(f"child 0 must be a SourceTargetEmbedding, got {type(embedding).__name__}")
+    return embedding
+
+
 def encode(model: nn.Sequential, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
     """Run the embedding and encoder once: (source states [B, S, D], source padding [B, S])."""
     first, _ = split_points(model)
-    src_x, src_pad = model[0].embed_source(src_tokens)
+    src_x, src_pad = _embedding(model).embed_source(src_tokens)
     empty_x = src_x.new_zeros(src_x.shape[0], 0, src_x.shape[2])
     empty_pad = src_pad.new_zeros(src_pad.shape[0], 0)
     state: Batch4 = (src_x, src_pad, empty_x, empty_pad)
@@ -478,7 +489,7 @@ def encode(model: nn.Sequential, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
 def decode_logits(model: nn.Sequential, src_x: Tensor, src_pad: Tensor, prefix: Tensor) -> Tensor:
     """Logits [B, T, V] for target prefixes [B, T] given ``encode``'s output (no engine needed)."""
     first, _ = split_points(model)
-    state: Batch4 | Tensor = (src_x, src_pad, *model[0].embed_target(prefix))
+    state: Batch4 | Tensor = (src_x, src_pad, *_embedding(model).embed_target(prefix))
     for layer in model[first:]:
         state = layer(state)
     assert isinstance(state, Tensor)

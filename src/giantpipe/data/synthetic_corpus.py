@@ -183,7 +183,8 @@ def _pair_rows(
     lang: Language, n: int, rng: random.Random, exclude: set[Meaning]
 ) -> tuple[list[tuple[str, str, str]], set[Meaning]]:
     """``n`` (source, target, pair) rows alternating en->xx and xx->en, and their meanings."""
-    rows, meanings = [], set()
+    rows: list[tuple[str, str, str]] = []
+    meanings: set[Meaning] = set()
     while len(rows) < n:
         meaning = sample_meaning(rng)
         if meaning in exclude:

@@ -182,7 +182,14 @@ class SharedVocabulary:
         return vocab
 
     @staticmethod
-    def _train(corpus, model_dir, vocab_size, sample_per_language, model_type, seed) -> None:
+    def _train(
+        corpus: Mapping[str, Sequence[tuple[str, str]]],
+        model_dir: Path,
+        vocab_size: int,
+        sample_per_language: int,
+        model_type: str,
+        seed: int,
+    ) -> None:
         import sentencepiece as spm
 
         texts = _texts_by_language(corpus)

@@ -34,9 +34,11 @@ __all__ = [
     "copy_baseline_bleu",
 ]
 
+Corpus = Mapping[str, Sequence[tuple[str, str]]]  # {pair: [(source, reference)]}
+
 
 def _max_steps(model: nn.Sequential, src_tokens: Tensor, max_len: int | None) -> int:
-    positions = int(model[0].positions.shape[0])
+    positions = int(model[0].get_buffer("positions").shape[0])
     wanted = max_len if max_len is not None else int(1.5 * src_tokens.shape[1]) + 10
     return max(1, min(wanted, positions - 1))
 
@@ -186,8 +188,9 @@ class BleuReport:
     generated_tokens: int = 0
 
 
-def _score(hypotheses: dict[str, list[str]], corpus: Mapping[str, Sequence[tuple[str, str]]]):
-    per_pair, signature = {}, ""
+def _score(hypotheses: dict[str, list[str]], corpus: Corpus) -> tuple[dict[str, float], float, str]:
+    per_pair: dict[str, float] = {}
+    signature = ""
     for pair in sorted(hypotheses):
         refs = [t for _, t in corpus[pair]]
         per_pair[pair], signature = corpus_bleu(hypotheses[pair], refs)
@@ -195,7 +198,16 @@ def _score(hypotheses: dict[str, list[str]], corpus: Mapping[str, Sequence[tuple
     return per_pair, average, signature
 
 
-def _translate_pair(model, vocab, examples, pair, beam_size, max_tokens, length_penalty):
+def _translate_pair(
+    model: nn.Sequential,
+    vocab: SharedVocabulary,
+    examples: Sequence[tuple[str, str]],
+    pair: str,
+    beam_size: int,
+    max_tokens: int,
+    length_penalty: float,
+) -> tuple[list[str], int]:
+    """Hypotheses for one pair, in the order of ``examples``, and the generated token count."""
     lang = vocab.lang_id(split_pair(pair)[1])
     device = next(model.parameters()).device
     encoded = [([lang, *vocab.encode(s), vocab.eos_id], vocab.encode(t)) for s, t in examples]
@@ -216,7 +228,7 @@ def _translate_pair(model, vocab, examples, pair, beam_size, max_tokens, length_
 def evaluate_bleu(
     model: nn.Sequential,
     vocab: SharedVocabulary,
-    corpus: Mapping[str, Sequence[tuple[str, str]]],
+    corpus: Corpus,
     *,
     beam_size: int = 1,
     max_tokens: int = 4096,
@@ -244,7 +256,7 @@ def evaluate_bleu(
     return BleuReport(per_pair, average, signature, hypotheses, speed, generated)
 
 
-def copy_baseline_bleu(corpus: Mapping[str, Sequence[tuple[str, str]]]) -> BleuReport:
+def copy_baseline_bleu(corpus: Corpus) -> BleuReport:
     """BLEU of the trivial system that outputs its source unchanged (a floor to beat).
 
     Example::
