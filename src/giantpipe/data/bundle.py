@@ -1,0 +1,80 @@
+"""The contract between a data builder and the runner: a :class:`DataBundle`.
+
+A data config group option names a builder with ``_target_``; the runner calls it with the
+option's other fields and gets back a DataBundle. Batches are ``(inputs, targets)`` pairs; each
+may be a tensor or a tuple of tensors (the engine splits every tensor along dim 0).
+
+Training batches must be a pure function of ``(seed, position)``: the runner resumes a run by
+asking for the stream again from the saved position, so steps after a resume see exactly the
+batches an uninterrupted run would have seen.
+
+Example::
+
+    bundle = DataBundle(
+        train_batches=lambda seed, position: my_stream(seed, start=position),
+        eval_batches=lambda: my_eval_loader,
+        batches_per_epoch=len(my_train_set) // 64,
+        loss="cross_entropy",
+        metric="accuracy",
+    )
+    inputs, targets = next(bundle.train_batches(seed=0, position=0))
+
+For token-level losses (translation), set ``loss_normalizer`` (targets -> number of real tokens,
+then the loss is summed and the engine divides by that number), ``ignore_index`` (the padding id)
+and ``tokens_per_batch`` ((inputs, targets) -> tokens, so metrics report tokens/s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+Tensors = Tensor | tuple[Tensor, ...]
+Batch = tuple[Tensors, Tensors]
+
+LOSSES = ("cross_entropy", "mse")
+METRICS = ("accuracy",)
+
+
+@dataclass
+class DataBundle:
+    """Everything the runner needs from a data set."""
+
+    train_batches: Callable[[int, int], Iterator[Batch]]
+    """(seed, position) -> endless iterator of training batches, starting at batch ``position``."""
+    eval_batches: Callable[[], Iterable[Batch]]
+    """() -> a fresh pass over the evaluation batches."""
+    batches_per_epoch: int
+    """Training batches in one epoch (converts epoch-valued settings to steps)."""
+    loss: str = "cross_entropy"
+    """``cross_entropy`` (class-index targets, last dim of the output is the class) or ``mse``."""
+    metric: str | None = "accuracy"
+    """Extra evaluation metric besides the loss: ``accuracy`` or None."""
+    ignore_index: int | None = None
+    """Target value left out of the loss and the metric (padding)."""
+    loss_normalizer: Callable[[Any], float] | None = None
+    """targets -> the number the summed loss is divided by (e.g. non-pad tokens); None: mean."""
+    tokens_per_batch: Callable[[Batch], int] | None = None
+    """batch -> tokens in it, for tokens/s; None when tokens do not apply."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"DataBundle.loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.metric is not None and self.metric not in METRICS:
+            raise ValueError(f"DataBundle.metric must be one of {METRICS} or None")
+        if self.batches_per_epoch < 1:
+            raise ValueError("DataBundle.batches_per_epoch must be >= 1")
+
+
+def batch_size(tensors: Tensors) -> int:
+    """Samples in a batch: the first dimension of the (first) tensor.
+
+    Example::
+
+        batch_size((torch.zeros(8, 3), torch.zeros(8)))  # 8
+    """
+    first = tensors[0] if isinstance(tensors, tuple) else tensors
+    return int(first.shape[0])
