@@ -68,6 +68,8 @@ class GPipe(nn.Module):
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch.
         schedule: the schedule ``train_step`` runs (``forward`` always runs fill-drain).
         timeout: seconds a worker may wait for a neighbour before the step fails.
+        threads_per_stage: intra-op threads of each worker; default: for CPU stand-ins, the
+            caller's threads shared evenly among the stages, else unchanged.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class GPipe(nn.Module):
         deferred_batch_norm: bool = False,
         schedule: str = "gpipe",
         timeout: float = 300.0,
+        threads_per_stage: int | None = None,
     ) -> None:
         super().__init__()
         if balance is None:
@@ -113,6 +116,7 @@ class GPipe(nn.Module):
         self.checkpoint = checkpoint
         self.schedule = schedule
         self.timeout = timeout
+        self.threads_per_stage = threads_per_stage
         self.partitions: list[nn.Sequential] = split_module(module, balance, self.devices)
         self._rng_hooks = install_rng_hooks(module)
         self.last_stats: StepStats | None = None
@@ -209,7 +213,9 @@ class GPipe(nn.Module):
 
     def _step_config(self, grad: bool, loss: LossSpec | None) -> StepConfig:
         cpu_workers = sum(d.type == "cpu" for d in self.devices)
-        threads = max(1, torch.get_num_threads() // cpu_workers) if cpu_workers > 1 else None
+        threads = self.threads_per_stage
+        if threads is None and cpu_workers > 1:  # CPU stand-ins share the cores evenly
+            threads = max(1, torch.get_num_threads() // cpu_workers)
         return StepConfig(
             stages=self.partitions,
             devices=self.devices,
