@@ -1,0 +1,81 @@
+"""The end-of-run summary: ``summary.json`` and the same figures as a table on stdout.
+
+Example::
+
+    summary = {"name": "mlp_quickstart", "steps": 300, "eval/loss": 0.31, ...}
+    write_summary(run_dir / "summary.json", summary)
+    print(format_table(summary))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+_LABELS = {
+    "name": "experiment",
+    "status": "status",
+    "steps": "optimizer steps",
+    "wall_time_s": "wall time (s)",
+    "train/loss": "train loss (last window)",
+    "eval/loss": "eval loss",
+    "eval/accuracy": "eval accuracy",
+    "train/samples_per_s": "samples/s",
+    "train/tokens_per_s": "tokens/s",
+    "train/step_time_s": "step time (s)",
+    "pipeline/devices": "devices",
+    "pipeline/balance": "balance",
+    "pipeline/chunks": "chunks (M)",
+    "pipeline/bubble": "bubble, measured",
+    "pipeline/expected_bubble": "bubble, expected (K-1)/(M+K-1)",
+    "pipeline/busy_time_s": "busy time per stage (s/step)",
+    "pipeline/peak_memory_bytes": "peak memory per stage",
+    "pipeline/memory_kind": "memory measured as",
+}
+
+
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def _format(key: str, value: Any) -> str:
+    if key.endswith("_bytes") and isinstance(value, list):
+        return ", ".join(_human_bytes(v) for v in value)
+    if isinstance(value, list):
+        return ", ".join(_format(key, v) for v in value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """A two-column text table of the summary, in a fixed order (unknown keys last).
+
+    Example::
+
+        print(format_table({"steps": 5, "eval/loss": 0.5}))
+    """
+    keys = [k for k in _LABELS if k in summary] + [k for k in summary if k not in _LABELS]
+    rows = [(_LABELS.get(k, k), _format(k, summary[k])) for k in keys]
+    width = max(len(label) for label, _ in rows)
+    rule = "-" * (width + 2 + max(len(v) for _, v in rows))
+    lines = [rule] + [f"{label.ljust(width)}  {value}" for label, value in rows] + [rule]
+    return "\n".join(lines)
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary.json`` (NaN/inf as strings, so it stays valid JSON) atomically."""
+    clean = {
+        k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+        for k, v in summary.items()
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(clean, indent=2) + "\n")
+    os.replace(tmp, path)
