@@ -1,0 +1,239 @@
+"""The training loop: optimizer steps over the engine, evaluation, checkpoints, metrics.
+
+Example::
+
+    summary = train(cfg, run_dir=Path("outputs/run"), config_yaml=resolved_yaml)
+    summary["eval/loss"], summary["train/samples_per_s"]
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from giantpipe.config import ExperimentConfig
+from giantpipe.data.bundle import Batch, batch_size
+from giantpipe.metrics.jsonl import truncate_after_step
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.record import StepRecord
+from giantpipe.metrics.summary import format_table, write_summary
+from giantpipe.runner.build import Experiment, build_experiment
+from giantpipe.runner.evaluate import evaluate
+from giantpipe.runner.run_dir import LAST, check_writable, resume_checkpoint, save_config
+from giantpipe.runner.seeding import seed_everything
+from giantpipe.runner.state import Progress, capture, restore_checkpoint, save_state
+from giantpipe.runner.step import accumulate_gradients
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite; the bad state is not saved."""
+
+
+class TrainingLoop:
+    """Runs optimizer steps from ``progress`` to ``parts.total_steps``."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        parts: Experiment,
+        run_dir: Path,
+        metrics: MetricsLogger,
+        progress: Progress,
+        last_good: tuple[Path, int] | None,
+    ) -> None:
+        self.cfg, self.parts, self.run_dir, self.metrics = cfg, parts, run_dir, metrics
+        self.progress = progress
+        self.last_good = last_good
+        self.last_eval: dict[str, float] = {}
+        self.last_line: dict[str, Any] | None = None
+        """The latest metrics line written; its loss is the run's final train loss."""
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _fail(self, what: str, value: float) -> NonFiniteLossError:
+        kept = (
+            f"last good checkpoint: {self.last_good[0]} (step {self.last_good[1]})"
+            if self.last_good
+            else "no checkpoint was written"
+        )
+        step = self.progress.step + 1
+        return NonFiniteLossError(
+            f"step {step}: {what} is {value}; stopped without saving ({kept})"
+        )
+
+    def optimizer_step(self, stream: Iterator[Batch]) -> StepRecord:
+        """Accumulate gradients over trainer.accumulate batches, clip, update, advance."""
+        parts, trainer = self.parts, self.cfg.trainer
+        start = time.perf_counter()
+        batches = [next(stream) for _ in range(trainer.accumulate)]
+        parts.optimizer.zero_grad(set_to_none=True)
+        loss, stats = accumulate_gradients(
+            parts.pipe,
+            batches,
+            parts.loss_fn,
+            parts.bundle.loss_normalizer,
+            self.cfg.pipeline.precision,
+            parts.devices,
+        )
+        if not math.isfinite(loss):
+            raise self._fail("the loss", loss)
+        grad_norm = None
+        if trainer.grad_clip is not None:
+            # One global norm over every stage's parameters, wherever they live.
+            norm = torch.nn.utils.clip_grad_norm_(parts.pipe.parameters(), trainer.grad_clip)
+            grad_norm = float(norm)
+            if not math.isfinite(grad_norm):
+                raise self._fail("the gradient norm", grad_norm)
+        lr = float(parts.optimizer.param_groups[0]["lr"])
+        parts.optimizer.step()
+        parts.scheduler.step()
+        if parts.ema is not None:
+            parts.ema.update()
+        self.progress.step += 1
+        self.progress.position += len(batches)
+        tokens = parts.bundle.tokens_per_batch
+        return StepRecord.from_engine(
+            stats,
+            step=self.progress.step,
+            loss=loss,
+            lr=lr,
+            step_time_s=time.perf_counter() - start,
+            samples=sum(batch_size(inputs) for inputs, _ in batches),
+            tokens=sum(tokens(b) for b in batches) if tokens is not None else None,
+            grad_norm=grad_norm,
+        )
+
+    # -- evaluation and checkpoints ---------------------------------------------------------
+
+    def evaluate(self) -> None:
+        parts = self.parts
+
+        def run() -> dict[str, float]:
+            return evaluate(
+                parts.pipe,
+                parts.bundle,
+                self.cfg.trainer.eval_batches,
+                self.cfg.pipeline.precision,
+                parts.devices,
+            )
+
+        if parts.ema is not None:
+            with parts.ema.swapped():
+                self.last_eval = run()
+        else:
+            self.last_eval = run()
+        self.metrics.evaluation(self.progress.step, self.last_eval)
+
+    def save(self, name: str) -> None:
+        path = self.run_dir / name
+        save_state(path, capture(self.parts, self.progress))
+        if name == LAST:
+            self.last_good = (path, self.progress.step)
+
+    def after_step(self) -> None:
+        trainer, step = self.cfg.trainer, self.progress.step
+        if trainer.eval_every and step % trainer.eval_every == 0 and step < self.parts.total_steps:
+            self.evaluate()
+            if trainer.save_last:
+                self.save(LAST)
+        if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
+            self.save(f"step_{step}.pt")
+            self.save(LAST)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        stream = self.parts.bundle.train_batches(self.cfg.trainer.seed, self.progress.position)
+        while self.progress.step < self.parts.total_steps:
+            record = self.optimizer_step(stream)
+            self.last_line = self.metrics.train_step(record) or self.last_line
+            self.after_step()
+        self.last_line = self.metrics.flush() or self.last_line
+        self.evaluate()
+        if self.cfg.trainer.save_last:
+            self.save(LAST)
+
+
+def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> dict[str, Any]:
+    """The run's figures for summary.json, the table and the sweep objective."""
+    parts, figures = loop.parts, loop.metrics.run_figures()
+    summary: dict[str, Any] = {
+        "name": cfg.name,
+        "status": "completed",
+        "steps": loop.progress.step,
+        "wall_time_s": wall_time_s,
+    }
+    if loop.last_line is not None:
+        summary["train/loss"] = loop.last_line["loss"]
+    summary.update({f"eval/{k}": v for k, v in loop.last_eval.items()})
+    for key in ("samples_per_s", "tokens_per_s", "step_time_s"):
+        if key in figures:
+            summary[f"train/{key}"] = figures[key]
+    summary["pipeline/devices"] = list(parts.devices)
+    summary["pipeline/balance"] = list(parts.balance)
+    summary["pipeline/chunks"] = cfg.pipeline.chunks
+    for key in ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind"):
+        if key in figures:
+            summary[f"pipeline/{key}"] = figures[key]
+    return summary
+
+
+def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, Any]:
+    """Check, build, (resume,) train, evaluate, and write the summary; return it.
+
+    Nothing in ``run_dir`` is written until the config, the data, the model, the balance and any
+    checkpoint to resume from have all been checked.
+    """
+    start = time.perf_counter()
+    resume_from = resume_checkpoint(cfg.trainer.resume, run_dir)
+    check_writable(run_dir)
+    seed_everything(cfg.trainer.seed)
+    parts = build_experiment(cfg)
+    progress, last_good = Progress(), None
+    if resume_from is not None:
+        progress = restore_checkpoint(parts, resume_from)
+        last_good = (resume_from, progress.step)
+        truncate_after_step(run_dir / "metrics.jsonl", progress.step)
+    # -- checked: from here on the run writes into run_dir -----------------------------------
+    save_config(run_dir, config_yaml, progress.step if resume_from is not None else None)
+    log.info(
+        "%s: devices %s, balance %s, M=%d, steps %d..%d, run dir %s",
+        cfg.name,
+        parts.devices,
+        parts.balance,
+        cfg.pipeline.chunks,
+        progress.step,
+        parts.total_steps,
+        run_dir,
+    )
+    metrics = MetricsLogger(
+        cfg.logger,
+        run_dir,
+        parts.total_steps,
+        progress.step,
+        cfg.trainer.log_every,
+        cfg.name,
+        asdict(cfg),
+    )
+    loop = TrainingLoop(cfg, parts, run_dir, metrics, progress, last_good)
+    summary: dict[str, Any] = {"name": cfg.name, "status": "failed"}
+    try:
+        loop.run()
+        summary = summarize(cfg, loop, time.perf_counter() - start)
+    except Exception as err:
+        summary.update(steps=loop.progress.step, error=f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        write_summary(run_dir / "summary.json", summary)
+        metrics.close(summary)
+    print(format_table(summary), flush=True)
+    return summary

@@ -1,0 +1,121 @@
+"""From ``PipelineConfig`` to an engine: devices, balance, and the GPipe itself.
+
+Everything here is checked before any training work: a bad device list, a balance that does not
+fit the model or more stages than devices is a ConfigError naming the ``pipeline.*`` key.
+
+Example::
+
+    devices = resolve_devices(cfg.pipeline, torch.cuda.device_count())    # ["cpu", "cpu"]
+    balance = resolve_balance(cfg.pipeline, model, devices, sample)       # e.g. [4, 4]
+    pipe = build_pipe(model, cfg.pipeline, balance, devices)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from giantpipe.config import ConfigError, PipelineConfig
+from giantpipe.data.bundle import Tensors
+from giantpipe.pipe import GPipe, balance_by_params, balance_by_size, balance_by_time
+
+DEFAULT_CPU_STAND_INS = 2
+
+
+def _requested_count(cfg: PipelineConfig) -> int | None:
+    """Devices the user asked for: num_devices, else the length of an explicit balance."""
+    if cfg.num_devices is not None:
+        return cfg.num_devices
+    return len(cfg.balance) if isinstance(cfg.balance, list) else None
+
+
+def _cuda_devices(cfg: PipelineConfig, cuda_count: int) -> list[str]:
+    if cuda_count == 0:
+        raise ConfigError("pipeline.devices", "cuda requested but no GPU is visible")
+    count = cfg.num_devices or cuda_count
+    if count > cuda_count:
+        raise ConfigError("pipeline.num_devices", f"{count} GPUs requested, {cuda_count} visible")
+    return [f"cuda:{i}" for i in range(count)]
+
+
+def _check_listed(devices: list[str], cuda_count: int) -> list[str]:
+    for name in devices:
+        kind, _, index = str(name).partition(":")
+        if kind not in ("cpu", "cuda") or not (index == "" or index.isdigit()):
+            raise ConfigError("pipeline.devices", f"unknown device {name!r} (use cpu or cuda:N)")
+        if kind == "cuda":
+            if int(index or 0) >= cuda_count:
+                raise ConfigError("pipeline.devices", f"{name} not available ({cuda_count} GPUs)")
+    return list(devices)
+
+
+def resolve_devices(cfg: PipelineConfig, cuda_count: int) -> list[str]:
+    """Device names for the stages, before trimming to the number of stages.
+
+    Example::
+
+        resolve_devices(PipelineConfig(devices="cpu", num_devices=3), cuda_count=0)
+        # ["cpu", "cpu", "cpu"]
+    """
+    if isinstance(cfg.devices, list | tuple):
+        listed = _check_listed(list(cfg.devices), cuda_count)
+        return listed[: cfg.num_devices] if cfg.num_devices else listed
+    if cfg.devices == "cuda" or (cfg.devices == "auto" and cuda_count > 0):
+        return _cuda_devices(cfg, cuda_count)
+    # cpu, or auto without GPUs: stand-in devices that share this machine's cores.
+    return ["cpu"] * (_requested_count(cfg) or DEFAULT_CPU_STAND_INS)
+
+
+def check_balance(balance: list[int], num_layers: int, num_devices: int) -> None:
+    """Reject a balance that does not cover the model or needs more devices than there are."""
+    if sum(balance) != num_layers:
+        raise ConfigError(
+            "pipeline.balance",
+            f"{list(balance)} sums to {sum(balance)} but the model has {num_layers} layers",
+        )
+    if len(balance) > num_devices:
+        raise ConfigError(
+            "pipeline.balance",
+            f"{len(balance)} stages but only {num_devices} devices (see pipeline.devices, "
+            "pipeline.num_devices)",
+        )
+
+
+def resolve_balance(
+    cfg: PipelineConfig, model: nn.Sequential, devices: list[str], sample: Tensors
+) -> list[int]:
+    """A list of layers per stage: the configured list, or the engine's policy over all devices.
+
+    ``sample`` is one micro-batch of inputs (used by the ``time`` and ``memory`` policies).
+    """
+    if isinstance(cfg.balance, list):
+        balance = list(cfg.balance)
+    else:
+        stages = len(devices)
+        if stages > len(model):
+            raise ConfigError(
+                "pipeline.num_devices",
+                f"{stages} stages but the model has only {len(model)} layers",
+            )
+        if cfg.balance == "params":
+            balance = balance_by_params(stages, model)
+        elif cfg.balance == "time":
+            balance = balance_by_time(stages, model, sample, device=devices[0])
+        else:
+            balance = balance_by_size(stages, model, sample, device=devices[0])
+    check_balance(balance, len(model), len(devices))
+    return balance
+
+
+def build_pipe(
+    model: nn.Sequential, cfg: PipelineConfig, balance: list[int], devices: list[str]
+) -> GPipe:
+    """The engine over the first ``len(balance)`` devices, with the configured M and modes."""
+    return GPipe(
+        model,
+        balance=balance,
+        devices=devices[: len(balance)],
+        chunks=cfg.chunks,
+        checkpoint=cfg.checkpoint,
+        deferred_batch_norm=cfg.deferred_batch_norm,
+        schedule=cfg.schedule,
+    )

@@ -1,0 +1,46 @@
+"""Seeds and random-number-generator state: set once at the start, saved in checkpoints.
+
+Example::
+
+    seed_everything(0)
+    state = rng_state()        # goes into the checkpoint
+    ...
+    restore_rng(state)         # the resumed run draws the same numbers
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's ``random``, numpy's global generator (if numpy is loaded) and torch."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    if "numpy" in sys.modules:
+        # Only when something already imported numpy: the runner itself does not use it.
+        sys.modules["numpy"].random.seed(seed % 2**32)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator's state, picklable (tensors on CPU)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`rng_state` captured (generators absent here are skipped)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
