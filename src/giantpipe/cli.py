@@ -1,0 +1,149 @@
+"""The entry point's side of Hydra: convert the config once, run a job, condense errors.
+
+``train.py`` is a thin ``@hydra.main``; this module is the only one that touches OmegaConf. It
+turns the composed config into :class:`giantpipe.config.ExperimentConfig` (validating every group
+in ``__post_init__``), runs the training, and hands Hydra the sweep objective.
+
+Errors become ONE line on stderr that names the key or path, and a non-zero exit:
+
+    $ python train.py trainer.foo=1
+    error: trainer.foo: unknown key (Key 'foo' not in 'TrainerConfig')
+
+Set HYDRA_FULL_ERROR=1 for the full traceback. In a multirun a failing job is logged, returns
+NaN (sweepers such as Optuna mark the trial failed) and the other jobs go on.
+
+Example (train.py)::
+
+    register_configs()
+
+    @hydra.main(config_path="conf", config_name="config", version_base="1.3")
+    def main(cfg: DictConfig) -> float:
+        return run_job(cfg)
+
+    if __name__ == "__main__":
+        guarded(main)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from giantpipe.config import ConfigError, ExperimentConfig
+
+log = logging.getLogger("giantpipe")
+
+FAILURES: list[str] = []
+"""One line per failed job of this process; :func:`guarded` reports them and exits non-zero."""
+
+
+def to_experiment(cfg: DictConfig) -> ExperimentConfig:
+    """The composed config as dataclasses (resolving interpolations, running every check)."""
+    experiment = OmegaConf.to_object(cfg)
+    assert isinstance(experiment, ExperimentConfig), "conf/config.yaml must start with base_config"
+    return experiment
+
+
+def objective(summary: dict[str, object], key: str) -> float:
+    """The number a sweeper optimizes: ``summary[sweep.objective]``."""
+    if key not in summary:
+        raise ConfigError("sweep.objective", f"{key!r} is not in the summary: {sorted(summary)}")
+    return float(summary[key])  # type: ignore[arg-type]
+
+
+def run_job(cfg: DictConfig) -> float:
+    """Train one job; on failure record one line and return NaN instead of raising.
+
+    Raising would make Hydra print its own multi-line report and, in a multirun, stop the
+    remaining jobs; :func:`guarded` reports the recorded lines and sets the exit code.
+    """
+    from giantpipe.runner import train  # after Hydra set up logging and the run directory
+
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    try:
+        experiment = to_experiment(cfg)
+        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        summary = train(experiment, Path(hydra_cfg.runtime.output_dir), config_yaml)
+        return objective(summary, experiment.sweep.objective)
+    except Exception as err:  # noqa: BLE001 - every failure becomes one reported line
+        if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
+            raise
+        line = one_line(err)
+        if multirun:
+            overrides = " ".join(hydra_cfg.overrides.task)
+            line = f"job {hydra_cfg.job.num} ({overrides}): {line}"
+            log.error(line)
+        FAILURES.append(line)
+        return math.nan
+
+
+def _first_line(text: str) -> str:
+    return next((part.strip() for part in text.splitlines() if part.strip()), text.strip())
+
+
+def one_line(err: BaseException) -> str:
+    """A one-line description of ``err`` naming the config key or the path involved."""
+    if isinstance(err, ConfigError):
+        return str(err)
+    if isinstance(err, MissingConfigException):
+        return _missing_option(err)
+    cause = err.__cause__ if isinstance(err, ConfigCompositionException) else err
+    if isinstance(cause, OmegaConfBaseException):
+        key = getattr(cause, "full_key", None) or ""
+        problem = _first_line(str(cause))
+        if "not in" in problem and key:
+            return f"{key}: unknown key ({problem})"
+        return f"{key}: {problem}" if key else problem
+    if isinstance(err, OSError) and err.filename:
+        return f"{err.filename}: {err.strerror or err}"
+    if isinstance(err, ConfigCompositionException):
+        return _first_line(str(err))
+    return f"{type(err).__name__}: {_first_line(str(err))}"
+
+
+def _missing_option(err: MissingConfigException) -> str:
+    """``model=foo``: an option that does not exist; list the real ones (schemas left out)."""
+    text = str(err)
+    lines = [s.strip() for s in text.splitlines()]
+    missing = _first_line(text).split("'")[-2] if "'" in _first_line(text) else ""
+    group, _, option = missing.rpartition("/")
+    try:
+        start = next(i for i, s in enumerate(lines) if s.startswith("Available options"))
+        options = [s for s in lines[start + 1 :] if s and not s.startswith("Config search path")]
+        options = options[: next((i for i, s in enumerate(options) if ":" in s), len(options))]
+    except StopIteration:
+        options = []
+    shown = ", ".join(o for o in options if not o.startswith("base_"))
+    if group:
+        return f"{group}={option}: no such option" + (f" (available: {shown})" if shown else "")
+    return _first_line(text)
+
+
+def guarded(main: Callable[[], None]) -> None:
+    """Run a ``@hydra.main`` function; report failures as one line each and exit non-zero."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        os.environ["GIANTPIPE_FULL_ERROR"] = "1"  # the user wants tracebacks: keep them
+    else:
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so the error reaches us whole
+    try:
+        main()
+    except Exception as err:  # noqa: BLE001 - composition and launch errors
+        if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
+            raise
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        sys.exit(2)
+    if FAILURES:
+        for line in FAILURES:
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)

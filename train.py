@@ -1,0 +1,27 @@
+"""Train with a Hydra config: ``python train.py [recipe=NAME] [GROUP=OPTION] [KEY=VALUE ...]``.
+
+    python train.py                               # the quick start (conf/config.yaml's recipe)
+    python train.py pipeline.chunks=8 trainer.max_steps=50
+    python train.py -m pipeline.chunks=1,4,8      # a sweep: one job per value
+
+Runs land in outputs/DATE/TIME (multiruns in outputs/multirun/DATE/TIME/N). See conf/ and
+src/giantpipe/cli.py.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from giantpipe.cli import guarded, run_job
+from giantpipe.config import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    """One job: returns the sweep objective (final eval loss by default; NaN if it failed)."""
+    return run_job(cfg)
+
+
+if __name__ == "__main__":
+    guarded(main)
