@@ -1,0 +1,183 @@
+"""``python train.py`` end to end in subprocesses: outputs, resume, sweeps and bad input."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = [
+    "data.train_size=512",
+    "data.eval_size=64",
+    "model.depth=3",
+    "model.hidden=16",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+]
+
+
+def train(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    env["WANDB_MODE"] = "offline"
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def fingerprint(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """An uninterrupted 20-step run, and a 10-step run with a copy of its step-10 checkpoint."""
+    root = tmp_path_factory.mktemp("runs")
+    ok(train(*TINY, "trainer.max_steps=20", f"hydra.run.dir={root / 'full'}", cwd=root))
+    ok(train(*TINY, "trainer.max_steps=10", f"hydra.run.dir={root / 'part'}", cwd=root))
+    shutil.copy(root / "part" / "last.pt", root / "step10.pt")
+    return {"root": root, "full": root / "full", "part": root / "part", "ckpt": root / "step10.pt"}
+
+
+def test_five_step_run_writes_metrics_checkpoint_and_summary(tmp_path: Path):
+    result = ok(train(*TINY, "trainer.max_steps=5", cwd=tmp_path))
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")  # outputs/DATE/TIME
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5]
+    assert torch.load(run_dir / "last.pt", weights_only=False)["step"] == 5
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert "pipeline/devices" not in (run_dir / "config.yaml").read_text()  # resolved config
+    assert "max_steps: 5" in (run_dir / "config.yaml").read_text()
+    assert "samples/s" in result.stdout and "bubble, measured" in result.stdout
+
+
+def test_resume_gives_the_same_losses_for_steps_11_to_20(runs):
+    ok(
+        train(
+            *TINY,
+            "trainer.max_steps=20",
+            "trainer.resume=true",
+            f"hydra.run.dir={runs['part']}",
+            cwd=runs["root"],
+        )
+    )
+    full, resumed = losses(runs["full"]), losses(runs["part"])
+    assert sorted(resumed) == list(range(1, 21))
+    assert [resumed[s] for s in range(11, 21)] == [full[s] for s in range(11, 21)]
+
+
+def test_resume_with_another_number_of_stages(runs, tmp_path: Path):
+    ok(
+        train(
+            *TINY,
+            "trainer.max_steps=20",
+            f"trainer.resume={runs['ckpt']}",
+            "pipeline.num_devices=3",
+            f"hydra.run.dir={tmp_path / 'k3'}",
+            cwd=tmp_path,
+        )
+    )
+    assert torch.load(runs["ckpt"], weights_only=False)["balance"] == [2, 2]
+    summary = json.loads((tmp_path / "k3" / "summary.json").read_text())
+    assert len(summary["pipeline/balance"]) == 3
+    full, resumed = losses(runs["full"]), losses(tmp_path / "k3")
+    assert sorted(resumed) == list(range(11, 21))
+    assert [resumed[s] for s in range(11, 21)] == pytest.approx(
+        [full[s] for s in range(11, 21)], rel=1e-4
+    )
+
+
+def test_multirun_runs_every_job_even_when_one_fails(tmp_path: Path):
+    result = train("-m", *TINY, "trainer.max_steps=3", "pipeline.chunks=0,2", cwd=tmp_path)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    assert errors[0].startswith("error: job 0 (") and "pipeline.chunks=0)" in errors[0]
+    assert errors[0].endswith(": pipeline.chunks: must be >= 1, got 0")
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    assert json.loads((sweep_dir / "1" / "summary.json").read_text())["status"] == "completed"
+    assert not (sweep_dir / "0" / "last.pt").exists()
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["trainer.foo=1"], "error: trainer.foo: unknown key"),
+        (["model=nonexistent"], "error: model=nonexistent: no such option (available: mlp)"),
+        (["trainer.max_steps=ten"], "error: trainer.max_steps: Value 'ten' of type 'str'"),
+        (
+            ["data=tensors", "data.root=/no/such/dir", "data.features=4", "data.classes=2"],
+            "error: data.root: directory not found: /no/such/dir",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_key(args, expected, tmp_path: Path):
+    line = one_error_line(train("trainer.max_steps=1", *args, cwd=tmp_path))
+    assert line.startswith(expected)
+
+
+def test_unwritable_output_directory_is_one_line_naming_it(tmp_path: Path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    line = one_error_line(train(*TINY, f"hydra.run.dir={blocker / 'run'}", cwd=tmp_path))
+    assert str(blocker / "run") in line
+
+
+def test_incompatible_resume_is_one_line_and_overwrites_nothing(runs, tmp_path: Path):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(runs["part"], run_dir)
+    before = fingerprint(run_dir)
+    line = one_error_line(
+        train(
+            *TINY,
+            "model.hidden=32",
+            "trainer.resume=true",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+        )
+    )
+    assert line.startswith(f"error: trainer.resume: {run_dir / 'last.pt'} does not fit this model")
+    after = {k: v for k, v in fingerprint(run_dir).items() if k != "train.log"}
+    assert after == {k: v for k, v in before.items() if k != "train.log"}
+
+
+@pytest.mark.slow
+def test_default_job_finishes_and_the_loss_falls(tmp_path: Path):
+    result = ok(train(cwd=tmp_path, timeout=300))
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    first = losses(run_dir)[min(losses(run_dir))]
+    assert summary["name"] == "mlp_quickstart" and summary["steps"] == 300
+    assert summary["eval/loss"] < 0.6 < 1.5 < first
+    assert "eval loss" in result.stdout

@@ -1,0 +1,111 @@
+"""Metrics: records, windows, JSONL, summary table, quiet progress bar off a terminal."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from giantpipe.config import LoggerConfig
+from giantpipe.metrics.jsonl import JsonlSink, read_jsonl, truncate_after_step
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.progress import wants_bar
+from giantpipe.metrics.record import StepRecord, Window
+from giantpipe.metrics.summary import format_table, write_summary
+
+
+def stats(busy, peak, bubble=0.25):
+    return SimpleNamespace(
+        wall_time_s=1.0,
+        busy_time_s=busy,
+        bubble=bubble,
+        expected_bubble=0.2,
+        peak_memory_bytes=peak,
+        memory_kind="saved_activations",
+    )
+
+
+def record(step: int, loss: float, time_s: float = 0.5, tokens=None) -> StepRecord:
+    return StepRecord.from_engine(
+        [stats([0.1, 0.2], [10, 20])],
+        step=step,
+        loss=loss,
+        lr=0.1,
+        step_time_s=time_s,
+        samples=32,
+        tokens=tokens,
+    )
+
+
+def test_from_engine_merges_accumulated_engine_steps():
+    r = StepRecord.from_engine(
+        [stats([0.1, 0.2], [10, 50], 0.2), stats([0.3, 0.4], [30, 20], 0.4)],
+        step=1,
+        loss=1.0,
+        lr=0.1,
+        step_time_s=1.0,
+        samples=8,
+        tokens=None,
+    )
+    assert r.busy_time_s == pytest.approx([0.4, 0.6])
+    assert r.peak_memory_bytes == [30, 50]
+    assert r.bubble == pytest.approx(0.3)
+
+
+def test_window_figures():
+    w = Window()
+    w.add(record(1, 2.0, 0.5, tokens=100))
+    w.add(record(2, 1.0, 1.5, tokens=300))
+    f = w.figures()
+    assert f["loss"] == 1.5
+    assert f["samples_per_s"] == pytest.approx(64 / 2.0)
+    assert f["tokens_per_s"] == pytest.approx(400 / 2.0)
+    assert f["step_time_s"] == 1.0
+    assert f["busy_time_s"] == pytest.approx([0.1, 0.2])
+    assert f["peak_memory_bytes"] == [10, 20]
+
+
+def test_jsonl_lines_are_valid_json_even_for_nan(tmp_path):
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write({"step": 1, "loss": float("nan"), "busy": [1.0, float("inf")]})
+    sink.write({"step": 2, "loss": 1.0})
+    sink.close()
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    truncate_after_step(tmp_path / "m.jsonl", 1)
+    assert [r["step"] for r in read_jsonl(tmp_path / "m.jsonl")] == [1]
+
+
+def test_logger_writes_a_line_every_log_step_and_flushes_the_rest(tmp_path):
+    cfg = LoggerConfig(progress="none")
+    metrics = MetricsLogger(
+        cfg, tmp_path, total_steps=5, start_step=0, log_every=2, name="t", config={}
+    )
+    lines = [metrics.train_step(record(s, 1.0 / s)) for s in range(1, 6)]
+    assert [line["step"] if line else None for line in lines] == [None, 2, None, 4, None]
+    assert metrics.flush()["step"] == 5
+    metrics.evaluation(5, {"loss": 0.5})
+    metrics.close({})
+    kinds = [(r["kind"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert kinds == [("train", 2), ("train", 4), ("train", 5), ("eval", 5)]
+    # The first step (start-up) is left out of the run-long throughput.
+    assert metrics.run_figures()["samples_per_s"] == pytest.approx(4 * 32 / 2.0)
+
+
+def test_summary_table_and_json(tmp_path):
+    summary = {
+        "name": "x",
+        "steps": 5,
+        "eval/loss": 0.5,
+        "pipeline/peak_memory_bytes": [2048, 10],
+        "train/loss": float("nan"),
+    }
+    table = format_table(summary)
+    assert "eval loss" in table and "2.0 KiB, 10 B" in table
+    write_summary(tmp_path / "summary.json", summary)
+    assert json.loads((tmp_path / "summary.json").read_text())["train/loss"] == "nan"
+
+
+def test_progress_bar_is_quiet_off_a_terminal(monkeypatch):
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False)
+    assert not wants_bar("auto")
+    assert wants_bar("tqdm") and not wants_bar("none")

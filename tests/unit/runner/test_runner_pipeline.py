@@ -1,0 +1,79 @@
+"""Devices and balance from PipelineConfig: resolution and rejection before any work."""
+
+import pytest
+import torch
+from torch import nn
+
+from giantpipe.config import ConfigError, PipelineConfig
+from giantpipe.runner.pipeline import build_pipe, check_balance, resolve_balance, resolve_devices
+
+
+def seq(n: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "cuda", "expected"),
+    [
+        (PipelineConfig(devices="cpu", num_devices=3), 0, ["cpu"] * 3),
+        (PipelineConfig(devices="cpu", balance=[1, 1, 1, 1]), 0, ["cpu"] * 4),
+        (PipelineConfig(devices="cpu"), 0, ["cpu", "cpu"]),
+        (PipelineConfig(devices="auto"), 0, ["cpu", "cpu"]),
+        (PipelineConfig(devices="auto"), 2, ["cuda:0", "cuda:1"]),
+        (PipelineConfig(devices="auto", num_devices=1), 4, ["cuda:0"]),
+        (PipelineConfig(devices="cuda"), 3, ["cuda:0", "cuda:1", "cuda:2"]),
+        (PipelineConfig(devices=["cpu", "cuda:1"]), 2, ["cpu", "cuda:1"]),
+        (PipelineConfig(devices=["cpu", "cpu", "cpu"], num_devices=2), 0, ["cpu", "cpu"]),
+    ],
+)
+def test_resolve_devices(cfg, cuda, expected):
+    assert resolve_devices(cfg, cuda) == expected
+
+
+@pytest.mark.parametrize(
+    ("cfg", "cuda", "key"),
+    [
+        (PipelineConfig(devices="cuda"), 0, "pipeline.devices"),
+        (PipelineConfig(devices="cuda", num_devices=3), 2, "pipeline.num_devices"),
+        (PipelineConfig(devices=["cuda:2"]), 2, "pipeline.devices"),
+        (PipelineConfig(devices=["tpu:0"]), 0, "pipeline.devices"),
+        (PipelineConfig(devices=["cuda:x"]), 1, "pipeline.devices"),
+    ],
+)
+def test_unusable_devices_are_rejected(cfg, cuda, key):
+    with pytest.raises(ConfigError) as info:
+        resolve_devices(cfg, cuda)
+    assert info.value.key == key
+
+
+def test_balance_must_cover_the_model_and_fit_the_devices():
+    with pytest.raises(ConfigError, match=r"pipeline.balance: \[2, 2\] sums to 4 .* 5 layers"):
+        check_balance([2, 2], 5, 2)
+    with pytest.raises(ConfigError, match="pipeline.balance: 3 stages but only 2 devices"):
+        check_balance([1, 2, 2], 5, 2)
+    check_balance([2, 3], 5, 2)
+
+
+def test_policy_balance_uses_every_device_and_the_engine():
+    sample = torch.randn(2, 4)
+    for policy in ("params", "time", "memory"):
+        cfg = PipelineConfig(devices="cpu", num_devices=2, balance=policy)
+        balance = resolve_balance(cfg, seq(6), ["cpu", "cpu"], sample)
+        assert len(balance) == 2 and sum(balance) == 6
+
+
+def test_more_stages_than_layers_is_rejected():
+    cfg = PipelineConfig(devices="cpu", num_devices=3, balance="params")
+    with pytest.raises(ConfigError, match="pipeline.num_devices: 3 stages .* only 2 layers"):
+        resolve_balance(cfg, seq(2), ["cpu"] * 3, torch.randn(2, 4))
+
+
+def test_build_pipe_passes_the_settings_through():
+    cfg = PipelineConfig(devices="cpu", num_devices=3, chunks=3, checkpoint="always")
+    pipe = build_pipe(seq(4), cfg, [2, 2], ["cpu"] * 3)
+    assert (pipe.balance, pipe.chunks, pipe.checkpoint, len(pipe.devices)) == (
+        [2, 2],
+        3,
+        "always",
+        2,
+    )
