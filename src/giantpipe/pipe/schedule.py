@@ -1,10 +1,13 @@
 """Schedules as plain data: for each worker, the ordered list of actions it runs in one step.
 
-Legend (the paper's letters)::
+Legend (the paper's letters, plus those of the schedules that came after it)::
 
-    K  stages (partitions), one worker each       M  micro-batches per mini-batch
-    F  forward of micro-batch m on stage k         B  backward of m on stage k
-    W  weight-gradient of m on stage k (reserved for zero-bubble schedules)
+    K  workers (devices), one thread or process each    M  micro-batches per mini-batch
+    V  virtual stages per worker (interleaved): the model is cut into K*V stages, stage s
+       runs on worker s % K (``Schedule.placement``); V = 1 everywhere else
+    F  forward of micro-batch m on stage s              B  backward of m on stage s
+    W  weight-gradient of m on stage s: where a schedule lists W, its B computes only the
+       input gradient (sent on at once) and W accumulates the parameter gradients later
 
 GPipe's fill-drain for K=3, M=4 (time flows right; each column is one clock tick)::
 
@@ -14,7 +17,8 @@ GPipe's fill-drain for K=3, M=4 (time flows right; each column is one clock tick
 
 The executor runs any schedule that :func:`validate` accepts: an action waits only for the data
 it needs (the activation from the previous stage, the gradient from the next), so 1F1B,
-interleaved or zero-bubble orders are other lists, not other executors.
+interleaved or zero-bubble orders are other lists, not other executors. They live in
+:mod:`giantpipe.pipe.schedule_1f1b`; :func:`build_schedule` finds every schedule by name.
 
 Example::
 
@@ -59,6 +63,11 @@ class Schedule:
     def num_workers(self) -> int:
         return len(self.actions)
 
+    @property
+    def virtual_stages(self) -> int:
+        """V, stages per worker (1 unless the schedule is interleaved)."""
+        return self.num_stages // self.num_workers
+
     def is_fill_drain(self) -> bool:
         """True when every worker runs all its forwards before any backward.
 
@@ -77,28 +86,39 @@ class Schedule:
         return Schedule(self.name, self.num_stages, self.num_microbatches, kept, self.placement)
 
 
-def expected_bubble(num_stages: int, num_microbatches: int) -> float:
-    """Idle fraction of a fill-drain pipeline with equal stage costs: (K-1)/(M+K-1).
+def expected_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a fill-drain or 1F1B pipeline with equal stage costs: (K-1)/(M+K-1).
+
+    With V virtual stages per worker (interleaved 1F1B) the fill and drain shrink V-fold:
+    (K-1)/(V*M+K-1).
 
     >>> expected_bubble(4, 4)
     0.42857142857142855
     """
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    k, v = num_stages, virtual_stages
+    return (k - 1) / (v * num_microbatches + k - 1)
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """GPipe fill-drain: all forwards in micro-batch order, then all backwards in reverse.
 
     Backwards run last-in first-out, as autograd would for the whole mini-batch, so the last
-    micro-batch (whose activations are the freshest) is released first.
+    micro-batch (whose activations are the freshest) is released first. With ``virtual_stages``
+    V > 1, ``num_stages`` workers hold K*V stages (stage s on worker s % K) and each worker runs
+    its stages one after the other, breadth first ("looped" fill-drain).
     """
-    _check_sizes(num_stages, num_microbatches)
+    _check_sizes(num_stages, num_microbatches, virtual_stages)
+    k, v = num_stages, virtual_stages
     workers = []
-    for stage in range(num_stages):
-        forwards = [Action("F", stage, m) for m in range(num_microbatches)]
-        backwards = [Action("B", stage, m) for m in reversed(range(num_microbatches))]
+    for w in range(k):
+        stages = range(w, k * v, k)
+        forwards = [Action("F", s, m) for s in stages for m in range(num_microbatches)]
+        backwards = [
+            Action("B", s, m) for s in reversed(stages) for m in reversed(range(num_microbatches))
+        ]
         workers.append(tuple(forwards + backwards))
-    return Schedule("gpipe", num_stages, num_microbatches, tuple(workers), tuple(range(num_stages)))
+    placement = tuple(s % k for s in range(k * v))
+    return Schedule("gpipe", k * v, num_microbatches, tuple(workers), placement)
 
 
 def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int, int]]]:
@@ -116,18 +136,39 @@ def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int,
     return ticks
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe}
+ScheduleFn = Callable[[int, int, int], Schedule]
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+def schedule_builders() -> dict[str, ScheduleFn]:
+    """Every schedule by name: ``fn(num_workers, num_microbatches, virtual_stages)``."""
+    from giantpipe.pipe import schedule_1f1b  # imported here: it builds on the types above
+
+    return {
+        "gpipe": gpipe,
+        "1f1b": schedule_1f1b.one_f_one_b,
+        "interleaved": schedule_1f1b.interleaved,
+        "zb-h1": schedule_1f1b.zb_h1,
+    }
+
+
+def build_schedule(
+    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> Schedule:
     """Looks up a schedule by name and validates it.
+
+    ``num_stages`` is K, the number of workers; with ``virtual_stages`` V the model is cut into
+    K*V stages (only 'gpipe' and 'interleaved' take V > 1).
 
     >>> build_schedule("gpipe", 2, 4).num_workers
     2
+    >>> build_schedule("interleaved", 2, 4, virtual_stages=2).num_stages
+    4
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    schedule = SCHEDULES[name](num_stages, num_microbatches)
+    builders = schedule_builders()
+    if name not in builders:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(builders)}")
+    schedule = builders[name](num_stages, num_microbatches, virtual_stages)
     validate(schedule)
     return schedule
 
@@ -136,7 +177,8 @@ def dependencies(action: Action, num_stages: int) -> list[Action]:
     """Actions that must finish before ``action`` may start.
 
     F(k, m) needs F(k-1, m)'s activation; B(k, m) needs its own F(k, m) and B(k+1, m)'s
-    gradient (the last stage computes the loss inside F); W(k, m) needs B(k, m).
+    gradient (the last stage computes the loss inside F); W(k, m) needs B(k, m). Stages are
+    global (0 .. K*V-1), so the same rules hold for virtual stages.
     """
     kind, stage, m = action
     if kind == "F":
@@ -154,10 +196,13 @@ def dependencies(action: Action, num_stages: int) -> list[Action]:
 def validate(schedule: Schedule) -> None:
     """Checks that a schedule is complete, runs each action once and cannot deadlock.
 
-    Replays the schedule as the executor would: a worker may run its next action only when that
-    action's dependencies are done. Raises ValueError naming the first problem found.
+    Every (stage, micro-batch) needs one F and one B; a W is optional (it splits that B) and
+    must follow its B. Every action runs on the worker its stage is placed on. Replays the
+    schedule as the executor would: a worker may run its next action only when that action's
+    dependencies are done. Raises ValueError naming the first problem found.
     """
     k, m = schedule.num_stages, schedule.num_microbatches
+    _check_placement(schedule)
     seen: list[Action] = [a for worker in schedule.actions for a in worker]
     if len(set(seen)) != len(seen):
         dup = next(a for a in seen if seen.count(a) > 1)
@@ -168,11 +213,25 @@ def validate(schedule: Schedule) -> None:
         raise ValueError(f"schedule {schedule.name!r} never runs {sorted(missing)[0]}")
     for w, worker in enumerate(schedule.actions):
         for a in worker:
+            if a.kind not in "FBW" or len(a.kind) != 1:
+                raise ValueError(f"schedule {schedule.name!r} has unknown action kind in {a}")
             if not 0 <= a.stage < k or not 0 <= a.microbatch < m:
                 raise ValueError(f"schedule {schedule.name!r} has out-of-range action {a}")
             if schedule.placement[a.stage] != w:
                 raise ValueError(f"{a} is on worker {w} but stage {a.stage} is not placed there")
     _replay(schedule)
+
+
+def _check_placement(schedule: Schedule) -> None:
+    placement, workers = schedule.placement, schedule.num_workers
+    if len(placement) != schedule.num_stages:
+        raise ValueError(
+            f"schedule {schedule.name!r} places {len(placement)} stages, "
+            f"but has {schedule.num_stages}"
+        )
+    for stage, w in enumerate(placement):
+        if not 0 <= w < workers:
+            raise ValueError(f"stage {stage} is placed on worker {w}, but there are {workers}")
 
 
 def _replay(schedule: Schedule) -> None:
@@ -195,11 +254,34 @@ def _replay(schedule: Schedule) -> None:
             raise ValueError(f"schedule {schedule.name!r} deadlocks; waiting: {', '.join(stuck)}")
 
 
-def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+def in_flight(schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once.
+
+    A micro-batch is held from its F until its B, or until its W where the schedule splits
+    the backward (the graph is kept for the weight gradient).
+
+    >>> in_flight(gpipe(2, 4))
+    [4, 4]
+    """
+    held, peak = [0] * schedule.num_stages, [0] * schedule.num_stages
+    split = {(a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"}
+    for worker in schedule.actions:
+        for a in worker:
+            if a.kind == "F":
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
+                held[a.stage] -= 1
+    return peak
+
+
+def _check_sizes(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> None:
     if num_stages < 1:
         raise ValueError(f"number of stages must be positive (got {num_stages})")
     if num_microbatches < 1:
         raise ValueError(f"number of chunks must be positive integer (chunks: {num_microbatches})")
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be positive (got {virtual_stages})")
 
 
 def format_schedule(schedule: Schedule) -> str:
