@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -114,20 +115,15 @@ def one_line(err: BaseException) -> str:
 
 def _missing_option(err: MissingConfigException) -> str:
     """``model=foo``: an option that does not exist; list the real ones (schemas left out)."""
-    text = str(err)
-    lines = [s.strip() for s in text.splitlines()]
-    missing = _first_line(text).split("'")[-2] if "'" in _first_line(text) else ""
-    group, _, option = missing.rpartition("/")
-    try:
-        start = next(i for i, s in enumerate(lines) if s.startswith("Available options"))
-        options = [s for s in lines[start + 1 :] if s and not s.startswith("Config search path")]
-        options = options[: next((i for i, s in enumerate(options) if ":" in s), len(options))]
-    except StopIteration:
-        options = []
+    found = re.search(r"Could not find '([^']+)/([^'/]+)'", str(err))
+    if found is None:
+        return _first_line(str(err))
+    group, option = found.groups()
+    # Hydra lists the options as tab-indented lines after "Available options in 'GROUP':".
+    listing = str(err).partition("Available options")[2].split("Config search path")[0]
+    options = [s.strip() for s in listing.splitlines()[1:] if s.startswith("\t")]
     shown = ", ".join(o for o in options if not o.startswith("base_"))
-    if group:
-        return f"{group}={option}: no such option" + (f" (available: {shown})" if shown else "")
-    return _first_line(text)
+    return f"{group}={option}: no such option" + (f" (available: {shown})" if shown else "")
 
 
 def guarded(main: Callable[[], None]) -> None:

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: write them as strings, so every line stays valid JSON."""
+def json_safe(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as strings ("nan"), so every line stays valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, list):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -51,7 +51,7 @@ class JsonlSink:
         self._handle = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._handle.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
         self._handle.flush()
 
     def close(self) -> None:

@@ -10,10 +10,11 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
+
+from giantpipe.metrics.jsonl import json_safe
 
 _LABELS = {
     "name": "experiment",
@@ -38,11 +39,13 @@ _LABELS = {
 
 
 def _human_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+    if count < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         count /= 1024
-    return f"{count:.1f} GiB"
+        if count < 1024 or unit == "GiB":
+            break
+    return f"{count:.1f} {unit}"
 
 
 def _format(key: str, value: Any) -> str:
@@ -72,10 +75,7 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     """Write ``summary.json`` (NaN/inf as strings, so it stays valid JSON) atomically."""
-    clean = {
-        k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-        for k, v in summary.items()
-    }
+    clean = {k: json_safe(v) for k, v in summary.items()}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(clean, indent=2) + "\n")
     os.replace(tmp, path)

@@ -25,10 +25,11 @@ from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import StepRecord
 from giantpipe.metrics.summary import format_table, write_summary
 from giantpipe.runner.build import Experiment, build_experiment
+from giantpipe.runner.checkpoint import atomic_save
 from giantpipe.runner.evaluate import evaluate
 from giantpipe.runner.run_dir import LAST, check_writable, resume_checkpoint, save_config
 from giantpipe.runner.seeding import seed_everything
-from giantpipe.runner.state import Progress, capture, restore_checkpoint, save_state
+from giantpipe.runner.state import Progress, capture, restore_checkpoint
 from giantpipe.runner.step import accumulate_gradients
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class TrainingLoop:
 
     def save(self, name: str) -> None:
         path = self.run_dir / name
-        save_state(path, capture(self.parts, self.progress))
+        atomic_save(capture(self.parts, self.progress), path)
         if name == LAST:
             self.last_good = (path, self.progress.step)
 

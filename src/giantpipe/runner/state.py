@@ -2,7 +2,7 @@
 
 Example::
 
-    save_state(run_dir / "last.pt", capture(parts, progress))
+    atomic_save(capture(parts, progress), run_dir / "last.pt")
     progress = restore_checkpoint(parts, run_dir / "last.pt")     # resumes at the same step
 """
 
@@ -16,7 +16,6 @@ from giantpipe.config import ConfigError
 from giantpipe.runner.build import Experiment
 from giantpipe.runner.checkpoint import (
     FORMAT_VERSION,
-    atomic_save,
     check_model_fits,
     load_checkpoint,
     load_optimizer_state_by_name,
@@ -47,11 +46,6 @@ def capture(parts: Experiment, progress: Progress) -> dict[str, Any]:
         "balance": list(parts.balance),
         "devices": list(parts.devices),
     }
-
-
-def save_state(path: Path, state: dict[str, Any]) -> None:
-    """Write a checkpoint atomically (temp file, fsync, rename)."""
-    atomic_save(state, path)
 
 
 def restore_checkpoint(parts: Experiment, path: Path) -> Progress:
