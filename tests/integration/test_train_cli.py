@@ -181,3 +181,16 @@ def test_default_job_finishes_and_the_loss_falls(tmp_path: Path):
     assert summary["name"] == "mlp_quickstart" and summary["steps"] == 300
     assert summary["eval/loss"] < 0.6 < 1.5 < first
     assert "eval loss" in result.stdout
+
+
+def test_wandb_offline_multirun_gives_each_job_its_own_finished_run(tmp_path: Path):
+    pytest.importorskip("wandb")
+    ok(
+        train(
+            "-m", *TINY, "trainer.max_steps=2", "logger=wandb", "pipeline.chunks=1,2", cwd=tmp_path
+        )
+    )
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    for job in ("0", "1"):
+        (run,) = (sweep_dir / job / "wandb").glob("offline-run-*")
+        assert list(run.glob("run-*.wandb")), f"job {job} has no W&B run file"

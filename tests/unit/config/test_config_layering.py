@@ -1,0 +1,42 @@
+"""House rule: the config is converted once at the entry point; nothing below imports OmegaConf."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[3] / "src" / "giantpipe"
+BELOW_THE_ENTRY = [
+    "runner",
+    "metrics",
+    "data/bundle.py",
+    "data/synthetic.py",
+    "data/tensors.py",
+    "config.py",
+]
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_runner_metrics_and_data_never_import_omegaconf():
+    files = [
+        f
+        for entry in BELOW_THE_ENTRY
+        for f in ((SRC / entry).rglob("*.py") if (SRC / entry).is_dir() else [SRC / entry])
+    ]
+    assert len(files) > 10
+    offenders = [str(f.relative_to(SRC)) for f in files if "omegaconf" in imported_modules(f)]
+    assert offenders == []
+
+
+def test_only_register_configs_touches_hydra_in_config_py():
+    tree = ast.parse((SRC / "config.py").read_text())
+    top_level = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert not any(m and m.startswith("hydra") for m in top_level)
