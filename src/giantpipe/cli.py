@@ -74,7 +74,9 @@ def run_job(cfg: DictConfig) -> float:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         experiment = to_experiment(cfg)
-        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        overrides = " ".join(hydra_cfg.overrides.task) or "(none)"
+        # The resolved config, headed by the command line that produced it.
+        config_yaml = f"# overrides: {overrides}\n" + OmegaConf.to_yaml(cfg, resolve=True)
         summary = train(experiment, Path(hydra_cfg.runtime.output_dir), config_yaml)
         return objective(summary, experiment.sweep.objective)
     except Exception as err:  # noqa: BLE001 - every failure becomes one reported line
@@ -82,8 +84,7 @@ def run_job(cfg: DictConfig) -> float:
             raise
         line = one_line(err)
         if multirun:
-            overrides = " ".join(hydra_cfg.overrides.task)
-            line = f"job {hydra_cfg.job.num} ({overrides}): {line}"
+            line = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {line}"
             log.error(line)
         FAILURES.append(line)
         return math.nan
