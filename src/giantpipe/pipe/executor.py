@@ -78,10 +78,14 @@ class StepRun:
     calls back; the step API runs the whole schedule at once. Both use :meth:`run`.
     """
 
-    def __init__(self, config: StepConfig, inputs: list[TensorOrTensors]) -> None:
+    def __init__(
+        self, config: StepConfig, inputs: list[TensorOrTensors], mailbox: Mailbox | None = None
+    ) -> None:
         self.cfg = config
         k = len(config.stages)
-        self.mailbox = Mailbox(config.timeout)
+        # A rank of the distributed executor passes a mailbox that sends to other processes
+        # (giantpipe.pipe.p2p); its ``inputs`` are empty unless it holds stage 0.
+        self.mailbox = mailbox if mailbox is not None else Mailbox(config.timeout)
         self.leaves: list[dict[int, Any]] = [{} for _ in range(k)]
         self.held: list[dict[int, int]] = [{} for _ in range(k)]
         self.outputs: list[dict[int, Any]] = [{} for _ in range(k)]
