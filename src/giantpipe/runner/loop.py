@@ -203,8 +203,9 @@ def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, A
     if resume_from is not None:
         progress = restore_checkpoint(parts, resume_from)
         last_good = (resume_from, progress.step)
-        truncate_after_step(run_dir / "metrics.jsonl", progress.step)
     # -- checked: from here on the run writes into run_dir -----------------------------------
+    if resume_from is not None:
+        truncate_after_step(run_dir / "metrics.jsonl", progress.step)
     save_config(run_dir, config_yaml, progress.step if resume_from is not None else None)
     log.info(
         "%s: devices %s, balance %s, M=%d, steps %d..%d, run dir %s",

@@ -36,6 +36,11 @@ def resume_checkpoint(resume: bool | str, run_dir: Path) -> Path | None:
     path = run_dir / LAST if resume is True else Path(str(resume)).expanduser()
     if not path.is_file():
         raise ConfigError("trainer.resume", f"no checkpoint at {path}")
+    if (run_dir / LAST).exists() and not (run_dir / LAST).samefile(path):
+        raise ConfigError(
+            "trainer.resume",
+            f"{run_dir} holds another run's {LAST}; resume from a checkpoint into a new directory",
+        )
     return path
 
 

@@ -130,3 +130,12 @@ def test_accumulation_ema_bf16_and_epochs(tmp_path: Path):
     assert summary["steps"] == 2
     assert math.isfinite(summary["eval/loss"])
     assert "ema" in torch.load(tmp_path / "last.pt", weights_only=False)
+
+
+def test_resume_from_a_path_will_not_overwrite_another_run(tmp_path: Path):
+    train(tiny(max_steps=2), tmp_path / "a", "")
+    train(tiny(max_steps=2), tmp_path / "b", "")
+    before = (tmp_path / "b" / "last.pt").read_bytes()
+    with pytest.raises(ConfigError, match="holds another run's last.pt"):
+        train(tiny(max_steps=4, resume=str(tmp_path / "a" / "last.pt")), tmp_path / "b", "")
+    assert (tmp_path / "b" / "last.pt").read_bytes() == before
