@@ -31,6 +31,7 @@ import math
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,6 +84,11 @@ def run_job(cfg: DictConfig) -> float:
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
             raise
         line = one_line(err)
+        if not isinstance(err, ConfigError | OmegaConfBaseException):
+            # A crash rather than bad input: keep the traceback beside the run for debugging.
+            trace = Path(hydra_cfg.runtime.output_dir) / "error.txt"
+            trace.write_text("".join(traceback.format_exception(err)))
+            line = f"{line} (traceback: {trace})"
         if multirun:
             line = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {line}"
             log.error(line)

@@ -173,6 +173,18 @@ def test_incompatible_resume_is_one_line_and_overwrites_nothing(runs, tmp_path: 
     assert after == {k: v for k, v in before.items() if k != "train.log"}
 
 
+def test_diverging_run_stops_keeps_last_good_checkpoint_and_leaves_a_traceback(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    args = ["optim.name=sgd", "optim.lr=1e30", "model.norm=none", "trainer.eval_every=1"]
+    line = one_error_line(
+        train(*TINY, "trainer.max_steps=5", *args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    )
+    assert line.startswith("error: NonFiniteLossError: step 2: the loss is nan")
+    assert f"last good checkpoint: {run_dir / 'last.pt'} (step 1)" in line
+    assert torch.load(run_dir / "last.pt", weights_only=False)["step"] == 1
+    assert "Traceback" in (run_dir / "error.txt").read_text()
+
+
 @pytest.mark.slow
 def test_default_job_finishes_and_the_loss_falls(tmp_path: Path):
     result = ok(train(cwd=tmp_path, timeout=300))

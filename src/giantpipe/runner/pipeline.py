@@ -16,7 +16,13 @@ from torch import nn
 
 from giantpipe.config import ConfigError, PipelineConfig
 from giantpipe.data.bundle import Tensors
-from giantpipe.pipe import GPipe, balance_by_params, balance_by_size, balance_by_time
+from giantpipe.pipe import (
+    GPipe,
+    balance_by_params,
+    balance_by_size,
+    balance_by_time,
+    build_schedule,
+)
 
 DEFAULT_CPU_STAND_INS = 2
 
@@ -106,10 +112,19 @@ def resolve_balance(
     return balance
 
 
+def check_schedule(name: str, stages: int, chunks: int) -> None:
+    """Reject a schedule the engine does not know, or one that cannot run this K and M."""
+    try:
+        build_schedule(name, stages, chunks)
+    except ValueError as err:
+        raise ConfigError("pipeline.schedule", str(err)) from err
+
+
 def build_pipe(
     model: nn.Sequential, cfg: PipelineConfig, balance: list[int], devices: list[str]
 ) -> GPipe:
     """The engine over the first ``len(balance)`` devices, with the configured M and modes."""
+    check_schedule(cfg.schedule, len(balance), cfg.chunks)
     return GPipe(
         model,
         balance=balance,

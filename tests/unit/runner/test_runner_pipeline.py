@@ -77,3 +77,9 @@ def test_build_pipe_passes_the_settings_through():
         "always",
         2,
     )
+
+
+def test_unknown_schedule_is_rejected_naming_the_key():
+    cfg = PipelineConfig(devices="cpu", num_devices=2, schedule="zigzag")
+    with pytest.raises(ConfigError, match="pipeline.schedule: unknown schedule 'zigzag'"):
+        build_pipe(seq(4), cfg, [2, 2], ["cpu", "cpu"])
