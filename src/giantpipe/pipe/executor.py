@@ -5,6 +5,9 @@ Each worker runs its list of actions in order. An action waits only for what it 
     F(k, m): activation of m from stage k-1  --(mailbox)-->  runs stage k  --> activation to k+1
     B(k, m): gradient of m from stage k+1    --(mailbox)-->  backward of k --> gradient to k-1
 
+    W(k, m): weight gradients of k for m, where the schedule split the backward (zero bubble):
+             B then computes only the input gradient and keeps the graph until W
+
 Every stage's autograd graph starts at detached copies of its inputs ("leaves"), so a backward
 never crosses threads or devices by itself: gradients cross the boundary through the mailbox,
 exactly as activations do. Torch kernels release the GIL, so workers on CPU stand-ins really run
@@ -32,6 +35,7 @@ from giantpipe.pipe.memory import SavedTensorMeter
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, nbytes, to_device
 from giantpipe.pipe.rng import rng_context
 from giantpipe.pipe.schedule import Action, Schedule
+from giantpipe.pipe.split_backward import WeightGradient, backward_input
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -69,6 +73,7 @@ class StepConfig:
     loss: LossSpec | None = None
     threads_per_worker: int | None = None
     timeout: float = 300.0
+    placement: Sequence[int] | None = None  # worker of each stage; None: one stage per worker
 
 
 class StepRun:
@@ -97,6 +102,15 @@ class StepRun:
         self.span = 0.0
         self.live = [0] * k
         self.peaks = [0] * k
+        # Per stage, micro-batches whose activations are held (F done, B or W not yet).
+        self.in_flight = [0] * k
+        self.in_flight_peaks = [0] * k
+        # Per worker (interleaved schedules put several stages on one worker).
+        self.worker_of = list(config.placement) if config.placement else list(range(k))
+        self.worker_live = [0] * (max(self.worker_of) + 1)
+        self.worker_peaks = [0] * (max(self.worker_of) + 1)
+        self.pending: list[dict[int, WeightGradient | None]] = [{} for _ in range(k)]
+        self.split: set[tuple[int, int]] = set()  # (stage, m) whose backward a W completes
         for m, x in enumerate(inputs):
             self.mailbox.put(("act", 0, m), x)
 
@@ -105,6 +119,9 @@ class StepRun:
     def run(self, schedule: Schedule) -> None:
         """Runs every worker's actions of ``schedule``; raises PipelineError on failure."""
         self.mailbox = _reopen(self.mailbox)
+        self.split |= {
+            (a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"
+        }
         errors: list[tuple[Action, BaseException]] = []
         times: list[tuple[float, float]] = []
         workers = [w for w in schedule.actions if w]
@@ -151,6 +168,8 @@ class StepRun:
                         self.forward(action.stage, action.microbatch)
                     elif action.kind == "B":
                         self.backward(action.stage, action.microbatch)
+                    elif action.kind == "W":
+                        self.weight(action.stage, action.microbatch)
                     else:
                         raise ValueError(f"the local executor cannot run action {action}")
                     self.busy[action.stage] += time.perf_counter() - t0
@@ -234,18 +253,31 @@ class StepRun:
         else:
             received = as_tuple(self._receive(stage, ("grad", stage, m)))
             tensors, grads = _pair_gradients(as_tuple(y), received, cfg.devices[stage])
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        if (stage, m) in self.split:
+            # Zero bubble: input gradients now, the graph kept for W (recompute done once).
+            input_grads, pending = _backward_input(tensors, grads, leaves, cfg.stages[stage])
+            self.pending[stage][m] = pending
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            input_grads = tuple(
+                t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                for t in as_tuple(leaves)
+            )
+            self._release(stage, m)
         del y, tensors, grads
-        input_grads = tuple(
-            t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
-            for t in as_tuple(leaves)
-        )
-        self._release(stage, m)
         if stage == 0:
             self.input_grads[m] = input_grads
         else:
             self.mailbox.put(("grad", stage - 1, m), input_grads)
+
+    def weight(self, stage: int, m: int) -> None:
+        """W(stage, m): parameter gradients of a split backward; then the graph is released."""
+        pending = self.pending[stage].pop(m)
+        if pending is not None:
+            pending.run()
+        del pending
+        self._release(stage, m)
 
     def _receive(self, stage: int, key: tuple[str, int, int]) -> Any:
         # Waiting is idle time, not work: keep it out of the stage's busy time.
@@ -258,12 +290,31 @@ class StepRun:
     # ---- memory accounting -------------------------------------------------------------
 
     def _hold(self, stage: int, m: int, added: int) -> None:
+        if m not in self.held[stage]:
+            self.in_flight[stage] += 1
+            self.in_flight_peaks[stage] = max(self.in_flight_peaks[stage], self.in_flight[stage])
         self.held[stage][m] = self.held[stage].get(m, 0) + added
         self.live[stage] += added
         self.peaks[stage] = max(self.peaks[stage], self.live[stage])
+        w = self.worker_of[stage]
+        self.worker_live[w] += added
+        self.worker_peaks[w] = max(self.worker_peaks[w], self.worker_live[w])
 
     def _release(self, stage: int, m: int) -> None:
-        self.live[stage] -= self.held[stage].pop(m, 0)
+        if m in self.held[stage]:
+            self.in_flight[stage] -= 1
+        released = self.held[stage].pop(m, 0)
+        self.live[stage] -= released
+        self.worker_live[self.worker_of[stage]] -= released
+
+
+def _backward_input(
+    tensors: list[torch.Tensor], grads: list[Any], leaves: Any, stage: nn.Module
+) -> tuple[tuple[Any, ...], WeightGradient | None]:
+    """B of a split backward: the input gradients, and the W that completes it."""
+    if not tensors:
+        return tuple(None for _ in as_tuple(leaves)), None
+    return backward_input(tensors, grads, as_tuple(leaves), stage.parameters())
 
 
 def _reopen(box: Mailbox) -> Mailbox:

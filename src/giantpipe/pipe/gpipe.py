@@ -3,7 +3,12 @@
 1. torchgpipe's door: ``y = model(x); loss = f(y); loss.backward()``. ``forward`` runs the
    forward half of fill-drain, autograd calls back into the pipeline for the backward half.
 2. The step door: ``loss = model.train_step(x, target, loss_fn)``. The engine owns the loss,
-   so any schedule (fill-drain now; 1F1B and zero-bubble are other lists) can run.
+   so any schedule runs: ``schedule="gpipe"`` (fill-drain), ``"1f1b"``, ``"interleaved"``
+   (with ``virtual_stages``) or ``"zb-h1"`` (zero bubble); see :mod:`giantpipe.pipe.schedule`.
+
+Interleaved schedules cut the model into K*V stages: ``balance`` then lists K*V layer counts
+(e.g. ``solve_balance(costs, K * V)``), ``devices`` the K workers, and stage s runs on worker
+s % K. A K-entry balance cannot be refined for you: worker w's layers would not be contiguous.
 
 Example::
 
@@ -20,6 +25,7 @@ state dict saved from one partitioning loads into any other, or into the plain m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -42,7 +48,7 @@ from giantpipe.pipe.partition import (
     verify_module,
 )
 from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks
-from giantpipe.pipe.schedule import Schedule, build_schedule
+from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
 from giantpipe.pipe.stats import StepStats
 
 MOVING_DENIED = TypeError(
@@ -51,8 +57,8 @@ MOVING_DENIED = TypeError(
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(name: str, stages: int, chunks: int) -> Schedule:
-    return build_schedule(name, stages, chunks)
+def _schedule(name: str, workers: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+    return build_schedule(name, workers, chunks, virtual_stages)
 
 
 class GPipe(nn.Module):
@@ -66,7 +72,10 @@ class GPipe(nn.Module):
         chunks: M, the number of micro-batches per mini-batch.
         checkpoint: ``'always'``, ``'except_last'`` or ``'never'`` re-materialization.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch.
-        schedule: the schedule ``train_step`` runs (``forward`` always runs fill-drain).
+        schedule: the schedule ``train_step`` runs: ``'gpipe'``, ``'1f1b'``, ``'interleaved'``
+            or ``'zb-h1'`` (``forward`` always runs fill-drain).
+        virtual_stages: V, stages per worker for ``'interleaved'`` (and looped ``'gpipe'``);
+            ``balance`` then has K*V entries and ``devices`` K.
         timeout: seconds a worker may wait for a neighbour before the step fails.
         threads_per_stage: intra-op threads of each worker; default: for CPU stand-ins, the
             caller's threads shared evenly among the stages, else unchanged.
@@ -84,6 +93,7 @@ class GPipe(nn.Module):
         schedule: str = "gpipe",
         timeout: float = 300.0,
         threads_per_stage: int | None = None,
+        virtual_stages: int | None = None,
     ) -> None:
         super().__init__()
         if balance is None:
@@ -98,12 +108,14 @@ class GPipe(nn.Module):
             raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
         verify_module(module)
         balance = list(balance)
-        resolved = resolve_devices(devices, len(balance))
+        v = _virtual_stages(schedule, virtual_stages, len(balance))
+        workers = len(balance) // v
+        resolved = resolve_devices(devices, workers)
         try:
-            balance = verify_balance(len(module), balance, len(resolved))
+            balance = verify_balance(len(module), balance, len(resolved) * v)
         except BalanceError as exc:
             raise ValueError(str(exc)) from exc
-        _schedule(schedule, len(balance), 1)  # fail early on an unknown schedule name
+        _schedule(schedule, workers, chunks, v)  # fail early on a bad name or M
         if deferred_batch_norm:
             convert_deferred_batch_norm(module)
         for name, layer in module.named_children():
@@ -111,7 +123,9 @@ class GPipe(nn.Module):
                 raise ValueError(f"layer name {name!r} clashes with a GPipe attribute")
             self.add_module(name, layer)
         self.balance: list[int] = balance
-        self.devices: list[torch.device] = resolved[: len(balance)]
+        self.virtual_stages = v
+        self.placement: list[int] = [s % workers for s in range(len(balance))]
+        self.devices: list[torch.device] = [resolved[w] for w in self.placement]  # per stage
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.schedule = schedule
@@ -120,6 +134,7 @@ class GPipe(nn.Module):
         self.partitions: list[nn.Sequential] = split_module(module, balance, self.devices)
         self._rng_hooks = install_rng_hooks(module)
         self.last_stats: StepStats | None = None
+        self.last_in_flight: list[int] = []  # per stage: most micro-batches held at once
 
     # ---- Sequential-like access ------------------------------------------------------------
 
@@ -156,7 +171,7 @@ class GPipe(nn.Module):
         micro = scatter(_check_input(input), self.chunks)
         grad = torch.is_grad_enabled()
         run = StepRun(self._step_config(grad, None), micro)
-        fill_drain = _schedule("gpipe", len(self.partitions), self.chunks)
+        fill_drain = _schedule("gpipe", self.num_workers, self.chunks, self.virtual_stages)
         if not grad:
             run.run(fill_drain.phase("F"))
             self._commit_batchnorm()
@@ -204,15 +219,29 @@ class GPipe(nn.Module):
             scales = [1.0 / norm] * self.chunks
         spec = LossSpec(loss_fn, micro_targets, scales)
         run = StepRun(self._step_config(True, spec), micro)
-        run.run(_schedule(self.schedule, len(self.partitions), self.chunks))
+        run.run(self.step_schedule())
         self._commit_batchnorm()
         self._finish(run, started)
         return torch.stack([run.losses[m] for m in range(self.chunks)]).sum()
 
     # ---- shared plumbing ------------------------------------------------------------------
 
+    @property
+    def num_workers(self) -> int:
+        """K, the number of devices (workers); ``len(self.partitions)`` is K*V."""
+        return len(self.partitions) // self.virtual_stages
+
+    @property
+    def worker_devices(self) -> list[torch.device]:
+        """The device of each worker."""
+        return self.devices[: self.num_workers]
+
+    def step_schedule(self) -> Schedule:
+        """The validated schedule ``train_step`` runs for the current configuration."""
+        return _schedule(self.schedule, self.num_workers, self.chunks, self.virtual_stages)
+
     def _step_config(self, grad: bool, loss: LossSpec | None) -> StepConfig:
-        cpu_workers = sum(d.type == "cpu" for d in self.devices)
+        cpu_workers = sum(d.type == "cpu" for d in self.worker_devices)
         threads = self.threads_per_stage
         if threads is None and cpu_workers > 1:  # CPU stand-ins share the cores evenly
             threads = max(1, torch.get_num_threads() // cpu_workers)
@@ -226,6 +255,7 @@ class GPipe(nn.Module):
             loss=loss,
             threads_per_worker=threads,
             timeout=self.timeout,
+            placement=self.placement,
         )
 
     def _reset_peaks(self) -> None:
@@ -239,15 +269,24 @@ class GPipe(nn.Module):
                 commit_deferred_batch_norm(stage)
 
     def _finish(self, run: StepRun, started: float) -> None:
+        # Statistics are per worker (device); an interleaved worker sums its stages.
         on_cuda = all(d.type == "cuda" for d in self.devices)
-        self.last_stats = StepStats.from_timings(
+        busy = [0.0] * self.num_workers
+        for stage, seconds in enumerate(run.busy):
+            busy[self.placement[stage]] += seconds
+        stats = StepStats.from_timings(
             wall=time.perf_counter() - started,
             span=run.span,
-            busy=run.busy,
-            peaks=[device_peak(d) for d in self.devices] if on_cuda else run.peaks,
+            busy=busy,
+            peaks=[device_peak(d) for d in self.worker_devices] if on_cuda else run.worker_peaks,
             num_microbatches=self.chunks,
             memory_kind="cuda_allocator" if on_cuda else "saved_activations",
         )
+        if self.virtual_stages > 1:
+            bubble = expected_bubble(self.num_workers, self.chunks, self.virtual_stages)
+            stats = dataclasses.replace(stats, expected_bubble=bubble)
+        self.last_stats = stats
+        self.last_in_flight = list(run.in_flight_peaks)
 
 
 def out_is_tensor(run: StepRun) -> bool:
@@ -298,6 +337,23 @@ def _gather_input_grads(run: StepRun, chunks: int, num_inputs: int) -> list[Any]
         parts = [run.input_grads[m][i] for m in range(chunks)]
         grads.append(None if any(p is None for p in parts) else torch.cat(parts))
     return grads
+
+
+def _virtual_stages(schedule: str, virtual_stages: int | None, num_stages: int) -> int:
+    """V: as given, else 2 for 'interleaved' and 1 otherwise; K*V must be the balance's length."""
+    v = (
+        int(virtual_stages)
+        if virtual_stages is not None
+        else (2 if schedule == "interleaved" else 1)
+    )
+    if v < 1:
+        raise ValueError(f"virtual_stages must be positive (got {v})")
+    if num_stages % v:
+        raise ValueError(
+            f"with virtual_stages={v}, balance must list K*V stages (a multiple of {v}); "
+            f"got {num_stages} entries"
+        )
+    return v
 
 
 def _check_input(input: Any) -> TensorOrTensors:
