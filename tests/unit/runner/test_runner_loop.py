@@ -107,10 +107,15 @@ def test_fresh_run_refuses_a_directory_holding_a_run(tmp_path: Path):
     assert (tmp_path / "last.pt").read_bytes() == before
 
 
-def test_resume_continues_the_same_losses(tmp_path: Path):
-    full = train(tiny(max_steps=6, log_every=1), tmp_path / "full", "")
-    train(tiny(max_steps=3, log_every=1), tmp_path / "part", "")
-    resumed = train(tiny(max_steps=6, log_every=1, resume=True), tmp_path / "part", "")
+def test_resume_continues_the_same_losses_even_with_dropout(tmp_path: Path):
+    def cfg(**trainer) -> ExperimentConfig:
+        c = tiny(log_every=1, **trainer)
+        c.model = MlpModelConfig(in_features=8, hidden=16, depth=3, classes=4, dropout=0.2)
+        return c
+
+    full = train(cfg(max_steps=6), tmp_path / "full", "")
+    train(cfg(max_steps=3), tmp_path / "part", "")
+    resumed = train(cfg(max_steps=6, resume=True), tmp_path / "part", "")
     assert resumed["eval/loss"] == full["eval/loss"]
     losses = {
         name: [
