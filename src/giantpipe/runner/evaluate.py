@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.data.bundle import DataBundle, batch_size
-from giantpipe.runner.losses import build_loss, count_correct
+from giantpipe.runner.losses import LossFn, build_loss, count_correct
 from giantpipe.runner.step import autocast, to_device
 
 
@@ -29,9 +29,10 @@ class Tally:
     counted: int = 0
 
 
-def _add_batch(tally: Tally, output: Tensor, targets: Tensor, bundle: DataBundle) -> None:
+def _add_batch(
+    tally: Tally, output: Tensor, targets: Tensor, bundle: DataBundle, loss_fn: LossFn
+) -> None:
     normalizer = bundle.loss_normalizer
-    loss_fn = build_loss(bundle.loss, 0.0, bundle.ignore_index, summed=normalizer is not None)
     loss = float(loss_fn(output, targets))
     if normalizer is not None:  # a summed loss over the batch's real tokens
         tally.loss_sum, tally.weight = tally.loss_sum + loss, tally.weight + normalizer(targets)
@@ -53,6 +54,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Loss (without label smoothing: the plain NLL or MSE) and the bundle's metric."""
     tally = Tally()
+    summed = bundle.loss_normalizer is not None
+    loss_fn = build_loss(bundle.loss, 0.0, bundle.ignore_index, summed=summed)
     was_training = pipe.training
     pipe.eval()
     try:
@@ -63,7 +66,7 @@ def evaluate(
                 output = pipe(to_device(inputs, devices[0]))
             if not isinstance(output, Tensor) or not isinstance(targets, Tensor):
                 raise TypeError("the runner's losses need a tensor output and tensor targets")
-            _add_batch(tally, output, targets.to(output.device), bundle)
+            _add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
     finally:
         pipe.train(was_training)
     figures = {"loss": tally.loss_sum / max(tally.weight, 1e-12)}
