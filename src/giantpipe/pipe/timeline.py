@@ -1,0 +1,96 @@
+"""Drawing a simulated step: as text (docs, logs, tests) or as a PNG (matplotlib, lazily).
+
+One row per worker, one box per action: F blue, B green, W orange, the recompute that opens a
+re-materialized B hatched, waiting blank.
+
+Example::
+
+    >>> sim = simulate(one_f_one_b(2, 3), [StageCost(forward=1.0, backward=1.0)] * 2)
+    >>> print(render_text(sim))
+    worker 0 | F0 F1 .  B0 F2 B1 .  B2
+    worker 1 | .  F0 B0 F1 B1 F2 B2 .
+
+    plot_timeline(sim, "outputs/1f1b_k2_m3.png", title="1F1B, K=2, M=3")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from giantpipe.pipe.simulate import Simulation
+
+COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
+
+
+def render_text(sim: Simulation, tick: float | None = None) -> str:
+    """The timeline on a grid of ``tick`` seconds (default: the shortest action), one cell per
+    tick; an action longer than a tick fills its first cell and leaves the rest as ``--``."""
+    if tick is None:
+        tick = min(t.end - t.start for t in sim.timeline if t.end > t.start)
+    cells = round(sim.step_time / tick)
+    rows = [["."] * cells for _ in range(sim.schedule.num_workers)]
+    origin = min(t.start for t in sim.timeline)
+    for t in sim.timeline:
+        first, last = round((t.start - origin) / tick), round((t.end - origin) / tick)
+        rows[t.worker][first] = f"{t.action.kind}{t.action.microbatch}"
+        for i in range(first + 1, last):
+            rows[t.worker][i] = "--"
+    return "\n".join(
+        f"worker {w} | " + " ".join(c.ljust(2) for c in row).rstrip() for w, row in enumerate(rows)
+    )
+
+
+def plot_timeline(sim: Simulation, path: str | Path, title: str | None = None) -> Path:
+    """Writes the timeline as a PNG at ``path`` and returns the path."""
+    import matplotlib  # imported here: the engine itself needs only torch
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    k = sim.schedule.num_workers
+    fig, ax = plt.subplots(
+        figsize=(max(6.0, min(24.0, len(sim.timeline) / k * 0.35)), 0.6 * k + 1.2)
+    )
+    for t in sim.timeline:
+        kind, m = t.action.kind, t.action.microbatch
+        work_start = t.end - (t.busy - t.recompute)
+        if t.recompute:
+            ax.barh(t.worker, t.recompute, left=t.start, color="0.8", hatch="//", edgecolor="0.5")
+        ax.barh(
+            t.worker, t.end - work_start, left=work_start, color=COLORS[kind], edgecolor="white"
+        )
+        label = f"{kind}{m}" if sim.schedule.virtual_stages == 1 else f"{kind}{m}.{t.action.stage}"
+        inches = (t.end - work_start) / sim.step_time * fig.get_size_inches()[0] * 0.85
+        if inches > 0.075 * len(label):  # label only the boxes it fits in
+            ax.text(
+                (work_start + t.end) / 2,
+                t.worker,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
+    ax.set_yticks(range(k), [f"worker {w}" for w in range(k)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    legend = [Patch(color=c, label=n) for n, c in COLORS.items()]
+    legend.append(Patch(facecolor="0.8", hatch="//", label="recompute"))
+    ax.legend(
+        handles=legend,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 - 0.3 / k),
+        fontsize=7,
+        ncols=4,
+        frameon=False,
+    )
+    ax.set_title(
+        title or f"{sim.schedule.name}: step {sim.step_time:.3g}s, bubble {sim.bubble:.1%}"
+    )
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
