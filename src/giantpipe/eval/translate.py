@@ -78,7 +78,8 @@ def greedy_decode(
     prefix = prefix.to(src_tokens.device)
     finished = torch.zeros(src_tokens.shape[0], dtype=torch.bool, device=src_tokens.device)
     for _ in range(_max_steps(model, src_tokens, max_len)):
-        step = decode_logits(model, src_x, src_pad, prefix)[:, -1].argmax(dim=-1)
+        logits = decode_logits(model, src_x, src_pad, prefix)[:, -1]
+        step = logits.argmax(dim=-1).to(prefix.device)  # the head may sit on another device
         step = step.masked_fill(finished, pad_id)
         prefix = torch.cat([prefix, step[:, None]], dim=1)
         finished |= step.eq(eos_id)

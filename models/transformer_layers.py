@@ -1,0 +1,224 @@
+"""Building blocks shared by the paper's Transformers (``models.transformer``, ``.transformer_lm``).
+
+Pre-norm attention and feed-forward blocks, the output head with the paper's logit clipping,
+sinusoidal positions, and the initialisation with its feed-forward scaling (Section 5):
+
+- ``ffn_init_scale``: the weights of both linear maps of every feed-forward block are initialised
+  as usual (Xavier uniform) and then multiplied by 1/sqrt(2L) (``"sqrt"``) or 1/L (``"linear"``),
+  L = layers per stack; a float gives the factor directly.
+- ``logit_clip``: logits whose magnitude exceeds the threshold c are clipped, either smoothly,
+  ``c * tanh(logits / c)`` (``logit_clip_mode="tanh"``, default, keeps gradients), or hard,
+  ``clamp(logits, -c, c)`` (``"clamp"``). Either way |logits| <= c.
+
+Example::
+
+    head = OutputHead(d_model=32, vocab_size=100, logit_clip=30.0)
+    logits = head(torch.randn(2, 5, 32))          # |logits| <= 30
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Batch4 = tuple[Tensor, Tensor, Tensor, Tensor]
+
+__all__ = [
+    "sinusoidal_positions",
+    "attention_mask",
+    "MultiHeadAttention",
+    "FeedForward",
+    "SelfAttentionLayer",
+    "clip_logits",
+    "OutputHead",
+    "ffn_factor",
+    "init_weights",
+    "count_parameters",
+]
+
+
+def sinusoidal_positions(max_len: int, dim: int) -> Tensor:
+    """Fixed sin/cos position table [max_len, dim] (Vaswani et al.); no parameters."""
+    position = torch.arange(max_len, dtype=torch.float32).unsqueeze(1)
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(max_len, dim)
+    table[:, 0::2] = torch.sin(position * freq)
+    table[:, 1::2] = torch.cos(position * freq[: dim // 2])
+    return table
+
+
+def attention_mask(key_pad: Tensor | None, causal_len: int | None = None) -> Tensor:
+    """Bool mask [B|1, 1, Tq|1, Tk], True where attention is permitted.
+
+    Rows with every key masked (an empty source) fall back to attending everywhere so that the
+    softmax never sees an all -inf row.
+    """
+    masks = []
+    if key_pad is not None:
+        masks.append((~key_pad)[:, None, None, :])
+    if causal_len is not None:
+        device = key_pad.device if key_pad is not None else None
+        ones = torch.ones(causal_len, causal_len, dtype=torch.bool, device=device)
+        masks.append(ones.tril()[None, None])
+    allowed = masks[0] if len(masks) == 1 else masks[0] & masks[1]
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
+class MultiHeadAttention(nn.Module):
+    """Attention of width ``num_heads * head_dim`` (it widens with the number of heads).
+
+    Example::
+
+        attn = MultiHeadAttention(d_model=32, num_heads=4, head_dim=8)
+        y = attn(x, x, torch.ones(1, 1, 1, x.shape[1], dtype=torch.bool))
+    """
+
+    def __init__(
+        self, d_model: int, num_heads: int, head_dim: int, dropout: float = 0.0, bias: bool = True
+    ) -> None:
+        super().__init__()
+        width = num_heads * head_dim
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.q_proj = nn.Linear(d_model, width, bias=bias)
+        self.k_proj = nn.Linear(d_model, width, bias=bias)
+        self.v_proj = nn.Linear(d_model, width, bias=bias)
+        self.out_proj = nn.Linear(width, d_model, bias=bias)
+        self.attn_dropout = nn.Dropout(dropout)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
+    def forward(self, query: Tensor, memory: Tensor, allowed: Tensor) -> Tensor:
+        q = self._heads(self.q_proj(query))
+        k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
+        if self.training and self.attn_dropout.p > 0:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+            out = self.attn_dropout(weights) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.out_proj(out.transpose(1, 2).flatten(2))
+
+
+class FeedForward(nn.Module):
+    """Linear(D, H) -> ReLU -> Dropout -> Linear(H, D)."""
+
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.dropout = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.dropout(F.relu(self.fc1(x))))
+
+
+class SelfAttentionLayer(nn.Module):
+    """Pre-norm self-attention + feed-forward block; the subclasses choose the boundary format."""
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        num_heads: int,
+        head_dim: int,
+        dropout: float,
+        attn_dropout: float,
+    ) -> None:
+        super().__init__()
+        self.self_attn_norm = nn.LayerNorm(d_model)
+        self.self_attn = MultiHeadAttention(d_model, num_heads, head_dim, attn_dropout)
+        self.ffn_norm = nn.LayerNorm(d_model)
+        self.ffn = FeedForward(d_model, ffn_dim, dropout)
+        self.dropout = nn.Dropout(dropout)
+
+    def block(self, x: Tensor, allowed: Tensor) -> Tensor:
+        h = self.self_attn_norm(x)
+        x = x + self.dropout(self.self_attn(h, h, allowed))
+        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+
+
+def clip_logits(logits: Tensor, cap: float | None, mode: str = "tanh") -> Tensor:
+    """Bound |logits| by ``cap``: ``cap * tanh(logits / cap)`` or ``clamp(-cap, cap)``."""
+    if cap is None:
+        return logits
+    if mode == "tanh":
+        return cap * torch.tanh(logits / cap)
+    if mode == "clamp":
+        return logits.clamp(-cap, cap)
+    raise ValueError(f"logit_clip_mode must be 'tanh' or 'clamp', got {mode!r}")
+
+
+class OutputHead(nn.Module):
+    """Last child: final norm, bias-free projection to the vocabulary, optional logit clipping.
+
+    Accepts the 4-tuple of the encoder-decoder (uses the target states) or a tensor [B, T, D].
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        vocab_size: int,
+        logit_clip: float | None = None,
+        logit_clip_mode: str = "tanh",
+        norm_affine: bool = True,
+    ) -> None:
+        super().__init__()
+        clip_logits(torch.zeros(1), logit_clip, logit_clip_mode)  # validates the mode early
+        self.norm = nn.LayerNorm(d_model, elementwise_affine=norm_affine)
+        self.proj = nn.Linear(d_model, vocab_size, bias=False)
+        self.logit_clip, self.logit_clip_mode = logit_clip, logit_clip_mode
+
+    def forward(self, inputs: Batch4 | Tensor) -> Tensor:
+        x = inputs[2] if isinstance(inputs, tuple) else inputs
+        return clip_logits(self.proj(self.norm(x)), self.logit_clip, self.logit_clip_mode)
+
+
+def ffn_factor(ffn_init_scale: float | str | None, num_layers: int) -> float:
+    """The paper's first stabilizer: the factor every feed-forward weight is multiplied by.
+
+    Example::
+
+        ffn_factor("sqrt", 24)   # 1 / sqrt(48) = 0.144
+    """
+    if ffn_init_scale is None:
+        return 1.0
+    if ffn_init_scale == "sqrt":
+        return 1.0 / math.sqrt(2 * num_layers)
+    if ffn_init_scale == "linear":
+        return 1.0 / num_layers
+    if isinstance(ffn_init_scale, (int, float)) and ffn_init_scale > 0:
+        return float(ffn_init_scale)
+    raise ValueError(
+        f"ffn_init_scale must be None, 'sqrt', 'linear' or > 0, got {ffn_init_scale!r}"
+    )
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, d_model: int, factor: float, pad_id: int | None) -> None:
+    """Xavier-uniform linears, zero biases, N(0, D^-1/2) embeddings; FFN weights * factor."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=d_model**-0.5)
+            if pad_id is not None and module.weight.device.type != "meta":
+                module.weight[pad_id].zero_()
+    for module in model.modules():
+        if isinstance(module, FeedForward):
+            module.fc1.weight.mul_(factor)
+            module.fc2.weight.mul_(factor)
+    embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    for module in model.modules():  # an untied softmax gets the embedding's scale too
+        if isinstance(module, OutputHead) and all(module.proj.weight is not w for w in embeddings):
+            nn.init.normal_(module.proj.weight, std=d_model**-0.5)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameters (a tied weight counts once); works on the meta device."""
+    return sum(p.numel() for p in model.parameters())

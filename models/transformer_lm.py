@@ -1,0 +1,91 @@
+"""Transformer-L of the paper's Table 1: a decoder-only stack as one flat ``nn.Sequential``.
+
+``transformer_lm(L)`` = [LMEmbedding, L DecoderOnlyLayer, OutputHead]; tensors [B, T, D] between
+children, int64 tokens in, logits out. With the default sizes (model dim 2048, FFN 8192, 32 heads,
+32k vocabulary, untied softmax) the parameters are 50,358,272 L + 131,072,000 exactly.
+
+Example::
+
+    with torch.device("meta"):
+        model = transformer_lm(48)               # Transformer-48 of Table 2
+    count_parameters(model)                      # 2,548,269,056
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from models.transformer_layers import (
+    OutputHead,
+    SelfAttentionLayer,
+    ffn_factor,
+    init_weights,
+    sinusoidal_positions,
+)
+
+__all__ = ["DecoderOnlyLayer", "LMEmbedding", "transformer_lm"]
+
+
+class DecoderOnlyLayer(SelfAttentionLayer):
+    """Causal self-attention layer of Transformer-L: tensor [B, T, D] in and out."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+        return self.block(x, causal[None, None])
+
+
+class LMEmbedding(nn.Module):
+    """Child 0 of Transformer-L: tokens [B, T] -> states [B, T, D] (sinusoidal positions)."""
+
+    positions: Tensor
+
+    def __init__(self, vocab_size: int, d_model: int, max_len: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, d_model)
+        self.scale = math.sqrt(d_model)
+        self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.dropout(self.tokens(tokens) * self.scale + self.positions[: tokens.shape[1]])
+
+
+def transformer_lm(
+    num_layers: int,
+    *,
+    d_model: int = 2048,
+    ffn_dim: int = 8192,
+    num_heads: int = 32,
+    vocab_size: int = 32000,
+    max_len: int = 1024,
+    dropout: float = 0.0,
+    attn_dropout: float = 0.0,
+    ffn_init_scale: float | str | None = None,
+    logit_clip: float | None = None,
+    logit_clip_mode: str = "tanh",
+) -> nn.Sequential:
+    """Transformer-L of Table 1: [LMEmbedding, L causal layers, LMHead], untied embedding/softmax.
+
+    Sinusoidal positions and a parameter-free final LayerNorm keep the count at exactly
+    50,358,272 L + 131,072,000 for the default sizes (282.2M at L=3, 5.3B at L=103).
+
+    Example::
+
+        with torch.device("meta"):
+            model = transformer_lm(3)
+        count_parameters(model) == 282_146_816
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    head_dim = d_model // num_heads
+    layers = [
+        DecoderOnlyLayer(d_model, ffn_dim, num_heads, head_dim, dropout, attn_dropout)
+        for _ in range(num_layers)
+    ]
+    head = OutputHead(d_model, vocab_size, logit_clip, logit_clip_mode, norm_affine=False)
+    model = nn.Sequential(LMEmbedding(vocab_size, d_model, max_len, dropout), *layers, head)
+    init_weights(model, d_model, ffn_factor(ffn_init_scale, num_layers), pad_id=None)
+    return model
