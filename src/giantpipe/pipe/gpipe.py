@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ from giantpipe.pipe.partition import (
 from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks
 from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
 from giantpipe.pipe.stats import StepStats
+
+if TYPE_CHECKING:
+    from giantpipe.pipe.stage_profile import Prediction
 
 MOVING_DENIED = TypeError(
     "denied to move parameters and buffers, because GPipe should manage device placement"
@@ -223,6 +226,27 @@ class GPipe(nn.Module):
         self._commit_batchnorm()
         self._finish(run, started)
         return torch.stack([run.losses[m] for m in range(self.chunks)]).sum()
+
+    def predict(
+        self,
+        inputs: TensorOrTensors,
+        targets: TensorOrTensors | None = None,
+        loss_fn: LossFn | None = None,
+        repeats: int = 3,
+    ) -> Prediction:
+        """The simulator's forecast of ``train_step(inputs, targets, loss_fn)``: step time,
+        samples/s, bubble and peak memory per worker, from each stage profiled on one
+        micro-batch (see :mod:`giantpipe.pipe.stage_profile`). Compare with ``last_stats``.
+
+        Example::
+
+            pred = pipe.predict(x, y, nn.functional.cross_entropy)
+            pipe.train_step(x, y, nn.functional.cross_entropy)
+            print(pred.step_time_s, pipe.last_stats.span_s, pred.bubble, pipe.last_stats.bubble)
+        """
+        from giantpipe.pipe.stage_profile import predict  # imports the executor's helpers
+
+        return predict(self, inputs, targets, loss_fn, repeats)
 
     # ---- shared plumbing ------------------------------------------------------------------
 

@@ -1,0 +1,73 @@
+"""pipe.predict: the simulator fed with measured stage costs. Timing accuracy is measured in
+benchmarks/schedules_cpu.py; here, what is exact: memory, and that profiling leaves no trace."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from giantpipe import GPipe
+from tests.unit.pipe.pipe_helpers import tuple_batch, tuple_model
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)]
+)
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_predicted_activation_memory_equals_the_executors(schedule: str, v: int, mode: str):
+    pipe = GPipe(
+        mlp(),
+        [8 // (2 * v)] * (2 * v),
+        devices=["cpu"] * 2,
+        chunks=4,
+        checkpoint=mode,
+        schedule=schedule,
+        virtual_stages=v,
+    )
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    prediction = pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    assert pipe.last_stats is not None
+    assert prediction.simulation.peak_activation_bytes == pipe.last_stats.peak_memory_bytes
+    params = [sum(p.numel() * 4 for p in s.parameters()) for s in pipe.partitions]
+    static = [0, 0]
+    for s, w in enumerate(pipe.placement):
+        static[w] += 2 * params[s]  # weights + gradients
+    assert prediction.peak_memory_bytes == [
+        a + b for a, b in zip(pipe.last_stats.peak_memory_bytes, static)
+    ]
+    assert prediction.step_time_s > 0 and 0 <= prediction.bubble < 1
+    assert prediction.samples_per_s == pytest.approx(16 / prediction.step_time_s)
+
+
+def test_predict_leaves_gradients_statistics_and_threads_alone() -> None:
+    model = tuple_model()
+    inputs, target = tuple_batch()
+    pipe = GPipe(model, [3, 3], devices=["cpu"] * 2, chunks=2, schedule="1f1b")
+    pipe.train_step(inputs, target, nn.functional.cross_entropy)
+    grads = [p.grad.clone() for p in pipe.parameters()]
+    buffers = [b.clone() for b in pipe.buffers()]
+    threads = torch.get_num_threads()
+    prediction = pipe.predict(inputs, target, nn.functional.cross_entropy, repeats=1)
+    for p, g in zip(pipe.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    for b, c in zip(pipe.buffers(), buffers):
+        assert torch.equal(b, c)
+    assert torch.get_num_threads() == threads
+    assert [t for t in threading.enumerate() if t is not threading.main_thread()] == []
+    costs = prediction.costs
+    assert len(costs) == 2 and all(c.forward > 0 and c.backward > 0 for c in costs)
+    assert prediction.as_dict().keys() == {
+        "step_time_s",
+        "samples_per_s",
+        "bubble",
+        "peak_memory_bytes",
+    }
