@@ -1,0 +1,491 @@
+"""The distributed executor: one process per pipeline rank (under torchrun), R replicas.
+
+Each rank builds the model with its parameters on the meta device, materialises only the layers
+of its own stage(s), and runs its own list of actions from the same schedule data as the local
+executor (the very same ``StepRun``; only its mailbox sends to other processes, see
+:mod:`giantpipe.pipe.p2p`). Per step::
+
+    rank 0 broadcasts the step seed          (dropout masks = the local executor's)
+    last stage: all-reduce of the loss normaliser over replicas (global batch / token count)
+    every rank: its actions; boundary values by isend/irecv; replica all-reduce of gradient
+                buckets from inside the last backward (giantpipe.pipe.gradsync)
+    pipeline all-gather of [loss, wall, span, busy, peak memory]: the loss and the step's
+                statistics on every rank
+
+Example (``torchrun --nproc_per_node=2 train.py``)::
+
+    dist.init_process_group("gloo")
+    pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8, replicas=1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)        # this rank's parameters only
+    x = batch if pipe.needs_inputs else None
+    y = target if pipe.needs_targets else None
+    loss = pipe.train_step(x, y, nn.functional.cross_entropy)   # same value on every rank
+    clip_grad_norm_(pipe, 1.0)
+    opt.step(); opt.zero_grad()
+    pipe.save_checkpoint("ckpt/", step=100)                 # shards by un-partitioned names
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from giantpipe.pipe import shards
+from giantpipe.pipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from giantpipe.pipe.checkpoint import MODES, checkpoint_stop
+from giantpipe.pipe.executor import LossFn, LossSpec, PipelineError, StepConfig, StepRun
+from giantpipe.pipe.faults import (
+    FailureBoard,
+    RankFailure,
+    default_store,
+    explain,
+    install_sigterm_note,
+    wait_work,
+)
+from giantpipe.pipe.gradsync import GradientSync
+from giantpipe.pipe.layout import Groups, Layout, build_groups, drop_groups
+from giantpipe.pipe.materialize import LayerInit, build_on_meta, materialize, seeded_init
+from giantpipe.pipe.memory import device_peak, reset_device_peak
+from giantpipe.pipe.microbatch import TensorOrTensors, batch_size, gather, scatter
+from giantpipe.pipe.p2p import P2PMailbox
+from giantpipe.pipe.partition import verify_balance, verify_module
+from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks, mix
+from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
+from giantpipe.pipe.stats import StepStats
+
+ModelSource = nn.Sequential | Callable[[], nn.Sequential]
+_T = TypeVar("_T")
+
+
+class _Absent(nn.Module):
+    """Stands for a stage held by another rank; running it is a bug, said plainly."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: Any) -> Any:
+        raise RuntimeError(f"stage {self.stage} is not held by this rank")
+
+
+class DistributedPipe(nn.Module):
+    """This rank's share of a pipeline x data-parallel model; a step door like ``GPipe``'s.
+
+    Args:
+        module: the model, or a function that builds it (called with parameters on meta).
+        balance: layers per stage (K*V stages: K pipeline ranks, V virtual stages each).
+        chunks: M, micro-batches per mini-batch (per replica).
+        checkpoint: re-materialization, ``'always'``, ``'except_last'`` or ``'never'``.
+        schedule: a name of :func:`giantpipe.pipe.schedule.build_schedule`.
+        virtual_stages: V (interleaved schedules).
+        device: this rank's device (default ``cuda:LOCAL_RANK`` if CUDA, else CPU).
+        seed: initialisation seed of the layers (see :mod:`giantpipe.pipe.materialize`).
+        init: ``init(index, layer)`` for meta layers; default: ``seeded_init(seed)``; None to
+            leave them uninitialised (load a checkpoint right after).
+        timeout: seconds any wait for another rank may take before the run fails.
+    """
+
+    def __init__(
+        self,
+        module: ModelSource,
+        balance: Iterable[int],
+        *,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        schedule: str = "gpipe",
+        virtual_stages: int = 1,
+        device: torch.device | str | None = None,
+        deferred_batch_norm: bool = False,
+        seed: int = 0,
+        init: LayerInit | None | str = "seeded",
+        timeout: float = 60.0,
+        bucket_mb: float = 25.0,
+        overlap_grad_sync: bool = True,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
+        if checkpoint not in MODES:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
+        verify_module(model)
+        balance = list(balance)
+        balance = verify_balance(len(model), balance, len(balance))
+        if len(balance) % virtual_stages:
+            raise ValueError(f"{len(balance)} stages do not split into V={virtual_stages} each")
+        self.plan: Schedule = build_schedule(
+            schedule, len(balance) // virtual_stages, chunks, virtual_stages
+        )
+        self.layout = Layout(
+            dist.get_world_size(), dist.get_rank(), self.plan.num_workers, self.plan.placement
+        )
+        self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
+        self.schedule, self.timeout = schedule, timeout
+        self.device = _resolve_device(device)
+        install_rng_hooks(model)  # numbered over the whole model, as GPipe numbers them
+        layer_init = seeded_init(seed) if init == "seeded" else init
+        if isinstance(layer_init, str):
+            raise ValueError(f"init must be 'seeded', a function or None; got {init!r}")
+        self.partitions = self._take_local(model, layer_init)
+        if deferred_batch_norm:
+            for part in self.partitions:
+                convert_deferred_batch_norm(part)
+        for part in self.partitions:
+            for name, layer in part.named_children():
+                self.add_module(name, layer)
+        self.groups = build_groups(self.layout, timeout)
+        self.board = FailureBoard(default_store(), self.layout.label())
+        install_sigterm_note(self.board)
+        self._box: P2PMailbox | None = None
+        self._broken: str | None = None
+        self.sync = (
+            GradientSync(
+                list(self.parameters()),
+                self.groups.replica,
+                chunks,
+                timeout,
+                bucket_bytes=int(bucket_mb * 2**20),
+                overlap=overlap_grad_sync,
+                board=self.board,
+            )
+            if self.layout.replicas > 1
+            else None
+        )
+        self.last_stats: StepStats | None = None
+
+    def _take_local(self, model: nn.Sequential, init: LayerInit | None) -> list[nn.Module]:
+        """This rank's stages as Sequentials keeping the layers' names; the rest as _Absent."""
+        bounds = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]
+        local = self.layout.local_stages
+        layers = [i for s in local for i in range(bounds[s], bounds[s + 1])]
+        materialize(model, layers, self.device, init)
+        named = list(model.named_children())
+        return [
+            nn.Sequential(OrderedDict(named[bounds[s] : bounds[s + 1]]))
+            if s in local
+            else _Absent(s)
+            for s in range(len(self.balance))
+        ]
+
+    # ---- who needs what ------------------------------------------------------------------
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank's ``train_step`` needs ``inputs`` (it holds stage 0)."""
+        return self.layout.needs_inputs
+
+    @property
+    def needs_targets(self) -> bool:
+        """Whether this rank's ``train_step`` needs ``targets`` (it holds the last stage)."""
+        return self.layout.needs_targets
+
+    @property
+    def replica(self) -> int:
+        """This rank's replica: its data shard index (out of ``replicas``)."""
+        return self.layout.replica
+
+    @property
+    def replicas(self) -> int:
+        return self.layout.replicas
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def train_step(
+        self,
+        inputs: TensorOrTensors | None = None,
+        targets: TensorOrTensors | None = None,
+        loss_fn: LossFn | None = None,
+        loss_normalizer: Callable[[TensorOrTensors], float] | None = None,
+    ) -> torch.Tensor:
+        """Forward + backward of this replica's mini-batch; returns the global loss everywhere.
+
+        As ``GPipe.train_step``, with the mean (or ``loss_normalizer``) taken over the
+        batches of all replicas, whose gradients are summed: a step equals the plain model on
+        the concatenation of the replicas' batches. Gradients accumulate into ``p.grad``.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step needs grad mode; use eval_step under torch.no_grad()")
+        return self._guarded(lambda: self._step(True, inputs, targets, loss_fn, loss_normalizer))
+
+    def eval_step(
+        self,
+        inputs: TensorOrTensors | None = None,
+        targets: TensorOrTensors | None = None,
+        loss_fn: LossFn | None = None,
+        loss_normalizer: Callable[[TensorOrTensors], float] | None = None,
+    ) -> torch.Tensor:
+        """The loss of a forward without gradients (global over replicas), on every rank."""
+        with torch.no_grad():
+            return self._guarded(
+                lambda: self._step(False, inputs, targets, loss_fn, loss_normalizer)
+            )
+
+    def forward(self, inputs: TensorOrTensors | None = None) -> TensorOrTensors | None:
+        """Pipelined forward without gradients: the outputs on last-stage ranks, None elsewhere."""
+        with torch.no_grad():
+            return self._guarded(lambda: self._forward(inputs))
+
+    def _forward(self, inputs: TensorOrTensors | None) -> TensorOrTensors | None:
+        started = time.perf_counter()
+        run = self._run(False, None, self._scatter(inputs), self.plan.phase("F"))
+        self._finish(run, started, None)
+        if not self.needs_targets:
+            return None
+        return gather([run.results[m] for m in range(self.chunks)])
+
+    def _step(
+        self,
+        grad: bool,
+        inputs: TensorOrTensors | None,
+        targets: TensorOrTensors | None,
+        loss_fn: LossFn | None,
+        loss_normalizer: Callable[[TensorOrTensors], float] | None,
+    ) -> torch.Tensor:
+        started = time.perf_counter()
+        if loss_fn is None:
+            raise ValueError("loss_fn is required (on every rank, though only the last uses it)")
+        spec = self._loss_spec(targets, loss_fn, loss_normalizer)
+        if self.sync is not None and grad:
+            self.sync.begin()
+        plan = self.plan if grad else self.plan.phase("F")
+        run = self._run(grad, spec, self._scatter(inputs), plan)
+        if self.sync is not None and grad:
+            self.sync.finish()
+        if self.training:
+            for part in self.partitions:
+                commit_deferred_batch_norm(part)
+        local = (
+            torch.stack([run.losses[m] for m in range(self.chunks)]).sum() if run.losses else None
+        )
+        return self._finish(run, started, local)
+
+    def _scatter(self, inputs: TensorOrTensors | None) -> list[TensorOrTensors]:
+        if not self.needs_inputs:
+            return []
+        if inputs is None:
+            raise ValueError(f"{self.layout.label()} holds stage 0 and needs inputs")
+        return scatter(inputs if isinstance(inputs, torch.Tensor) else tuple(inputs), self.chunks)
+
+    def _loss_spec(
+        self,
+        targets: TensorOrTensors | None,
+        loss_fn: LossFn,
+        normalizer: Callable[[TensorOrTensors], float] | None,
+    ) -> LossSpec:
+        if not self.needs_targets:
+            return LossSpec(loss_fn, [], [])
+        if targets is None:
+            raise ValueError(f"{self.layout.label()} holds the last stage and needs targets")
+        micro = scatter(targets, self.chunks)
+        local = float(normalizer(targets)) if normalizer else float(batch_size(targets))
+        total = torch.tensor([local], dtype=torch.float64)
+        if self.groups.replica is not None:
+            work = dist.all_reduce(total, group=self.groups.replica, async_op=True)
+            wait_work(work, self.timeout, "the all-reduce of the loss normaliser", self.board)
+        norm = float(total[0])
+        if not norm > 0:
+            raise ValueError(f"the loss normaliser is {norm}; it must be positive")
+        if normalizer is None:
+            return LossSpec(loss_fn, micro, [batch_size(t) / norm for t in micro])
+        return LossSpec(loss_fn, micro, [1.0 / norm] * self.chunks)
+
+    def _run(
+        self, grad: bool, spec: LossSpec | None, micro: list[TensorOrTensors], plan: Schedule
+    ) -> StepRun:
+        """Runs this rank's actions of ``plan`` with a mailbox that reaches the other ranks."""
+        reset_device_peak(self.device)
+        worker = self.layout.worker
+        mine = tuple(acts if w == worker else () for w, acts in enumerate(plan.actions))
+        local = Schedule(plan.name, plan.num_stages, plan.num_microbatches, mine, plan.placement)
+        seed = self._draw_seed() if self.needs_inputs else None
+        config = StepConfig(
+            stages=self.partitions,  # type: ignore[arg-type]
+            devices=[self.device] * len(self.partitions),
+            checkpoint_stop=checkpoint_stop(self.checkpoint, self.chunks) if grad else 0,
+            grad_enabled=grad,
+            seed=seed if seed is not None else 0,  # elsewhere: set by the first activation
+            autocast=_autocast_state(self.device),
+            loss=spec,
+            timeout=self.timeout,
+            placement=plan.placement,
+        )
+
+        def learn_seed(value: int) -> None:
+            config.seed = value
+
+        self._box = P2PMailbox(
+            self.layout,
+            self.groups.p2p,
+            self.timeout,
+            self.board,
+            _comm(self.device),
+            seed=seed,
+            on_seed=learn_seed,
+        )
+        run = StepRun(config, micro, mailbox=self._box)
+        self._box.start(mine[worker])
+        run.run(local)
+        self._box.finish()
+        return run
+
+    def _draw_seed(self) -> int:
+        """The step's dropout seed, drawn where stage 0 is (as GPipe draws it from the caller's
+        RNG); it travels down the pipeline in the message headers. Replicas see other data and
+        get other masks (replica 0's equal the local executor's)."""
+        value = draw_step_seed()
+        return value if self.layout.replica == 0 else mix(value, self.layout.replica)
+
+    # ---- failures ----------------------------------------------------------------------------
+
+    def _guarded(self, body: Callable[[], _T]) -> _T:
+        """Runs a step; on any failure: report it, tear down the groups, raise RankFailure.
+
+        Tearing down closes this rank's connections, so every rank waiting on it wakes at once
+        (see :mod:`giantpipe.pipe.faults`). The pipe is unusable afterwards.
+        """
+        if self._broken is not None:
+            raise RankFailure(f"the pipeline failed earlier and cannot run: {self._broken}")
+        try:
+            return body()
+        except BaseException as exc:
+            message = self._failure_message(exc)
+            _clear_frames(exc)  # locals of the failed frames hold requests of the groups
+            self._teardown(message)
+            if not isinstance(exc, Exception) or isinstance(exc, RankFailure):
+                raise
+            raise RankFailure(message) from exc
+
+    def _failure_message(self, exc: BaseException) -> str:
+        if isinstance(exc, RankFailure):
+            return str(exc)
+        if isinstance(exc, PipelineError):
+            cause = exc.__cause__
+            if isinstance(cause, RankFailure):
+                return str(cause)
+            text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+            where = f"{self.layout.label(exc.stage)} failed on micro-batch {exc.microbatch}"
+            return explain(self.board, f"{where}: {text}")
+        return explain(self.board, f"{self.layout.label()} failed: {type(exc).__name__}: {exc}")
+
+    def _teardown(self, message: str) -> None:
+        self._broken = message
+        if self._box is not None:
+            self._box.drop()
+        if self.sync is not None:
+            self.sync.drop()
+        groups, self.groups = self.groups, Groups(None, None, None)
+        drop_groups(groups)
+        del groups
+        gc.collect()  # a group (or request) still referenced keeps its connections open
+
+    def _finish(
+        self, run: StepRun, started: float, local_loss: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Global loss on every rank, and the step's statistics gathered over the pipeline.
+
+        Statistics are per worker (rank of the pipeline), as GPipe's: busy time sums the
+        worker's stages; peak memory is its saved activations (CPU) or allocator peak (CUDA).
+        """
+        loss = torch.zeros(1, dtype=torch.float64)
+        if local_loss is not None:
+            loss[0] = float(local_loss)
+            if self.groups.replica is not None:
+                work = dist.all_reduce(loss, group=self.groups.replica, async_op=True)
+                wait_work(work, self.timeout, "the all-reduce of the loss", self.board)
+        on_cuda = self.device.type == "cuda"
+        worker = self.layout.worker
+        peak = device_peak(self.device) if on_cuda else run.worker_peaks[worker]
+        busy = sum(run.busy[s] for s in self.layout.local_stages)
+        wall = time.perf_counter() - started
+        row = torch.tensor([float(loss[0]), wall, run.span, busy, peak], dtype=torch.float64)
+        rows = [torch.empty_like(row) for _ in range(self.layout.workers)]
+        if self.layout.workers > 1:
+            work = dist.all_gather(rows, row, group=self.groups.pipeline, async_op=True)
+            wait_work(work, self.timeout, "the all-gather of step statistics", self.board)
+        else:
+            rows = [row]
+        table = torch.stack(rows)
+        stats = StepStats.from_timings(
+            wall=float(table[:, 1].max()),
+            span=float(table[:, 2].max()),
+            busy=table[:, 3].tolist(),
+            peaks=[int(p) for p in table[:, 4].tolist()],
+            num_microbatches=self.chunks,
+            memory_kind="cuda_allocator" if on_cuda else "saved_activations",
+        )
+        bubble = expected_bubble(self.layout.workers, self.chunks, self.plan.virtual_stages)
+        self.last_stats = dataclasses.replace(stats, expected_bubble=bubble)
+        return table[self.plan.placement[-1], 0].to(torch.float32)
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Loads this rank's entries of a full (or any partial) un-partitioned state dict."""
+        own = set(self.state_dict().keys())
+        local = {k: v for k, v in state_dict.items() if k in own}
+        return super().load_state_dict(local, strict=strict, assign=assign)
+
+    def save_checkpoint(
+        self, directory: str | os.PathLike[str], step: int = 0, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Every rank of replica 0 writes its shard; rank 0 commits the manifest."""
+        shards.save(self, directory, step=step, extra=extra)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Loads this rank's names from whichever shards hold them; returns the manifest."""
+        manifest = shards.read_manifest(directory)
+        state = shards.load(directory, self.state_dict().keys(), device=self.device)
+        self.load_state_dict(state)
+        return manifest
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drops the locals of every frame in ``exc``'s tracebacks (and its causes')."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+
+
+def init_distributed(backend: str | None = None, timeout: float = 60.0) -> None:
+    """Initialises the default process group from torchrun's environment, if not done yet."""
+    if dist.is_initialized():
+        return
+    import datetime
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _comm(device: torch.device) -> torch.device:
+    """Where boundary bytes travel from: the device with NCCL, host memory with gloo."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _autocast_state(device: torch.device) -> list[tuple[str, torch.dtype]]:
+    if torch.is_autocast_enabled(device.type):
+        return [(device.type, torch.get_autocast_dtype(device.type))]
+    return []
