@@ -1,0 +1,135 @@
+"""Start a small gloo world on loopback for a test: spawn processes, or torchrun commands.
+
+Every launch has a deadline; on expiry (or when the test is done) every process it started is
+killed, so a failing test never leaves workers behind.
+
+Example::
+
+    results = spawn("tests.distributed.workers:equivalence", world=2, tmp=tmp_path, chunks=[1, 3])
+    assert results[0]["checked"] > 0
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(target: str, rank: int, world: int, port: int, tmp: str, kwargs: dict) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    out = Path(tmp) / f"result-{rank}.pt"
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        module, name = target.split(":")
+        result = getattr(importlib.import_module(module), name)(Path(tmp), **kwargs)
+        torch.save({"ok": True, "result": result}, out)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)  # do not wait for peers that may be stuck
+
+
+def spawn(target: str, world: int, tmp: Path, timeout: float = 90.0, **kwargs: Any) -> list[Any]:
+    """Runs ``target(tmp, **kwargs)`` on ``world`` gloo ranks; returns each rank's result.
+
+    Raises AssertionError with the worker's traceback when a rank failed.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(target, r, world, port, str(tmp), kwargs))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        if alive:
+            raise TimeoutError(f"ranks {alive} still running after {timeout:.0f}s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    results = []
+    for r in range(world):
+        path = tmp / f"result-{r}.pt"
+        if not path.exists():
+            raise AssertionError(f"rank {r} exited with {procs[r].exitcode} and no result")
+        data = torch.load(path, weights_only=False)
+        if not data["ok"]:
+            raise AssertionError(f"rank {r} failed:\n{data['error']}")
+        results.append(data["result"])
+    return results
+
+
+def start_processes(world: int, target: str, tmp: Path, **kwargs: Any) -> list[Any]:
+    """Starts ranks without waiting (fault tests watch them exit); returns the processes."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(target, r, world, port, str(tmp), kwargs))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def torchrun(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``python -m torch.distributed.run ARGS`` in its own process group, output captured."""
+    full_env = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}:{REPO}", OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: killable as a whole
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
+    """Waits for a torchrun launch; kills its whole process group on timeout."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout:.0f}s:\n{out}") from None
