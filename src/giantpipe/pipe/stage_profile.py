@@ -35,11 +35,19 @@ import torch
 from torch import nn
 
 from giantpipe.pipe.checkpoint import recomputing
-from giantpipe.pipe.executor import LossFn, _make_leaves, _pair_gradients
+from giantpipe.pipe.executor import (
+    LossFn,
+    LossSpec,
+    StepConfig,
+    StepRun,
+    _make_leaves,
+    _pair_gradients,
+)
 from giantpipe.pipe.memory import SavedTensorMeter
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, batch_size, nbytes, scatter
 from giantpipe.pipe.microbatch import to_device as move
 from giantpipe.pipe.rng import rng_context
+from giantpipe.pipe.schedule import Schedule
 from giantpipe.pipe.simulate import Simulation, StageCost, simulate
 from giantpipe.pipe.split_backward import backward_input
 
@@ -69,10 +77,13 @@ def predict(
     targets: TensorOrTensors | None = None,
     loss_fn: LossFn | None = None,
     repeats: int = 3,
-    overhead: float = 0.0,
+    overhead: float | None = None,
 ) -> Prediction:
     """Profiles ``pipe``'s stages on the first micro-batch of ``inputs`` and simulates its
-    schedule (``pipe.schedule``, ``pipe.chunks``, ``pipe.checkpoint``, ``pipe.placement``)."""
+    schedule (``pipe.schedule``, ``pipe.chunks``, ``pipe.checkpoint``, ``pipe.placement``).
+
+    ``overhead``: seconds the executor adds to each action; by default measured by
+    :func:`executor_overhead`."""
     micro = scatter(inputs, pipe.chunks)[0]
     target, scale = None, 1.0
     if targets is not None and loss_fn is not None:
@@ -91,11 +102,44 @@ def predict(
         threads,
         placement=pipe.placement if on_cpu else None,
     )
-    sim = simulate(pipe.step_schedule(), costs, pipe.checkpoint, overhead)
+    schedule = pipe.step_schedule()
+    if overhead is None:
+        overhead = executor_overhead(schedule, pipe.devices, threads, repeats)
+    sim = simulate(schedule, costs, pipe.checkpoint, overhead)
     total = batch_size(inputs)
     return Prediction(
         sim.step_time, sim.samples_per_second(total), sim.bubble, sim.peak_memory_bytes, sim, costs
     )
+
+
+def executor_overhead(
+    schedule: Schedule,
+    devices: Sequence[torch.device],
+    threads: int | None = None,
+    repeats: int = 3,
+) -> float:
+    """Seconds the local executor adds to every action: hand-over through the mailbox, waking
+    the waiting thread, bookkeeping. Runs ``schedule`` on stages that do nothing and divides its
+    span by the simulated span of unit-cost actions."""
+    k, m = schedule.num_stages, schedule.num_microbatches
+    zeros: list[TensorOrTensors] = [torch.zeros(1, 1, device=devices[-1]) for _ in range(m)]
+    config = StepConfig(
+        stages=[nn.Sequential(nn.Identity()) for _ in range(k)],
+        devices=devices,
+        checkpoint_stop=0,
+        grad_enabled=True,
+        seed=0,
+        loss=LossSpec(lambda y, t: (y * t).sum(), zeros, [1.0] * m),
+        threads_per_worker=threads,
+        placement=schedule.placement,
+    )
+    spans = []
+    for _ in range(repeats + 1):
+        run = StepRun(config, [torch.ones(1, 1, device=devices[0]) for _ in range(m)])
+        run.run(schedule)
+        spans.append(run.span)
+    unit = StageCost(1.0, 1.0, backward_input=1.0, weight=1.0)
+    return statistics.median(spans[1:]) / simulate(schedule, [unit] * k).step_time
 
 
 def profile_stages(
@@ -154,14 +198,14 @@ def _busy_neighbours(
     stage: int,
     threads: int | None,
 ) -> Iterator[None]:
-    """While the body runs, each other worker loops forward + backward of one of its stages
-    (not the last stage, which needs its loss: a worker holding only that one stays idle)."""
+    """While the body runs, each other worker loops forward + backward of its first stage (the
+    last stage too: load needs no loss, a gradient of ones will do)."""
     if placement is None:
         yield
         return
     others: dict[int, int] = {}
     for s, w in enumerate(placement):
-        if w != placement[stage] and w not in others and s < len(stages) - 1:
+        if w != placement[stage] and w not in others:
             others[w] = s
     stop = threading.Event()
     workers = [
