@@ -1,0 +1,125 @@
+"""``python -m giantpipe.plan``: plan a pipeline for a named model and print the best candidates.
+
+    python -m giantpipe.plan --model amoebanet-d --layers 18 --filters 256 --devices 8 \\
+        --memory-gib 16 --batch 512
+    python -m giantpipe.plan --model transformer-l --layers 48 --devices 8 --memory-gib 16 \\
+        --batch 32 --plot outputs/plan_transformer48.png
+
+Takes a few seconds (the model is built on the meta device; each candidate is simulated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+
+from giantpipe.pipe.checkpoint import MODES
+from giantpipe.pipe.schedule import SCHEDULE_NAMES
+from giantpipe.plan.costs import measure_layers
+from giantpipe.plan.models import NAMES, build
+from giantpipe.plan.search import Candidate, DeviceSpec, plan
+
+GIB = 2**30
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m giantpipe.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=NAMES, required=True)
+    p.add_argument(
+        "--layers", type=int, help="L: AmoebaNet normal cells (18) / Transformer layers (48)"
+    )
+    p.add_argument("--filters", type=int, default=256, help="D of AmoebaNet-D (L, D)")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--devices", type=int, required=True, help="K, devices in the pipeline")
+    p.add_argument("--memory-gib", type=float, required=True, help="memory per device")
+    p.add_argument("--batch", type=int, required=True, help="mini-batch size")
+    p.add_argument("--peak-tflops", type=float, default=125.0, help="peak TFLOP/s per device")
+    p.add_argument("--bandwidth-gbps", type=float, default=50.0, help="link GB/s to a neighbour")
+    p.add_argument("--efficiency", type=float, default=0.5, help="share of peak on big layers")
+    p.add_argument(
+        "--layer-overhead-us",
+        type=float,
+        default=100.0,
+        help="microseconds per layer and action (launches, small-batch loss)",
+    )
+    p.add_argument(
+        "--optimizer-slots",
+        type=int,
+        default=1,
+        help="optimizer state per parameter: 1 RMSProp/momentum (12 B/param), 2 Adam",
+    )
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES), choices=SCHEDULE_NAMES)
+    p.add_argument("--checkpoints", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--chunks", nargs="+", type=int, help="M to try (default: powers of two)")
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--plot", help="write the best candidate's simulated timeline (PNG) here")
+    return p.parse_args(argv)
+
+
+def format_table(candidates: Sequence[Candidate]) -> str:
+    lines = [
+        "| # | schedule | V | M | checkpoint | balance | samples/s | step s | bubble "
+        "| peak GiB per device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rank, c in enumerate(candidates, 1):
+        peaks = " ".join(f"{b / GIB:.1f}" for b in c.peak_memory_bytes)
+        lines.append(
+            f"| {rank} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.checkpoint} "
+            f"| {c.balance} | {c.samples_per_s:.1f} | {c.step_time_s:.3f} | {c.bubble:.3f} "
+            f"| {peaks} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    started = time.perf_counter()
+    model, sample = build(args.model, args.layers, args.filters, args.image_size, args.seq_len)
+    layers = measure_layers(model, sample)
+    device = DeviceSpec(
+        peak_flops=args.peak_tflops * 1e12,
+        memory_bytes=args.memory_gib * GIB,
+        link_bandwidth=args.bandwidth_gbps * 1e9,
+        efficiency=args.efficiency,
+        layer_overhead=args.layer_overhead_us * 1e-6,
+    )
+    candidates = plan(
+        layers,
+        args.devices,
+        args.batch,
+        device,
+        schedules=args.schedules,
+        chunks=args.chunks,
+        checkpoints=args.checkpoints,
+        optimizer_slots=args.optimizer_slots,
+    )
+    params = sum(c.params for c in layers)
+    print(
+        f"{args.model} ({len(layers)} layers, {params / 1e6:.1f}M parameters, "
+        f"{sum(c.flops for c in layers) / 1e9:.1f} GFLOP forward per sample) on "
+        f"{args.devices} x {args.memory_gib:g} GiB, {args.peak_tflops:g} TFLOP/s, "
+        f"{args.bandwidth_gbps:g} GB/s; batch {args.batch}; "
+        f"{len(candidates)} configurations fit ({time.perf_counter() - started:.1f}s)\n"
+    )
+    if not candidates:
+        print("nothing fits: add devices or memory, or lower the batch size")
+        return 1
+    print(format_table(candidates[: args.top]))
+    if args.plot:
+        from giantpipe.pipe.timeline import plot_timeline
+
+        best = candidates[0]
+        out = plot_timeline(
+            best.simulation,
+            args.plot,
+            title=f"{args.model}: {best.schedule}, M={best.chunks}, {best.checkpoint} (simulated)",
+        )
+        print(f"\ntimeline of the best candidate: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The planner: per-layer costs on the meta device, memory pressure of each schedule, the
+constrained balance, and plans for cases worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from giantpipe.pipe.balance import solve_balance
+from giantpipe.pipe.schedule import build_schedule
+from giantpipe.plan import DeviceSpec, LayerCost, measure_layers, plan
+from giantpipe.plan.__main__ import main
+from giantpipe.plan.models import build
+from giantpipe.plan.search import min_max_balance, pressure
+
+
+def test_measure_layers_on_meta() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    costs = measure_layers(model, torch.empty(1, 8, device="meta"))
+    assert [c.flops for c in costs] == [2 * 8 * 16, 0, 2 * 16 * 4]
+    assert [c.params for c in costs] == [8 * 16 + 16, 0, 16 * 4 + 4]
+    assert [c.input_bytes for c in costs] == [32, 64, 64]
+    assert [c.output_bytes for c in costs] == [64, 64, 16]
+    # ReLU saves its output, the loss keeps the logits; each Linear saves its input for its
+    # weight gradient (even the first, whose input needs no gradient of its own)
+    assert [c.saved_bytes for c in costs] == [0, 64, 16]
+    assert [c.input_saved for c in costs] == [32, 0, 64]
+
+
+def test_model_builders_count_the_papers_parameters() -> None:
+    model, sample = build("transformer-l", layers=3)
+    assert sum(p.numel() for p in model.parameters()) == 282_146_816
+    model, sample = build("amoebanet-d", layers=18, filters=208)
+    assert sum(p.numel() for p in model.parameters()) == 81_505_540
+    assert sample.shape == (1, 3, 224, 224)
+    with pytest.raises(ValueError, match="unknown model"):
+        build("resnet")
+
+
+def test_pressure_reads_in_flight_counts_off_the_schedule() -> None:
+    gpipe = build_schedule("gpipe", 2, 3)
+    assert pressure(gpipe, "never") == [[(3, 3)], [(3, 3)]]
+    assert pressure(gpipe, "always") == [[(3, 1)], [(3, 1)]]
+    one = build_schedule("1f1b", 2, 3)
+    assert pressure(one, "never") == [[(2, 2)], [(1, 1)]]
+    zb = build_schedule("zb-h1", 2, 3)
+    assert pressure(zb, "never") == [[(2, 2)], [(2, 2)]]
+
+
+def test_min_max_balance_is_exact_and_honours_memory() -> None:
+    times = [1.0, 1.0, 1.0, 5.0, 1.0, 1.0]
+    free = min_max_balance(times, 3, lambda s, j, i: 0.0, 1.0)
+    assert free == solve_balance(times, 3) == [3, 1, 2]
+    # at most two layers per stage: the cut must change, and the bottleneck grows
+    assert min_max_balance(times, 3, lambda s, j, i: i - j, 2.0) == [2, 2, 2]
+    assert min_max_balance(times, 2, lambda s, j, i: i - j, 2.0) is None
+
+
+def layer(flops: float = 1.0, params: int = 1) -> LayerCost:
+    return LayerCost(
+        flops, params, 4 * params, input_bytes=10, saved_bytes=100, input_saved=10, output_bytes=10
+    )
+
+
+def test_plan_by_hand() -> None:
+    # 4 equal layers on 2 devices, 1 FLOP per layer and sample at 1 FLOP/s, free links and no
+    # overhead: per micro-batch of one sample, stage 1 has F = 2 s, B = 2 s, W = 2 s; stage 0
+    # the same but B = 1 s (the model's first layer computes no input gradient).
+    device = DeviceSpec(
+        peak_flops=1.0,
+        memory_bytes=1e9,
+        link_bandwidth=1e30,
+        link_latency=0.0,
+        efficiency=1.0,
+        layer_overhead=0.0,
+        reserve=0.0,
+    )
+    layers = [layer() for _ in range(4)]
+    best = plan(layers, 2, 8, device, checkpoints=["never"])[0]
+    assert best.balance == [2, 2] and best.chunks == 8
+    # zero bubble wins: stage 1 works 8 x 6 s without a break after stage 0's first F (2 s);
+    # 1F1B adds stage 0's last full backward (3 s) after stage 1's
+    assert best.schedule == "zb-h1"
+    assert best.step_time_s == pytest.approx(2 + 8 * 6)
+    one = next(c for c in plan(layers, 2, 8, device, schedules=["1f1b"]) if c.chunks == 8)
+    assert one.step_time_s == pytest.approx(2 + 8 * 6 + 3)
+    assert best.samples_per_s == pytest.approx(8 / best.step_time_s)
+
+
+def test_plan_drops_what_does_not_fit_and_counts_optimizer_state() -> None:
+    device = DeviceSpec(peak_flops=1.0, memory_bytes=2000, link_bandwidth=1e9, reserve=0.0)
+    layers = [layer(params=100) for _ in range(4)]  # 400 B of weights per layer
+    candidates = plan(layers, 2, 4, device, optimizer_slots=0)  # 2 x 400 B x 2 layers = 1600
+    assert candidates and all(max(c.peak_memory_bytes) <= 2000 for c in candidates)
+    assert {c.checkpoint for c in candidates if c.schedule == "gpipe" and c.chunks == 4} == {
+        "always",
+        "except_last",
+    }  # 'never' holds 4 x (10 + 2 x 100 + 10) = 880 B next to 1600, 'always' 4 x 10 + 210
+    assert plan(layers, 2, 4, device, optimizer_slots=2) == []  # 400 x 4 = 1600 per layer
+
+
+def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "--model",
+            "amoebanet-d",
+            "--layers",
+            "3",
+            "--filters",
+            "16",
+            "--image-size",
+            "64",
+            "--devices",
+            "2",
+            "--memory-gib",
+            "1",
+            "--batch",
+            "8",
+            "--top",
+            "3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| # | schedule | V | M | checkpoint | balance | samples/s" in out
+    assert len([line for line in out.splitlines() if line.startswith("| 3 |")]) == 1
