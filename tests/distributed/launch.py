@@ -64,6 +64,7 @@ def spawn(target: str, world: int, tmp: Path, timeout: float = 90.0, **kwargs: A
 
     Raises AssertionError with the worker's traceback when a rank failed.
     """
+    tmp.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
@@ -98,6 +99,7 @@ def spawn(target: str, world: int, tmp: Path, timeout: float = 90.0, **kwargs: A
 
 def start_processes(world: int, target: str, tmp: Path, **kwargs: Any) -> list[Any]:
     """Starts ranks without waiting (fault tests watch them exit); returns the processes."""
+    tmp.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [

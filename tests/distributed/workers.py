@@ -360,6 +360,8 @@ def faulty(
                 trigger.write_text(str(time.time()))
                 if how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if how == "hang":  # alive but silent: the neighbours' timeout must fire
+                    time.sleep(3600)
                 raise ValueError("injected failure")
 
         next(iter(pipe.children())).register_forward_pre_hook(hook)
@@ -381,3 +383,42 @@ def several(tmp: Path, calls: list[tuple[str, dict[str, Any]]]) -> dict[str, Any
         sub.mkdir(exist_ok=True)
         results[name] = globals()[name](sub, **kwargs)
     return results
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def train_and_save(tmp: Path, workers: int, ckpt: str, steps: int = 2) -> dict[str, Any]:
+    """``steps`` SGD steps on K=``workers``, then a sharded checkpoint; returns the local state."""
+    model = plain_model(2)
+    balance = solve_balance([1.0] * len(model), workers)
+    pipe = DistributedPipe(model_fn(2), balance, chunks=2, seed=INIT, timeout=20)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for i in range(steps):
+        x, y = toy_data(i)
+        torch.manual_seed(SEED + i)
+        pipe.train_step(x, y, nn.functional.cross_entropy)
+        opt.step()
+        opt.zero_grad()
+    pipe.save_checkpoint(ckpt, step=steps, extra={"note": "k2"})
+    return {"state": pipe.state_dict()}
+
+
+def resume_and_step(tmp: Path, workers: int, ckpt: str, step: int = 2) -> dict[str, Any]:
+    """Loads the shards into another K (parameters never initialised), takes one step and
+    compares it with the plain model loaded from the same shards."""
+    from giantpipe.pipe import shards
+
+    model = plain_model(2)
+    model.load_state_dict(shards.load(ckpt))
+    balance = solve_balance([1.0] * len(model), workers)
+    pipe = DistributedPipe(model_fn(2), balance, chunks=3, seed=INIT, init=None, timeout=20)
+    manifest = pipe.load_checkpoint(ckpt)
+    loaded = {k: v.clone() for k, v in pipe.state_dict().items()}
+    x, y = toy_data(step)
+    plain, ref_loss = reference(model, [(x, y)], 3, step_seed(SEED + step))
+    torch.manual_seed(SEED + step)
+    loss = pipe.train_step(x, y, nn.functional.cross_entropy)
+    assert abs(loss.item() - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    n = assert_matches(pipe, plain, f"resumed on K={workers}")
+    return {"loaded": loaded, "checked": n, "manifest_workers": manifest["workers"]}

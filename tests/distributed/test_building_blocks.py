@@ -1,0 +1,158 @@
+"""The distributed executor's parts that need no second process: wire format, rank layout,
+building on meta with a local slice, atomic shard files. (No ``distributed`` marker: fast.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from giantpipe.pipe.layout import Layout
+from giantpipe.pipe.materialize import build_on_meta, init_layers, materialize, seeded_init
+from giantpipe.pipe.p2p import expected_receives, tag_of
+from giantpipe.pipe.schedule import build_schedule
+from giantpipe.pipe.shards import atomic_save
+from giantpipe.pipe.wire import (
+    allocate,
+    as_bytes,
+    decode,
+    encode,
+    extra_words,
+    header,
+    seed_of,
+    words_of,
+)
+
+
+def roundtrip(value: object, seed: int = 7) -> object:
+    words, tensors = encode(value)
+    head, extra = header(words, seed)
+    assert seed_of(head) == seed
+    assert (extra is None) == (extra_words(head) == 0)
+    received, buffers = allocate(decode(words_of(head, extra)), torch.device("cpu"))
+    sent = [as_bytes(t) for t in tensors if t.numel()]
+    assert len(sent) == len(buffers)
+    for src, dst in zip(sent, buffers):
+        dst.copy_(src)
+    return received
+
+
+def test_wire_carries_tuples_of_any_dtype_shape_and_plain_items() -> None:
+    value = (
+        torch.randn(3, 5).t(),  # not contiguous
+        torch.tensor([[True, False]]),
+        torch.arange(4, dtype=torch.int32),
+        torch.tensor(2.5, dtype=torch.bfloat16),  # 0-dim
+        torch.zeros(0, 7),  # empty: no bytes travel
+        None,
+        -3,
+        0.25,
+        False,
+    )
+    got = roundtrip(value)
+    assert isinstance(got, tuple) and len(got) == len(value)
+    for a, b in zip(value, got):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        else:
+            assert a == b and type(a) is type(b)
+    lone = torch.randn(2, 3)
+    assert torch.equal(roundtrip(lone), lone)
+
+
+def test_wire_long_descriptions_use_an_extra_message() -> None:
+    value = tuple(torch.ones([1] * 8) for _ in range(12))
+    words, _ = encode(value)
+    assert extra_words(header(words)[0]) > 0
+    assert all(torch.equal(t, torch.ones([1] * 8)) for t in roundtrip(value))
+
+
+def test_wire_rejects_what_cannot_travel() -> None:
+    with pytest.raises(TypeError, match="str"):
+        encode((torch.ones(1), "text"))
+
+
+def test_layout_of_two_stages_times_two_replicas() -> None:
+    ranks = [Layout(world_size=4, rank=r, workers=2, placement=(0, 1)) for r in range(4)]
+    assert [(lay.replica, lay.worker) for lay in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert ranks[3].pipeline_ranks == [2, 3] and ranks[3].replica_ranks == [1, 3]
+    assert [lay.needs_inputs for lay in ranks] == [True, False, True, False]
+    assert ranks[2].label() == "rank 2 (stage 0)" and ranks[2].label(1) == "rank 3 (stage 1)"
+    with pytest.raises(ValueError, match="multiple"):
+        Layout(world_size=3, rank=0, workers=2, placement=(0, 1))
+
+
+def test_receives_follow_the_schedule_including_interleaved_stages() -> None:
+    plan = build_schedule("interleaved", 2, 2, 2)  # 4 stages, worker 0 holds 0 and 2
+    layout = Layout(world_size=2, rank=0, workers=2, placement=plan.placement)
+    keys = expected_receives(plan.actions[0], layout)
+    assert set(keys) == {1}  # everything comes from rank 1
+    # stage 2 gets activations from stage 1 and gradients from stage 3; stage 0 from stage 1
+    want = [(kind, s, m) for kind, s in (("act", 2), ("grad", 0), ("grad", 2)) for m in (0, 1)]
+    assert sorted(keys[1]) == sorted(want)
+    consumed = [
+        k
+        for a in plan.actions[0]
+        for k in keys[1]
+        if k[1:] == (a.stage, a.microbatch) and (k[0] == "act") == (a.kind == "F")
+    ]
+    assert consumed == keys[1]  # in the order rank 0 consumes them
+    assert len({tag_of(k, 4) for k in keys[1]}) == len(keys[1])
+
+
+class Positions(nn.Module):
+    """A layer with a buffer computed in __init__ (like sinusoidal positions) and a parameter
+    used twice (shared inside the layer)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.sin(torch.arange(d) / math.pi), persistent=False)
+        self.proj = nn.Linear(d, d)
+        self.again = self.proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.again(self.proj(x) + self.table)
+
+
+def build() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), Positions(6), nn.Linear(6, 2))
+
+
+def test_meta_build_materialises_only_the_local_layers_with_the_plain_values() -> None:
+    plain = build()
+    init_layers(plain, seed=11)
+    model = build_on_meta(build)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert torch.equal(model[2].table, plain[2].table)  # buffers are real from the start
+    materialize(model, [2, 3], torch.device("cpu"), seeded_init(11))
+    assert all(p.device.type == "meta" for p in model[0].parameters())  # never allocated
+    assert model[2].proj is model[2].again  # sharing inside a layer survives
+    for name, value in model[2:].state_dict().items():
+        assert torch.equal(value, plain[2:].state_dict()[name]), name
+    x = torch.randn(3, 6)
+    assert torch.equal(model[2:](x), plain[2:](x))
+
+
+def test_seeded_init_does_not_disturb_the_callers_random_stream() -> None:
+    model = build()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    init_layers(model, seed=1)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_atomic_save_leaves_the_old_file_when_writing_fails(tmp_path) -> None:
+    path = tmp_path / "shard.pt"
+    atomic_save({"a": torch.ones(2)}, path)
+
+    class Unpicklable:
+        def __reduce__(self) -> tuple:
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        atomic_save({"a": Unpicklable()}, path)
+    assert torch.equal(torch.load(path)["a"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.pt"]

@@ -1,0 +1,84 @@
+"""Checkpoints by un-partitioned names: resume under another K, consolidate for the plain model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from giantpipe.consolidate import main as consolidate_main
+from giantpipe.pipe import shards
+from tests.distributed.launch import REPO, spawn
+from tests.distributed.workers import plain_model
+
+pytestmark = pytest.mark.distributed
+
+
+def test_resume_with_another_k_then_consolidate(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    saved = spawn(
+        "tests.distributed.workers:train_and_save",
+        world=2,
+        tmp=tmp_path / "k2",
+        workers=2,
+        ckpt=str(ckpt),
+    )
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["workers"] == 2 and manifest["step"] == 2
+    assert [s["rank"] for s in manifest["shards"]] == [0, 1]
+    union = {k: v for r in saved for k, v in r["state"].items()}
+    assert sorted(n for s in manifest["shards"] for n in s["names"]) == sorted(union)
+
+    resumed = spawn(
+        "tests.distributed.workers:resume_and_step",
+        world=3,
+        tmp=tmp_path / "k3",
+        workers=3,
+        ckpt=str(ckpt),
+    )
+    loaded = {k: v for r in resumed for k, v in r["loaded"].items()}
+    assert loaded.keys() == union.keys()  # three ranks now hold what two held
+    for name, value in union.items():
+        assert torch.equal(loaded[name], value), name
+    assert all(r["checked"] > 0 for r in resumed)
+
+    out = tmp_path / "model.pt"
+    cli = subprocess.run(
+        [sys.executable, "-m", "giantpipe.consolidate", str(ckpt), str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": f"{REPO / 'src'}", "PATH": "/usr/bin:/bin"},
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert "from 2 shards (step 2)" in cli.stdout
+    model = plain_model(2)
+    model.load_state_dict(torch.load(out, weights_only=True))  # strict: every name, no extra
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, union[name]), name
+
+
+def test_consolidate_reports_a_missing_manifest(tmp_path: Path) -> None:
+    cli = subprocess.run(
+        [sys.executable, "-m", "giantpipe.consolidate", str(tmp_path), str(tmp_path / "x.pt")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": f"{REPO / 'src'}", "PATH": "/usr/bin:/bin"},
+    )
+    assert cli.returncode == 1 and "manifest.json" in cli.stderr
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_load_names_what_is_missing(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"format": shards.FORMAT, "step": 0, "shards": []})
+    )
+    with pytest.raises(KeyError, match=r"0\.weight"):
+        shards.load(tmp_path, ["0.weight"])

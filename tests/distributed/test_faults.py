@@ -1,0 +1,128 @@
+"""Failures: every rank stops within the timeout, naming the rank and stage that failed first;
+no process is left behind; the last checkpoint is intact and consolidates."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from giantpipe.pipe import shards
+from tests.distributed.launch import REPO, finish, start_processes, torchrun
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT = 5.0  # the pipeline's timeout in these tests (default 60 s)
+
+
+def results(tmp: Path, world: int) -> dict[int, dict]:
+    out = {}
+    for r in range(world):
+        path = tmp / f"result-{r}.pt"
+        if path.exists():
+            out[r] = torch.load(path, weights_only=False)
+    return out
+
+
+def assert_checkpoint_intact(tmp: Path, world: int) -> None:
+    """The checkpoint saved before the failure consolidates to what every rank held then."""
+    expected = {}
+    for r in range(world):
+        expected.update(torch.load(tmp / f"expected-{r}.pt", weights_only=True))
+    out = tmp / "consolidated.pt"
+    shards.consolidate(tmp / "ckpt", out)
+    merged = torch.load(out, weights_only=True)
+    assert merged.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(merged[name], value), name
+    assert not list((tmp / "ckpt").glob(".*tmp*"))  # no half-written file
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("raise", r"rank 1 \(stage 1\) failed on micro-batch \d+: ValueError: injected failure"),
+        (
+            "hang",
+            r"timed out after 5s waiting for the \w+ of micro-batch \d+ from rank 1 \(stage 1\)",
+        ),
+    ],
+)
+def test_a_failing_or_silent_rank_stops_every_rank(tmp_path: Path, how: str, expected: str):
+    world = 3
+    procs = start_processes(
+        world,
+        "tests.distributed.workers:faulty",
+        tmp_path,
+        workers=world,
+        fail_rank=1,
+        how=how,
+        timeout=TIMEOUT,
+    )
+    deadline = time.monotonic() + 90
+    try:
+        for r in (0, 2):
+            procs[r].join(max(0.0, deadline - time.monotonic()))
+        assert not procs[0].is_alive() and not procs[2].is_alive(), "survivors still running"
+        procs[1].join(0 if how == "hang" else 30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    got = results(tmp_path, world)
+    for r in (0, 2) if how == "hang" else (0, 1, 2):
+        assert got[r]["ok"], got[r].get("error")
+        failure = got[r]["result"]["failure"]
+        assert failure is not None
+        assert re.search(expected, failure), failure
+        assert got[r]["result"]["after_s"] < TIMEOUT + 10, failure
+    assert_checkpoint_intact(tmp_path, world)
+
+
+def _processes_with(marker: str) -> list[int]:
+    """PIDs whose environment holds ``marker`` (the processes one launch started)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_sigkill_under_torchrun_stops_all_and_leaves_no_process(tmp_path: Path) -> None:
+    marker = f"GIANTPIPE_TEST_RUN={uuid.uuid4().hex}"
+    kwargs = f'{{"workers": 3, "fail_rank": 1, "how": "kill", "timeout": {TIMEOUT}}}'
+    start = time.monotonic()
+    proc = torchrun(
+        [
+            "--standalone",
+            "--nproc_per_node=3",
+            "--max_restarts=0",
+            str(REPO / "tests/distributed/torchrun_worker.py"),
+            "faulty",
+            str(tmp_path),
+            kwargs,
+        ],
+        env=dict([marker.split("=")]),
+    )
+    code, output = finish(proc, timeout=120)
+    elapsed = time.monotonic() - start
+    assert code != 0, output
+    # Survivors either returned the failure or were stopped by torchrun and said why.
+    evidence = output + "".join(
+        str(r.get("result")) for r in results(tmp_path, 3).values() if r.get("ok")
+    )
+    assert "rank 1 (stage 1) is gone" in evidence, output
+    assert elapsed < 90, output
+    time.sleep(0.5)
+    assert _processes_with(marker) == [], "processes left behind"
+    assert_checkpoint_intact(tmp_path, 3)
