@@ -63,16 +63,9 @@ def test_resume_with_another_k_then_consolidate(tmp_path: Path) -> None:
         assert torch.equal(value, union[name]), name
 
 
-def test_consolidate_reports_a_missing_manifest(tmp_path: Path) -> None:
-    cli = subprocess.run(
-        [sys.executable, "-m", "giantpipe.consolidate", str(tmp_path), str(tmp_path / "x.pt")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PYTHONPATH": f"{REPO / 'src'}", "PATH": "/usr/bin:/bin"},
-    )
-    assert cli.returncode == 1 and "manifest.json" in cli.stderr
+def test_consolidate_reports_a_missing_manifest(tmp_path: Path, capsys) -> None:
+    assert consolidate_main([str(tmp_path), str(tmp_path / "x.pt")]) == 1
+    assert "manifest.json" in capsys.readouterr().err
     assert not (tmp_path / "x.pt").exists()
 
 
