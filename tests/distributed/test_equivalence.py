@@ -66,6 +66,7 @@ def test_two_stages_times_two_replicas_with_global_clipping(tmp_path: Path) -> N
                     "chunks": [2],
                     "modes": ["except_last"],
                     "schedules": ["gpipe", "1f1b"],
+                    "bucket_mb": 0.0005,  # a bucket per parameter: order and overlap matter
                 },
             ),
             ("clipping", {"workers": 2}),

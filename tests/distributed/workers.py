@@ -124,6 +124,7 @@ def equivalence(
     blocks: int = 6,
     schedules: list[str] | None = None,
     batch: int = 16,
+    bucket_mb: float = 25.0,
 ) -> dict[str, Any]:
     """One step per (schedule, M, mode): loss and gradients equal plain and GPipe."""
     replicas = dist.get_world_size() // workers
@@ -163,6 +164,7 @@ def equivalence(
                     virtual_stages=v,
                     seed=INIT,
                     timeout=20,
+                    bucket_mb=bucket_mb,
                 )
                 x, y = shards[pipe.replica]
                 torch.manual_seed(SEED)
@@ -177,6 +179,9 @@ def equivalence(
                     assert_matches(pipe, local, what + " vs GPipe", buffers=True)
                 stats = pipe.last_stats
                 assert stats is not None and len(stats.busy_time_s) == workers, what
+                if pipe.sync is not None and name in ("gpipe", "1f1b"):
+                    # every bucket's all-reduce started from inside the last backward
+                    assert pipe.sync.early == len(pipe.sync.buckets) > 1, what
                 checked.append((what, n))
     return {"checked": checked}
 

@@ -14,8 +14,8 @@ executor (the very same ``StepRun``; only its mailbox sends to other processes, 
 
 Example (``torchrun --nproc_per_node=2 train.py``)::
 
-    dist.init_process_group("gloo")
-    pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8, replicas=1)
+    init_distributed()                                      # reads torchrun's environment
+    pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)   # R = world size / K
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)        # this rank's parameters only
     x = batch if pipe.needs_inputs else None
     y = target if pipe.needs_targets else None
@@ -52,7 +52,7 @@ from giantpipe.pipe.faults import (
     install_sigterm_note,
     wait_work,
 )
-from giantpipe.pipe.gradsync import GradientSync
+from giantpipe.pipe.gradsync import GradientSync, clip_grad_norm_
 from giantpipe.pipe.layout import Groups, Layout, build_groups, drop_groups
 from giantpipe.pipe.materialize import LayerInit, build_on_meta, materialize, seeded_init
 from giantpipe.pipe.memory import device_peak, reset_device_peak
@@ -62,6 +62,8 @@ from giantpipe.pipe.partition import verify_balance, verify_module
 from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks, mix
 from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
 from giantpipe.pipe.stats import StepStats
+
+__all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distributed"]
 
 ModelSource = nn.Sequential | Callable[[], nn.Sequential]
 _T = TypeVar("_T")
@@ -150,7 +152,7 @@ class DistributedPipe(nn.Module):
         self._broken: str | None = None
         self.sync = (
             GradientSync(
-                list(self.parameters()),
+                list(self.named_parameters()),
                 self.groups.replica,
                 chunks,
                 timeout,

@@ -19,7 +19,7 @@ all-reduced over the pipeline (replicas hold identical gradients after the all-r
 
 Example::
 
-    sync = GradientSync(stage_params, groups.replica, microbatches=8, timeout=60.0)
+    sync = GradientSync(pipe.named_parameters(), groups.replica, microbatches=8, timeout=60.0)
     sync.begin()           # before the step's actions
     ...                    # the schedule runs; buckets start from inside autograd
     sync.finish()          # the remaining buckets, then wait and copy back into p.grad
@@ -42,7 +42,7 @@ class GradientSync:
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
+        named_params: Sequence[tuple[str, nn.Parameter]],
         group: Any,
         microbatches: int,
         timeout: float,
@@ -52,7 +52,8 @@ class GradientSync:
     ) -> None:
         self.group, self.microbatches, self.timeout = group, microbatches, timeout
         self.board, self.overlap = board, overlap
-        self.buckets = _buckets([p for p in params if p.requires_grad], bucket_bytes)
+        params = [p for _, p in named_params if p.requires_grad]
+        self.buckets = _buckets(params, bucket_bytes)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._counts: dict[int, int] = {}
         self._ready = [0] * len(self.buckets)
@@ -62,9 +63,11 @@ class GradientSync:
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b
         ]
-        self._names = {id(p): f"parameter {i}" for i, p in enumerate(params)}
+        self._names = {id(p): name for name, p in named_params}
+        self.early = 0  # buckets of the last step started from inside the backward
 
     def begin(self) -> None:
+        self.early = 0
         self._counts.clear()
         self._ready = [0] * len(self.buckets)
         self._next = 0
@@ -85,6 +88,7 @@ class GradientSync:
                 self.buckets[self._next]
             ):
                 self._start(self._next)
+                self.early += 1
 
     def _start(self, index: int) -> None:
         bucket = self.buckets[index]
