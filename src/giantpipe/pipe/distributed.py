@@ -5,12 +5,15 @@ of its own stage(s), and runs its own list of actions from the same schedule dat
 executor (the very same ``StepRun``; only its mailbox sends to other processes, see
 :mod:`giantpipe.pipe.p2p`). Per step::
 
-    rank 0 broadcasts the step seed          (dropout masks = the local executor's)
-    last stage: all-reduce of the loss normaliser over replicas (global batch / token count)
-    every rank: its actions; boundary values by isend/irecv; replica all-reduce of gradient
-                buckets from inside the last backward (giantpipe.pipe.gradsync)
-    pipeline all-gather of [loss, wall, span, busy, peak memory]: the loss and the step's
-                statistics on every rank
+    last stage:  all-reduce of the loss normaliser over replicas (global batch / token count)
+    every rank:  its actions; boundary values by isend/irecv, the step's dropout seed (drawn
+                 where stage 0 is) riding in their headers; the replica all-reduce of gradient
+                 buckets starts inside the last backward (giantpipe.pipe.gradsync)
+    pipeline:    one all-gather of [loss, wall, span, busy, peak memory]: the loss and the
+                 step's statistics on every rank (giantpipe.pipe.rankstats)
+
+Any failure is reported on the failure board, this rank's groups are torn down (which wakes
+every rank waiting on it) and :class:`RankFailure` names the rank and stage that failed first.
 
 Example (``torchrun --nproc_per_node=2 train.py``)::
 
@@ -27,12 +30,9 @@ Example (``torchrun --nproc_per_node=2 train.py``)::
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import time
-import traceback
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -43,41 +43,39 @@ from torch import nn
 from giantpipe.pipe import shards
 from giantpipe.pipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from giantpipe.pipe.checkpoint import MODES, checkpoint_stop
-from giantpipe.pipe.executor import LossFn, LossSpec, PipelineError, StepConfig, StepRun
+from giantpipe.pipe.executor import LossFn, LossSpec, StepConfig, StepRun
 from giantpipe.pipe.faults import (
     FailureBoard,
     RankFailure,
+    clear_frames,
     default_store,
-    explain,
+    failure_message,
     install_sigterm_note,
-    wait_work,
 )
 from giantpipe.pipe.gradsync import GradientSync, clip_grad_norm_
-from giantpipe.pipe.layout import Groups, Layout, build_groups, drop_groups
-from giantpipe.pipe.materialize import LayerInit, build_on_meta, materialize, seeded_init
-from giantpipe.pipe.memory import device_peak, reset_device_peak
+from giantpipe.pipe.layout import (
+    Groups,
+    Layout,
+    build_groups,
+    comm_device,
+    drop_groups,
+    init_distributed,
+    resolve_device,
+)
+from giantpipe.pipe.materialize import LayerInit, build_on_meta, local_stages, seeded_init
+from giantpipe.pipe.memory import reset_device_peak
 from giantpipe.pipe.microbatch import TensorOrTensors, batch_size, gather, scatter
 from giantpipe.pipe.p2p import P2PMailbox
 from giantpipe.pipe.partition import verify_balance, verify_module
+from giantpipe.pipe.rankstats import all_reduce_sum, gather_step
 from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks, mix
-from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
+from giantpipe.pipe.schedule import Schedule, build_schedule
 from giantpipe.pipe.stats import StepStats
 
 __all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distributed"]
 
 ModelSource = nn.Sequential | Callable[[], nn.Sequential]
 _T = TypeVar("_T")
-
-
-class _Absent(nn.Module):
-    """Stands for a stage held by another rank; running it is a bug, said plainly."""
-
-    def __init__(self, stage: int) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, x: Any) -> Any:
-        raise RuntimeError(f"stage {self.stage} is not held by this rank")
 
 
 class DistributedPipe(nn.Module):
@@ -133,12 +131,14 @@ class DistributedPipe(nn.Module):
         )
         self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
         self.schedule, self.timeout = schedule, timeout
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         install_rng_hooks(model)  # numbered over the whole model, as GPipe numbers them
         layer_init = seeded_init(seed) if init == "seeded" else init
         if isinstance(layer_init, str):
             raise ValueError(f"init must be 'seeded', a function or None; got {init!r}")
-        self.partitions = self._take_local(model, layer_init)
+        self.partitions = local_stages(
+            model, balance, self.layout.local_stages, self.device, layer_init
+        )
         if deferred_batch_norm:
             for part in self.partitions:
                 convert_deferred_batch_norm(part)
@@ -164,20 +164,6 @@ class DistributedPipe(nn.Module):
             else None
         )
         self.last_stats: StepStats | None = None
-
-    def _take_local(self, model: nn.Sequential, init: LayerInit | None) -> list[nn.Module]:
-        """This rank's stages as Sequentials keeping the layers' names; the rest as _Absent."""
-        bounds = [sum(self.balance[:s]) for s in range(len(self.balance) + 1)]
-        local = self.layout.local_stages
-        layers = [i for s in local for i in range(bounds[s], bounds[s + 1])]
-        materialize(model, layers, self.device, init)
-        named = list(model.named_children())
-        return [
-            nn.Sequential(OrderedDict(named[bounds[s] : bounds[s + 1]]))
-            if s in local
-            else _Absent(s)
-            for s in range(len(self.balance))
-        ]
 
     # ---- who needs what ------------------------------------------------------------------
 
@@ -289,12 +275,11 @@ class DistributedPipe(nn.Module):
         if targets is None:
             raise ValueError(f"{self.layout.label()} holds the last stage and needs targets")
         micro = scatter(targets, self.chunks)
-        local = float(normalizer(targets)) if normalizer else float(batch_size(targets))
-        total = torch.tensor([local], dtype=torch.float64)
+        norm = float(normalizer(targets)) if normalizer else float(batch_size(targets))
         if self.groups.replica is not None:
-            work = dist.all_reduce(total, group=self.groups.replica, async_op=True)
-            wait_work(work, self.timeout, "the all-reduce of the loss normaliser", self.board)
-        norm = float(total[0])
+            norm = all_reduce_sum(
+                norm, self.groups.replica, self.timeout, self.board, "loss normaliser"
+            )
         if not norm > 0:
             raise ValueError(f"the loss normaliser is {norm}; it must be positive")
         if normalizer is None:
@@ -330,7 +315,7 @@ class DistributedPipe(nn.Module):
             self.groups.p2p,
             self.timeout,
             self.board,
-            _comm(self.device),
+            comm_device(self.device),
             seed=seed,
             on_seed=learn_seed,
         )
@@ -360,24 +345,12 @@ class DistributedPipe(nn.Module):
         try:
             return body()
         except BaseException as exc:
-            message = self._failure_message(exc)
-            _clear_frames(exc)  # locals of the failed frames hold requests of the groups
+            message = failure_message(exc, self.layout, self.board)
+            clear_frames(exc)  # locals of the failed frames hold requests of the groups
             self._teardown(message)
             if not isinstance(exc, Exception) or isinstance(exc, RankFailure):
                 raise
             raise RankFailure(message) from exc
-
-    def _failure_message(self, exc: BaseException) -> str:
-        if isinstance(exc, RankFailure):
-            return str(exc)
-        if isinstance(exc, PipelineError):
-            cause = exc.__cause__
-            if isinstance(cause, RankFailure):
-                return str(cause)
-            text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-            where = f"{self.layout.label(exc.stage)} failed on micro-batch {exc.microbatch}"
-            return explain(self.board, f"{where}: {text}")
-        return explain(self.board, f"{self.layout.label()} failed: {type(exc).__name__}: {exc}")
 
     def _teardown(self, message: str) -> None:
         self._broken = message
@@ -393,41 +366,13 @@ class DistributedPipe(nn.Module):
     def _finish(
         self, run: StepRun, started: float, local_loss: torch.Tensor | None
     ) -> torch.Tensor:
-        """Global loss on every rank, and the step's statistics gathered over the pipeline.
-
-        Statistics are per worker (rank of the pipeline), as GPipe's: busy time sums the
-        worker's stages; peak memory is its saved activations (CPU) or allocator peak (CUDA).
-        """
-        loss = torch.zeros(1, dtype=torch.float64)
-        if local_loss is not None:
-            loss[0] = float(local_loss)
-            if self.groups.replica is not None:
-                work = dist.all_reduce(loss, group=self.groups.replica, async_op=True)
-                wait_work(work, self.timeout, "the all-reduce of the loss", self.board)
-        on_cuda = self.device.type == "cuda"
-        worker = self.layout.worker
-        peak = device_peak(self.device) if on_cuda else run.worker_peaks[worker]
-        busy = sum(run.busy[s] for s in self.layout.local_stages)
-        wall = time.perf_counter() - started
-        row = torch.tensor([float(loss[0]), wall, run.span, busy, peak], dtype=torch.float64)
-        rows = [torch.empty_like(row) for _ in range(self.layout.workers)]
-        if self.layout.workers > 1:
-            work = dist.all_gather(rows, row, group=self.groups.pipeline, async_op=True)
-            wait_work(work, self.timeout, "the all-gather of step statistics", self.board)
-        else:
-            rows = [row]
-        table = torch.stack(rows)
-        stats = StepStats.from_timings(
-            wall=float(table[:, 1].max()),
-            span=float(table[:, 2].max()),
-            busy=table[:, 3].tolist(),
-            peaks=[int(p) for p in table[:, 4].tolist()],
-            num_microbatches=self.chunks,
-            memory_kind="cuda_allocator" if on_cuda else "saved_activations",
-        )
-        bubble = expected_bubble(self.layout.workers, self.chunks, self.plan.virtual_stages)
-        self.last_stats = dataclasses.replace(stats, expected_bubble=bubble)
-        return table[self.plan.placement[-1], 0].to(torch.float32)
+        """The global loss on every rank; the step's statistics in ``last_stats``."""
+        local = 0.0 if local_loss is None else float(local_loss)
+        if local_loss is not None and self.groups.replica is not None:
+            local = all_reduce_sum(local, self.groups.replica, self.timeout, self.board, "loss")
+        where = (self.layout, self.plan, self.device, self.groups.pipeline)
+        loss, self.last_stats = gather_step(run, started, local, *where, self.timeout, self.board)
+        return loss
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -442,49 +387,14 @@ class DistributedPipe(nn.Module):
     def save_checkpoint(
         self, directory: str | os.PathLike[str], step: int = 0, extra: dict[str, Any] | None = None
     ) -> None:
-        """Every rank of replica 0 writes its shard; rank 0 commits the manifest."""
-        shards.save(self, directory, step=step, extra=extra)
+        """Collective. Every rank of replica 0 writes its shard; rank 0 commits the manifest."""
+        self._guarded(lambda: shards.save(self, directory, step, extra, group=self.groups.p2p))
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Loads this rank's names from whichever shards hold them; returns the manifest."""
         manifest = shards.read_manifest(directory)
-        state = shards.load(directory, self.state_dict().keys(), device=self.device)
-        self.load_state_dict(state)
+        self.load_state_dict(shards.load(directory, self.state_dict().keys(), self.device))
         return manifest
-
-
-def _clear_frames(exc: BaseException) -> None:
-    """Drops the locals of every frame in ``exc``'s tracebacks (and its causes')."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if current.__traceback__ is not None:
-            traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
-
-
-def init_distributed(backend: str | None = None, timeout: float = 60.0) -> None:
-    """Initialises the default process group from torchrun's environment, if not done yet."""
-    if dist.is_initialized():
-        return
-    import datetime
-
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-
-
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _comm(device: torch.device) -> torch.device:
-    """Where boundary bytes travel from: the device with NCCL, host memory with gloo."""
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _autocast_state(device: torch.device) -> list[tuple[str, torch.dtype]]:

@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from types import FrameType
 from typing import Any
 
@@ -77,6 +78,41 @@ def explain(board: FailureBoard | None, local: str) -> str:
     """The message to raise: the first failure, plus what this rank saw if that differs."""
     first = board.report(local) if board is not None else local
     return first if first == local else f"{first} [then on {board.label}: {local}]"  # type: ignore[union-attr]
+
+
+def failure_message(exc: BaseException, layout: Any, board: FailureBoard | None) -> str:
+    """The one line a failed step raises: the first failure of the run, named by rank and stage.
+
+    ``exc`` is what this rank caught: a :class:`RankFailure` (already explained), a
+    ``PipelineError`` of one of its own actions, or anything else raised during the step.
+    """
+    from giantpipe.pipe.executor import PipelineError  # the executor does not import this
+
+    if isinstance(exc, RankFailure):
+        return str(exc)
+    if isinstance(exc, PipelineError):
+        cause = exc.__cause__
+        if isinstance(cause, RankFailure):
+            return str(cause)
+        text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+        where = f"{layout.label(exc.stage)} failed on micro-batch {exc.microbatch}"
+        return explain(board, f"{where}: {text}")
+    return explain(board, f"{layout.label()} failed: {type(exc).__name__}: {exc}")
+
+
+def clear_frames(exc: BaseException) -> None:
+    """Drops the locals of every frame in ``exc``'s tracebacks (and its causes').
+
+    The locals of a failed step hold communication requests, which keep their process group's
+    connections open; dropping them lets a torn-down group really close.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def wait_work(work: Any, timeout: float, what: str, board: FailureBoard | None) -> None:

@@ -26,9 +26,11 @@ Example::
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -144,3 +146,27 @@ def drop_groups(groups: Groups) -> None:
                 dist.destroy_process_group(group)
             except Exception:  # noqa: BLE001, S110 - already gone with the world
                 pass
+
+
+def init_distributed(backend: str | None = None, timeout: float = 60.0) -> None:
+    """Initialises the default process group from torchrun's environment, if not done yet.
+
+    NCCL where CUDA is available, gloo otherwise (CPU; also what the tests use on loopback).
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def comm_device(device: torch.device) -> torch.device:
+    """Where boundary bytes travel from: the device with NCCL, host memory with gloo."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -24,8 +24,10 @@ Example::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -128,3 +130,36 @@ def materialize(
 
 def _cuda_devices(layer: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in layer.parameters() if p.device.type == "cuda"})
+
+
+class _Absent(nn.Module):
+    """Stands for a stage held by another rank; running it is a bug, said plainly."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: Any) -> Any:
+        raise RuntimeError(f"stage {self.stage} is not held by this rank")
+
+
+def local_stages(
+    model: nn.Sequential,
+    balance: list[int],
+    stages: list[int],
+    device: torch.device,
+    init: LayerInit | None,
+) -> list[nn.Module]:
+    """Materialises ``stages`` of ``model`` cut by ``balance``; one module per stage.
+
+    A held stage is a Sequential keeping its layers' names (so parameter names are the plain
+    model's); any other stage is an :class:`_Absent` placeholder.
+    """
+    bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
+    layers = [i for s in stages for i in range(bounds[s], bounds[s + 1])]
+    materialize(model, layers, device, init)
+    named = list(model.named_children())
+    return [
+        nn.Sequential(OrderedDict(named[bounds[s] : bounds[s + 1]])) if s in stages else _Absent(s)
+        for s in range(len(balance))
+    ]

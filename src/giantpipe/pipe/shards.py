@@ -63,18 +63,24 @@ def _atomic_write_text(text: str, path: Path) -> None:
 
 
 def save(
-    pipe: Any, directory: str | os.PathLike[str], step: int = 0, extra: dict[str, Any] | None = None
+    pipe: Any,
+    directory: str | os.PathLike[str],
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+    group: Any = None,
 ) -> None:
     """Collective: replica 0's ranks write their shards, rank 0 commits the manifest.
 
     ``pipe`` is a :class:`~giantpipe.pipe.distributed.DistributedPipe` (its layout, balance
-    and local state dict are used). ``extra`` (JSON-safe) is stored in the manifest.
+    and local state dict are used). ``extra`` (JSON-safe) is stored in the manifest. The
+    collectives run on ``group`` (default: the world); the pipe passes its own, which a failure
+    tears down, so that no rank is left waiting.
     """
     layout = pipe.layout
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     token = [f"step{step:09d}-{secrets.token_hex(3)}"]
-    dist.broadcast_object_list(token, src=0)  # one name for this save on every rank
+    dist.broadcast_object_list(token, src=0, group=group)  # one name for this save everywhere
     entry = None
     if layout.replica == 0:
         name = f"{token[0]}-rank{layout.rank:05d}.pt"
@@ -87,7 +93,7 @@ def save(
             "names": list(state),
         }
     entries: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(entries, entry)
+    dist.all_gather_object(entries, entry, group=group)
     if layout.rank == 0:
         shards = [e for e in entries if e is not None]
         manifest = {
@@ -105,7 +111,7 @@ def save(
         }
         _atomic_write_text(json.dumps(manifest, indent=1), folder / MANIFEST)
         _remove_stale(folder, {s["file"] for s in shards})
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def _remove_stale(folder: Path, keep: set[str]) -> None:
