@@ -110,15 +110,19 @@ def simulate(
     costs: Sequence[StageCost],
     checkpoint: str = "never",
     overhead: float = 0.0,
+    contention: float = 1.0,
 ) -> Simulation:
     """Runs ``schedule`` against ``costs`` (one per stage) under a re-materialization mode.
 
     ``overhead`` seconds are added to every action (the executor's hand-over and bookkeeping).
+    ``contention``: how much slower an action runs while all K workers run at once than
+    alone (CPU stand-ins share cores and memory bandwidth; 1 for separate devices); with n
+    running, the slowdown is interpolated linearly, 1 + (contention - 1)(n - 1)/(K - 1).
     """
     if len(costs) != schedule.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {schedule.num_stages} stages")
     stop = checkpoint_stop(checkpoint, schedule.num_microbatches)
-    timeline = _timeline(schedule, costs, stop, overhead)
+    timeline = _timeline(schedule, costs, stop, overhead, contention)
     span = max(t.end for t in timeline) - min(t.start for t in timeline)
     busy = [0.0] * schedule.num_workers
     for t in timeline:
@@ -134,61 +138,124 @@ def simulate(
 
 
 def _timeline(
-    schedule: Schedule, costs: Sequence[StageCost], stop: int, overhead: float
+    schedule: Schedule, costs: Sequence[StageCost], stop: int, overhead: float, contention: float
 ) -> list[TimedAction]:
-    """Times every action, taking them in an order where dependencies come first."""
-    placement, last = schedule.placement, schedule.num_stages - 1
-    split = {(a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"}
-    end: dict[Action, float] = {}
-    free = [0.0] * schedule.num_workers
-    timeline: list[TimedAction] = []
-    cursors = [0] * schedule.num_workers
-    while len(timeline) < sum(len(w) for w in schedule.actions):
-        progressed = False
-        for w, worker in enumerate(schedule.actions):
-            while cursors[w] < len(worker):
-                a = worker[cursors[w]]
-                if not all(d in end for d in dependencies(a, schedule.num_stages)):
-                    break
-                cost, replay = costs[a.stage], a.microbatch < stop
-                pre, work, ready = 0.0, 0.0, 0.0
-                if a.kind == "F":
-                    work = cost.forward_no_grad if replay else cost.forward
-                    if a.stage > 0:
-                        ready = end[Action("F", a.stage - 1, a.microbatch)]
-                        ready += _send(costs, placement, a.stage - 1)
-                elif a.kind == "B":
-                    pre = cost.recompute if replay else 0.0
-                    split_b = (a.stage, a.microbatch) in split
-                    work = cost.backward_input if split_b else cost.backward
-                    if a.stage < last:
-                        ready = end[Action("B", a.stage + 1, a.microbatch)]
-                        ready += _send(costs, placement, a.stage)
-                else:
-                    work = cost.weight
-                start = free[w]
-                finish = max(start + pre, ready) + work + overhead
-                timeline.append(
-                    TimedAction(
-                        a,
-                        w,
-                        start if pre else max(start, ready),
-                        finish,
-                        pre + work + overhead,
-                        pre,
-                    )
-                )
-                end[a] = free[w] = finish
-                cursors[w] += 1
-                progressed = True
-        if not progressed:
-            raise ValueError(f"schedule {schedule.name!r} deadlocks")
-    return timeline
+    return _Replay(schedule, costs, stop, overhead, contention).run()
 
 
-def _send(costs: Sequence[StageCost], placement: Sequence[int], stage: int) -> float:
-    """Seconds to cross the boundary after ``stage``; free between stages of one worker."""
-    return costs[stage].send if placement[stage] != placement[stage + 1] else 0.0
+class _Replay:
+    """Event-driven replay. Each worker is idle, replaying a forward ("pre", the opening of a
+    re-materialized B, which needs no gradient) or working; running actions advance at
+    1/slowdown(number running), so workers sharing cores and memory slow each other down only
+    while they really run at the same time."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        costs: Sequence[StageCost],
+        stop: int,
+        overhead: float,
+        contention: float,
+    ) -> None:
+        k = schedule.num_workers
+        self.schedule, self.costs, self.stop, self.overhead = schedule, costs, stop, overhead
+        self.contention = contention
+        self.split = {(a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"}
+        self.end: dict[Action, float] = {}
+        self.cursor, self.phase = [0] * k, [""] * k  # phase: "", "pre" or "work"
+        self.left, self.started, self.busy, self.replayed = (
+            [0.0] * k,
+            [0.0] * k,
+            [0.0] * k,
+            [0.0] * k,
+        )
+        self.pre_done = [False] * k
+        self.t = 0.0
+        self.timeline: list[TimedAction] = []
+
+    def run(self) -> list[TimedAction]:
+        total = sum(len(w) for w in self.schedule.actions)
+        while len(self.timeline) < total:
+            arrivals = self._start_ready()
+            running = [w for w, p in enumerate(self.phase) if p]
+            if not running:
+                if not arrivals:
+                    raise ValueError(f"schedule {self.schedule.name!r} deadlocks")
+                self.t = min(arrivals)
+                continue
+            k = self.schedule.num_workers
+            slowdown = 1.0 + (self.contention - 1.0) * (len(running) - 1) / max(1, k - 1)
+            dt = min(self.left[w] for w in running) * slowdown
+            if arrivals:
+                dt = min(dt, min(arrivals) - self.t)
+            self._advance(running, dt, 1.0 / slowdown)
+        return self.timeline
+
+    def _start_ready(self) -> list[float]:
+        """Starts every phase that can start now; returns the future arrival times awaited."""
+        arrivals: list[float] = []
+        for w, worker in enumerate(self.schedule.actions):
+            if self.phase[w] or self.cursor[w] == len(worker):
+                continue
+            a = worker[self.cursor[w]]
+            cost = self.costs[a.stage]
+            replay = a.microbatch < self.stop
+            if a.kind == "B" and replay and cost.recompute > 0 and not self.pre_done[w]:
+                self._begin(w, "pre", cost.recompute)
+                continue
+            ready = self._arrival(a)
+            if ready is None:
+                continue
+            if ready > self.t:
+                arrivals.append(ready)
+                continue
+            if a.kind == "F":
+                work = cost.forward_no_grad if replay else cost.forward
+            elif a.kind == "B":
+                split = (a.stage, a.microbatch) in self.split
+                work = cost.backward_input if split else cost.backward
+            else:
+                work = cost.weight
+            self._begin(w, "work", work + self.overhead)
+        return arrivals
+
+    def _begin(self, w: int, phase: str, seconds: float) -> None:
+        if not self.pre_done[w]:
+            self.started[w] = self.t
+        self.phase[w], self.left[w] = phase, seconds
+
+    def _arrival(self, a: Action) -> float | None:
+        """When everything ``a`` needs is at its worker; None while something is not done."""
+        ready = 0.0
+        placement = self.schedule.placement
+        for d in dependencies(a, self.schedule.num_stages):
+            if d not in self.end:
+                return None
+            boundary = min(d.stage, a.stage)
+            crossing = placement[d.stage] != placement[a.stage]
+            ready = max(ready, self.end[d] + (self.costs[boundary].send if crossing else 0.0))
+        return ready
+
+    def _advance(self, running: list[int], dt: float, speed: float) -> None:
+        self.t += dt
+        for w in running:
+            self.busy[w] += dt
+            if self.phase[w] == "pre":
+                self.replayed[w] += dt
+            self.left[w] -= dt * speed
+            if self.left[w] > 1e-12 * max(1.0, self.t):
+                continue
+            if self.phase[w] == "pre":
+                self.pre_done[w], self.phase[w] = True, ""
+                continue
+            a = self.schedule.actions[w][self.cursor[w]]
+            self.end[a] = self.t
+            self.timeline.append(
+                TimedAction(a, w, self.started[w], self.t, self.busy[w], self.replayed[w])
+            )
+            self.cursor[w] += 1
+            self.phase[w], self.pre_done[w] = "", False
+            self.busy[w] = self.replayed[w] = 0.0
 
 
 def _peak_activations(schedule: Schedule, costs: Sequence[StageCost], stop: int) -> list[int]:

@@ -60,6 +60,16 @@ def test_recompute_overlaps_the_wait_for_the_gradient() -> None:
     assert last.step_time == pytest.approx(4.0)  # nothing to overlap with
 
 
+def test_contention_slows_only_actions_that_overlap() -> None:
+    # K=2, M=2, F = B = 1, twice as slow when both workers run: F0@0 alone (1), F1@0 with
+    # F0@1 (2), F1@1 alone (1), B1@1 alone (1), B1@0 with B0@1 (2), B0@0 alone (1)
+    costs = [StageCost(1.0, 1.0)] * 2
+    assert simulate(gpipe(2, 2), costs).step_time == pytest.approx(6.0)
+    slowed = simulate(gpipe(2, 2), costs, contention=2.0)
+    assert slowed.step_time == pytest.approx(8.0)
+    assert slowed.busy == [pytest.approx(6.0)] * 2  # busy time includes the slowdown
+
+
 def test_overhead_is_added_to_every_action() -> None:
     sim = simulate(gpipe(1, 3), [StageCost(1.0, 1.0)], overhead=0.1)
     assert sim.step_time == pytest.approx(6 * 1.1)
