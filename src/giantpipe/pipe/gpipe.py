@@ -52,7 +52,7 @@ from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
 from giantpipe.pipe.stats import StepStats
 
 if TYPE_CHECKING:
-    from giantpipe.pipe.stage_profile import Prediction
+    from giantpipe.pipe.predict import Prediction
 
 MOVING_DENIED = TypeError(
     "denied to move parameters and buffers, because GPipe should manage device placement"
@@ -236,7 +236,7 @@ class GPipe(nn.Module):
     ) -> Prediction:
         """The simulator's forecast of ``train_step(inputs, targets, loss_fn)``: step time,
         samples/s, bubble and peak memory per worker, from each stage profiled on one
-        micro-batch (see :mod:`giantpipe.pipe.stage_profile`). Compare with ``last_stats``.
+        micro-batch (see :mod:`giantpipe.pipe.predict`). Compare with ``last_stats``.
 
         Example::
 
@@ -244,7 +244,7 @@ class GPipe(nn.Module):
             pipe.train_step(x, y, nn.functional.cross_entropy)
             print(pred.step_time_s, pipe.last_stats.span_s, pred.bubble, pipe.last_stats.bubble)
         """
-        from giantpipe.pipe.stage_profile import predict  # imports the executor's helpers
+        from giantpipe.pipe.predict import predict  # imported here: it imports the executor
 
         return predict(self, inputs, targets, loss_fn, repeats)
 

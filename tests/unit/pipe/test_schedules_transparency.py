@@ -4,6 +4,8 @@ under every re-materialization mode; and each holds the activations its schedule
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -148,3 +150,22 @@ def test_peak_in_flight_activations_per_stage(k: int) -> None:
     held, zb_bytes = peaks("zb-h1", k, m)
     assert held == [k] * k  # ZB-H1 keeps graphs until W, yet never more than K
     assert zb_bytes == [k * b for b in per_microbatch]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_split_backward_releases_the_graph_after_w(mode: str) -> None:
+    refs: list[weakref.ref] = []
+
+    class Keep(nn.Module):
+        """tanh saves its output for backward: alive exactly as long as the graph is."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.tanh(x)
+            refs.append(weakref.ref(y))
+            return y * 2
+
+    model = nn.Sequential(nn.Linear(4, 4), Keep(), nn.Linear(4, 4), Keep(), nn.Linear(4, 1))
+    pipe = GPipe(model, [2, 3], devices=["cpu"] * 2, chunks=3, checkpoint=mode, schedule="zb-h1")
+    pipe.train_step(torch.randn(6, 4), torch.randn(6, 1), nn.functional.mse_loss)
+    gc.collect()
+    assert refs and all(r() is None for r in refs)

@@ -70,4 +70,6 @@ def test_predict_leaves_gradients_statistics_and_threads_alone() -> None:
         "samples_per_s",
         "bubble",
         "peak_memory_bytes",
+        "contention",
     }
+    assert prediction.contention >= 1.0 and prediction.overhead_s > 0
