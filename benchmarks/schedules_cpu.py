@@ -11,9 +11,10 @@ Every round visits every configuration in turn: ``pipe.predict(x, y, loss)`` (pr
 stages, simulate the schedule), then ``--steps`` timed ``train_step`` calls. This machine is
 shared and noisy, so rounds interleave the configurations and the table reports medians over
 rounds: measured samples/s (batch / wall time of train_step), predicted samples/s (batch /
-simulated step time), their gap, measured and predicted bubble, and the peak activation memory
-of each worker as the executor counts it, measured / predicted. Timelines of the simulated
-steps go to outputs/schedules_cpu/ as PNG.
+simulated step time), the gap between them (the median over rounds of each round's ratio, so
+the load of the moment cancels), measured and predicted bubble, the measured CPU contention, and
+the peak activation memory of each worker as the executor counts it, measured / predicted.
+Timelines of the simulated steps go to outputs/schedules_cpu/ as PNG.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Samples:
     predicted_bubble: list[float] = field(default_factory=list)
     memory: list[int] = field(default_factory=list)
     predicted_memory: list[int] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # per round: predicted / measured - 1
+    contention: list[float] = field(default_factory=list)
 
 
 def mlp(width: int, blocks: int) -> nn.Sequential:
@@ -83,15 +86,20 @@ def visit(pipe: GPipe, x: torch.Tensor, y: torch.Tensor, steps: int, into: Sampl
     into.predicted.append(prediction.step_time_s)
     into.predicted_bubble.append(prediction.bubble)
     into.predicted_memory = prediction.simulation.peak_activation_bytes
+    into.contention.append(prediction.contention)
     pipe.train_step(x, y, loss)
+    walls = []
     for _ in range(steps):
         pipe.zero_grad(set_to_none=True)
         start = time.perf_counter()
         pipe.train_step(x, y, loss)
-        into.measured.append(time.perf_counter() - start)
+        walls.append(time.perf_counter() - start)
         assert pipe.last_stats is not None
         into.bubble.append(pipe.last_stats.bubble)
         into.memory = pipe.last_stats.peak_memory_bytes
+    into.measured += walls
+    # samples/s predicted over measured, within one round: the load of the moment cancels
+    into.gaps.append(statistics.median(walls) / prediction.step_time_s - 1)
 
 
 def run(setup: Setup, checkpoint: str, out: Path) -> dict[tuple[str, int], Samples]:
@@ -113,9 +121,10 @@ def run(setup: Setup, checkpoint: str, out: Path) -> dict[tuple[str, int], Sampl
 def table(setup: Setup, results: dict[tuple[str, int], Samples]) -> str:
     mib = 2**20
     lines = [
-        "| schedule | M | measured samples/s | predicted samples/s | gap | measured bubble "
-        "| predicted bubble | peak act. MiB per worker (measured / predicted) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | M | measured samples/s | predicted samples/s | gap (paired) "
+        "| measured bubble | predicted bubble | contention "
+        "| peak act. MiB per worker (measured / predicted) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (s, m), r in results.items():
         measured = setup.batch / statistics.median(r.measured)
@@ -124,9 +133,9 @@ def table(setup: Setup, results: dict[tuple[str, int], Samples]) -> str:
             f"{a / mib:.1f} / {b / mib:.1f}" for a, b in zip(r.memory, r.predicted_memory)
         )
         lines.append(
-            f"| {s} | {m} | {measured:.0f} | {predicted:.0f} | {predicted / measured - 1:+.1%} "
+            f"| {s} | {m} | {measured:.0f} | {predicted:.0f} | {statistics.median(r.gaps):+.1%} "
             f"| {statistics.median(r.bubble):.3f} | {statistics.median(r.predicted_bubble):.3f} "
-            f"| {mem} |"
+            f"| {statistics.median(r.contention):.2f} | {mem} |"
         )
     return "\n".join(lines)
 

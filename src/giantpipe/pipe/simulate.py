@@ -5,7 +5,8 @@ order; an action starts when its worker is free and its inputs have arrived) and
 step time, the bubble and the peak memory of each worker. The costs come from a profile of the
 real model on the real device (:func:`giantpipe.pipe.stage_profile.profile_stages`, or
 ``pipe.predict(x, y, loss_fn)``) or from a FLOP-and-byte model of a device (the planner,
-:mod:`giantpipe.plan`).
+:mod:`giantpipe.plan`). Where workers share hardware (CPU stand-ins share cores and memory
+bandwidth), ``contention`` slows the actions down while, and only while, they overlap.
 
 How each action is timed, for stage s of micro-batch m (stage s on worker placement[s])::
 
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from giantpipe.pipe.checkpoint import checkpoint_stop
 from giantpipe.pipe.schedule import Action, Schedule, dependencies, gpipe
 
-__all__ = ["Simulation", "StageCost", "TimedAction", "gpipe", "simulate"]
+__all__ = ["Simulation", "StageCost", "TimedAction", "gpipe", "simulate"]  # gpipe: for examples
 
 
 @dataclass(frozen=True)
