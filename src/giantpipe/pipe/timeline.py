@@ -50,7 +50,7 @@ def plot_timeline(sim: Simulation, path: str | Path, title: str | None = None) -
 
     k = sim.schedule.num_workers
     fig, ax = plt.subplots(
-        figsize=(max(6.0, min(24.0, len(sim.timeline) / k * 0.35)), 0.6 * k + 1.2)
+        figsize=(max(6.0, min(24.0, len(sim.timeline) / k * 0.35)), 0.6 * k + 1.4)
     )
     for t in sim.timeline:
         kind, m = t.action.kind, t.action.microbatch
@@ -78,12 +78,7 @@ def plot_timeline(sim: Simulation, path: str | Path, title: str | None = None) -
     legend = [Patch(color=c, label=n) for n, c in COLORS.items()]
     legend.append(Patch(facecolor="0.8", hatch="//", label="recompute"))
     ax.legend(
-        handles=legend,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.12 - 0.3 / k),
-        fontsize=7,
-        ncols=4,
-        frameon=False,
+        handles=legend, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False
     )
     ax.set_title(
         title or f"{sim.schedule.name}: step {sim.step_time:.3g}s, bubble {sim.bubble:.1%}"
