@@ -6,20 +6,20 @@ very same ``StepRun`` drives one rank of a distributed pipeline:
 
 - ``put`` of a key whose consumer stage lives on another rank is an asynchronous send
   (``isend``): the rank computes on while the bytes travel;
-- at the start of the step, this rank posts a receive for the header of every key it will get
-  from another rank (it knows them from its list of actions). As soon as a header is in, the
-  receives for exactly the announced bytes are posted (:mod:`giantpipe.pipe.wire`); ``get`` then
-  waits for the rest. Headers are checked between actions ("pumped"), so the bytes of the next
-  activation flow while the current micro-batch computes::
+- from each peer, messages are taken in the order the peer sent them: a header (which names
+  the key and describes the value, :mod:`giantpipe.pipe.wire`), then exactly the announced
+  bytes. A value that arrives before it is needed waits in the mailbox; ``get`` of a value not
+  yet in takes the peer's messages until it is. Headers are checked between actions ("pumped")
+  and their bytes' receives posted at once, so the next activation flows while the current
+  micro-batch computes::
 
       rank 0 | F0 isend(act1,0)  F1 isend(act1,1)  F2 ...
       rank 1 |    hdr0 -> irecv bytes0 | get(act1,0) F0 (hdr1 in: irecv bytes1) | get(act1,1) F1
 
   Everything runs on the rank's main thread (gloo's own I/O thread moves the bytes): no Python
-  thread hand-offs, which on a loaded machine cost milliseconds each.
-
-Messages of one key share a tag, ((m * stages + stage) * 2 + kind); gloo matches the messages
-of a (peer, tag) pair in order, so a header and its bytes cannot be mixed up with another key's.
+  thread hand-offs, which on a loaded machine cost milliseconds each. Taking messages in the
+  sender's order needs no tags (NCCL has none) and cannot deadlock: a rank only ever waits for
+  messages its peer has already committed to sending before the one it needs.
 
 A receive that fails names its peer: a closed connection ("rank 1 (stage 1) is gone"), or a wait
 longer than ``timeout`` ("rank 0 (stage 0) timed out after 60s waiting for the gradient of
@@ -38,7 +38,6 @@ Example (on each rank, inside a process group)::
 from __future__ import annotations
 
 import datetime
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,15 +57,10 @@ from giantpipe.pipe.wire import (
     encode,
     extra_words,
     header,
+    key_of,
     seed_of,
     words_of,
 )
-
-
-def tag_of(key: Key, num_stages: int) -> int:
-    """The p2p tag of a key: distinct per (kind, stage, micro-batch) within a step."""
-    kind, stage, m = key
-    return (m * num_stages + stage) * 2 + (0 if kind == "act" else 1)
 
 
 def describe(key: Key) -> str:
@@ -92,15 +86,22 @@ def expected_receives(actions: Sequence[Action], layout: Layout) -> dict[int, li
 
 
 @dataclass
-class _Incoming:
-    """One key on its way in: the header receive, then the receives of its bytes."""
+class _Stream:
+    """Messages from one peer in this step: the keys still to come, the pending header."""
 
     peer: int
-    head: torch.Tensor
-    head_work: Any
-    value: Any = None
+    waiting_for: list[Key]  # in the order this rank needs them (the peer's may differ)
+    head: torch.Tensor | None = None
+    head_work: Any = None
+
+
+@dataclass
+class _Arrived:
+    """A value whose header is in; its bytes are on their way (or in)."""
+
+    peer: int
+    value: Any
     works: list[Any] = field(default_factory=list)
-    posted: bool = False
 
 
 class P2PMailbox(Mailbox):
@@ -125,8 +126,9 @@ class P2PMailbox(Mailbox):
         self.layout, self.group, self.wait_timeout, self.board = layout, group, timeout, board
         self.comm_device = comm_device or torch.device("cpu")
         self.seed, self.on_seed = seed, on_seed
-        self._incoming: dict[Key, _Incoming] = {}
-        self._queues: list[deque[Key]] = []  # per peer, keys whose bytes are not yet posted
+        self._streams: dict[int, _Stream] = {}
+        self._source: dict[Key, int] = {}  # remote keys still to be got -> the peer sending it
+        self._arrived: dict[Key, _Arrived] = {}
         self._sends: list[tuple[Key, list[Any], list[torch.Tensor]]] = []
 
     # ---- sending ---------------------------------------------------------------------------
@@ -139,60 +141,73 @@ class P2PMailbox(Mailbox):
         if self.seed is None:
             raise RuntimeError(f"{self.layout.label()} sends before knowing the step seed")
         words, tensors = encode(value)
-        head, extra = header(words, self.seed)
+        head, extra = header(words, self.seed, key)
         messages = [head] + ([extra] if extra is not None else [])
+        messages = [m.to(self.comm_device) for m in messages]
         messages += [as_bytes(t.to(self.comm_device)) for t in tensors if t.numel()]
-        tag = tag_of(key, self.layout.num_stages)
-        works = [dist.isend(msg, dst=dst, group=self.group, tag=tag) for msg in messages]
+        works = [dist.isend(msg, dst=dst, group=self.group) for msg in messages]
         self._sends.append((key, works, messages))  # the bytes stay alive until sent
         self.pump()
 
     # ---- receiving -------------------------------------------------------------------------
 
     def start(self, actions: Sequence[Action]) -> None:
-        """Posts the header receive of every key this rank will get from another rank."""
+        """Posts the first header receive from every peer that will send to this rank."""
         for peer, keys in expected_receives(actions, self.layout).items():
+            stream = _Stream(peer, list(keys))
+            self._next_header(stream)
+            self._streams[peer] = stream
             for key in keys:
-                head = torch.empty(HEADER_WORDS, dtype=torch.int64)
-                tag = tag_of(key, self.layout.num_stages)
-                work = dist.irecv(head, src=peer, group=self.group, tag=tag)
-                self._incoming[key] = _Incoming(peer, head, work)
-            self._queues.append(deque(keys))
+                self._source[key] = peer
 
     def get(self, key: Key) -> Any:
-        incoming = self._incoming.pop(key, None)
-        if incoming is None:
+        peer = self._source.pop(key, None)
+        if peer is None:
             return super().get(key)  # a local key (stage 0's inputs, a stage on this rank)
-        if not incoming.posted:
-            self._post(key, incoming)
-        for work in incoming.works:
-            self._wait(work, incoming.peer, key)
+        stream = self._streams[peer]
+        while key not in self._arrived:
+            self._take_header(stream, waiting_for=key)
+        arrived = self._arrived.pop(key)
+        for work in arrived.works:
+            self._wait(work, peer, key)
         self.pump()
-        return incoming.value
+        return arrived.value
 
     def pump(self) -> None:
-        """Posts the byte receives of every key whose header is in (never blocks)."""
-        for queue in self._queues:
-            while queue:
-                incoming = self._incoming.get(queue[0])
-                if incoming is None or incoming.posted:
-                    queue.popleft()
-                elif incoming.head_work.is_completed():
-                    self._post(queue.popleft(), incoming)
-                else:
-                    break
+        """Takes every header already in and posts its bytes' receives (never blocks)."""
+        for stream in self._streams.values():
+            while stream.head_work is not None and stream.head_work.is_completed():
+                self._take_header(stream, waiting_for=stream.waiting_for[0])
 
-    def _post(self, key: Key, incoming: _Incoming) -> None:
-        peer, tag = incoming.peer, tag_of(key, self.layout.num_stages)
-        self._wait(incoming.head_work, peer, key)
-        self._check_seed(seed_of(incoming.head), key)
+    def _next_header(self, stream: _Stream) -> None:
+        if not stream.waiting_for:
+            stream.head = stream.head_work = None  # nothing more from this peer this step
+            return
+        stream.head = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.comm_device)
+        stream.head_work = dist.irecv(stream.head, src=stream.peer, group=self.group)
+
+    def _take_header(self, stream: _Stream, waiting_for: Key) -> None:
+        """Completes the peer's next header and posts the receives of the bytes it announces."""
+        if stream.head is None:
+            raise RankFailure(f"{self.layout.label()} expected no more messages for {waiting_for}")
+        self._wait(stream.head_work, stream.peer, waiting_for)
+        head = stream.head.cpu()
+        key = key_of(head)
+        if key not in stream.waiting_for:
+            raise RankFailure(
+                explain(self.board, f"{self.layout.label()} got an unexpected message {key}")
+            )
+        stream.waiting_for.remove(key)
+        self._check_seed(seed_of(head), key)
         extra = None
-        if extra_words(incoming.head):
-            extra = torch.empty(extra_words(incoming.head), dtype=torch.int64)
-            self._wait(dist.irecv(extra, src=peer, group=self.group, tag=tag), peer, key)
-        value, buffers = allocate(decode(words_of(incoming.head, extra)), self.comm_device)
-        incoming.works = [dist.irecv(b, src=peer, group=self.group, tag=tag) for b in buffers]
-        incoming.value, incoming.posted = value, True
+        if extra_words(head):
+            extra = torch.empty(extra_words(head), dtype=torch.int64, device=self.comm_device)
+            self._wait(dist.irecv(extra, src=stream.peer, group=self.group), stream.peer, key)
+            extra = extra.cpu()
+        value, buffers = allocate(decode(words_of(head, extra)), self.comm_device)
+        works = [dist.irecv(b, src=stream.peer, group=self.group) for b in buffers]
+        self._arrived[key] = _Arrived(stream.peer, value, works)
+        self._next_header(stream)
 
     def _check_seed(self, seed: int, key: Key) -> None:
         if self.seed is None:
@@ -239,6 +254,6 @@ class P2PMailbox(Mailbox):
     def drop(self) -> None:
         """Forgets every request in flight (so a failed step's groups can be torn down)."""
         self._sends.clear()
-        self._incoming.clear()
-        self._queues.clear()
+        self._streams.clear()
+        self._arrived.clear()
         self.group = None

@@ -5,13 +5,14 @@ A value crossing a stage boundary is a tensor or a tuple of tensors and plain it
 output, padding mask), the gradients coming back (``None`` for an integer mask). Nothing about
 it is fixed between steps, so every message says what follows::
 
-    header  int64[HEADER_WORDS]   [n, seed, d_0 .. d_61]   n words of description, inline
-    extra   int64[n - 62]         d_62 ..                   only when the description is longer
+    header  int64[HEADER_WORDS]   [n, seed, kind, stage, m, d_0 .. d_58]   inline description
+    extra   int64[n - 59]         d_59 ..                   only when the description is longer
     bytes   uint8[nbytes(t_i)]    one message per non-empty tensor, in order
 
-The header also carries the step's dropout seed: it travels down the pipeline with the first
-activation, so no rank needs a broadcast to learn it (and a stale message from another step
-is caught by its seed).
+The header names the value (its mailbox key), so a receiver takes messages in the order the
+sender sent them, whatever order it needs them in. It also carries the step's dropout seed,
+which thus travels down the pipeline with the first activation: no rank needs a broadcast to
+learn it (and a stale message from another step is caught by its seed).
 
 The description is ``[is_tuple, items, item ...]`` with one of these per item::
 
@@ -153,15 +154,20 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-INLINE = HEADER_WORDS - 2
+_FIXED = 5  # [n, seed, kind, stage, micro-batch]
+INLINE = HEADER_WORDS - _FIXED
+KINDS = ("act", "grad")
 
 
-def header(words: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def header(
+    words: list[int], seed: int = 0, key: tuple[str, int, int] = ("act", 0, 0)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fixed-size header message and, for long descriptions, the extra message."""
     head = torch.zeros(HEADER_WORDS, dtype=torch.int64)
     inline = words[:INLINE]
-    head[0], head[1] = len(words), seed
-    head[2 : 2 + len(inline)] = torch.tensor(inline, dtype=torch.int64)
+    kind, stage, m = key
+    head[:_FIXED] = torch.tensor([len(words), seed, KINDS.index(kind), stage, m])
+    head[_FIXED : _FIXED + len(inline)] = torch.tensor(inline, dtype=torch.int64)
     rest = words[INLINE:]
     return head, (torch.tensor(rest, dtype=torch.int64) if rest else None)
 
@@ -169,6 +175,12 @@ def header(words: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor 
 def seed_of(head: torch.Tensor) -> int:
     """The step seed a header carries."""
     return int(head[1])
+
+
+def key_of(head: torch.Tensor) -> tuple[str, int, int]:
+    """The mailbox key (kind, stage, micro-batch) of the value a header announces."""
+    kind, stage, m = head[2:_FIXED].tolist()
+    return KINDS[kind], stage, m
 
 
 def extra_words(head: torch.Tensor) -> int:
@@ -179,7 +191,7 @@ def extra_words(head: torch.Tensor) -> int:
 def words_of(head: torch.Tensor, extra: torch.Tensor | None) -> list[int]:
     """All description words, from the header and the optional extra message."""
     n = int(head[0])
-    words: list[int] = head[2 : 2 + min(n, INLINE)].tolist()
+    words: list[int] = head[_FIXED : _FIXED + min(n, INLINE)].tolist()
     if extra is not None:
         words += extra.tolist()
     return words
