@@ -135,6 +135,19 @@ def test_meta_build_materialises_only_the_local_layers_with_the_plain_values() -
     assert torch.equal(model[2:](x), plain[2:](x))
 
 
+def test_a_model_built_entirely_on_meta_materialises_too() -> None:
+    def small() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+
+    plain = small()
+    init_layers(plain, seed=2)
+    with torch.device("meta"):
+        model = small()
+    materialize(model, [1, 2], torch.device("cpu"), seeded_init(2))
+    for name, value in model[1:].state_dict().items():
+        assert torch.equal(value, plain[1:].state_dict()[name]), name
+
+
 def test_seeded_init_does_not_disturb_the_callers_random_stream() -> None:
     model = build()
     torch.manual_seed(0)

@@ -92,7 +92,12 @@ class DistributedPipe(nn.Module):
         seed: initialisation seed of the layers (see :mod:`giantpipe.pipe.materialize`).
         init: ``init(index, layer)`` for meta layers; default: ``seeded_init(seed)``; None to
             leave them uninitialised (load a checkpoint right after).
+        deferred_batch_norm: BatchNorm running statistics once per mini-batch, as GPipe's.
         timeout: seconds any wait for another rank may take before the run fails.
+        bucket_mb: size of the gradient buckets all-reduced over replicas.
+        overlap_grad_sync: start a bucket's all-reduce inside the backward (else at the end).
+
+    The replicas R are the world size over the K pipeline ranks the schedule needs.
     """
 
     def __init__(

@@ -104,7 +104,10 @@ def materialize(
     """Gives ``layers`` of ``model`` real parameters on ``device``; others stay as they are.
 
     Parameters already real are moved; meta ones are allocated and must be set by ``init``
-    (or by a state dict loaded right after, when ``init`` is None).
+    (or by a state dict loaded right after, when ``init`` is None). Meta buffers (a model built
+    entirely under ``torch.device("meta")``) are allocated too, and only ``reset_parameters``
+    / ``reset_running_stats`` or a state dict can fill them: a buffer computed in ``__init__``
+    (a position table) needs :func:`build_on_meta`, which keeps buffers real.
     """
     for index in layers:
         layer = model[index]
@@ -122,7 +125,12 @@ def materialize(
                     )
                     made[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
                 module._parameters[name] = made[id(param)]  # noqa: SLF001
-        layer.to(device)  # buffers (and anything left)
+        for module in layer.modules():
+            for name, buf in list(module._buffers.items()):  # noqa: SLF001
+                if buf is not None and buf.device.type == "meta":  # built under device("meta")
+                    module._buffers[name] = torch.empty_like(buf, device=device)  # noqa: SLF001
+                    fresh = True
+        layer.to(device)  # real buffers (and anything left)
         if fresh and init is not None:
             with torch.no_grad():
                 init(index, layer)
