@@ -53,7 +53,7 @@ def test_four_stages_every_schedule(tmp_path: Path) -> None:
     assert covered(results) == set(registered_schedules())
 
 
-def test_two_stages_times_two_replicas_with_global_clipping(tmp_path: Path) -> None:
+def test_two_stages_times_two_replicas_clipping_and_accumulation(tmp_path: Path) -> None:
     results = spawn(
         "tests.distributed.workers:several",
         world=4,
@@ -70,8 +70,10 @@ def test_two_stages_times_two_replicas_with_global_clipping(tmp_path: Path) -> N
                 },
             ),
             ("clipping", {"workers": 2}),
+            ("accumulation", {"workers": 2}),
         ],
     )
     assert all("R=2" in what for what, _ in results[0]["equivalence"]["checked"])
     norms = {round(r["clipping"]["norm"], 5) for r in results}
     assert len(norms) == 1  # every rank of every replica clipped by the same global norm
+    assert all(r["accumulation"]["checked"] > 0 for r in results)

@@ -67,9 +67,11 @@ def reference(
     seed: int,
     loss_fn: Callable = nn.functional.cross_entropy,
     normalizer: Callable | None = None,
+    accumulate: bool = False,
 ) -> tuple[nn.Sequential, float]:
-    """The plain model over every replica's shard, micro-batch by micro-batch."""
-    plain = copy.deepcopy(model)
+    """The plain model over every replica's shard, micro-batch by micro-batch (on a copy, or
+    on ``model`` itself with ``accumulate``)."""
+    plain = model if accumulate else copy.deepcopy(model)
     handles = install_rng_hooks(plain)
     if normalizer is None:
         total = float(sum(batch_size(y) for _, y in shards))
@@ -184,6 +186,22 @@ def equivalence(
                     assert pipe.sync.early == len(pipe.sync.buckets) > 1, what
                 checked.append((what, n))
     return {"checked": checked}
+
+
+def accumulation(tmp: Path, workers: int, steps: int = 2) -> dict[str, Any]:
+    """Gradients of several steps accumulate in p.grad exactly as in the plain model."""
+    replicas = dist.get_world_size() // workers
+    plain = copy.deepcopy(plain_model(4))
+    balance = solve_balance([1.0] * len(plain), workers)
+    pipe = DistributedPipe(model_fn(4), balance, chunks=2, seed=INIT, timeout=20)
+    for step in range(steps):
+        inputs, target = toy_data(step)
+        shards = [(shard(inputs, r, replicas), shard(target, r, replicas)) for r in range(replicas)]
+        reference(plain, shards, 2, step_seed(SEED + step), accumulate=True)
+        x, y = shards[pipe.replica]
+        torch.manual_seed(SEED + step)
+        pipe.train_step(x, y, nn.functional.cross_entropy)  # no zero_grad in between
+    return {"checked": assert_matches(pipe, plain, f"{steps} accumulated steps", buffers=False)}
 
 
 def clipping(tmp: Path, workers: int, max_norm: float = 0.05) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class GradientSync:
         self._next = 0  # buckets start in order: the next one to start
         self._works: list[tuple[Any, torch.Tensor]] = []
         self._late: list[str] = []
+        self._held: dict[int, torch.Tensor] = {}
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b
         ]
@@ -67,6 +68,14 @@ class GradientSync:
         self.early = 0  # buckets of the last step started from inside the backward
 
     def begin(self) -> None:
+        """Before a step's actions. Gradients already in ``p.grad`` (accumulation over several
+        steps) are set aside: they are already summed, only this step's part is all-reduced."""
+        self._held = {}
+        for bucket in self.buckets:
+            for p in bucket:
+                if p.grad is not None:
+                    self._held[id(p)] = p.grad
+                    p.grad = None
         self.early = 0
         self._counts.clear()
         self._ready = [0] * len(self.buckets)
@@ -111,18 +120,21 @@ class GradientSync:
             wait_work(work, self.timeout, f"the all-reduce of gradient bucket {index}", self.board)
             offset = 0
             for p in self.buckets[index]:
-                n = p.numel()
-                chunk = flat[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
+                total = flat[offset : offset + p.numel()].view_as(p)
+                held = self._held.pop(id(p), None)
+                if held is not None:
+                    p.grad = held.add_(total)
+                elif p.grad is None:
+                    p.grad = total.clone()
                 else:
-                    p.grad.copy_(chunk)
-                offset += n
+                    p.grad.copy_(total)
+                offset += p.numel()
         self._works.clear()
 
     def drop(self) -> None:
         """Forgets the all-reduces in flight and the group (after a failure)."""
         self._works.clear()
+        self._held.clear()
         self.group = None
 
     def close(self) -> None:
