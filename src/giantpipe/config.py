@@ -414,6 +414,212 @@ class TensorDataConfig:
         _check_choice(self.loss, ("cross_entropy", "mse"), "data.loss")
 
 
+# ------------------------------------------------------------------- transformer, translation
+
+FFN_INIT_SCALES = ("sqrt", "linear")
+LOGIT_CLIP_MODES = ("tanh", "clamp")
+
+
+def _check_stabilizers(ffn_init_scale: Any, logit_clip: float | None, mode: str) -> None:
+    """The paper's two stabilizers of deep Transformers (models.transformer_layers)."""
+    ok = ffn_init_scale is None or ffn_init_scale in FFN_INIT_SCALES
+    ok = ok or (isinstance(ffn_init_scale, int | float) and ffn_init_scale > 0)
+    _check(ok, "model.ffn_init_scale", f"must be null, sqrt, linear or > 0; got {ffn_init_scale!r}")
+    if logit_clip is not None:
+        _check(logit_clip > 0, "model.logit_clip", f"must be > 0 or null, got {logit_clip}")
+    _check_choice(mode, LOGIT_CLIP_MODES, "model.logit_clip_mode")
+
+
+def _check_dropouts(dropout: float, attn_dropout: float) -> None:
+    for key, value in (("model.dropout", dropout), ("model.attn_dropout", attn_dropout)):
+        _check(0.0 <= value < 1.0, key, f"must be in [0, 1), got {value}")
+
+
+@dataclass
+class TransformerTModelConfig:
+    """``models.transformer.transformer_t``: the paper's T(L, H, A) encoder-decoder."""
+
+    _target_: str = "models.transformer.transformer_t"
+    """Builder called with the other fields."""
+    num_layers: int = 6
+    """L: encoder layers, and as many decoder layers (the Sequential has 2L + 2 children)."""
+    ffn_dim: int = 8192
+    """H: feed-forward width."""
+    num_heads: int = 16
+    """A: attention heads (attention width A * head_dim)."""
+    d_model: int = 1024
+    """Model dimension (1024 in the paper's multilingual models)."""
+    head_dim: int = 64
+    """Width of one attention head."""
+    vocab_size: int = 64000
+    """Output classes; the data's shared SentencePiece vocabulary must fit (data.vocab_size)."""
+    max_len: int = 256
+    """Longest sequence (size of the position table)."""
+    dropout: float = 0.1
+    """Dropout on embeddings, residual branches and inside the feed-forward blocks."""
+    attn_dropout: float = 0.0
+    """Dropout on attention weights."""
+    share_embeddings: bool = True
+    """One token table for source and target."""
+    tie_embeddings: bool = False
+    """Reuse the token table as the softmax weight: one parameter in the first and the last
+    child, which the engine does not support, so the runner rejects it (plain-model use only)."""
+    ffn_init_scale: Any = None
+    """Stabilizer 1: multiply feed-forward init by 1/L (``linear``), 1/sqrt(2L) (``sqrt``), a
+    number, or null (off)."""
+    logit_clip: float | None = None
+    """Stabilizer 2: bound |logits| by this threshold (null: off)."""
+    logit_clip_mode: str = "tanh"
+    """``clamp`` (hard clip) or ``tanh`` (soft cap c * tanh(x / c))."""
+    pad_id: int = 0
+    """Padding token id (the data's SentencePiece uses 0)."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "ffn_dim", "num_heads", "d_model", "head_dim", "vocab_size"):
+            _check_min(getattr(self, key), 1, f"model.{key}")
+        _check_min(self.max_len, 2, "model.max_len")
+        _check_dropouts(self.dropout, self.attn_dropout)
+        _check(
+            self.share_embeddings or not self.tie_embeddings,
+            "model.tie_embeddings",
+            "needs model.share_embeddings=true",
+        )
+        _check_stabilizers(self.ffn_init_scale, self.logit_clip, self.logit_clip_mode)
+
+
+@dataclass
+class TransformerLMModelConfig:
+    """``models.transformer_lm.transformer_lm``: the decoder-only Transformer-L of Table 1."""
+
+    _target_: str = "models.transformer_lm.transformer_lm"
+    """Builder called with the other fields."""
+    num_layers: int = 48
+    """L: causal self-attention layers (Table 2 uses 48; Table 1 3 to 1663)."""
+    d_model: int = 2048
+    """Model dimension."""
+    ffn_dim: int = 8192
+    """Feed-forward width."""
+    num_heads: int = 32
+    """Attention heads; d_model must divide evenly."""
+    vocab_size: int = 32000
+    """Vocabulary (untied input embedding and softmax)."""
+    max_len: int = 1024
+    """Longest sequence (size of the position table)."""
+    dropout: float = 0.0
+    """Dropout on embeddings and residual branches."""
+    attn_dropout: float = 0.0
+    """Dropout on attention weights."""
+    ffn_init_scale: Any = None
+    """Feed-forward init scaling (``linear``, ``sqrt``, a number or null)."""
+    logit_clip: float | None = None
+    """Bound |logits| by this threshold (null: off)."""
+    logit_clip_mode: str = "tanh"
+    """``clamp`` or ``tanh``."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "d_model", "ffn_dim", "num_heads", "vocab_size", "max_len"):
+            _check_min(getattr(self, key), 1, f"model.{key}")
+        _check(
+            self.d_model % self.num_heads == 0,
+            "model.num_heads",
+            f"must divide model.d_model ({self.d_model}), got {self.num_heads}",
+        )
+        _check_dropouts(self.dropout, self.attn_dropout)
+        _check_stabilizers(self.ffn_init_scale, self.logit_clip, self.logit_clip_mode)
+
+
+@dataclass
+class TranslationDataConfig:
+    """``giantpipe.data.translation_bundle.translation``: multilingual parallel text."""
+
+    _target_: str = "giantpipe.data.translation_bundle.translation"
+    """Builder called with the other fields (and the run directory)."""
+    train_files: list[str] | None = None
+    """TSV (header row), JSONL or parquet files of (source, target, pair) rows; null: write the
+    generated multilingual corpus into the run directory and train on it."""
+    valid_files: list[str] | None = None
+    """Held-out files for the eval loss and BLEU (needed with train_files)."""
+    source_field: str = "source"
+    """Column of the source sentence."""
+    target_field: str = "target"
+    """Column of the target sentence."""
+    pair_field: str = "pair"
+    """Column naming the language pair, e.g. ``en-de``."""
+    vocab_size: int = 8000
+    """Shared SentencePiece vocabulary size (an upper bound; the model's output size)."""
+    vocab_dir: str | None = None
+    """Where spm.model is trained or reused; null: the run directory (reused on resume)."""
+    max_len: int = 128
+    """Drop training pairs longer than this many tokens (with markers)."""
+    max_tokens: int = 4096
+    """Batch size in tokens: sentences x padded length <= max_tokens."""
+    min_sentences: int = 1
+    """Fewest sentences in a batch (the recipes set it to pipeline.chunks)."""
+    temperature: float = 5.0
+    """Sampling temperature over language pairs: p ~ (n_pair / N)^(1/T)."""
+    generated_languages: int = 3
+    """Generated corpus: languages besides English (pairs en-xx and xx-en)."""
+    generated_train_sizes: list[int] | None = None
+    """Generated corpus: training sentences per language (null: 8000, 2000, 500, ...)."""
+    generated_eval_size: int = 100
+    """Generated corpus: held-out sentences per direction."""
+    generated_seed: int = 0
+    """Generated corpus: seed of the languages and sentences."""
+    bleu_sentences: int | None = 100
+    """Held-out sentences per pair decoded for BLEU at each evaluation (null: all; 0: none)."""
+    beam_size: int = 1
+    """1: greedy decoding; more: beam search with a GNMT length penalty."""
+    length_penalty: float = 0.6
+    """Beam search length penalty alpha."""
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "max_len", "max_tokens", "min_sentences", "beam_size"):
+            _check_min(getattr(self, key), 1, f"data.{key}")
+        _check(self.temperature > 0, "data.temperature", f"must be > 0, got {self.temperature}")
+        _check_min(self.generated_languages, 1, "data.generated_languages")
+        _check_min(self.generated_eval_size, 1, "data.generated_eval_size")
+        if self.bleu_sentences is not None:
+            _check_min(self.bleu_sentences, 0, "data.bleu_sentences")
+        _check(
+            self.max_tokens >= self.min_sentences * 4,
+            "data.max_tokens",
+            f"{self.max_tokens} leaves no room for {self.min_sentences} sentences per batch",
+        )
+
+
+@dataclass
+class LMTokensDataConfig:
+    """``giantpipe.data.lm_tokens.lm_tokens``: generated token sequences for Transformer-L."""
+
+    _target_: str = "giantpipe.data.lm_tokens.lm_tokens"
+    """Builder called with the other fields."""
+    vocab_size: int = 32000
+    """Token ids are drawn below this."""
+    seq_len: int = 1024
+    """Tokens per sequence (the paper's Transformer-L uses 1024)."""
+    batch_size: int = 32
+    """Sequences per mini-batch N."""
+    batches_per_epoch: int = 1000
+    """Nominal epoch length (the stream is endless)."""
+    eval_batches: int = 2
+    """Held-out batches for the eval loss."""
+    branching: int = 4
+    """Each token has this many possible successors, so the loss can fall to ln(branching)."""
+    seed: int = 1234
+    """Seed of the successor table and the held-out batches."""
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "batches_per_epoch", "eval_batches", "branching"):
+            _check_min(getattr(self, key), 1, f"data.{key}")
+        _check_min(self.seq_len, 2, "data.seq_len")
+        _check_min(self.batch_size, 1, "data.batch_size")
+        _check(
+            self.branching <= self.vocab_size,
+            "data.branching",
+            f"must be <= data.vocab_size ({self.vocab_size}), got {self.branching}",
+        )
+
+
 # --------------------------------------------------------------------------- experiment
 
 
@@ -455,6 +661,10 @@ OPTION_SCHEMAS: dict[tuple[str, str], type] = {
     ("model", "base_mlp"): MlpModelConfig,
     ("data", "base_synthetic"): SyntheticDataConfig,
     ("data", "base_tensors"): TensorDataConfig,
+    ("model", "base_transformer_t"): TransformerTModelConfig,
+    ("model", "base_transformer_lm"): TransformerLMModelConfig,
+    ("data", "base_translation"): TranslationDataConfig,
+    ("data", "base_lm_tokens"): LMTokensDataConfig,
 }
 """Schemas of ``_target_`` groups, one per option; an option's yaml lists its schema first."""
 

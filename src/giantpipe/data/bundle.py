@@ -22,6 +22,11 @@ Example::
 For token-level losses (translation), set ``loss_normalizer`` (targets -> number of real tokens,
 then the loss is summed and the engine divides by that number), ``ignore_index`` (the padding id)
 and ``tokens_per_batch`` ((inputs, targets) -> tokens, so metrics report tokens/s).
+
+Figures that need more than the engine's forward (BLEU from decoding held-out sentences) come
+from ``evaluate_model``: at every evaluation the runner calls it with the un-partitioned model
+(the same modules the pipeline trains, EMA weights swapped in when configured) and logs what it
+returns under ``eval/``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 Tensors = Tensor | tuple[Tensor, ...]
 Batch = tuple[Tensors, Tensors]
@@ -59,6 +64,9 @@ class DataBundle:
     """targets -> the number the summed loss is divided by (e.g. non-pad tokens); None: mean."""
     tokens_per_batch: Callable[[Batch], int] | None = None
     """batch -> tokens in it, for tokens/s; None when tokens do not apply."""
+    evaluate_model: Callable[[nn.Sequential], dict[str, float | str]] | None = None
+    """model -> extra evaluation figures (e.g. ``{"bleu": 31.2, "bleu/en-de": 29.8}``); strings
+    (e.g. a sacreBLEU signature) go to the log and the summary, numbers to the metrics too."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

@@ -229,13 +229,18 @@ class SharedVocabulary:
         return list(self.sp.encode(text, out_type=int))
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, stopping at ``</s>`` and skipping padding and ``<s>``."""
+        """Text of ``ids``, stopping at ``</s>`` and skipping padding and ``<s>``.
+
+        Ids past the vocabulary (a model's output layer may be larger than the trained
+        SentencePiece model) read as ``<unk>``.
+        """
         kept = []
+        size = self.vocab_size
         for i in ids:
             if i == self.eos_id:
                 break
             if i not in (self.pad_id, self.bos_id):
-                kept.append(int(i))
+                kept.append(int(i) if 0 <= i < size else self.unk_id)
         return str(self.sp.decode(kept))
 
 
@@ -285,12 +290,14 @@ def example_size(src_ids: Sequence[int], tgt_ids: Sequence[int]) -> int:
 
 
 def token_batches(
-    sizes: Sequence[int], max_tokens: int, rng: np.random.Generator
+    sizes: Sequence[int], max_tokens: int, rng: np.random.Generator, min_sentences: int = 1
 ) -> list[list[int]]:
     """Group example indices into batches of ``len(batch) * max(size) <= max_tokens``.
 
     Length bucketing: sort by size (ties broken randomly), cut greedily, shuffle batch order.
-    Examples larger than ``max_tokens`` are left out.
+    Examples larger than ``max_tokens`` are left out, and so are batches of fewer than
+    ``min_sentences`` examples (a pipeline needs one sentence per micro-batch at least); with
+    every size <= max_tokens // min_sentences only the last, longest batch can be that small.
     """
     order = rng.permutation(len(sizes))
     order = order[np.argsort(np.asarray(sizes)[order], kind="stable")] if len(sizes) else order
@@ -308,6 +315,7 @@ def token_batches(
         longest = max(longest, size)
     if current:
         batches.append(current)
+    batches = [b for b in batches if len(b) >= min_sentences]
     return [batches[i] for i in rng.permutation(len(batches)).tolist()]
 
 
@@ -390,15 +398,22 @@ class MultilingualBatches(Iterator[TranslationBatch]):
         pad_id: int = 0,
         bos_id: int = 2,
         eos_id: int = 3,
+        min_sentences: int = 1,
     ) -> None:
         sizes = {p: [example_size(s, t) for s, t in rows] for p, rows in data.items()}
-        self.pairs = sorted(p for p in data if any(n <= max_tokens for n in sizes[p]))
+        # An example fits when a batch of min_sentences such examples fits in max_tokens.
+        longest = max_tokens // max(min_sentences, 1)
+        fits = {p: sum(n <= longest for n in sizes[p]) for p in data}
+        self.pairs = sorted(p for p in data if fits[p] >= max(min_sentences, 1))
         if not self.pairs:
-            raise ValueError(f"no language pair has an example that fits max_tokens={max_tokens}")
+            raise ValueError(
+                f"no language pair has {min_sentences} example(s) that fit max_tokens={max_tokens}"
+            )
         self.data = {p: data[p] for p in self.pairs}
         self.sizes = {p: sizes[p] for p in self.pairs}
-        fitting = {p: sum(n <= max_tokens for n in sizes[p]) for p in self.pairs}
+        fitting = {p: fits[p] for p in self.pairs}
         self.max_tokens, self.seed, self.special = max_tokens, seed, (pad_id, bos_id, eos_id)
+        self.min_sentences = min_sentences
         probs = temperature_probabilities(fitting, temperature)
         self.probabilities = np.array([probs[p] for p in self.pairs])
         self.step = 0
@@ -410,22 +425,49 @@ class MultilingualBatches(Iterator[TranslationBatch]):
         epoch = self.epoch[pair]
         if self._cache.get(pair, (-1, []))[0] != epoch:
             rng = np.random.default_rng([self.seed, self.pairs.index(pair), epoch])
-            self._cache[pair] = (epoch, token_batches(self.sizes[pair], self.max_tokens, rng))
+            batches = token_batches(self.sizes[pair], self.max_tokens, rng, self.min_sentences)
+            self._cache[pair] = (epoch, batches)
         return self._cache[pair][1]
 
     def next_pair(self) -> str:
         rng = np.random.default_rng([self.seed, 1_000_003, self.step])
         return self.pairs[int(rng.choice(len(self.pairs), p=self.probabilities))]
 
-    def __next__(self) -> TranslationBatch:
+    def _advance(self) -> tuple[str, list[int]]:
+        """The next (pair, example indices), moving the position on by one batch."""
         pair = self.next_pair()
         if self.cursor[pair] >= len(self._batches(pair)):  # start the pair's next epoch
             self.epoch[pair], self.cursor[pair] = self.epoch[pair] + 1, 0
         indices = self._batches(pair)[self.cursor[pair]]
         self.cursor[pair] += 1
         self.step += 1
+        return pair, indices
+
+    def __next__(self) -> TranslationBatch:
+        pair, indices = self._advance()
         pad_id, bos_id, eos_id = self.special
         return collate([self.data[pair][i] for i in indices], pair, pad_id, bos_id, eos_id)
+
+    def skip(self, count: int) -> None:
+        """Move on by ``count`` batches without building them (a resume at position ``count``).
+
+        Example::
+
+            stream.skip(1000)      # next(stream) is the batch an unbroken run takes 1001st
+        """
+        for _ in range(count):
+            self._advance()
+
+    def batches_per_epoch(self) -> int:
+        """Batches in one pass over every pair's (first) epoch: the data set's epoch length."""
+        return sum(
+            len(
+                token_batches(
+                    self.sizes[p], self.max_tokens, np.random.default_rng(0), self.min_sentences
+                )
+            )
+            for p in self.pairs
+        )
 
     def state_dict(self) -> dict:
         """Position of the stream (plain ints, JSON-serialisable)."""

@@ -170,9 +170,15 @@ def beam_search(
     return results
 
 
-def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, str]:
-    """(sacreBLEU corpus score, its signature string) with the default 13a tokenizer."""
-    bleu = BLEU()
+def corpus_bleu(
+    hypotheses: Sequence[str], references: Sequence[str], force: bool = False
+) -> tuple[float, str]:
+    """(sacreBLEU corpus score, its signature string) with the default 13a tokenizer.
+
+    ``force`` silences sacreBLEU's warning about text that looks tokenized (the generated
+    corpus is written with spaces before punctuation); the score is the same either way.
+    """
+    bleu = BLEU(force=force)
     score = bleu.corpus_score(list(hypotheses), [list(references)]).score
     return float(score), str(bleu.get_signature())
 
@@ -189,12 +195,14 @@ class BleuReport:
     generated_tokens: int = 0
 
 
-def _score(hypotheses: dict[str, list[str]], corpus: Corpus) -> tuple[dict[str, float], float, str]:
+def _score(
+    hypotheses: dict[str, list[str]], corpus: Corpus, force: bool = False
+) -> tuple[dict[str, float], float, str]:
     per_pair: dict[str, float] = {}
     signature = ""
     for pair in sorted(hypotheses):
         refs = [t for _, t in corpus[pair]]
-        per_pair[pair], signature = corpus_bleu(hypotheses[pair], refs)
+        per_pair[pair], signature = corpus_bleu(hypotheses[pair], refs, force)
     average = sum(per_pair.values()) / len(per_pair) if per_pair else math.nan
     return per_pair, average, signature
 
@@ -234,6 +242,7 @@ def evaluate_bleu(
     beam_size: int = 1,
     max_tokens: int = 4096,
     length_penalty: float = 0.6,
+    force: bool = False,
 ) -> BleuReport:
     """Translate every pair of ``corpus`` ({pair: [(source, reference)]}) and score it.
 
@@ -252,12 +261,12 @@ def evaluate_bleu(
         )
         hypotheses[pair], generated = hyps, generated + count
     elapsed = time.perf_counter() - start
-    per_pair, average, signature = _score(hypotheses, corpus)
+    per_pair, average, signature = _score(hypotheses, corpus, force)
     speed = generated / elapsed if elapsed > 0 else math.inf
     return BleuReport(per_pair, average, signature, hypotheses, speed, generated)
 
 
-def copy_baseline_bleu(corpus: Corpus) -> BleuReport:
+def copy_baseline_bleu(corpus: Corpus, force: bool = False) -> BleuReport:
     """BLEU of the trivial system that outputs its source unchanged (a floor to beat).
 
     Example::
@@ -265,5 +274,5 @@ def copy_baseline_bleu(corpus: Corpus) -> BleuReport:
         copy_baseline_bleu({"xa-en": [("Anna hanu .", "Anna sees the dog .")]}).average
     """
     hypotheses = {pair: [s for s, _ in examples] for pair, examples in corpus.items()}
-    per_pair, average, signature = _score(hypotheses, corpus)
+    per_pair, average, signature = _score(hypotheses, corpus, force)
     return BleuReport(per_pair, average, signature, hypotheses)

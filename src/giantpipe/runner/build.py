@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,7 +26,12 @@ from giantpipe.runner.ema import WeightEMA
 from giantpipe.runner.losses import LossFn, build_loss
 from giantpipe.runner.lr_schedule import lr_multiplier
 from giantpipe.runner.optim import build_optimizer
-from giantpipe.runner.pipeline import build_pipe, resolve_balance, resolve_devices
+from giantpipe.runner.pipeline import (
+    build_pipe,
+    check_tied_parameters,
+    resolve_balance,
+    resolve_devices,
+)
 from giantpipe.runner.registry import build_from_target
 
 
@@ -70,16 +76,20 @@ def total_steps(cfg: ExperimentConfig, steps_per_epoch: float) -> int:
     return max(1, round((cfg.trainer.max_epochs or 0) * steps_per_epoch))
 
 
-def build_experiment(cfg: ExperimentConfig) -> Experiment:
-    """Devices, data, model, balance, engine, optimizer, schedule, loss and EMA."""
+def build_experiment(cfg: ExperimentConfig, run_dir: Path | None = None) -> Experiment:
+    """Devices, data, model, balance, engine, optimizer, schedule, loss and EMA.
+
+    ``run_dir`` is handed to data builders that keep files there (a trained vocabulary).
+    """
     devices = resolve_devices(cfg.pipeline, torch.cuda.device_count())
-    bundle: DataBundle = build_from_target(cfg.data, "data")
+    bundle: DataBundle = build_from_target(cfg.data, "data", run_dir=run_dir)
     if not isinstance(bundle, DataBundle):
         raise ConfigError("data._target_", "must build a giantpipe.data.bundle.DataBundle")
     model = build_model(cfg)
     sample_inputs, _ = next(bundle.train_batches(cfg.trainer.seed, 0))
     sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
     balance = resolve_balance(cfg.pipeline, model, devices, sample)
+    check_tied_parameters(model, balance)
     pipe = build_pipe(model, cfg.pipeline, balance, devices)
     names = parameter_names(pipe, model)
     optimizer = build_optimizer(names.values(), cfg.optim)

@@ -55,6 +55,23 @@ def atomic_save(obj: Any, path: Path) -> None:
         os.close(dir_fd)
 
 
+def first_names(named: Mapping[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    """One name per parameter: a shared one (e.g. one embedding table for source and target)
+    appears once, under its first name, so the optimizer does not update it twice per step.
+
+    Example::
+
+        first_names({"0.src.weight": w, "0.tgt.weight": w})   # {"0.src.weight": w}
+    """
+    seen: set[int] = set()
+    unique: dict[str, nn.Parameter] = {}
+    for name, param in named.items():
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique[name] = param
+    return unique
+
+
 def parameter_names(pipe: nn.Module, model: nn.Module) -> dict[str, nn.Parameter]:
     """Un-partitioned name -> parameter, for every parameter the engine trains.
 
@@ -68,7 +85,7 @@ def parameter_names(pipe: nn.Module, model: nn.Module) -> dict[str, nn.Parameter
     ]
     for named in candidates:
         if {id(p) for p in named.values()} == live:
-            return named
+            return first_names(named)
     raise RuntimeError("cannot name the engine's parameters; checkpoints need un-partitioned names")
 
 

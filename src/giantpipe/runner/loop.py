@@ -55,6 +55,8 @@ class TrainingLoop:
         self.progress = progress
         self.last_good = last_good
         self.last_eval: dict[str, float] = {}
+        self.eval_notes: dict[str, str] = {}
+        """Text figures of the latest evaluation (e.g. the BLEU signature), for the summary."""
         self.last_line: dict[str, Any] | None = None
         """The latest metrics line written; its loss is the run's final train loss."""
 
@@ -115,17 +117,30 @@ class TrainingLoop:
 
     # -- evaluation and checkpoints ---------------------------------------------------------
 
+    def model_figures(self) -> dict[str, float]:
+        """The bundle's own evaluation of the model (e.g. BLEU); text figures become notes."""
+        hook = self.parts.bundle.evaluate_model
+        if hook is None:
+            return {}
+        figures = hook(self.parts.model)
+        notes = {k: v for k, v in figures.items() if isinstance(v, str)}
+        for key, note in notes.items():
+            log.info("step %d eval %s: %s", self.progress.step, key, note)
+        self.eval_notes.update(notes)
+        return {k: float(v) for k, v in figures.items() if not isinstance(v, str)}
+
     def evaluate(self) -> None:
         parts = self.parts
 
         def run() -> dict[str, float]:
-            return evaluate(
+            figures = evaluate(
                 parts.pipe,
                 parts.bundle,
                 self.cfg.trainer.eval_batches,
                 self.cfg.pipeline.precision,
                 parts.devices,
             )
+            return {**figures, **self.model_figures()}
 
         if parts.ema is not None:
             with parts.ema.swapped():
@@ -176,6 +191,7 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
     if loop.last_line is not None:
         summary["train/loss"] = loop.last_line["loss"]
     summary.update({f"eval/{k}": v for k, v in loop.last_eval.items()})
+    summary.update({f"eval/{k}": v for k, v in loop.eval_notes.items()})
     for key in ("samples_per_s", "tokens_per_s", "step_time_s"):
         if key in figures:
             summary[f"train/{key}"] = figures[key]
@@ -198,7 +214,7 @@ def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, A
     resume_from = resume_checkpoint(cfg.trainer.resume, run_dir)
     check_writable(run_dir)
     seed_everything(cfg.trainer.seed)
-    parts = build_experiment(cfg)
+    parts = build_experiment(cfg, run_dir)
     progress, last_good = Progress(), None
     if resume_from is not None:
         progress = restore_checkpoint(parts, resume_from)

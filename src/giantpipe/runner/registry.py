@@ -49,15 +49,20 @@ def locate(path: str, key: str) -> Callable[..., Any]:
     return target
 
 
-def build_from_target(spec: Any, group: str) -> Any:
+def build_from_target(spec: Any, group: str, **context: Any) -> Any:
     """Call the spec's ``_target_`` with its other fields; ``group`` prefixes error keys.
+
+    ``context`` holds what the run knows and a config cannot say (e.g. ``run_dir``, where a
+    data builder keeps its vocabulary); each item is passed only to builders that name it.
 
     Example::
 
-        bundle = build_from_target(cfg.data, "data")
+        bundle = build_from_target(cfg.data, "data", run_dir=Path("outputs/run"))
     """
     kwargs = spec_to_kwargs(spec)
     target = locate(str(kwargs.pop("_target_", "")), f"{group}._target_")
+    wanted = inspect.signature(target).parameters
+    kwargs.update({k: v for k, v in context.items() if k in wanted and k not in kwargs})
     try:
         # Checked before the call so a config field the builder lacks is reported as a config
         # mistake, while a TypeError raised inside the builder stays a real error.

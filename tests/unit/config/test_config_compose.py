@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from giantpipe.cli import to_experiment
 from giantpipe.config import SCHEMAS, ExperimentConfig, register_configs
-from giantpipe.data.bundle import DataBundle
+from giantpipe.data.bundle import DataBundle, batch_size
 from giantpipe.runner.build import build_model
 from giantpipe.runner.registry import build_from_target
 
@@ -26,8 +26,13 @@ def composed(*overrides: str) -> ExperimentConfig:
         return to_experiment(compose("config", overrides=list(overrides)))
 
 
+TOKEN_MODELS = {"translation": "transformer_t", "lm_tokens": "transformer_lm"}
+
+
 def data_overrides(option: str, tmp_path: Path) -> list[str]:
     """Values only a user can give (a data directory), for the options that need them."""
+    if option in TOKEN_MODELS:  # token data: a model whose interpolations it resolves
+        return [f"model={TOKEN_MODELS[option]}"]
     if option != "tensors":
         return []
     torch.save((torch.randn(128, 16), torch.randint(0, 8, (128,))), tmp_path / "train.pt")
@@ -67,7 +72,7 @@ def test_every_data_target_instantiates(option, tmp_path):
     bundle = build_from_target(cfg.data, "data")
     assert isinstance(bundle, DataBundle)
     inputs, targets = next(bundle.train_batches(0, 0))
-    assert len(inputs) == len(targets)
+    assert batch_size(inputs) == batch_size(targets)  # inputs may be a tuple (source, target in)
 
 
 def test_default_job_is_the_quickstart_on_two_cpu_stand_ins():

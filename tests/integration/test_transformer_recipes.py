@@ -1,0 +1,198 @@
+"""The Transformer recipes through the runner: composition, translation runs, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from giantpipe.cli import to_experiment
+from giantpipe.config import ConfigError, ExperimentConfig, register_configs
+from giantpipe.pipe.microbatch import scatter
+from giantpipe.pipe.rng import install_rng_hooks, rng_context
+from giantpipe.runner import train as train_in_process
+from giantpipe.runner.build import build_experiment, build_model
+from giantpipe.runner.step import accumulate_gradients
+from models.transformer import count_parameters, label_smoothed_cross_entropy
+from tests.integration.test_train_cli import REPO, ok
+from tests.unit.pipe.pipe_helpers import step_seed
+
+CONF = REPO / "conf"
+register_configs()
+
+# The quick start shrunk to seconds: a T(1, 32, 2) on two small generated languages.
+TINY = [
+    "recipe=transformer_quickstart",
+    "model.num_layers=1",
+    "model.ffn_dim=32",
+    "model.num_heads=2",
+    "model.d_model=16",
+    "model.head_dim=8",
+    "data.generated_languages=2",
+    "data.generated_train_sizes=[300,60]",
+    "data.generated_eval_size=6",
+    "data.vocab_size=200",
+    "data.max_tokens=256",
+    "data.bleu_sentences=3",
+    "trainer.log_every=1",
+]
+
+
+def train(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` as test_train_cli runs it, with OpenMP threads that sleep while
+    they wait: on a shared, oversubscribed 2-core machine spinning threads make each tiny op of
+    a T(1, 32, 2) take milliseconds (measured: greedy decoding 6.4 s -> 0.04 s)."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    env.update(WANDB_MODE="offline", OMP_WAIT_POLICY="PASSIVE")
+    command = [sys.executable, str(REPO / "train.py"), *args]
+    return subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def composed(*overrides: str) -> ExperimentConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return to_experiment(compose("config", overrides=list(overrides)))
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """train.py: a 2-step run resumed in its own directory to step 4 (evaluations at 2 and 4);
+    in process: the same 4 steps unbroken (BLEU off: it does not change the training)."""
+    root = tmp_path_factory.mktemp("translation")
+    part, full = root / "part", root / "full"
+    steps = ("trainer.eval_every=2", f"hydra.run.dir={part}")
+    ok(train(*TINY, "trainer.max_steps=2", *steps, cwd=root))
+    spm = part / "spm.model"
+    before = (spm.read_bytes(), spm.stat().st_mtime_ns)
+    resumed = ok(train(*TINY, "trainer.max_steps=4", "trainer.resume=true", *steps, cwd=root))
+    (root / "resume.out").write_text(resumed.stdout + resumed.stderr)
+    assert (spm.read_bytes(), spm.stat().st_mtime_ns) == before, "resume retrained spm.model"
+    unbroken = composed(
+        *TINY, "trainer.max_steps=4", "data.bleu_sentences=0", "logger.progress=none"
+    )
+    train_in_process(unbroken, full, "# unbroken\n")
+    return {"root": root, "full": full, "part": part}
+
+
+def test_every_transformer_recipe_composes_with_its_paper_setting() -> None:
+    quick = composed("recipe=transformer_quickstart")
+    assert (quick.pipeline.devices, quick.pipeline.num_devices) == ("cpu", 2)
+    assert quick.data.train_files is None  # the generated corpus
+    paper = composed("recipe=transformer_translation")
+    m = paper.model
+    assert (m.num_layers, m.ffn_dim, m.num_heads, m.d_model) == (24, 8192, 16, 1024)
+    assert paper.pipeline.num_devices == 4 and paper.optim.schedule.name == "inverse_sqrt"
+    assert (m.ffn_init_scale, m.logit_clip) == ("linear", 20.0)
+    assert paper.data.min_sentences == paper.pipeline.chunks
+    lm = composed("recipe=transformer_lm_scaling", "model.num_layers=48", "pipeline.num_devices=8")
+    assert (lm.model.num_layers, lm.pipeline.num_devices, lm.data.seq_len) == (48, 8, 1024)
+    with torch.device("meta"):
+        assert count_parameters(build_model(lm)) == 50_358_272 * 48 + 131_072_000
+
+
+def test_translation_without_data_files_stops_with_one_line(tmp_path: Path) -> None:
+    result = train("recipe=transformer_translation", cwd=tmp_path)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: data.train_files: data/translation/train.tsv not found")
+    assert "recipe=transformer_quickstart" in lines[0]
+
+
+def test_run_writes_tokens_per_s_and_bleu(runs) -> None:
+    full = runs["part"]  # trained to step 4 over two commands
+    train_lines = records(full, "train")
+    assert [r["step"] for r in train_lines] == [1, 2, 3, 4]
+    assert all(r["tokens_per_s"] > 0 for r in train_lines)
+    evals = records(full, "eval")
+    assert [r["step"] for r in evals] == [2, 4]
+    for line in evals:
+        assert 0.0 <= line["bleu"] <= 100.0 and line["decode_tokens_per_s"] > 0
+        assert {"bleu/en-xa", "bleu/xa-en", "bleu/en-xb", "bleu/xb-en", "bleu_copy"} <= set(line)
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["train/tokens_per_s"] > 0 and "eval/bleu/xb-en" in summary
+    assert "version:" in summary["eval/bleu_signature"]
+    assert (full / "spm.model").is_file() and (full / "corpus" / "train.tsv").is_file()
+
+
+def test_resume_reuses_the_vocabulary_and_continues_the_same_batches(runs) -> None:
+    assert "vocabulary: reusing" in (runs["root"] / "resume.out").read_text()
+    full = {r["step"]: r["loss"] for r in records(runs["full"], "train")}
+    resumed = {r["step"]: r["loss"] for r in records(runs["part"], "train")}
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-5)
+
+
+@pytest.mark.parametrize(("devices", "where"), [(2, "on stages [0, 1]"), (1, "on stage 0")])
+def test_tied_embeddings_are_rejected_naming_both_keys(devices: int, where: str) -> None:
+    cfg = composed(*TINY, "model.tie_embeddings=true", f"pipeline.num_devices={devices}")
+    with pytest.raises(ConfigError) as err:
+        build_experiment(cfg)
+    message = str(err.value)
+    assert message.startswith("pipeline.balance: ") and "\n" not in message
+    assert "model.tie_embeddings=false" in message and "layers [0, 3]" in message
+    assert where in message
+
+
+def test_pipelined_k3_m4_always_dropout_matches_plain_on_real_batches(tmp_path: Path) -> None:
+    cfg = composed(
+        *TINY, "pipeline.num_devices=3", "pipeline.checkpoint=always", "model.dropout=0.2"
+    )
+    torch.manual_seed(0)
+    parts = build_experiment(cfg, run_dir=tmp_path)
+    plain = build_model(cfg)
+    plain.load_state_dict(parts.pipe.state_dict())
+    handles = install_rng_hooks(plain)
+    for position, batch in zip(range(2), parts.bundle.train_batches(0, 0)):  # lengths change
+        (src, tgt_in), target = batch
+        tokens = int(target.ne(0).sum())
+        reference = 0.0
+        seed = step_seed(100 + position)
+        for m, (xm, ym) in enumerate(zip(scatter((src, tgt_in), 4), scatter(target, 4))):
+            with rng_context(seed, m, torch.device("cpu")):
+                part = label_smoothed_cross_entropy(plain(xm), ym, epsilon=0.1)[0] / tokens
+            part.backward()
+            reference += part.item()
+        torch.manual_seed(100 + position)
+        loss, _ = accumulate_gradients(
+            parts.pipe, [batch], parts.loss_fn, parts.bundle.loss_normalizer, "fp32", ["cpu"] * 3
+        )
+        assert loss == pytest.approx(reference, rel=1e-5)
+    for h in handles:
+        h.remove()
+    for (name, p), (_, q) in zip(parts.pipe.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lm_scaling_recipe_runs_a_tiny_transformer_l(tmp_path: Path) -> None:
+    cfg = composed(
+        "recipe=transformer_lm_scaling",
+        "model.num_layers=2",
+        "model.d_model=32",
+        "model.ffn_dim=64",
+        "model.num_heads=2",
+        "data.vocab_size=64",
+        "data.seq_len=16",
+        "data.batch_size=8",
+        "pipeline.chunks=4",
+        "trainer.max_steps=3",
+        "trainer.log_every=1",
+        "logger.progress=none",
+    )
+    summary = train_in_process(cfg, tmp_path, "# test\n")
+    assert summary["train/tokens_per_s"] > 0 and summary["pipeline/balance"] == [2, 2]
+    assert summary["eval/loss"] < 10
