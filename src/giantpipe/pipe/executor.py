@@ -201,7 +201,7 @@ class StepRun:
         train = cfg.grad_enabled
         leaves = _make_leaves(x, first=stage == 0) if train else x
         recompute_later = train and m < cfg.checkpoint_stop
-        meter = StageMeter(exclude=cfg.stages[stage].parameters())
+        meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
         meter.ignore(as_tuple(leaves))  # counted once, as held inputs, below
         with rng_context(cfg.seed, m, device), meter:
             if recompute_later:
@@ -238,7 +238,7 @@ class StepRun:
         cfg = self.cfg
         leaves = self.leaves[stage].pop(m)
         if m < cfg.checkpoint_stop:
-            meter = StageMeter(exclude=cfg.stages[stage].parameters())
+            meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
             meter.ignore(as_tuple(leaves))
             with rng_context(cfg.seed, m, cfg.devices[stage]), recomputing(cfg.stages[stage]):
                 with meter:
@@ -306,17 +306,6 @@ class StepRun:
         released = self.held[stage].pop(m, 0)
         self.live[stage] -= released
         self.worker_live[self.worker_of[stage]] -= released
-
-
-class StageMeter(SavedTensorMeter):
-    """The meter the executor counts activations with; it keeps detached aliases (same
-    storage, no grad_fn) of what autograd saves. Keeping the tensors themselves would tie a
-    saved output to the node that saves it: a cycle through C++ that Python's garbage collector
-    cannot see, so a graph kept with retain_graph (a split backward, until its W) would never
-    be freed."""
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        return super()._pack(tensor).detach()
 
 
 def _backward_input(

@@ -50,7 +50,11 @@ class SavedTensorMeter:
             if key not in self._exclude and key not in self._seen:
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
-        return tensor
+        # Keep a detached alias (same storage and version counter, no grad_fn), not the tensor:
+        # a saved output held by its own node through a hook is a cycle through C++ that
+        # Python's collector cannot see, so a graph retained for a later weight-gradient (W)
+        # would never be freed. (Double backward through metered code is not supported.)
+        return tensor.detach()
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()

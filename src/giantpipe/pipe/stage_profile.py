@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from giantpipe.pipe.checkpoint import recomputing
-from giantpipe.pipe.executor import LossFn, StageMeter, _make_leaves, _pair_gradients
+from giantpipe.pipe.executor import LossFn, _make_leaves, _pair_gradients
+from giantpipe.pipe.memory import SavedTensorMeter
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, nbytes
 from giantpipe.pipe.microbatch import to_device as move
 from giantpipe.pipe.rng import rng_context
@@ -126,7 +127,7 @@ def _profile_stage(
 
     try:
         with recomputing(stage), rng_context(0, 0, device):  # BatchNorm statistics untouched
-            meter = StageMeter(exclude=params)
+            meter = SavedTensorMeter(exclude=params)
             meter.ignore(as_tuple(leaves))
             with meter:
                 y = run()  # the loss too, on the last stage: the executor meters it there
