@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -52,9 +53,11 @@ __all__ = [
     "amoebanetb",
     "amoebanetd",
     "get_genotype",
+    "set_batch_norm",
 ]
 
 Pair = tuple[Tensor, Tensor]
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 Branch = tuple[str, int]  # (op name, index of the input state)
 
 
@@ -497,11 +500,15 @@ def amoebanet(
     num_classes: int = 1000,
     image_size: int = 224,
     drop_path: float = 0.0,
+    bn_momentum: float | None = None,
+    bn_eps: float | None = None,
 ) -> nn.Sequential:
     """Builds AmoebaNet-``genotype`` (L, D) = (num_layers, num_filters) as a flat Sequential of
     num_layers + 6 children. ``image_size`` is the resolution the model is meant for (checked
     to be >= 32); global average pooling lets any input size run. ``drop_path`` > 0 adds
     :class:`DropPath` after every non-identity op of every cell (none by default).
+    ``bn_momentum`` / ``bn_eps`` set every BatchNorm (None: torch's 0.1 / 1e-5); TF's BN decay
+    0.9997 is ``bn_momentum=0.0003`` (torch's momentum is the weight of the NEW statistic).
 
     Example::
 
@@ -532,7 +539,25 @@ def amoebanet(
     layers["reduce4"] = reduce(4 * d)
     layers.update(normals(3, 4 * d))
     layers["classifier"] = Classifier(widths.prev, num_classes)
-    return nn.Sequential(layers)
+    return set_batch_norm(nn.Sequential(layers), bn_momentum, bn_eps)
+
+
+def set_batch_norm(model: ModuleT, momentum: float | None, eps: float | None) -> ModuleT:
+    """Sets momentum and/or eps of every BatchNorm in ``model`` (None leaves it); returns it.
+
+    Example::
+
+        model = set_batch_norm(amoebanetd(3, 16), momentum=0.0003, eps=1e-3)   # TF's BN
+    """
+    if momentum is not None and not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"bn_momentum must be in [0, 1], got {momentum}")
+    if eps is not None and eps <= 0.0:
+        raise ValueError(f"bn_eps must be > 0, got {eps}")
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.momentum = module.momentum if momentum is None else momentum
+            module.eps = module.eps if eps is None else eps
+    return model
 
 
 def amoebanetd(
@@ -541,6 +566,8 @@ def amoebanetd(
     num_classes: int = 1000,
     image_size: int = 224,
     drop_path: float = 0.0,
+    bn_momentum: float | None = None,
+    bn_eps: float | None = None,
 ) -> nn.Sequential:
     """AmoebaNet-D (L, D); see :func:`amoebanet`.
 
@@ -549,7 +576,9 @@ def amoebanetd(
         model = amoebanetd(num_layers=3, num_filters=16, num_classes=10)
         assert len(model) == 3 + 6
     """
-    return amoebanet("D", num_layers, num_filters, num_classes, image_size, drop_path)
+    return amoebanet(
+        "D", num_layers, num_filters, num_classes, image_size, drop_path, bn_momentum, bn_eps
+    )
 
 
 def amoebanetb(
@@ -558,6 +587,8 @@ def amoebanetb(
     num_classes: int = 1000,
     image_size: int = 480,
     drop_path: float = 0.0,
+    bn_momentum: float | None = None,
+    bn_eps: float | None = None,
 ) -> nn.Sequential:
     """AmoebaNet-B (L, D); the paper's ImageNet model is (18, 512) at 480x480. See
     :func:`amoebanet`.
@@ -567,4 +598,6 @@ def amoebanetb(
         model = amoebanetb(num_layers=3, num_filters=16, num_classes=10, image_size=64)
         logits = model(torch.randn(2, 3, 64, 64))       # (2, 10)
     """
-    return amoebanet("B", num_layers, num_filters, num_classes, image_size, drop_path)
+    return amoebanet(
+        "B", num_layers, num_filters, num_classes, image_size, drop_path, bn_momentum, bn_eps
+    )

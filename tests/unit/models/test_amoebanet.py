@@ -179,6 +179,23 @@ def test_bad_arguments_are_named(kwargs: dict[str, int], match: str) -> None:
         amoebanetd(**args)
 
 
+def test_batch_norm_momentum_and_eps_as_tf_sets_them() -> None:
+    default = amoebanetb(num_layers=3, num_filters=8, num_classes=10, image_size=32)
+    tf_like = amoebanetb(3, 8, 10, 32, bn_momentum=3e-4, bn_eps=1e-3)  # TF decay 0.9997
+    norms = [m for m in tf_like.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert norms and all((m.momentum, m.eps) == (3e-4, 1e-3) for m in norms)
+    assert all(
+        (m.momentum, m.eps) == (0.1, 1e-5)
+        for m in default.modules()
+        if isinstance(m, nn.BatchNorm2d)
+    )
+    assert sum(p.numel() for p in tf_like.parameters()) == sum(
+        p.numel() for p in default.parameters()
+    )
+    with pytest.raises(ValueError, match="bn_momentum"):
+        amoebanetd(3, 8, 10, 32, bn_momentum=1.5)
+
+
 @pytest.mark.slow
 def test_small_amoebanetd_learns_generated_images() -> None:
     from giantpipe.data.images import GeneratedImages, build_image_loader
