@@ -41,7 +41,8 @@ Tensors = Tensor | tuple[Tensor, ...]
 Batch = tuple[Tensors, Tensors]
 
 LOSSES = ("cross_entropy", "mse")
-METRICS = ("accuracy",)
+METRICS = ("accuracy", "top5")
+"""``accuracy``: top-1; ``top5``: top-1 (``accuracy``) and top-5 (``top5``), as ImageNet reports."""
 
 
 @dataclass
@@ -57,7 +58,7 @@ class DataBundle:
     loss: str = "cross_entropy"
     """``cross_entropy`` (class-index targets, last dim of the output is the class) or ``mse``."""
     metric: str | None = "accuracy"
-    """Extra evaluation metric besides the loss: ``accuracy`` or None."""
+    """Extra evaluation metric besides the loss: ``accuracy``, ``top5`` (top-1 and -5) or None."""
     ignore_index: int | None = None
     """Target value left out of the loss and the metric (padding)."""
     loss_normalizer: Callable[[Any], float] | None = None

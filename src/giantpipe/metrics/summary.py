@@ -24,6 +24,7 @@ _LABELS = {
     "train/loss": "train loss (last window)",
     "eval/loss": "eval loss",
     "eval/accuracy": "eval accuracy",
+    "eval/top5": "eval top-5 accuracy",
     "train/samples_per_s": "samples/s",
     "train/tokens_per_s": "tokens/s",
     "train/step_time_s": "step time (s)",

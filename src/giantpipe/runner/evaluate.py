@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.data.bundle import DataBundle, batch_size
-from giantpipe.runner.losses import LossFn, build_loss, count_correct
+from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
 from giantpipe.runner.step import autocast, to_device
 
 
@@ -27,6 +27,7 @@ class Tally:
     weight: float = 0.0
     correct: int = 0
     counted: int = 0
+    correct_top5: int = 0
 
 
 def _add_batch(
@@ -39,9 +40,11 @@ def _add_batch(
     else:  # a mean loss, re-weighted by batch size so an uneven last batch counts fairly
         size = batch_size(targets)
         tally.loss_sum, tally.weight = tally.loss_sum + loss * size, tally.weight + size
-    if bundle.metric == "accuracy":
+    if bundle.metric in ("accuracy", "top5"):
         correct, counted = count_correct(output, targets, bundle.ignore_index)
         tally.correct, tally.counted = tally.correct + correct, tally.counted + counted
+    if bundle.metric == "top5":
+        tally.correct_top5 += count_top_k(output, targets, 5, bundle.ignore_index)
 
 
 @torch.no_grad()
@@ -52,7 +55,8 @@ def evaluate(
     precision: str,
     devices: Sequence[str],
 ) -> dict[str, float]:
-    """Loss (without label smoothing: the plain NLL or MSE) and the bundle's metric."""
+    """Loss (without label smoothing: the plain NLL or MSE) and the bundle's metric
+    (``accuracy``; for ``top5`` both ``accuracy`` and ``top5``)."""
     tally = Tally()
     summed = bundle.loss_normalizer is not None
     loss_fn = build_loss(bundle.loss, 0.0, bundle.ignore_index, summed=summed)
@@ -70,6 +74,8 @@ def evaluate(
     finally:
         pipe.train(was_training)
     figures = {"loss": tally.loss_sum / max(tally.weight, 1e-12)}
-    if bundle.metric == "accuracy":
+    if bundle.metric in ("accuracy", "top5"):
         figures["accuracy"] = tally.correct / max(tally.counted, 1)
+    if bundle.metric == "top5":
+        figures["top5"] = tally.correct_top5 / max(tally.counted, 1)
     return figures

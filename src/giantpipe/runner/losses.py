@@ -57,3 +57,20 @@ def count_correct(output: Tensor, target: Tensor, ignore_index: int | None) -> t
         keep = target != ignore_index
     correct = ((predicted == target) & keep).sum().item()
     return int(correct), int(keep.sum().item())
+
+
+def count_top_k(output: Tensor, target: Tensor, k: int, ignore_index: int | None) -> int:
+    """Targets among the ``k`` highest outputs (k capped at the number of classes), skipping
+    ``ignore_index``: the numerator of top-k accuracy (the denominator is count_correct's).
+
+    Example::
+
+        count_top_k(torch.tensor([[0.1, 0.5, 0.4], [0.8, 0.1, 0.1]]), torch.tensor([2, 1]), 2, None)
+        # 1: class 2 is in the first row's top 2, class 1 not in the second's
+    """
+    k = min(k, output.shape[-1])
+    top = output.topk(k, dim=-1).indices.to(target.device)
+    hit = (top == target.unsqueeze(-1)).any(dim=-1)
+    if ignore_index is not None:
+        hit &= target != ignore_index
+    return int(hit.sum().item())
