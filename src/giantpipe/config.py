@@ -620,6 +620,170 @@ class LMTokensDataConfig:
         )
 
 
+# --------------------------------------------------------------------------- amoebanet, images
+
+
+@dataclass
+class AmoebaNetModelConfig:
+    """``models.amoebanet.amoebanet``: AmoebaNet-D or -B (L, D) as a flat Sequential of L + 6."""
+
+    _target_: str = "models.amoebanet.amoebanet"
+    """Builder called with the other fields."""
+    genotype: str = "D"
+    """``D`` (the paper's speed and size tables) or ``B`` (its ImageNet model)."""
+    num_layers: int = 18
+    """L, normal cells; a multiple of 3."""
+    num_filters: int = 256
+    """D, base filters; a multiple of 8."""
+    num_classes: int = 1000
+    """Classifier outputs (the option yaml takes it from data.num_classes)."""
+    image_size: int = 224
+    """Resolution the model is meant for (>= 32; the option yaml takes it from data.image_size)."""
+    drop_path: float = 0.0
+    """Probability of dropping a cell branch (TF AmoebaNet: keep 0.7, i.e. 0.3)."""
+    bn_momentum: float | None = None
+    """BatchNorm momentum in torch's sense (TF's decay 0.9997 is 0.0003); null: torch's 0.1."""
+    bn_eps: float | None = None
+    """BatchNorm epsilon (TF AmoebaNet: 1e-3); null: torch's 1e-5."""
+
+    def __post_init__(self) -> None:
+        _check_choice(str(self.genotype).upper(), ("D", "B"), "model.genotype")
+        _check(
+            self.num_layers >= 3 and self.num_layers % 3 == 0,
+            "model.num_layers",
+            f"must be a positive multiple of 3, got {self.num_layers}",
+        )
+        _check(
+            self.num_filters >= 8 and self.num_filters % 8 == 0,
+            "model.num_filters",
+            f"must be a positive multiple of 8, got {self.num_filters}",
+        )
+        _check_min(self.num_classes, 1, "model.num_classes")
+        _check_min(self.image_size, 32, "model.image_size")
+        _check(
+            0.0 <= self.drop_path < 1.0,
+            "model.drop_path",
+            f"must be in [0, 1), got {self.drop_path}",
+        )
+        if self.bn_momentum is not None:
+            _check(
+                0.0 <= self.bn_momentum <= 1.0,
+                "model.bn_momentum",
+                f"must be in [0, 1], got {self.bn_momentum}",
+            )
+        if self.bn_eps is not None:
+            _check(self.bn_eps > 0, "model.bn_eps", f"must be > 0, got {self.bn_eps}")
+
+
+def _check_image_batches(image_size: int, batch_size: int, num_classes: int) -> None:
+    _check_min(image_size, 8, "data.image_size")
+    _check_min(batch_size, 1, "data.batch_size")
+    _check_min(num_classes, 2, "data.num_classes")
+
+
+@dataclass
+class GeneratedImagesDataConfig:
+    """``giantpipe.data.image_bundle.generated_images``: learnable textured images, no files."""
+
+    _target_: str = "giantpipe.data.image_bundle.generated_images"
+    """Builder called with the other fields."""
+    image_size: int = 32
+    """Height and width in pixels."""
+    num_classes: int = 10
+    """Classes (each a pattern family, orientation and colour pair)."""
+    train_size: int = 4096
+    """Training images (rendered once at start-up, about 1 ms each at 32 px)."""
+    eval_size: int = 512
+    """Held-out images (rendered from seed + 1, so never training images)."""
+    batch_size: int = 64
+    """Mini-batch size N."""
+    noise: float = 0.08
+    """Pixel noise (higher: harder)."""
+    seed: int = 0
+    """Seed of the images (the batch order follows trainer.seed)."""
+
+    def __post_init__(self) -> None:
+        _check_image_batches(self.image_size, self.batch_size, self.num_classes)
+        _check(
+            self.batch_size <= self.train_size,
+            "data.batch_size",
+            f"must be <= data.train_size ({self.train_size}), got {self.batch_size}",
+        )
+        _check_min(self.eval_size, 1, "data.eval_size")
+        _check_min(self.noise, 0.0, "data.noise")
+
+
+@dataclass
+class RandomImagesDataConfig:
+    """``giantpipe.data.image_bundle.random_images``: random pixels and labels, for speed."""
+
+    _target_: str = "giantpipe.data.image_bundle.random_images"
+    """Builder called with the other fields."""
+    image_size: int = 224
+    """Height and width in pixels."""
+    num_classes: int = 1000
+    """Label range."""
+    batch_size: int = 128
+    """Mini-batch size N."""
+    epoch_size: int = 1281167
+    """Images per "epoch" (ImageNet's), so epoch-valued schedules mean what they would there."""
+    seed: int = 0
+    """Seed of the pixels and labels."""
+
+    def __post_init__(self) -> None:
+        _check_image_batches(self.image_size, self.batch_size, self.num_classes)
+        _check(
+            self.epoch_size >= self.batch_size,
+            "data.epoch_size",
+            f"must be >= data.batch_size ({self.batch_size}), got {self.epoch_size}",
+        )
+
+
+@dataclass
+class ImageFolderDataConfig:
+    """``giantpipe.data.image_bundle.image_folder``: ImageNet-style train/ and val/ folders."""
+
+    _target_: str = "giantpipe.data.image_bundle.image_folder"
+    """Builder called with the other fields."""
+    root: str = "data/imagenet"
+    """Directory with train/<class>/* and val/<class>/* (or parquet files, with source=hf)."""
+    num_classes: int = 1000
+    """Class folders expected (checked against the data; the model reads it)."""
+    image_size: int = 224
+    """Training crop and evaluation crop size in pixels."""
+    batch_size: int = 256
+    """Mini-batch size N."""
+    eval_batch_size: int | None = None
+    """Evaluation batch size (null: data.batch_size)."""
+    source: str = "imagefolder"
+    """``imagefolder`` (torchvision) or ``hf`` (HuggingFace datasets: folders or parquet)."""
+    min_scale: float = 0.08
+    """Smallest area fraction of a random-resized training crop."""
+    hflip: bool = True
+    """Random horizontal flips in training."""
+    cutout: int = 0
+    """Side of the Cutout square in pixels (0: none)."""
+    num_workers: int = 8
+    """Loader worker processes (0: load in the training process)."""
+    cache_dir: str | None = None
+    """HuggingFace datasets cache (source=hf)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.root), "data.root", "must name a directory")
+        _check_image_batches(self.image_size, self.batch_size, self.num_classes)
+        if self.eval_batch_size is not None:
+            _check_min(self.eval_batch_size, 1, "data.eval_batch_size")
+        _check_choice(self.source, ("imagefolder", "hf"), "data.source")
+        _check(
+            0.0 < self.min_scale <= 1.0,
+            "data.min_scale",
+            f"must be in (0, 1], got {self.min_scale}",
+        )
+        _check_min(self.cutout, 0, "data.cutout")
+        _check_min(self.num_workers, 0, "data.num_workers")
+        _check_optional_path(self.cache_dir, "data.cache_dir")
+
+
 # --------------------------------------------------------------------------- experiment
 
 
@@ -665,6 +829,10 @@ OPTION_SCHEMAS: dict[tuple[str, str], type] = {
     ("model", "base_transformer_lm"): TransformerLMModelConfig,
     ("data", "base_translation"): TranslationDataConfig,
     ("data", "base_lm_tokens"): LMTokensDataConfig,
+    ("model", "base_amoebanet"): AmoebaNetModelConfig,
+    ("data", "base_generated_images"): GeneratedImagesDataConfig,
+    ("data", "base_random_images"): RandomImagesDataConfig,
+    ("data", "base_image_folder"): ImageFolderDataConfig,
 }
 """Schemas of ``_target_`` groups, one per option; an option's yaml lists its schema first."""
 

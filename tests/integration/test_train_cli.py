@@ -13,6 +13,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
+    "recipe=mlp_quickstart",  # the default job is the AmoebaNet quick start; these runs use the MLP
     "data.train_size=512",
     "data.eval_size=64",
     "model.depth=3",
@@ -71,7 +72,8 @@ def test_five_step_run_writes_metrics_checkpoint_and_summary(tmp_path: Path):
     assert torch.load(run_dir / "last.pt", weights_only=False)["step"] == 5
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     config = (run_dir / "config.yaml").read_text()
-    assert config.startswith("# overrides: data.train_size=512") and "max_steps: 5" in config
+    assert config.startswith("# overrides: recipe=mlp_quickstart data.train_size=512")
+    assert "max_steps: 5" in config
     assert "in_features: 16" in config  # interpolations resolved
     assert "samples/s" in result.stdout and "bubble, measured" in result.stdout
 
@@ -135,7 +137,10 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     ("args", "expected"),
     [
         (["trainer.foo=1"], "error: trainer.foo: unknown key"),
-        (["model=nonexistent"], "error: model=nonexistent: no such option (available: mlp)"),
+        (
+            ["model=nonexistent"],
+            "error: model=nonexistent: no such option (available: amoebanet_b, amoebanet_d, mlp",
+        ),
         (["trainer.max_steps=ten"], "error: trainer.max_steps: Value 'ten' of type 'str'"),
         (
             ["data=tensors", "data.root=/no/such/dir", "data.features=4", "data.classes=2"],
@@ -144,7 +149,9 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(args, expected, tmp_path: Path):
-    line = one_error_line(train("trainer.max_steps=1", *args, cwd=tmp_path))
+    line = one_error_line(
+        train("recipe=mlp_quickstart", "trainer.max_steps=1", *args, cwd=tmp_path)
+    )
     assert line.startswith(expected)
 
 
@@ -186,8 +193,8 @@ def test_diverging_run_stops_keeps_last_good_checkpoint_and_leaves_a_traceback(t
 
 
 @pytest.mark.slow
-def test_default_job_finishes_and_the_loss_falls(tmp_path: Path):
-    result = ok(train(cwd=tmp_path, timeout=300))
+def test_mlp_quickstart_finishes_and_the_loss_falls(tmp_path: Path):
+    result = ok(train("recipe=mlp_quickstart", cwd=tmp_path, timeout=300))
     (run_dir,) = (tmp_path / "outputs").glob("*/*")
     summary = json.loads((run_dir / "summary.json").read_text())
     first = losses(run_dir)[min(losses(run_dir))]

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from giantpipe.cli import to_experiment
 from giantpipe.config import SCHEMAS, ExperimentConfig, register_configs
 from giantpipe.data.bundle import DataBundle, batch_size
+from giantpipe.data.images import write_image_folder
 from giantpipe.runner.build import build_model
 from giantpipe.runner.registry import build_from_target
 
@@ -26,18 +27,30 @@ def composed(*overrides: str) -> ExperimentConfig:
         return to_experiment(compose("config", overrides=list(overrides)))
 
 
-TOKEN_MODELS = {"translation": "transformer_t", "lm_tokens": "transformer_lm"}
+def recipe_using(group: str, option: str) -> list[str]:
+    """A recipe that picks ``group=option``, so the option's interpolations (a model's
+    ``${data.num_classes}``) resolve against data of the right kind; none: the default job."""
+    for path in sorted((CONF / "recipe").glob("*.yaml")):
+        if f"override /{group}: {option}\n" in path.read_text():
+            return [f"recipe={path.stem}"]
+    return []
 
 
 def data_overrides(option: str, tmp_path: Path) -> list[str]:
     """Values only a user can give (a data directory), for the options that need them."""
-    if option in TOKEN_MODELS:  # token data: a model whose interpolations it resolves
-        return [f"model={TOKEN_MODELS[option]}"]
+    if option == "images_folder":
+        write_image_folder(tmp_path, num_train=16, num_val=4, image_size=32, num_classes=4)
+        return [
+            f"data.root={tmp_path}",
+            "data.num_classes=4",
+            "data.batch_size=4",
+            "data.num_workers=0",
+        ]
     if option != "tensors":
         return []
     torch.save((torch.randn(128, 16), torch.randint(0, 8, (128,))), tmp_path / "train.pt")
     torch.save((torch.randn(8, 16), torch.randint(0, 8, (8,))), tmp_path / "eval.pt")
-    return [f"data.root={tmp_path}", "data.features=16", "data.classes=8"]
+    return ["recipe=mlp_quickstart", f"data.root={tmp_path}", "data.features=16", "data.classes=8"]
 
 
 @pytest.mark.parametrize("recipe", options("recipe"))
@@ -62,13 +75,18 @@ def test_every_fixed_group_option_converts_to_its_schema(group, option):
 
 @pytest.mark.parametrize("option", options("model"))
 def test_every_model_target_instantiates(option):
-    model = build_model(composed(f"model={option}"))
+    cfg = composed(*recipe_using("model", option), f"model={option}")
+    with torch.device("meta"):  # paper-sized models (557M parameters) without allocating them
+        model = build_model(cfg)
     assert isinstance(model, torch.nn.Sequential) and len(model) > 0
 
 
 @pytest.mark.parametrize("option", options("data"))
 def test_every_data_target_instantiates(option, tmp_path):
-    cfg = composed(f"data={option}", *data_overrides(option, tmp_path))
+    overrides = data_overrides(option, tmp_path)
+    if not any(o.startswith("recipe=") for o in overrides):
+        overrides = recipe_using("data", option) + overrides
+    cfg = composed(f"data={option}", *overrides)
     bundle = build_from_target(cfg.data, "data")
     assert isinstance(bundle, DataBundle)
     inputs, targets = next(bundle.train_batches(0, 0))
@@ -80,7 +98,7 @@ def test_default_job_is_the_quickstart_on_two_cpu_stand_ins():
         raw = compose("config")
     assert OmegaConf.get_type(raw) is ExperimentConfig
     cfg = to_experiment(raw)
-    assert cfg.name == "mlp_quickstart"
+    assert cfg.name == "amoebanet_quickstart"
     assert (cfg.pipeline.devices, cfg.pipeline.num_devices) == ("cpu", 2)
 
 

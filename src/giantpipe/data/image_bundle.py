@@ -1,0 +1,328 @@
+"""Image classification DataBundles for the runner: generated, random, and ImageNet-style folders.
+
+Three builders, one per ``data=`` option:
+
+- :func:`generated_images` (``data=images_generated``): learnable textured images rendered from a
+  seed, no files (the quick start);
+- :func:`random_images` (``data=images_random``): random pixels and labels, one fixed batch, for
+  throughput measurements (what torchgpipe's benchmarks call fake data);
+- :func:`image_folder` (``data=images_folder``): ImageNet laid out as ``train/<class>/*`` and
+  ``val/<class>/*`` (or parquet files through HuggingFace ``datasets``), with the paper's
+  training transforms (random-resized crop, flip, optional cutout) and evaluation transforms
+  (resize + center crop), loaded by worker processes into pinned memory when a GPU is present.
+
+Every training stream is a pure function of ``(seed, position)``, random augmentations
+included: batch ``p`` is batch ``p % per_epoch`` of epoch ``p // per_epoch``'s permutation, and
+each image's crop, flip and cutout are drawn from an RNG seeded by (seed, epoch, image index).
+So a resumed run sees exactly the batches an uninterrupted run would have seen.
+
+Example::
+
+    bundle = generated_images(image_size=32, num_classes=10, batch_size=64)
+    images, labels = next(bundle.train_batches(seed=0, position=0))   # (64, 3, 32, 32), (64,)
+
+    bundle = image_folder("data/imagenet", num_classes=1000, image_size=224, batch_size=256)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from giantpipe.config import ConfigError
+from giantpipe.data.bundle import Batch, DataBundle
+from giantpipe.data.images import GeneratedImages, build_image_datasets
+from giantpipe.data.synthetic import epoch_order, sequential_batches, shuffled_batches
+
+__all__ = [
+    "EpochBatches",
+    "SeededTransforms",
+    "generated_images",
+    "image_folder",
+    "random_images",
+    "sample_seed",
+]
+
+METRIC = "top5"
+"""Image bundles report top-1 (``accuracy``) and top-5 (``top5``) accuracy, as the paper does."""
+
+
+# --------------------------------------------------------------------------------------------
+# Generated and random images: tensors in memory.
+# --------------------------------------------------------------------------------------------
+
+
+def render_all(data: GeneratedImages) -> tuple[Tensor, Tensor]:
+    """Every (normalized image, label) of ``data`` stacked into two tensors.
+
+    Example::
+
+        images, labels = render_all(GeneratedImages(size=100, image_size=32))   # (100, 3, 32, 32)
+    """
+    images = torch.empty(len(data), 3, data.image_size, data.image_size)
+    labels = torch.empty(len(data), dtype=torch.int64)
+    for index in range(len(data)):
+        images[index], labels[index] = data[index]
+    return images, labels
+
+
+def generated_images(
+    image_size: int = 32,
+    num_classes: int = 10,
+    train_size: int = 4096,
+    eval_size: int = 512,
+    batch_size: int = 64,
+    noise: float = 0.08,
+    seed: int = 0,
+) -> DataBundle:
+    """Generated textured images (:class:`~giantpipe.data.images.GeneratedImages`), rendered
+    once into memory; held-out images come from ``seed + 1``. Batches are shuffled per epoch by
+    the training seed, the last partial batch of an epoch dropped.
+
+    Example::
+
+        bundle = generated_images(image_size=32, train_size=1024, batch_size=32)
+        bundle.batches_per_epoch       # 32
+    """
+    train_x, train_y = render_all(GeneratedImages(train_size, image_size, num_classes, seed, noise))
+    held_out = GeneratedImages(eval_size, image_size, num_classes, seed + 1, noise)
+    eval_x, eval_y = render_all(held_out)
+    eval_set = sequential_batches(eval_x, eval_y, batch_size)
+    return DataBundle(
+        train_batches=lambda order_seed, position: shuffled_batches(
+            train_x, train_y, batch_size, order_seed, position
+        ),
+        eval_batches=lambda: eval_set,
+        batches_per_epoch=train_size // batch_size,
+        loss="cross_entropy",
+        metric=METRIC,
+    )
+
+
+def random_images(
+    image_size: int = 224,
+    num_classes: int = 1000,
+    batch_size: int = 128,
+    epoch_size: int = 1281167,
+    seed: int = 0,
+) -> DataBundle:
+    """One batch of standard-normal pixels and uniform labels, repeated: nothing to load or
+    learn, so a run measures the model and the pipeline alone. ``epoch_size`` (ImageNet's by
+    default) only sets how many steps an "epoch" is.
+
+    Example::
+
+        bundle = random_images(image_size=224, batch_size=16)
+        images, labels = next(bundle.train_batches(0, 0))       # (16, 3, 224, 224), (16,)
+    """
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
+    labels = torch.randint(num_classes, (batch_size,), generator=generator)
+    batch: Batch = (images, labels)
+    return DataBundle(
+        train_batches=lambda _seed, _position: itertools.repeat(batch),
+        eval_batches=lambda: [batch],
+        batches_per_epoch=max(1, epoch_size // batch_size),
+        loss="cross_entropy",
+        metric=METRIC,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# ImageNet-style folders: resumable, seeded augmentation through worker processes.
+# --------------------------------------------------------------------------------------------
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one image's random transforms in one epoch: a hash, so no two collide.
+
+    Example::
+
+        sample_seed(0, epoch=3, index=17)     # the same number on every machine and worker
+    """
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class EpochBatches(Sampler[list[tuple[int, int]]]):
+    """Endless batches of ``(sample seed, image index)`` from batch ``position`` on.
+
+    Batch ``p`` holds images ``p % per_epoch`` of epoch ``p // per_epoch``'s permutation (the
+    one :func:`giantpipe.data.synthetic.epoch_order` gives), the last partial batch dropped.
+
+    Example::
+
+        batches = iter(EpochBatches(size=1000, batch_size=64, seed=0, position=20))
+        first = next(batches)           # 64 pairs (seed, index) of batch 20 = epoch 1, batch 5
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, position: int) -> None:
+        if size < batch_size:
+            raise ValueError(f"{size} images cannot fill one batch of {batch_size}")
+        self.size, self.batch_size, self.seed, self.position = size, batch_size, seed, position
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        per_epoch = self.size // self.batch_size
+        epoch, index = divmod(self.position, per_epoch)
+        while True:
+            order = epoch_order(self.size, self.seed, epoch).tolist()
+            for batch in range(index, per_epoch):
+                take = order[batch * self.batch_size : (batch + 1) * self.batch_size]
+                yield [(sample_seed(self.seed, epoch, i), i) for i in take]
+            epoch, index = epoch + 1, 0
+
+
+class SeededTransforms(Dataset[Any]):
+    """Reads ``(sample seed, index)``: the wrapped data set's random transforms draw from the
+    torch RNG seeded with the sample seed, so an image's augmentation does not depend on which
+    worker loads it or on what ran before. The caller's RNG state is left untouched.
+
+    Example::
+
+        data = SeededTransforms(ImageFolder("data/imagenet/train", train_transforms(224)))
+        image, label = data[(1234, 0)]      # the same crop every time
+    """
+
+    def __init__(self, data: Dataset[Any]) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        seed, index = item
+        # fork_rng restores the CPU RNG afterwards: loading in the training process
+        # (num_workers=0) must not shift the RNG that dropout and drop-path draw from.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.data[index]
+
+
+def _loader_options(num_workers: int, seed: int) -> dict[str, Any]:
+    # A generator of our own: without one, every new iterator draws its workers' base seed from
+    # the global RNG, and a resumed run would draw at another point than an uninterrupted one.
+    return {
+        "num_workers": num_workers,
+        "pin_memory": torch.cuda.is_available(),
+        "generator": torch.Generator().manual_seed(seed),
+    }
+
+
+def train_stream(
+    data: Dataset[Any], batch_size: int, seed: int, position: int, num_workers: int
+) -> Iterator[Batch]:
+    """Endless augmented training batches from batch ``position`` (see :class:`EpochBatches`).
+
+    Example::
+
+        stream = train_stream(train_set, batch_size=256, seed=0, position=0, num_workers=8)
+        images, labels = next(stream)
+    """
+    sampler = EpochBatches(len(data), batch_size, seed, position)  # type: ignore[arg-type]
+    loader = DataLoader(
+        SeededTransforms(data), batch_sampler=sampler, **_loader_options(num_workers, seed)
+    )
+    return iter(loader)
+
+
+def missing_data(path: Path) -> ConfigError:
+    """The one-line error for a missing data directory: where ImageNet goes, and the way out."""
+    return ConfigError(
+        "data.root",
+        f"no image data at {path.resolve()}: put ImageNet there as train/ and val/ class folders "
+        "(train/<class>/*.JPEG, val/<class>/*.JPEG) or point data.root=DIR at them; to try "
+        "giantpipe without ImageNet, run the quick start on generated images: python train.py",
+    )
+
+
+def check_image_root(root: Path, source: str) -> None:
+    """Raise :func:`missing_data` unless ``root`` has train/ and val/ (or, for ``hf``, parquet
+    files, whose paths say train / val)."""
+    if not root.is_dir():
+        raise missing_data(root)
+    if source == "hf" and any(root.rglob("*.parquet")):
+        return
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise missing_data(root / split)
+
+
+def _check_classes(data: Dataset[Any], num_classes: int, root: Path) -> None:
+    classes = list(getattr(data, "classes", []))
+    if len(classes) != num_classes:
+        raise ConfigError(
+            "data.num_classes",
+            f"is {num_classes} but {root} holds {len(classes)} classes; set "
+            f"data.num_classes={len(classes)}",
+        )
+
+
+def image_folder(
+    root: str,
+    num_classes: int = 1000,
+    image_size: int = 224,
+    batch_size: int = 256,
+    eval_batch_size: int | None = None,
+    source: str = "imagefolder",
+    min_scale: float = 0.08,
+    hflip: bool = True,
+    cutout: int = 0,
+    num_workers: int = 8,
+    cache_dir: str | None = None,
+) -> DataBundle:
+    """ImageNet-style data from ``root``: ``train/`` and ``val/`` class folders read by
+    torchvision's ImageFolder (``source="imagefolder"``) or by HuggingFace ``datasets``
+    (``source="hf"``: the same folders, or parquet files). Training batches are augmented
+    (random-resized crop to ``image_size`` with area fraction >= ``min_scale``, flip, cutout),
+    evaluation batches resized by 256/224 and center-cropped. ``num_classes`` is checked.
+
+    Example::
+
+        bundle = image_folder("data/imagenet", num_classes=1000, image_size=480,
+                              batch_size=256, num_workers=16)
+    """
+    if source not in ("imagefolder", "hf"):
+        raise ConfigError("data.source", f"must be imagefolder or hf, got {source!r}")
+    directory = Path(root).expanduser()
+    check_image_root(directory, source)
+    try:
+        train, val = build_image_datasets(
+            directory,
+            image_size,
+            (min_scale, 1.0),
+            hflip,
+            cutout,
+            source,  # type: ignore[arg-type]
+            cache_dir,
+        )
+    except FileNotFoundError as err:  # e.g. class folders without images
+        raise ConfigError("data.root", f"{directory}: {err}") from err
+    _check_classes(train, num_classes, directory)
+    size: int = len(train)  # type: ignore[arg-type]
+    if size < batch_size:
+        raise ConfigError(
+            "data.batch_size", f"{batch_size} exceeds the {size} training images in {directory}"
+        )
+    eval_loader = DataLoader(
+        val,
+        batch_size=eval_batch_size or batch_size,
+        shuffle=False,
+        persistent_workers=num_workers > 0,
+        **_loader_options(num_workers, 0),
+    )
+    return DataBundle(
+        train_batches=lambda seed, position: train_stream(
+            train, batch_size, seed, position, num_workers
+        ),
+        eval_batches=lambda: eval_loader,
+        batches_per_epoch=size // batch_size,
+        loss="cross_entropy",
+        metric=METRIC,
+    )
