@@ -255,8 +255,14 @@ class TrainerConfig:
     """Cross-entropy label smoothing."""
     ema_decay: float | None = None
     """Keep an exponential moving average of the weights with this decay; evaluate with it."""
+    init_from: str | None = None
+    """Fine-tune: start from this checkpoint's weights (its EMA when it kept one), loading every
+    tensor whose name and shape match; the rest (a classifier for another number of classes)
+    keep their fresh initialization. Optimizer, step and data position start anew. Ignored when
+    resuming (trainer.resume), which restores the run's own checkpoint."""
 
     def __post_init__(self) -> None:
+        _check_optional_path(self.init_from, "trainer.init_from")
         _check(
             (self.max_steps is None) != (self.max_epochs is None),
             "trainer.max_steps",

@@ -27,6 +27,7 @@ from giantpipe.metrics.summary import format_table, write_summary
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.checkpoint import atomic_save
 from giantpipe.runner.evaluate import evaluate
+from giantpipe.runner.init_weights import load_initial_weights
 from giantpipe.runner.run_dir import LAST, check_writable, resume_checkpoint, save_config
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.state import Progress, capture, restore_checkpoint
@@ -219,6 +220,8 @@ def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, A
     if resume_from is not None:
         progress = restore_checkpoint(parts, resume_from)
         last_good = (resume_from, progress.step)
+    elif cfg.trainer.init_from is not None:  # fine-tune: weights only, a fresh run otherwise
+        load_initial_weights(parts, Path(cfg.trainer.init_from).expanduser())
     # -- checked: from here on the run writes into run_dir -----------------------------------
     if resume_from is not None:
         truncate_after_step(run_dir / "metrics.jsonl", progress.step)

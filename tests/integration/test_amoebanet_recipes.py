@@ -1,0 +1,176 @@
+"""The AmoebaNet recipes end to end: composition, the ImageNet recipe without and with (tiny,
+generated) data, fine-tuning to another class count, and the quick start as a new user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from giantpipe.cli import to_experiment
+from giantpipe.config import ExperimentConfig, register_configs
+from giantpipe.data.images import write_image_folder
+
+REPO = Path(__file__).resolve().parents[2]
+register_configs()
+
+# The ImageNet recipe scaled down to seconds: everything else (RMSProp TF-style, EMA, label
+# smoothing, clipping, deferred BN, the ImageFolder pipeline) stays as the recipe sets it.
+TINY_IMAGENET = [
+    "recipe=amoebanet_imagenet",
+    "model.num_layers=3",
+    "model.num_filters=8",
+    "data.image_size=32",
+    "data.batch_size=8",
+    "data.num_workers=0",
+    "pipeline.devices=cpu",
+    "pipeline.num_devices=2",
+    "pipeline.chunks=2",
+    "pipeline.balance=params",
+    "trainer.max_epochs=null",
+    "trainer.max_steps=3",
+    "trainer.log_every=1",
+    "logger.progress=none",
+]
+
+
+def composed(*overrides: str) -> ExperimentConfig:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return to_experiment(compose("config", overrides=list(overrides)))
+
+
+def train(*args: str, cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+# -- composition ------------------------------------------------------------------------------
+
+
+def test_the_default_job_is_the_amoebanet_quickstart():
+    cfg = composed()
+    assert cfg.name == "amoebanet_quickstart"
+    assert (cfg.model.genotype, cfg.model.num_layers, cfg.model.num_filters) == ("D", 3, 16)
+    assert cfg.model.num_classes == cfg.data.num_classes == 10
+    assert (cfg.pipeline.devices, cfg.pipeline.num_devices) == ("cpu", 2)
+
+
+def test_imagenet_recipe_has_the_paper_and_tf_reference_settings():
+    cfg = composed("recipe=amoebanet_imagenet")
+    model, data, optim, trainer = cfg.model, cfg.data, cfg.optim, cfg.trainer
+    assert (model.genotype, model.num_layers, model.num_filters) == ("B", 18, 512)
+    assert model.image_size == data.image_size == 480 and model.num_classes == 1000
+    assert (model.bn_momentum, model.bn_eps, model.drop_path) == (3e-4, 1e-3, 0.3)
+    assert (cfg.pipeline.num_devices, cfg.pipeline.deferred_batch_norm) == (4, True)
+    assert (optim.name, optim.alpha, optim.momentum, optim.eps) == ("rmsprop", 0.9, 0.9, 1.0)
+    assert optim.lr == pytest.approx(0.015 * data.batch_size / 32)  # TF: 0.015 per 32 images
+    assert optim.weight_decay == 4e-5
+    schedule = optim.schedule
+    assert (schedule.name, schedule.decay_rate, schedule.decay_epochs) == ("exponential", 0.97, 2.4)
+    assert schedule.warmup_epochs == 3
+    assert (trainer.label_smoothing, trainer.grad_clip, trainer.ema_decay) == (0.1, 10.0, 0.9999)
+
+
+def test_speed_recipe_takes_k_and_m_as_overrides():
+    cfg = composed("recipe=amoebanet_d_speed", "pipeline.num_devices=4", "pipeline.chunks=32")
+    assert (cfg.model.genotype, cfg.model.num_layers, cfg.model.num_filters) == ("D", 18, 256)
+    assert cfg.data.image_size == 224 and cfg.optim.name == "sgd"
+    assert (cfg.pipeline.num_devices, cfg.pipeline.chunks) == (4, 32)
+    assert cfg.sweep.objective == "train/samples_per_s"
+
+
+# -- the ImageNet recipe ----------------------------------------------------------------------
+
+
+def test_imagenet_recipe_without_data_is_one_line_saying_where_it_goes(tmp_path: Path):
+    result = train("recipe=amoebanet_imagenet", cwd=tmp_path)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: data.root: no image data at {tmp_path / 'data/imagenet'}")
+    assert "train/ and val/ class folders" in lines[0] and "python train.py" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def imagenet_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 steps of the (tiny) ImageNet recipe on a generated 4-class ImageFolder."""
+    root = tmp_path_factory.mktemp("amoeba")
+    write_image_folder(root / "data", num_train=32, num_val=8, image_size=32, num_classes=4)
+    run_dir = root / "run"
+    args = [f"data.root={root / 'data'}", "data.num_classes=4", f"hydra.run.dir={run_dir}"]
+    ok(train(*TINY_IMAGENET, *args, cwd=root))
+    return run_dir
+
+
+def test_imagenet_recipe_trains_from_an_image_folder(imagenet_run: Path):
+    figures = summary(imagenet_run)
+    assert figures["status"] == "completed" and figures["steps"] == 3
+    assert 0.0 <= figures["eval/accuracy"] <= figures["eval/top5"] <= 1.0
+    assert len(figures["pipeline/balance"]) == len(figures["pipeline/peak_memory_bytes"]) == 2
+
+
+def test_fine_tune_to_another_class_count(imagenet_run: Path, tmp_path: Path):
+    write_image_folder(tmp_path / "data", num_train=24, num_val=6, image_size=32, num_classes=3)
+    run_dir = tmp_path / "run"
+    ok(
+        train(
+            *TINY_IMAGENET,
+            f"data.root={tmp_path / 'data'}",
+            "data.num_classes=3",
+            f"trainer.init_from={imagenet_run / 'last.pt'}",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+        )
+    )
+    assert summary(run_dir)["steps"] == 3
+    log = (run_dir / "train.log").read_text()
+    assert "freshly initialized: classifier.fc.bias, classifier.fc.weight" in log
+
+
+def test_fine_tune_from_a_foreign_checkpoint_is_one_line(tmp_path: Path):
+    import torch
+
+    torch.save({"encoder.weight": torch.zeros(2, 2)}, tmp_path / "other.pt")
+    args = ["data.train_size=64", "data.eval_size=16", "trainer.max_steps=1"]
+    result = train(*args, f"trainer.init_from={tmp_path / 'other.pt'}", cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: trainer.init_from: {tmp_path / 'other.pt'} has no tensor")
+
+
+# -- the quick start, as a new user runs it ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_quickstart_with_no_arguments_learns_far_above_chance(tmp_path: Path):
+    result = ok(train(cwd=tmp_path, timeout=600))
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    figures = summary(run_dir)
+    assert figures["name"] == "amoebanet_quickstart"
+    assert figures["eval/accuracy"] > 0.8  # 10 classes: chance is 0.1
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["kind"] == "train" and first["loss"] > 1.2  # steps 1-10 (ln 10 = 2.3 at start)
+    assert figures["eval/loss"] < 0.5
+    assert "eval accuracy" in result.stdout and "eval top-5 accuracy" in result.stdout
