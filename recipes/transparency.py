@@ -1,4 +1,4 @@
-# Command:  python recipes/transparency.py            (full: 30-60 min on 2 shared cores)
+# Command:  python recipes/transparency.py            (full: about an hour on 2 shared cores)
 #           python recipes/transparency.py --quick    (tiny sizes, a few steps; the tests)
 # Hardware: any CPU; K CPU stand-in devices, one intra-op thread each.
 # Reproduces: GPipe's claim that pipelining is transparent: gradients of all M micro-batches
@@ -15,8 +15,9 @@ Transformer T(L, H, A) on the generated translation corpus (``recipe=transformer
     plain        the un-pipelined model, micro-batch by micro-batch (gradient accumulation),
                  dropout seeded as the engine seeds it (giantpipe.pipe.rng.rng_context), BatchNorm
                  deferred as in the pipeline: the same mathematics, no pipeline
-    K, M, sched  GPipe over K CPU stand-ins, M micro-batches, schedule gpipe / 1f1b /
-                 interleaved (V=2) / zb-h1, the recipe's re-materialization
+    K, M, sched  GPipe over K CPU stand-ins with M micro-batches, (K, M) = (2, 4), (2, 8),
+                 (4, 8), under each schedule: gpipe / 1f1b / interleaved (V=2) / zb-h1; the
+                 recipe's re-materialization
 
 Same seed, same batches (the translation batches are bucketed with min_sentences = the largest
 M, so every run sees the same ones), same optimizer and LR schedule (the runner's builders), one
@@ -73,28 +74,31 @@ class Setup:
     recipe: str
     overrides: tuple[str, ...]
     steps: int
-    ks: tuple[int, ...] = (2, 4)
-    ms: tuple[int, ...] = (4, 8)
+    cells: tuple[tuple[int, int], ...] = ((2, 4), (2, 8), (4, 8))  # (K, M) pipelines
+
+    @property
+    def ms(self) -> list[int]:
+        return sorted({m for _, m in self.cells})
 
 
 FULL = (
     Setup("amoebanet", "AmoebaNet-D (3, 16), drop-path 0.2", "amoebanet_quickstart",
-          ("model.drop_path=0.2", "trainer.eval_every=0"), steps=100),
+          ("model.drop_path=0.2", "trainer.eval_every=0"), steps=50),
     Setup("transformer", "Transformer T(4, 256, 4), dropout 0.1", "transformer_quickstart",
           ("model.num_layers=4", "model.dropout=0.1", "data.min_sentences=8",
-           "trainer.eval_every=0"), steps=200),
+           "trainer.eval_every=0"), steps=100),
 )  # fmt: skip
 QUICK = (
     Setup("amoebanet", "AmoebaNet-D (3, 8), drop-path 0.2 (quick)", "amoebanet_quickstart",
           ("model.num_filters=8", "model.drop_path=0.2", "data.train_size=64",
            "data.eval_size=32", "data.batch_size=16", "trainer.eval_every=0"),
-          steps=3, ks=(2,), ms=(2,)),
+          steps=3, cells=((2, 2),)),
     Setup("transformer", "Transformer T(2, 64, 2), dropout 0.1 (quick)", "transformer_quickstart",
           ("model.num_layers=2", "model.d_model=32", "model.ffn_dim=64", "model.num_heads=2",
            "model.head_dim=16", "model.dropout=0.1", "data.min_sentences=2",
            "data.max_tokens=256", "data.bleu_sentences=8", "data.generated_train_sizes=[64,32,16]",
            "data.generated_eval_size=8", "trainer.eval_every=0"),
-          steps=3, ks=(2,), ms=(2,)),
+          steps=3, cells=((2, 2),)),
 )  # fmt: skip
 
 
@@ -136,14 +140,13 @@ def compose(recipe: str, overrides: Sequence[str]) -> Any:
 def configs(setup: Setup) -> list[Config]:
     """Plain at each M, then every schedule that runs at each (K, M)."""
     out = [Config(1, m) for m in setup.ms]
-    for k in setup.ks:
-        for m in setup.ms:
-            for name in SCHEDULE_NAMES:
-                try:
-                    build_schedule(name, k, m, 2 if name == "interleaved" else 1)
-                except ValueError:
-                    continue  # e.g. interleaved needs M divisible by K
-                out.append(Config(k, m, name))
+    for k, m in setup.cells:
+        for name in SCHEDULE_NAMES:
+            try:
+                build_schedule(name, k, m, 2 if name == "interleaved" else 1)
+            except ValueError:
+                continue  # e.g. interleaved needs M divisible by K
+            out.append(Config(k, m, name))
     return out
 
 

@@ -33,7 +33,8 @@ def recipe() -> ModuleType:
 
 
 def test_grid_has_plain_per_m_and_every_schedule_that_runs(recipe: ModuleType) -> None:
-    setup = recipe.Setup("x", "x", "amoebanet_quickstart", (), steps=1, ks=(2, 4), ms=(2, 4))
+    cells = ((2, 2), (2, 4), (4, 2), (4, 4))
+    setup = recipe.Setup("x", "x", "amoebanet_quickstart", (), steps=1, cells=cells)
     labels = [c.label for c in recipe.configs(setup)]
     assert labels[:2] == ["plain, M=2", "plain, M=4"]
     for k, m in [(2, 2), (2, 4), (4, 4)]:
