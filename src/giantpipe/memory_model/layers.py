@@ -168,8 +168,10 @@ def balance_memory(
     (as if any layer could start a stage); the balance with the lower predicted peak wins.
     """
     base = [max(0, c.resident + c.saved) for c in costs]  # a layer may free more than it saves
-    with_inputs = [b + chunks * c.input for b, c in zip(base, costs)]
-    candidates = [solve_balance(w, partitions) for w in (base, with_inputs)]
+    candidates = [solve_balance(base, partitions)]
+    if len({c.input for c in costs[1:]}) > 1:  # equal inputs add the same to every cut
+        with_inputs = [b + chunks * c.input for b, c in zip(base, costs)]
+        candidates.append(solve_balance(with_inputs, partitions))
     return min(candidates, key=lambda b: max(stage_peaks(costs, b, chunks, checkpoint)))
 
 

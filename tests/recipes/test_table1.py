@@ -1,0 +1,189 @@
+"""Table 1 recipe: the memory tracker, the per-stage measurement with the engine, the quick run.
+
+The tracker is checked against hand counts and the engine's own saved-tensor accounting on real
+CPU tensors, fake tensors against real ones, the M = 2 extrapolation against direct runs, and
+the quick recipe run against the models' own parameter counts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from giantpipe.memory_model.layers import profile_layers
+from giantpipe.memory_model.search import AmoebaNetD, TransformerL
+from giantpipe.memory_model.specs import TensorSpec
+from giantpipe.memory_model.stage import StageLoss, measure_stage
+from giantpipe.memory_model.tracker import LiveBytes
+from giantpipe.pipe.memory import SavedTensorMeter
+from models.amoebanet import amoebanetd
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))  # fmt: skip
+
+
+def _meta_mlp() -> nn.Sequential:
+    with torch.device("meta"):
+        return _mlp()
+
+
+def _forward_growth(model: nn.Module, x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """Live-bytes growth of a forward and the engine meter's saved bytes for it."""
+    meter = SavedTensorMeter(exclude=model.parameters())
+    meter.ignore([x])
+    with LiveBytes() as mem:
+        mem.track([*model.parameters(), x])
+        before = mem.live
+        with meter:
+            y = model(x)
+        return mem.live - before, meter.bytes, y
+
+
+def test_tracker_matches_hand_count_and_engine_meter_on_real_tensors() -> None:
+    model, x = _mlp(), torch.randn(8, 64, requires_grad=True)
+    growth, saved, y = _forward_growth(model, x)
+    # Kept: both ReLU outputs (saved for backward) and the logits; the pre-ReLU outputs die.
+    assert growth == 2 * 8 * 256 * 4 + 8 * 10 * 4
+    assert saved == 2 * 8 * 256 * 4  # the engine's CPU accounting: saved tensors only
+    assert growth == saved + y.nbytes
+
+
+def test_tracker_gives_the_same_bytes_under_fake_tensors() -> None:
+    real = _forward_growth(_mlp(), torch.randn(8, 64, requires_grad=True))[0]
+    with FakeTensorMode():
+        model, x = _mlp(), torch.randn(8, 64, requires_grad=True)
+        with LiveBytes() as mem:
+            mem.track([*model.parameters(), x])
+            before = mem.live
+            y = model(x)
+            fake = mem.live - before
+            y.sum().backward()
+    assert fake == real
+
+
+def test_tracker_frees_and_keeps_peak() -> None:
+    with FakeTensorMode(), LiveBytes() as mem:
+        x = torch.empty(1024, 1024)
+        y = (x * 2).relu()
+        assert (mem.live, mem.peak) == (8 * 2**20, 12 * 2**20)
+        del y
+        assert mem.live == 4 * 2**20
+        mem.reset_peak()
+        assert mem.peak == 4 * 2**20
+
+
+SPEC = TensorSpec((8, 64), torch.float32, grad=True)
+LOSS = StageLoss(F.cross_entropy, TensorSpec((8,), torch.long))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_stage_step_under_fake_tensors_equals_real_cpu_tensors(checkpoint: str) -> None:
+    kwargs = dict(chunks=4, checkpoint=checkpoint, stage_index=1, num_stages=2, loss=LOSS)
+    real = measure_stage(_mlp(), SPEC, extrapolate=False, **kwargs)
+    fake = measure_stage(_meta_mlp(), SPEC, extrapolate=False, **kwargs)
+    assert real == fake
+    params = sum(p.numel() for p in _mlp().parameters())
+    assert real.params == params
+    # weight + gradient + RMSProp slot: the paper's 12 bytes a parameter (+ step counters).
+    assert 12 * params <= real.param_memory <= 12 * params + 4 * 16
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+def test_extrapolation_from_two_microbatches_is_exact(checkpoint: str, position: str) -> None:
+    spec = TensorSpec((8, 64), torch.float32, grad=position != "first")
+    loss = LOSS if position == "last" else None
+    kwargs = dict(checkpoint=checkpoint, stage_index=0 if position == "first" else 1,
+                  num_stages=3, loss=loss)  # fmt: skip
+    for chunks in (3, 6):
+        direct = measure_stage(_meta_mlp(), spec, chunks=chunks, extrapolate=False, **kwargs)
+        extrapolated = measure_stage(_meta_mlp(), spec, chunks=chunks, **kwargs)
+        assert extrapolated.microbatches == f"2->{chunks}"
+        assert extrapolated.peak == direct.peak
+
+
+def test_amoebanet_stage_fake_equals_real_and_extrapolation_is_exact() -> None:
+    def stage(device: str) -> nn.Sequential:
+        torch.manual_seed(0)
+        with torch.device(device):
+            return amoebanetd(6, 16, num_classes=10, image_size=32)[:3]
+
+    spec = TensorSpec((2, 3, 32, 32), torch.float32)
+    kwargs = dict(chunks=3, checkpoint="always")
+    real = measure_stage(stage("cpu"), spec, extrapolate=False, **kwargs)
+    direct = measure_stage(stage("meta"), spec, extrapolate=False, **kwargs)
+    extrapolated = measure_stage(stage("meta"), spec, **kwargs)
+    assert real.peak == direct.peak == extrapolated.peak
+
+
+def test_amoebanet_template_expands_to_the_full_model(layers: int = 12) -> None:
+    family = AmoebaNetD(batch=2, image_size=32, classes=10)
+    spec, loss = family.input(2), family.loss(2)
+    template = profile_layers(family.template(16), spec, loss)
+    full = profile_layers(family.build(layers, 16), spec, loss)
+    assert [template[i] for i in family.expand(layers)] == full
+
+
+def test_transformer_template_expands_to_the_full_model() -> None:
+    family = TransformerL(batch=2, seq_len=16, d_model=64)
+    spec, loss = family.input(2), family.loss(2)
+    template = profile_layers(family.template(64), spec, loss)
+    full = profile_layers(family.build(3, 64), spec, loss)
+    assert [template[i] for i in family.expand(3)] == full
+
+
+def _recipe():  # type: ignore[no-untyped-def]
+    path = ROOT / "recipes" / "table1_max_model_size.py"
+    spec = importlib.util.spec_from_file_location("table1_max_model_size", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    recipe = _recipe()
+    out = tmp_path_factory.mktemp("table1")
+    return recipe, out, recipe.run(recipe.parse_args(["--quick", "--out", str(out)]))
+
+
+@pytest.mark.slow
+def test_quick_run_writes_the_table_and_the_plot(quick_run) -> None:  # type: ignore[no-untyped-def]
+    _, out, results = quick_run
+    text = (out / "table1.md").read_text()
+    assert "sized under fake tensors (not measured on a GPU)" in text or "measured with" in text
+    for label in ("Naive-1", "Pipeline-1", "Pipeline-2", "(18,544)", "785.8M", "does not fit"):
+        assert label in text
+    assert (out / "table1.png").stat().st_size > 10_000
+    assert set(results) == {"AmoebaNet-D", "Transformer-L"}
+
+
+@pytest.mark.slow
+def test_quick_run_fits_and_counts_parameters_as_the_models_do(quick_run) -> None:  # type: ignore[no-untyped-def]
+    recipe, _, results = quick_run
+    families = {"AmoebaNet-D": recipe.AmoebaNetD(), "Transformer-L": recipe.TransformerL()}
+    budgets = {"AmoebaNet-D": 8 * 2**30, "Transformer-L": 16 * 2**30}
+    for name, columns in results.items():
+        for column in columns:
+            plan = column.result.plan
+            model = families[name].build(plan.layers, plan.width)  # on the meta device
+            assert plan.params == sum(p.numel() for p in model.parameters())
+            assert sum(s.params for s in column.result.stages) == plan.params
+            assert sum(plan.balance) == len(model)
+            assert column.fits == (column.result.peak <= budgets[name])
+    pipeline = results["Transformer-L"][-1]
+    assert pipeline.fits and pipeline.result.plan.setting.partitions == 1
