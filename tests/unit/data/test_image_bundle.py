@@ -147,9 +147,13 @@ def test_wrong_class_count_names_data_num_classes(folder: Path) -> None:
 
 
 def test_huggingface_imagefolder_gives_the_same_kind_of_batches(
-    folder: Path, tmp_path: Path
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("datasets")
+    import tqdm
+
+    # datasets' progress bars would leave tqdm's monitor thread running for the whole session.
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
     bundle = image_folder(
         str(folder),
         num_classes=4,
