@@ -16,6 +16,8 @@ interleaved rounds (the machine is shared; medians are reported):
     pippy-1f1b      torch.distributed.pipelining Schedule1F1B, same
 
 The bound for K=2 is 2 x (plain-mb throughput on one core) x M / (M + 1), as in engine_cpu.py.
+A second table divides by an in-run bound instead: plain-mb timed on one core inside the
+pipeline's own process right before it runs, which moves with the machine's load.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def _giantpipe_worker(rank: int, port: int, setup: Setup, out_path: str) -> None
     y = torch.randn(setup.batch, setup.width)
     results = []
     for chunks in setup.chunks:
+        # The in-run bound: plain-mb on one core of this very process, right before the
+        # pipelines (rank 1 idles at the barrier), so that load drifts hit both alike.
+        if rank == 0:
+            plain = timed(plain_step(mlp(setup.width, setup.blocks), x, y, chunks), setup.steps)
+            results.append(("plain-mb-inrun", chunks, plain, 0.0))
+        dist.barrier()
         for name, v in schedules_for_two_workers(chunks):
             stages = 2 * v
             pipe = DistributedPipe(
@@ -90,8 +98,7 @@ def _giantpipe_worker(rank: int, port: int, setup: Setup, out_path: str) -> None
             seconds = timed(step, setup.steps)
             stats = pipe.last_stats
             results.append((f"gp-dist-{name}", chunks, seconds, stats.bubble if stats else 0.0))
-    if rank == 1:
-        torch.save(results, out_path)
+    torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()
 
 
@@ -102,7 +109,7 @@ def giantpipe_round(setup: Setup) -> tuple[dict[tuple[str, int], float], dict[in
         mp.start_processes(
             _giantpipe_worker, args=(port, setup, out), nprocs=2, start_method="spawn"
         )
-        rows = torch.load(out)
+        rows = torch.load(f"{out}.1") + torch.load(f"{out}.0")
     seconds = {(name, m): sec for name, m, sec, _ in rows}
     bubbles = {m: bubble for name, m, _, bubble in rows if name == "gp-dist-gpipe"}
     return seconds, bubbles
@@ -164,7 +171,39 @@ def table(setup: Setup) -> str:
             + " | ".join(cells)
             + f" | {bubble:.3f} |"
         )
+    lines += ["", *inrun_table(setup, rounds, names)]
     return "\n".join(lines)
+
+
+def inrun_table(
+    setup: Setup, rounds: list[dict[tuple[str, int], float]], names: list[str]
+) -> list[str]:
+    """Fractions of the in-run bound (plain-mb timed inside the pipeline's own process just
+    before it), median over rounds of each round's fraction: steadier on a loaded machine."""
+    lines = [
+        "Same runs, fraction of the in-run bound (plain-mb on one core of rank 0's process, timed "
+        "right before; median of per-round fractions):",
+        "",
+        "| M | in-run bound | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    for m in setup.chunks:
+        bounds, cells = [], []
+        for rd in rounds:
+            if ("plain-mb-inrun", m) in rd:
+                bounds.append(2 * setup.batch / rd[("plain-mb-inrun", m)] * m / (m + 1))
+        for name in names:
+            fractions = [
+                setup.batch
+                / rd[(name, m)]
+                / (2 * setup.batch / rd[("plain-mb-inrun", m)] * m / (m + 1))
+                for rd in rounds
+                if (name, m) in rd and ("plain-mb-inrun", m) in rd
+            ]
+            cells.append(f"{statistics.median(fractions):.2f}" if fractions else "-")
+        bound = f"{statistics.median(bounds):.0f}" if bounds else "-"
+        lines.append(f"| {m} | {bound} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
