@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.multiprocessing as mp
@@ -262,8 +262,14 @@ def memory_table(setup: Setup) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (for tests)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5)")
+    parser.add_argument("--chunks", type=int, nargs="+", help="values of M (default 1 2 4 8 16)")
     args = parser.parse_args()
     setup = QUICK if args.quick else FULL
+    if args.rounds or args.chunks:
+        setup = replace(
+            setup, rounds=args.rounds or setup.rounds, chunks=tuple(args.chunks or setup.chunks)
+        )
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
     print(throughput_table(setup))
     print()
