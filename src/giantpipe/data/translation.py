@@ -62,6 +62,7 @@ def lang_token(lang: str) -> str:
 
 def _load_rows(path: Path) -> dict[str, list]:
     import datasets  # imported lazily: heavy, and only needed when reading files
+    import tqdm
 
     builder = FORMATS.get(path.suffix)
     if builder is None:
@@ -75,11 +76,15 @@ def _load_rows(path: Path) -> dict[str, list]:
         kwargs["features"] = datasets.Features({name: string for name in header})
     enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    # A disabled tqdm bar still starts tqdm's monitor thread and never stops it; with no
+    # monitor the loader leaves no thread behind.
+    interval, tqdm.tqdm.monitor_interval = tqdm.tqdm.monitor_interval, 0
     try:
         ds = datasets.load_dataset(
             builder, data_files=[str(path)], split="train", keep_in_memory=True, **kwargs
         )
     finally:
+        tqdm.tqdm.monitor_interval = interval
         if enabled:
             datasets.enable_progress_bars()
     return ds.to_dict()
