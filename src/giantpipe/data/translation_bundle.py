@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -137,14 +138,18 @@ def eval_groups(sizes: Sequence[int], max_tokens: int, min_sentences: int) -> li
 
 
 def eval_loss_batches(encoded: EncodedCorpus, max_tokens: int, min_sentences: int) -> list[Batch]:
-    """The held-out set as fixed ``((src_tokens, tgt_in), tgt_out)`` batches, pair by pair."""
-    batches: list[Batch] = []
+    """The held-out set as fixed ``((src_tokens, tgt_in), tgt_out)`` batches, the pairs taken
+    in turn, so that ``trainer.eval_batches=N`` still samples every pair."""
+    per_pair: list[list[Batch]] = []
     for pair, rows in sorted(encoded.items()):
         sizes = [example_size(s, t) for s, t in rows]
-        for group in eval_groups(sizes, max_tokens, min_sentences):
-            batch = collate([rows[i] for i in group], pair)
-            batches.append((batch.inputs(), batch.tgt_out))
-    return batches
+        collated = [
+            collate([rows[i] for i in g], pair)
+            for g in eval_groups(sizes, max_tokens, min_sentences)
+        ]
+        per_pair.append([(b.inputs(), b.tgt_out) for b in collated])
+    turns = itertools.zip_longest(*per_pair)
+    return [batch for turn in turns for batch in turn if batch is not None]
 
 
 def training_stream(

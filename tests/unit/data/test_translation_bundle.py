@@ -80,6 +80,9 @@ def test_eval_batches_hold_every_held_out_sentence(bundle: DataBundle) -> None:
     sentences = sum(int(t.shape[0]) for _, t in batches)
     assert sentences == 2 * 2 * SMALL["generated_eval_size"]  # 2 languages, both directions
     assert all(t.shape[0] >= SMALL["min_sentences"] for _, t in batches)
+    # Pairs take turns, so trainer.eval_batches=4 sees en-xa, en-xb, xa-en, xb-en.
+    first_tokens = {int(src[0, 0]) for (src, _), _ in batches[:4]}  # <2xa>, <2xb>, <2en>
+    assert len(first_tokens) == 3
 
 
 @pytest.mark.parametrize("minimum", [1, 2, 3])
