@@ -239,6 +239,10 @@ def plot(results: dict[str, tuple[list[Column], dict]], path: Path, how: str) ->
         ax.bar([i - 0.2 for i in x], theirs, width=0.4, label="paper (TPU)", color="#bbbbbb")
         ax.bar([i + 0.2 for i in x], ours, width=0.4, label="giantpipe", color="#1f77b4")
         ax.set_yscale("log")
+        for i, column in enumerate(columns):
+            if not column.fits:  # even the smallest model is over budget
+                ax.text(i + 0.2, min(theirs), "does not fit", rotation=90, ha="center",
+                        va="bottom", fontsize=8)  # fmt: skip
         ax.set_xticks(list(x), labels, rotation=20)
         ax.set_ylabel("parameters of the largest model")
         ax.set_title(name)

@@ -128,12 +128,19 @@ def test_amoebanet_stage_fake_equals_real_and_extrapolation_is_exact() -> None:
     assert real.peak == direct.peak == extrapolated.peak
 
 
-def test_amoebanet_template_expands_to_the_full_model(layers: int = 12) -> None:
+@pytest.mark.parametrize("layers", [12, 36])
+def test_amoebanet_template_expands_to_the_full_model(layers: int) -> None:
+    # Same modules, same widths, same parameters: the same memory (the profile of a template
+    # layer stands for every layer it expands to; the Transformer test below compares profiles).
     family = AmoebaNetD(batch=2, image_size=32, classes=10)
-    spec, loss = family.input(2), family.loss(2)
-    template = profile_layers(family.template(16), spec, loss)
-    full = profile_layers(family.build(layers, 16), spec, loss)
-    assert [template[i] for i in family.expand(layers)] == full
+    template, full = family.template(16), family.build(layers, 16)
+
+    def signature(layer: nn.Module) -> tuple[str, list[tuple[int, ...]]]:
+        return repr(layer), [tuple(p.shape) for p in layer.parameters()]
+
+    assert [signature(template[i]) for i in family.expand(layers)] == [
+        signature(layer) for layer in full
+    ]
 
 
 def test_transformer_template_expands_to_the_full_model() -> None:
