@@ -30,9 +30,11 @@ Methods, checkpoint 'never' everywhere, in interleaved rounds (medians reported)
 
 The bound for K=2 is engine_cpu.py's: 2 x (plain-mb throughput on one core) x M / (M + 1).
 Peak memory: the largest growth of resident memory (RSS, sampled every millisecond) over one
-training step, above the level just before it; for 2-process methods the sum of both processes.
-Big allocations are returned to the OS on free (MALLOC_MMAP_THRESHOLD_), so RSS follows live
-tensors. Writes results/peers/peers.md and results/peers/peers.png.
+training step (after a first one), above the level just before it; for 2-process methods the
+sum of both processes. It is measured in a separate pass, a child process in which glibc returns
+every allocation of 4 KiB or more to the OS on free (MALLOC_MMAP_THRESHOLD_=4096), so that RSS
+follows live tensors; the timed rounds run with the default allocator settings.
+Writes results/peers/peers.md and results/peers/peers.png.
 """
 
 from __future__ import annotations
@@ -41,15 +43,18 @@ import argparse
 import copy
 import datetime
 import gc
+import json
+import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -64,7 +69,8 @@ from engine_cpu import mlp, plain_step, timed  # noqa: E402
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.pipe import balance_by_time  # noqa: E402
 
-ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+ENV = {"OMP_NUM_THREADS": "1"}
+MEMORY_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": "4096"}  # the memory pass: RSS = live memory
 MIB = 2**20
 Key = tuple[str, int]  # (method, M)
 
@@ -179,7 +185,7 @@ def measure(step: Callable[[], None], steps: int, memory: bool) -> tuple[float, 
         step()
         with peak_rss_growth(peaks):
             step()
-    return timed(step, steps), peaks[0] if peaks else None
+    return (timed(step, steps) if steps else math.nan), peaks[0] if peaks else None
 
 
 # ---- in one process: plain, giantpipe local, torchgpipe ------------------------------------
@@ -337,22 +343,46 @@ class Result:
     batch: int
 
 
-def benchmark(name: str, setup: Setup) -> Result:
-    balances = {m: balance_of(name, setup.quick, m) for m in setup.chunks}
+def benchmark(name: str, setup: Setup, balances: dict[int, list[int]]) -> Result:
+    """Interleaved timed rounds (no memory sampling), medians of samples/s."""
     rounds: list[dict[Key, float]] = []
-    peaks: dict[Key, int] = {}
     for r in range(setup.rounds):
         print(f"{name}: round {r + 1}/{setup.rounds}", file=sys.stderr, flush=True)
         seconds: dict[Key, float] = {}
         for run in (local_round, dist_round):
-            sec, peak = run(name, setup, balances, r == 0)
-            seconds.update(sec)
-            peaks.update(peak)
+            seconds.update(run(name, setup, balances, False)[0])
         rounds.append(seconds)
     batch = SIZES[name][setup.quick]["batch"]
     keys = {k for rd in rounds for k in rd}
     rate = {k: batch / statistics.median(rd[k] for rd in rounds if k in rd) for k in keys}
-    return Result(rate, peaks, balances, batch)
+    return Result(rate, {}, balances, batch)
+
+
+def memory_pass(setup: Setup, path: Path) -> None:
+    """In the child process: one memory-sampled step per method; reads the balances from
+    ``path`` and writes the peaks back into it."""
+    balances = {
+        n: {int(m): b for m, b in per.items()} for n, per in json.loads(path.read_text()).items()
+    }
+    peaks = {}
+    for name in setup.models:
+        print(f"{name}: memory pass", file=sys.stderr, flush=True)
+        found: dict[Key, int] = {}
+        for run in (local_round, dist_round):
+            found.update(run(name, replace(setup, steps=0), balances[name], True)[1])
+        peaks[name] = [[method, m, peak] for (method, m), peak in found.items()]
+    path.write_text(json.dumps(peaks))
+
+
+def run_memory_pass(setup: Setup, results: dict[str, Result], argv: Sequence[str]) -> None:
+    """Runs :func:`memory_pass` in a child process with MEMORY_ENV; fills ``Result.peak``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "memory.json"
+        path.write_text(json.dumps({n: r.balances for n, r in results.items()}))
+        command = [sys.executable, __file__, *argv, "--memory-pass", str(path)]
+        subprocess.run(command, env={**os.environ, **MEMORY_ENV}, check=True)
+        for name, rows in json.loads(path.read_text()).items():
+            results[name].peak = {(method, m): peak for method, m, peak in rows}
 
 
 def bound(result: Result, m: int) -> float:
@@ -420,7 +450,7 @@ def plot(setup: Setup, results: dict[str, Result], path: Path) -> None:
 
 
 def reexec_with_env() -> None:
-    """Restart once with ENV set: thread count and malloc settings are read at start-up."""
+    """Restart once with ENV set: OpenMP reads the thread count at start-up."""
     if any(os.environ.get(k) != v for k, v in ENV.items()):
         os.environ.update(ENV)
         os.execv(sys.executable, [sys.executable, *sys.argv])
@@ -431,12 +461,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes, one round (for tests)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
     p.add_argument("--models", nargs="+", choices=FULL.models)
+    p.add_argument("--memory-pass", type=Path, help=argparse.SUPPRESS)  # the child process
     args = p.parse_args(argv)
     setup = QUICK if args.quick else FULL
     if args.models:
-        setup = Setup(tuple(args.models), setup.chunks, setup.rounds, setup.steps, setup.quick)
+        setup = replace(setup, models=tuple(args.models))
+    if args.memory_pass:
+        memory_pass(setup, args.memory_pass)
+        return 0
     started, load = datetime.datetime.now(), os.getloadavg()[0]
-    results = {name: benchmark(name, setup) for name in setup.models}
+    balances = {n: {m: balance_of(n, setup.quick, m) for m in setup.chunks} for n in setup.models}
+    results = {name: benchmark(name, setup, balances[name]) for name in setup.models}
+    run_memory_pass(setup, results, sys.argv[1:] if argv is None else argv)
     parts = [
         f"# Peers on CPU, K=2{' (--quick)' if setup.quick else ''}\n\n"
         f"`python benchmarks/peers.py{' --quick' if setup.quick else ''}`, "
