@@ -8,6 +8,12 @@ Reproduces: not a paper number (the paper measures TPUs): on CPU stand-ins the p
             cost of micro-batching and re-materialization (M > 1 splits a small batch further) and
             the activation memory each stage holds, the quantity GPipe trades compute for.
 
+On a machine shared with other jobs, pass ``--threads 1``: with 2 intra-op threads per process
+the plain model ran 4x slower at load ~5 on 2 cores (OpenMP threads waiting on each other), which
+says nothing about pipelining. Measured with --threads 1 at load ~2-5 on 2 cores: plain 0.58
+samples/s, K=1 M=1 0.48, K=2 M=1 0.48, K=1 M=4 0.34, K=2 M=4 0.22; saved activations 3060 MiB
+(plain), 769 MiB (K=1 M=4), 610 + 183 MiB (K=2 M=4).
+
 Each row trains ``--steps`` SGD steps (after one warm-up step) on a fixed batch of random pixels
 and reports samples/s (optimizer steps included), the step time, the measured bubble, and the
 peak bytes of activations saved for backward per stage (``pipe.last_stats``; for the plain
