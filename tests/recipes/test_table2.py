@@ -123,7 +123,7 @@ def test_quick_run_measures_simulates_and_writes_the_table(tmp_path: Path) -> No
     text = (out / "table2.md").read_text()
     assert "## Table 2: AmoebaNet-D (18, 256)" in text and "## Table 3: Transformer-24" in text
     assert "**measured** CPU" in text and "**simulated** CPU profile" in text
-    assert text.count("not run") == 2 + 1  # K=4 is simulated only (Table 2: M=1, 4; Table 3)
+    assert text.count("| not run |") == 2 + 1  # K=4 is simulated only (Table 2: M=1, 4; Table 3)
     assert (out / "table2.png").stat().st_size > 10_000
     summaries = sorted(out.glob("runs/*/*/summary.json"))
     assert len(summaries) == 3  # two jobs of sweep=table2, one of sweep=table2_pcie
