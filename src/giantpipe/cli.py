@@ -12,6 +12,10 @@ Errors become ONE line on stderr that names the key or path, and a non-zero exit
 Set HYDRA_FULL_ERROR=1 for the full traceback. In a multirun a failing job is logged, returns
 NaN (sweepers such as Optuna mark the trial failed) and the other jobs go on.
 
+Under torchrun (``pipeline.executor=distributed``) every rank composes the config, but only
+rank 0 keeps Hydra's run directory and log file: the other ranks log warnings to stderr and
+learn the run directory from rank 0 (see :func:`rank_overrides`).
+
 Example (train.py)::
 
     register_configs()
@@ -63,6 +67,28 @@ def objective(summary: dict[str, object], key: str) -> float:
     return float(summary[key])  # type: ignore[arg-type]
 
 
+def torchrun_rank() -> int:
+    """This process's rank under torchrun (0 when not launched by torchrun)."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
+def rank_overrides(argv: list[str], rank: int) -> list[str]:
+    """Hydra overrides for a torchrun rank other than 0: no log file, no run directory of its
+    own (its default would be a second, time-stamped one); rank 0's is used instead.
+
+    Example::
+
+        rank_overrides(["train.py", "recipe=mlp_quickstart"], rank=1)
+        # [..., "hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.run.dir=."]
+    """
+    if rank == 0:
+        return argv
+    extra = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+    if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
+        extra.append("hydra.run.dir=.")
+    return [*argv, *extra]
+
+
 def run_job(cfg: DictConfig) -> float:
     """Train one job; on failure record one line and return NaN instead of raising.
 
@@ -75,6 +101,10 @@ def run_job(cfg: DictConfig) -> float:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         experiment = to_experiment(cfg)
+        if multirun and experiment.pipeline.executor == "distributed":
+            raise ConfigError(
+                "pipeline.executor", "distributed runs one job per torchrun launch, not sweeps"
+            )
         overrides = " ".join(hydra_cfg.overrides.task) or "(none)"
         # The resolved config, headed by the command line that produced it.
         config_yaml = f"# overrides: {overrides}\n" + OmegaConf.to_yaml(cfg, resolve=True)
@@ -84,7 +114,9 @@ def run_job(cfg: DictConfig) -> float:
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
             raise
         line = one_line(err)
-        if not isinstance(err, ConfigError | OmegaConfBaseException):
+        if torchrun_rank() > 0:
+            line = f"rank {torchrun_rank()}: {line}"
+        elif not isinstance(err, ConfigError | OmegaConfBaseException):
             # A crash rather than bad input: keep the traceback beside the run for debugging.
             trace = Path(hydra_cfg.runtime.output_dir) / "error.txt"
             trace.write_text("".join(traceback.format_exception(err)))
@@ -139,6 +171,7 @@ def guarded(main: Callable[[], None]) -> None:
         os.environ["GIANTPIPE_FULL_ERROR"] = "1"  # the user wants tracebacks: keep them
     else:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so the error reaches us whole
+    sys.argv = rank_overrides(sys.argv, torchrun_rank())
     try:
         main()
     except Exception as err:  # noqa: BLE001 - composition and launch errors

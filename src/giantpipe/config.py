@@ -68,11 +68,19 @@ def _check_optional_path(value: Any, key: str) -> None:
 
 # --------------------------------------------------------------------------- pipeline
 
+EXECUTORS = ("local", "distributed")
+
 
 @dataclass
 class PipelineConfig:
     """How the model is cut into stages and scheduled (the engine's GPipe arguments)."""
 
+    executor: str = "local"
+    """``local``: one process, a worker thread per stage. ``distributed``: one process per
+    stage under torchrun (``torchrun --nproc_per_node=K train.py pipeline.executor=distributed``;
+    K pipeline ranks x R replicas = the world size, see giantpipe.runner.distributed)."""
+    timeout: float = 60.0
+    """Distributed: seconds any wait for another rank may take before the run fails."""
     devices: Any = "auto"
     """``auto`` (all visible GPUs, else CPU stand-ins), ``cpu``, ``cuda`` or a list of names."""
     num_devices: int | None = None
@@ -100,6 +108,7 @@ class PipelineConfig:
             _check_min(self.num_devices, 1, "pipeline.num_devices")
         self._check_devices()
         self._check_balance()
+        self._check_executor()
 
     def _check_devices(self) -> None:
         if isinstance(self.devices, str):
@@ -125,6 +134,10 @@ class PipelineConfig:
                 "pipeline.balance",
                 f"every stage needs >= 1 layer, got {list(self.balance)}",
             )
+
+    def _check_executor(self) -> None:
+        _check_choice(self.executor, EXECUTORS, "pipeline.executor")
+        _check(self.timeout > 0, "pipeline.timeout", f"must be > 0 seconds, got {self.timeout}")
 
 
 # --------------------------------------------------------------------------- optimizer

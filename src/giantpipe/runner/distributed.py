@@ -1,0 +1,383 @@
+"""Training with ``pipeline.executor=distributed``: one torchrun process per pipeline rank.
+
+    torchrun --nproc_per_node=2 train.py recipe=mlp_quickstart pipeline.executor=distributed
+
+Every rank runs this loop over its own stage (see :mod:`giantpipe.runner.dist_build`); the
+steps, the loss and the statistics are collective. Rank 0 (stage 0 of replica 0) alone writes
+the run directory: config, progress bar, ``metrics.jsonl``, ``summary.json`` and the log; it
+already holds what it logs, because every step all-gathers the loss of the last stage and each
+stage's busy time, bubble and peak memory (:mod:`giantpipe.pipe.rankstats`). Checkpoints are
+directories of shards (:mod:`giantpipe.runner.dist_checkpoint`).
+
+As in the local runner: gradient accumulation, global-norm clipping (over every stage),
+the LR schedule, EMA, bf16, evaluation of loss and accuracy, ``trainer.resume`` and
+``trainer.init_from`` (a ``.pt`` file). Not here: the data bundle's whole-model figures such as
+BLEU (logged as skipped), multirun sweeps and the planner.
+
+Example::
+
+    summary = train_distributed(cfg, run_dir, config_yaml)   # on every rank, under torchrun
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch import nn
+
+from giantpipe.config import ConfigError, ExperimentConfig
+from giantpipe.data.bundle import Batch, DataBundle, batch_size
+from giantpipe.metrics.jsonl import truncate_after_step
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.record import StepRecord
+from giantpipe.metrics.summary import format_table, write_summary
+from giantpipe.pipe.distributed import clip_grad_norm_, init_distributed
+from giantpipe.runner.build import build_model
+from giantpipe.runner.dist_build import (
+    DistributedExperiment,
+    build_bundle,
+    build_parts,
+    check_supported,
+    engine_steps,
+    pipeline_ranks,
+    plan_balance,
+    rank_device,
+)
+from giantpipe.runner.dist_checkpoint import LAST_DIR, restore_run, resume_directory, save_run
+from giantpipe.runner.dist_eval import evaluate_distributed
+from giantpipe.runner.init_weights import matching, read_weights
+from giantpipe.runner.loop import NonFiniteLossError
+from giantpipe.runner.run_dir import check_writable, save_config
+from giantpipe.runner.seeding import seed_everything
+from giantpipe.runner.state import Progress
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+def torchrun_world() -> int:
+    """Processes of this torchrun launch (1 when not launched by torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def agree(body: Callable[[], _T]) -> _T:
+    """Runs ``body`` on every rank and returns its result; if it failed on any rank, every rank
+    raises at once (the failed rank its own error), so a set-up error (a bad key, a missing
+    file) ends the whole launch in seconds instead of leaving the others in a collective."""
+    try:
+        result = body()
+        error: BaseException | None = None
+    except Exception as err:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        error = err
+    texts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, None if error is None else str(error))
+    if error is not None:
+        raise error
+    failed = [(rank, text) for rank, text in enumerate(texts) if text is not None]
+    if failed:
+        rank, text = failed[0]
+        raise RuntimeError(f"rank {rank} failed while setting up: {text}")
+    return result
+
+
+def from_rank0(value: _T) -> _T:
+    """Rank 0's ``value`` on every rank (a small picklable object)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class DistributedLoop:
+    """Optimizer steps of this rank from ``progress`` to ``parts.total_steps``."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        parts: DistributedExperiment,
+        run_dir: Path,
+        metrics: MetricsLogger | None,
+        progress: Progress,
+    ) -> None:
+        self.cfg, self.parts, self.run_dir, self.metrics = cfg, parts, run_dir, metrics
+        self.progress = progress
+        self.last_eval: dict[str, float] = {}
+        self.last_line: dict[str, Any] | None = None
+        self.last_good: tuple[Path, int] | None = None
+        self.noted_skip = False
+
+    def _fail(self, what: str, value: float) -> NonFiniteLossError:
+        kept = (
+            f"last good checkpoint: {self.last_good[0]} (step {self.last_good[1]})"
+            if self.last_good
+            else "no checkpoint was written"
+        )
+        return NonFiniteLossError(
+            f"step {self.progress.step + 1}: {what} is {value}; stopped without saving ({kept})"
+        )
+
+    def _batches(self, stream: Iterator[Batch] | None) -> list[Batch | None]:
+        count = self.cfg.trainer.accumulate
+        return [next(stream) for _ in range(count)] if stream is not None else [None] * count
+
+    def optimizer_step(self, stream: Iterator[Batch] | None) -> StepRecord:
+        """Accumulate, clip by the global norm, update; the same loss and norm on every rank."""
+        parts, trainer = self.parts, self.cfg.trainer
+        start = time.perf_counter()
+        batches = self._batches(stream)
+        parts.optimizer.zero_grad(set_to_none=True)
+        loss, stats = engine_steps(
+            parts.pipe,
+            batches,
+            parts.loss_fn,
+            parts.bundle.loss_normalizer,
+            self.cfg.pipeline.precision,
+            parts.device,
+        )
+        if not math.isfinite(loss):
+            raise self._fail("the loss", loss)
+        grad_norm = None
+        if trainer.grad_clip is not None:
+            grad_norm = float(clip_grad_norm_(parts.pipe, trainer.grad_clip))
+            if not math.isfinite(grad_norm):
+                raise self._fail("the gradient norm", grad_norm)
+        lr = float(parts.optimizer.param_groups[0]["lr"])
+        parts.optimizer.step()
+        parts.scheduler.step()
+        if parts.ema is not None:
+            parts.ema.update()
+        self.progress.step += 1
+        self.progress.position += len(batches)
+        held = [b for b in batches if b is not None]
+        tokens = parts.bundle.tokens_per_batch
+        return StepRecord.from_engine(
+            stats,  # type: ignore[arg-type]
+            step=self.progress.step,
+            loss=loss,
+            lr=lr,
+            step_time_s=time.perf_counter() - start,
+            samples=sum(batch_size(inputs) for inputs, _ in held),
+            tokens=sum(tokens(b) for b in held) if tokens is not None and held else None,
+            grad_norm=grad_norm,
+        )
+
+    def evaluate(self) -> None:
+        parts = self.parts
+
+        def run() -> dict[str, float]:
+            return evaluate_distributed(
+                parts.pipe,
+                parts.bundle,
+                self.cfg.trainer.eval_batches,
+                self.cfg.pipeline.precision,
+                parts.device,
+            )
+
+        if parts.ema is not None:
+            with parts.ema.swapped():
+                self.last_eval = run()
+        else:
+            self.last_eval = run()
+        if parts.bundle.evaluate_model is not None and not self.noted_skip:
+            log.info(
+                "the data's whole-model evaluation (e.g. BLEU by decoding) needs the whole model "
+                "in one process: skipped under pipeline.executor=distributed; consolidate a "
+                "checkpoint and evaluate it with the local executor"
+            )
+            self.noted_skip = True
+        if self.metrics is not None:
+            self.metrics.evaluation(self.progress.step, self.last_eval)
+
+    def save(self, name: str) -> None:
+        directory = self.run_dir / name
+        save_run(self.parts, self.progress, directory)
+        if name == LAST_DIR:
+            self.last_good = (directory, self.progress.step)
+
+    def after_step(self) -> None:
+        trainer, step = self.cfg.trainer, self.progress.step
+        if trainer.eval_every and step % trainer.eval_every == 0 and step < self.parts.total_steps:
+            self.evaluate()
+            if trainer.save_last:
+                self.save(LAST_DIR)
+        if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
+            self.save(f"step_{step}")
+            self.save(LAST_DIR)
+
+    def run(self) -> None:
+        pipe = self.parts.pipe
+        feeds = pipe.needs_inputs or pipe.needs_targets
+        stream = (
+            self.parts.bundle.train_batches(self.cfg.trainer.seed, self.progress.position)
+            if feeds
+            else None
+        )
+        while self.progress.step < self.parts.total_steps:
+            record = self.optimizer_step(stream)
+            if self.metrics is not None:
+                self.last_line = self.metrics.train_step(record) or self.last_line
+            self.after_step()
+        if self.metrics is not None:
+            self.last_line = self.metrics.flush() or self.last_line
+        self.evaluate()
+        if self.cfg.trainer.save_last:
+            self.save(LAST_DIR)
+
+
+def summarize(cfg: ExperimentConfig, loop: DistributedLoop, wall_time_s: float) -> dict[str, Any]:
+    """The run's figures for summary.json (rank 0), as the local runner reports them."""
+    parts = loop.parts
+    figures = loop.metrics.run_figures() if loop.metrics is not None else {}
+    summary: dict[str, Any] = {
+        "name": cfg.name,
+        "status": "completed",
+        "steps": loop.progress.step,
+        "wall_time_s": wall_time_s,
+    }
+    if loop.last_line is not None:
+        summary["train/loss"] = loop.last_line["loss"]
+    summary.update({f"eval/{k}": v for k, v in loop.last_eval.items()})
+    for key in ("samples_per_s", "tokens_per_s", "step_time_s"):
+        if key in figures:
+            summary[f"train/{key}"] = figures[key]
+    summary["pipeline/executor"] = "distributed"
+    summary["pipeline/world_size"] = parts.pipe.layout.world_size
+    summary["pipeline/replicas"] = parts.pipe.replicas
+    summary["pipeline/devices"] = list(parts.devices)
+    summary["pipeline/balance"] = list(parts.balance)
+    summary["pipeline/chunks"] = cfg.pipeline.chunks
+    for key in ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind"):
+        if key in figures:
+            summary[f"pipeline/{key}"] = figures[key]
+    return summary
+
+
+def _init_from(parts: DistributedExperiment, path: Path) -> None:
+    """Fine-tune: this rank's tensors of a ``.pt`` file, by name and shape (as the local runner;
+    a shard directory: consolidate it first)."""
+    live = parts.pipe.state_dict()
+    found = matching(read_weights(path), live)
+    if not found:
+        raise ConfigError("trainer.init_from", f"{path} has no tensor matching this rank's stage")
+    parts.pipe.load_state_dict({**live, **found})
+    if parts.ema is not None:
+        parts.ema.load_state_dict({n: p.detach() for n, p in parts.names.items()})
+
+
+def _setup(
+    cfg: ExperimentConfig, run_dir: Path
+) -> tuple[DistributedExperiment, Progress, Path | None]:
+    """Build this rank's parts, all ranks in step; nothing in ``run_dir`` is written but the
+    data builder's files (rank 0 first, the others then reuse them) until all is checked."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def checks() -> tuple[int, Path | None]:
+        check_supported(cfg)
+        k = pipeline_ranks(cfg.pipeline, world)
+        resume_from = resume_directory(cfg.trainer.resume, run_dir)
+        if rank == 0:
+            check_writable(run_dir)
+        return k, resume_from
+
+    k, resume_from = agree(checks)
+    device = rank_device(cfg.pipeline)
+    seed_everything(cfg.trainer.seed)  # then data, then model: the local runner's order
+    bundle = agree(lambda: build_bundle(cfg, run_dir) if rank == 0 else None)
+
+    def model_and_balance() -> tuple[DataBundle, nn.Sequential, list[int] | None]:
+        data = bundle or build_bundle(cfg, run_dir)
+        model = build_model(cfg)
+        balance = plan_balance(cfg, model, data, k, device) if rank == 0 else None
+        return data, model, balance
+
+    data, model, balance = agree(model_and_balance)
+    balance = from_rank0(balance)  # profiled once, on rank 0
+    assert balance is not None
+    parts = build_parts(cfg, data, model, balance, device)
+    del model  # the other stages' layers go with it
+
+    def restore() -> Progress:
+        if resume_from is not None:
+            return restore_run(parts, resume_from)
+        if cfg.trainer.init_from is not None:
+            _init_from(parts, Path(cfg.trainer.init_from).expanduser())
+        return Progress()
+
+    return parts, agree(restore), resume_from
+
+
+def train_distributed(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, Any]:
+    """Every rank: build its stage, (resume,) train, evaluate; rank 0 writes the run directory.
+
+    Returns the summary on every rank (rank 0's, broadcast).
+    """
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        raise ConfigError(
+            "pipeline.executor",
+            "distributed needs one process per stage started by torchrun: torchrun "
+            "--nproc_per_node=K train.py ... pipeline.executor=distributed",
+        )
+    start = time.perf_counter()
+    init_distributed(timeout=cfg.pipeline.timeout)
+    try:
+        return _train(cfg, from_rank0(run_dir), config_yaml, start)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str, start: float) -> dict[str, Any]:
+    rank = dist.get_rank()
+    parts, progress, resume_from = _setup(cfg, run_dir)
+    metrics = None
+    if rank == 0:
+        if resume_from is not None:
+            truncate_after_step(run_dir / "metrics.jsonl", progress.step)
+        save_config(run_dir, config_yaml, progress.step if resume_from is not None else None)
+        log.info(
+            "%s: distributed, %d ranks = K %d x R %d, devices %s, balance %s, M=%d, "
+            "steps %d..%d, run dir %s",
+            cfg.name,
+            parts.pipe.layout.world_size,
+            parts.pipe.layout.workers,
+            parts.pipe.replicas,
+            parts.devices,
+            parts.balance,
+            cfg.pipeline.chunks,
+            progress.step,
+            parts.total_steps,
+            run_dir,
+        )
+        metrics = MetricsLogger(
+            cfg.logger,
+            run_dir,
+            parts.total_steps,
+            progress.step,
+            cfg.trainer.log_every,
+            cfg.name,
+            asdict(cfg),
+        )
+    loop = DistributedLoop(cfg, parts, run_dir, metrics, progress)
+    if resume_from is not None:
+        loop.last_good = (resume_from, progress.step)
+    summary: dict[str, Any] = {"name": cfg.name, "status": "failed"}
+    try:
+        loop.run()
+        summary = summarize(cfg, loop, time.perf_counter() - start)
+    except Exception as err:
+        summary.update(steps=loop.progress.step, error=f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        if metrics is not None:
+            write_summary(run_dir / "summary.json", summary)
+            metrics.close(summary)
+    if rank == 0:
+        print(format_table(summary), flush=True)
+    shared: dict[str, Any] = from_rank0(summary)
+    return shared
