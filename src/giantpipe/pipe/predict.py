@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -182,8 +182,13 @@ def _busy_neighbours(
         if w != placement[stage] and w not in others:
             others[w] = s
     stop = threading.Event()
+    # new threads start with autocast off: give them the caller's, as the executor does
+    types = {t.device.type for x in inputs for t in as_tuple(x) if torch.is_tensor(t)}
+    casts = [(t, torch.get_autocast_dtype(t)) for t in types if torch.is_autocast_enabled(t)]
     workers = [
-        threading.Thread(target=_keep_busy, args=(stages[s], inputs[s], s == 0, stop, threads))
+        threading.Thread(
+            target=_keep_busy, args=(stages[s], inputs[s], s == 0, stop, threads, casts)
+        )
         for s in others.values()
     ]
     for t in workers:
@@ -197,11 +202,19 @@ def _busy_neighbours(
 
 
 def _keep_busy(
-    stage: nn.Module, x: Any, first: bool, stop: threading.Event, threads: int | None
+    stage: nn.Module,
+    x: Any,
+    first: bool,
+    stop: threading.Event,
+    threads: int | None,
+    casts: Sequence[tuple[str, torch.dtype]] = (),
 ) -> None:
     if threads:
         torch.set_num_threads(threads)
     device = next((t.device for t in as_tuple(x) if torch.is_tensor(t)), torch.device("cpu"))
     step = _forward_backward(stage, x, first, device)
-    while not stop.is_set():
-        step()
+    with ExitStack() as stack:
+        for device_type, dtype in casts:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        while not stop.is_set():
+            step()

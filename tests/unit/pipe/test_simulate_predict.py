@@ -75,3 +75,13 @@ def test_predict_leaves_gradients_statistics_and_threads_alone() -> None:
         "contention",
     }
     assert prediction.contention >= 1.0 and prediction.overhead_s > 0
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_predict_under_autocast_keeps_it_in_the_busy_neighbours() -> None:
+    # the contention probe's threads start with autocast off; bf16 inputs then met fp32 weights
+    pipe = GPipe(mlp(), [4, 4], devices=["cpu"] * 2, chunks=2)
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prediction = pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
+    assert prediction.contention >= 1.0 and prediction.step_time_s > 0
