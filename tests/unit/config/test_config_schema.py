@@ -31,6 +31,8 @@ from giantpipe.config import (
         (lambda: PipelineConfig(balance="flops"), "pipeline.balance"),
         (lambda: PipelineConfig(balance=[2, 0]), "pipeline.balance"),
         (lambda: PipelineConfig(balance=[]), "pipeline.balance"),
+        (lambda: PipelineConfig(executor="mpi"), "pipeline.executor"),
+        (lambda: PipelineConfig(executor="distributed", timeout=0), "pipeline.timeout"),
         (lambda: ScheduleConfig(name="step"), "optim.schedule.name"),
         (lambda: ScheduleConfig(warmup_steps=5, warmup_epochs=1.0), "optim.schedule.warmup_epochs"),
         (lambda: ScheduleConfig(decay_rate=1.5), "optim.schedule.decay_rate"),

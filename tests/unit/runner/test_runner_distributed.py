@@ -1,0 +1,131 @@
+"""The distributed runner's pieces that need no processes: the config key, K and R, the rank
+overrides, replica slices, checkpoint directories, and the one-line errors of the dispatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from giantpipe.cli import rank_overrides, to_experiment
+from giantpipe.config import (
+    ConfigError,
+    ExperimentConfig,
+    LoggerConfig,
+    MlpModelConfig,
+    PipelineConfig,
+    SyntheticDataConfig,
+    TrainerConfig,
+    register_configs,
+)
+from giantpipe.runner import train
+from giantpipe.runner.dist_build import check_supported, pipeline_ranks, replica_slice
+from giantpipe.runner.dist_checkpoint import resume_directory
+
+CONF = Path(__file__).resolve().parents[3] / "conf"
+
+
+def composed(*overrides: str) -> ExperimentConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return to_experiment(compose("config", overrides=["recipe=mlp_quickstart", *overrides]))
+
+
+def tiny(**pipeline: object) -> ExperimentConfig:
+    return ExperimentConfig(
+        model=MlpModelConfig(in_features=8, hidden=16, depth=3, classes=4),
+        data=SyntheticDataConfig(features=8, classes=4, train_size=64, eval_size=16, batch_size=8),
+        pipeline=PipelineConfig(**{"devices": "cpu", "num_devices": 2, "chunks": 2, **pipeline}),
+        trainer=TrainerConfig(max_steps=1),
+        logger=LoggerConfig(progress="none"),
+    )
+
+
+def test_executor_key_composes_with_local_as_default() -> None:
+    assert composed().pipeline.executor == "local"
+    cfg = composed("pipeline.executor=distributed", "pipeline.timeout=20")
+    assert (cfg.pipeline.executor, cfg.pipeline.timeout) == ("distributed", 20.0)
+    with pytest.raises(ConfigError, match=r"^pipeline.executor: must be one of local, distributed"):
+        composed("pipeline.executor=mpi")
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "world", "k"),
+    [
+        (PipelineConfig(devices="cpu", num_devices=2), 2, 2),
+        (PipelineConfig(devices="cpu", num_devices=2), 4, 2),  # R = 2
+        (PipelineConfig(balance=[3, 3, 2]), 3, 3),
+        (PipelineConfig(), 4, 4),  # neither: every process is a stage
+    ],
+)
+def test_pipeline_ranks_from_balance_num_devices_or_world(pipeline, world, k) -> None:
+    assert pipeline_ranks(pipeline, world) == k
+
+
+def test_pipeline_ranks_must_divide_the_world() -> None:
+    with pytest.raises(ConfigError, match=r"^pipeline.num_devices: 2 pipeline ranks do not"):
+        pipeline_ranks(PipelineConfig(num_devices=2), 3)
+    with pytest.raises(ConfigError, match=r"^pipeline.balance: "):
+        pipeline_ranks(PipelineConfig(balance=[2, 2, 2]), 4)
+
+
+def test_device_lists_are_for_the_local_executor() -> None:
+    with pytest.raises(ConfigError, match=r"^pipeline.devices: a device list is for the local"):
+        check_supported(tiny(devices=["cpu", "cpu"]))
+
+
+def test_ranks_other_than_zero_get_no_log_file_nor_run_dir() -> None:
+    argv = ["train.py", "recipe=mlp_quickstart"]
+    assert rank_overrides(argv, 0) == argv
+    assert rank_overrides(argv, 1) == [
+        *argv,
+        "hydra/job_logging=none",
+        "hydra/hydra_logging=none",
+        "hydra.run.dir=.",
+    ]
+    given = [*argv, "hydra.run.dir=/tmp/run"]
+    assert rank_overrides(given, 3)[-1] == "hydra/hydra_logging=none"  # rank 0's dir is kept
+
+
+def test_replica_slices_cover_the_batch_in_order() -> None:
+    batch = (torch.arange(10), torch.arange(10) * 2)
+    parts = [replica_slice(batch, r, 3) for r in range(3)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), batch[0])
+    assert [len(p[1]) for p in parts] == [4, 3, 3]
+    assert replica_slice(batch[0], 0, 1) is batch[0]
+
+
+def test_resume_directory_rules(tmp_path: Path) -> None:
+    assert resume_directory(False, tmp_path) is None
+    with pytest.raises(ConfigError, match=r"^trainer.resume: no distributed checkpoint"):
+        resume_directory(True, tmp_path)
+    (tmp_path / "last.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"resume it with pipeline.executor=local"):
+        resume_directory(str(tmp_path / "last.pt"), tmp_path / "new")
+    with pytest.raises(ConfigError, match=r"already holds a run \(last.pt\)"):
+        resume_directory(False, tmp_path)
+    (tmp_path / "last.pt").unlink()
+    (tmp_path / "last").mkdir()
+    (tmp_path / "last" / "manifest.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"already holds a run \(last/manifest.json\)"):
+        resume_directory(False, tmp_path)
+    assert resume_directory(True, tmp_path) == tmp_path / "last"
+    assert resume_directory(str(tmp_path / "last" / "manifest.json"), tmp_path / "b") == (
+        tmp_path / "last"
+    )
+
+
+def test_distributed_without_torchrun_says_how_to_launch(tmp_path, monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"^pipeline.executor: distributed needs .* torchrun"):
+        train(tiny(executor="distributed"), tmp_path, "")
+    assert not any(tmp_path.iterdir())
+
+
+def test_local_executor_refuses_a_torchrun_world(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^pipeline.executor: local runs in one process"):
+        train(tiny(), tmp_path, "")
