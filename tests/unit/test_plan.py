@@ -89,6 +89,29 @@ def test_plan_by_hand() -> None:
     assert best.samples_per_s == pytest.approx(8 / best.step_time_s)
 
 
+def test_measured_layer_times_replace_the_device_model() -> None:
+    # the device model gives every layer the same time (it would cut [2, 2]); measured, the
+    # first layer is 5x slower (linear in the micro-batch), so the cut moves to [1, 3]
+    device = DeviceSpec(peak_flops=1.0, memory_bytes=1e9, link_bandwidth=1e30, link_latency=0.0,
+                        efficiency=1.0, layer_overhead=0.0, reserve=0.0)  # fmt: skip
+    asked: list[int] = []
+
+    def measured(n: int) -> list[tuple[float, float, float]]:
+        asked.append(n)
+        return [(5.0 * n, 0.0, 5.0 * n)] + [(1.0 * n, 1.0 * n, 1.0 * n)] * 3
+
+    layers = [layer() for _ in range(4)]
+    one = dict(schedules=["gpipe"], chunks=[2], checkpoints=["never"], layer_times=measured)
+    best = plan(layers, 2, 4, device, **one)[0]
+    assert best.balance == [1, 3]
+    # micro-batches of 2: stage 0 F = 10 s, B+W = 10 s; stage 1 F = 6 s, B+W = 12 s. Fill-drain:
+    # stage 0's two F (20 s), stage 1's last F (6 s), its two backward (24 s), stage 0's last (10 s)
+    assert best.step_time_s == pytest.approx(20 + 6 + 24 + 10)
+    assert asked == [2]  # one measurement per micro-batch size, shared by modes and schedules
+    slower = plan(layers, 2, 4, device, **one, overhead=0.5)[0]
+    assert slower.step_time_s == pytest.approx(60 + 6 * 0.5)  # 6 actions on the critical path
+
+
 def test_plan_drops_what_does_not_fit_and_counts_optimizer_state() -> None:
     device = DeviceSpec(peak_flops=1.0, memory_bytes=2000, link_bandwidth=1e9, reserve=0.0)
     layers = [layer(params=100) for _ in range(4)]  # 400 B of weights per layer

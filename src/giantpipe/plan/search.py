@@ -12,7 +12,9 @@ For each (schedule, V, M, checkpoint):
 2. simulate: step time, bubble and exact peak memory per device;
 3. keep it if every device fits in ``memory_bytes x (1 - reserve)``.
 
-Candidates come back fastest first. Example::
+Layer times come from the device model, or, given ``layer_times``, from measurements on the
+real device (what ``pipeline.plan=auto`` in the runner passes); ``overhead`` adds the
+executor's measured cost to every action. Candidates come back fastest first. Example::
 
     layers = measure_layers(meta_model, meta_sample)
     device = DeviceSpec(peak_flops=125e12, memory_bytes=16 * 2**30, link_bandwidth=50e9)
@@ -22,6 +24,7 @@ Candidates come back fastest first. Example::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -32,6 +35,10 @@ from giantpipe.pipe.microbatch import split_sizes
 from giantpipe.pipe.schedule import SCHEDULE_NAMES, Schedule, build_schedule
 from giantpipe.pipe.simulate import Simulation, StageCost, simulate
 from giantpipe.plan.costs import LayerCost
+
+LayerTimes = Callable[[int], Sequence[tuple[float, float, float]]]
+"""Measured seconds per layer for a micro-batch of n samples: (forward, input gradient,
+weight gradient), one triple per layer."""
 
 
 @dataclass(frozen=True)
@@ -76,23 +83,28 @@ def plan(
     chunks: Sequence[int] | None = None,
     checkpoints: Sequence[str] = MODES,
     optimizer_slots: int = 1,
+    layer_times: LayerTimes | None = None,
+    overhead: float = 0.0,
 ) -> list[Candidate]:
     """Every configuration that fits, fastest first (ties: least peak memory).
 
     ``chunks`` defaults to the powers of two up to ``batch_size``; ``virtual_stages`` applies
     to 'interleaved' (V = 1 elsewhere); ``optimizer_slots`` counts per-parameter optimizer
     state (1: RMSProp or momentum, as the paper's 12 bytes per parameter; 2: Adam).
+    ``layer_times`` replaces the device model's seconds by measured ones (memory still comes
+    from ``layers``); ``overhead`` is added to every simulated action.
     """
     options = chunks or [2**i for i in range(batch_size.bit_length()) if 2**i <= batch_size]
     budget = device.memory_bytes * (1 - device.reserve)
     found = []
+    measured = _Measured(layer_times, overhead) if layer_times is not None else None
     for name, m, mode in itertools.product(schedules, options, checkpoints):
         for v in virtual_stages if name == "interleaved" else (1,):
             if num_devices * v > len(layers) or (name == "interleaved" and m % num_devices):
                 continue
             schedule = build_schedule(name, num_devices, m, v)
             candidate = _evaluate(
-                layers, schedule, batch_size, device, mode, budget, optimizer_slots
+                layers, schedule, batch_size, device, mode, budget, optimizer_slots, measured
             )
             if candidate is not None:
                 found.append(candidate)
@@ -108,9 +120,12 @@ def _evaluate(
     mode: str,
     budget: float,
     slots: int,
+    measured: _Measured | None = None,
 ) -> Candidate | None:
     micro = split_sizes(batch_size, schedule.num_microbatches)[0]  # the largest one
     per_layer = [_layer_cost(c, micro, device, slots, first=i == 0) for i, c in enumerate(layers)]
+    if measured is not None:
+        per_layer = measured.apply(per_layer, micro)
     replayed = 0.0 if mode == "never" else 1.0
     times = [c.forward + c.backward + replayed * c.recompute for c in per_layer]
     static = list(itertools.accumulate((c.static_bytes for c in per_layer), initial=0))
@@ -130,7 +145,7 @@ def _evaluate(
         return None
     bounds = list(itertools.accumulate([0, *balance]))
     costs = [combine(per_layer[a:b], layers[a:b], micro) for a, b in itertools.pairwise(bounds)]
-    sim = simulate(schedule, costs, mode)
+    sim = simulate(schedule, costs, mode, measured.overhead if measured is not None else 0.0)
     if max(sim.peak_memory_bytes) > budget:
         return None
     return Candidate(
@@ -145,6 +160,31 @@ def _evaluate(
         sim.peak_memory_bytes,
         sim,
     )
+
+
+class _Measured:
+    """Measured layer times, per micro-batch size asked for once (every schedule and mode
+    plans with the same sizes)."""
+
+    def __init__(self, layer_times: LayerTimes, overhead: float) -> None:
+        self._layer_times, self.overhead = layer_times, overhead
+        self._cache: dict[int, Sequence[tuple[float, float, float]]] = {}
+
+    def apply(self, per_layer: list[StageCost], micro: int) -> list[StageCost]:
+        if micro not in self._cache:
+            self._cache[micro] = self._layer_times(micro)
+        return [
+            dataclasses.replace(
+                c,
+                forward=f,
+                backward=b + w,
+                backward_input=b,
+                weight=w,
+                forward_no_grad=f,
+                recompute=f,
+            )
+            for c, (f, b, w) in zip(per_layer, self._cache[micro], strict=True)
+        ]
 
 
 def _layer_cost(c: LayerCost, micro: int, device: DeviceSpec, slots: int, first: bool) -> StageCost:
