@@ -109,6 +109,12 @@ def run_job(cfg: DictConfig) -> float:
         # The resolved config, headed by the command line that produced it.
         config_yaml = f"# overrides: {overrides}\n" + OmegaConf.to_yaml(cfg, resolve=True)
         summary = train(experiment, Path(hydra_cfg.runtime.output_dir), config_yaml)
+        if experiment.pipeline.executor == "distributed" and (
+            experiment.sweep.objective not in summary
+        ):
+            # No sweeper reads it (one job per launch), and it may be a whole-model figure
+            # (eval/bleu) that the distributed runner skips.
+            return math.nan
         return objective(summary, experiment.sweep.objective)
     except Exception as err:  # noqa: BLE001 - every failure becomes one reported line
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
