@@ -32,6 +32,7 @@ LR_SCHEDULES = ("constant", "cosine", "exponential", "inverse_sqrt")
 PROGRESS_STYLES = ("auto", "tqdm", "none")
 WANDB_MODES = ("offline", "online", "disabled")
 DIRECTIONS = ("minimize", "maximize")
+PLAN_MODES = ("auto",)
 
 
 class ConfigError(ValueError):
@@ -98,9 +99,36 @@ class PipelineConfig:
     """``fp32`` or ``bf16`` (autocast around each engine step and evaluation)."""
     schedule: str = "gpipe"
     """Schedule name handed to the engine's ``train_step``."""
+    virtual_stages: int = 1
+    """V, model chunks per device (``interleaved``): a listed balance then has K*V entries."""
+    plan: str | None = None
+    """Null: use balance, chunks, checkpoint, schedule and virtual_stages as set. ``auto``: the
+    planner (giantpipe.plan) picks those five by simulating every candidate on layer times
+    measured on these devices, within memory_budget_gib; the other keys stay as set."""
+    memory_budget_gib: float | None = None
+    """plan=auto: memory per device in GiB (weights, gradients, optimizer state, activations).
+    Null: a GPU's total memory; CPU stand-ins: the machine's RAM shared evenly."""
 
     def __post_init__(self) -> None:
         _check_min(self.chunks, 1, "pipeline.chunks")
+        _check_min(self.virtual_stages, 1, "pipeline.virtual_stages")
+        _check(
+            self.plan is None or self.plan in PLAN_MODES,
+            "pipeline.plan",
+            f"must be null or auto, got {self.plan!r}",
+        )
+        _check(
+            self.plan is None or self.executor == "local",
+            "pipeline.plan",
+            "auto plans the local executor only; with pipeline.executor=distributed set "
+            "balance, chunks, checkpoint and schedule by hand",
+        )
+        if self.memory_budget_gib is not None:
+            _check(
+                self.memory_budget_gib > 0,
+                "pipeline.memory_budget_gib",
+                f"must be > 0 (GiB per device) or null, got {self.memory_budget_gib}",
+            )
         _check_choice(self.checkpoint, CHECKPOINT_MODES, "pipeline.checkpoint")
         _check_choice(self.precision, PRECISIONS, "pipeline.precision")
         _check(bool(self.schedule), "pipeline.schedule", "must be a non-empty schedule name")
@@ -273,6 +301,10 @@ class TrainerConfig:
     tensor whose name and shape match; the rest (a classifier for another number of classes)
     keep their fresh initialization. Optimizer, step and data position start anew. Ignored when
     resuming (trainer.resume), which restores the run's own checkpoint."""
+    predict: bool = True
+    """After the first step, profile the stages once and log the simulator's predicted step
+    time, bubble and peak memory beside the measured ones (summary: pipeline/predicted_*).
+    Local executor only (pipeline.executor=distributed runs no forecast)."""
 
     def __post_init__(self) -> None:
         _check_optional_path(self.init_from, "trainer.init_from")

@@ -36,6 +36,13 @@ _LABELS = {
     "pipeline/busy_time_s": "busy time per stage (s/step)",
     "pipeline/peak_memory_bytes": "peak memory per stage",
     "pipeline/memory_kind": "memory measured as",
+    "pipeline/step_time_s": "engine step (s), measured",
+    "pipeline/predicted_step_time_s": "engine step (s), predicted",
+    "pipeline/step_time_vs_predicted": "engine step, measured / predicted - 1",
+    "pipeline/predicted_bubble": "bubble, predicted (simulator)",
+    "pipeline/predicted_peak_memory_bytes": "peak memory per device, predicted (+ weights, grads)",
+    "pipeline/predict_time_s": "prediction cost (s, profile + simulation)",
+    "pipeline/plan_choice": "plan (pipeline.plan=auto)",
 }
 
 
@@ -52,6 +59,8 @@ def _human_bytes(count: float) -> str:
 def _format(key: str, value: Any) -> str:
     if key.endswith("_bytes") and isinstance(value, list):
         return ", ".join(_human_bytes(v) for v in value)
+    if key.endswith("_bytes") and isinstance(value, int | float):
+        return _human_bytes(value)
     if isinstance(value, list):
         return ", ".join(_format(key, v) for v in value)
     if isinstance(value, float):
@@ -67,7 +76,13 @@ def format_table(summary: dict[str, Any]) -> str:
         print(format_table({"steps": 5, "eval/loss": 0.5}))
     """
     keys = [k for k in _LABELS if k in summary] + [k for k in summary if k not in _LABELS]
-    rows = [(_LABELS.get(k, k), _format(k, summary[k])) for k in keys]
+    rows = []
+    for key in keys:
+        label, value = _LABELS.get(key, key), summary[key]
+        if isinstance(value, dict):  # one row per entry, e.g. the planner's choice
+            rows += [(f"{label}: {k}", _format(k, v)) for k, v in value.items()]
+        else:
+            rows.append((label, _format(key, value)))
     width = max(len(label) for label, _ in rows)
     rule = "-" * (width + 2 + max(len(v) for _, v in rows))
     lines = [rule] + [f"{label.ljust(width)}  {value}" for label, value in rows] + [rule]

@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from giantpipe.config import ConfigError, ExperimentConfig
+from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.pipe import GPipe
 from giantpipe.runner.checkpoint import parameter_names
@@ -32,6 +33,7 @@ from giantpipe.runner.pipeline import (
     resolve_balance,
     resolve_devices,
 )
+from giantpipe.runner.planning import plan_pipeline
 from giantpipe.runner.registry import build_from_target
 
 
@@ -53,6 +55,10 @@ class Experiment:
     steps_per_epoch: float
     """Optimizer steps per epoch (batches per epoch / accumulate)."""
     total_steps: int
+    pipeline: PipelineConfig
+    """The pipeline as run: cfg.pipeline, or with the planner's knobs under plan=auto."""
+    plan_choice: dict[str, Any] | None = None
+    """pipeline.plan=auto: the planner's choice and its predictions (summary.json)."""
 
 
 def build_model(cfg: ExperimentConfig) -> nn.Sequential:
@@ -86,11 +92,22 @@ def build_experiment(cfg: ExperimentConfig, run_dir: Path | None = None) -> Expe
     if not isinstance(bundle, DataBundle):
         raise ConfigError("data._target_", "must build a giantpipe.data.bundle.DataBundle")
     model = build_model(cfg)
-    sample_inputs, _ = next(bundle.train_batches(cfg.trainer.seed, 0))
-    sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
-    balance = resolve_balance(cfg.pipeline, model, devices, sample)
+    sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
+    loss_fn = build_loss(
+        bundle.loss,
+        cfg.trainer.label_smoothing,
+        bundle.ignore_index,
+        summed=bundle.loss_normalizer is not None,
+    )
+    pipeline, plan_choice = cfg.pipeline, None
+    if pipeline.plan == "auto":
+        pipeline, plan_choice = plan_pipeline(
+            cfg, model, devices, sample_inputs, sample_targets, loss_fn
+        )
+    sample = micro_batch_sample(sample_inputs, pipeline.chunks)
+    balance = resolve_balance(pipeline, model, devices, sample)
     check_tied_parameters(model, balance)
-    pipe = build_pipe(model, cfg.pipeline, balance, devices)
+    pipe = build_pipe(model, pipeline, balance, devices)
     names = parameter_names(pipe, model)
     optimizer = build_optimizer(names.values(), cfg.optim)
     steps_per_epoch = bundle.batches_per_epoch / cfg.trainer.accumulate
@@ -100,18 +117,15 @@ def build_experiment(cfg: ExperimentConfig, run_dir: Path | None = None) -> Expe
         bundle=bundle,
         model=model,
         pipe=pipe,
-        devices=devices[: len(balance)],
+        devices=devices[: len(balance) // pipeline.virtual_stages],
         balance=balance,
         names=names,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
-        loss_fn=build_loss(
-            bundle.loss,
-            cfg.trainer.label_smoothing,
-            bundle.ignore_index,
-            summed=bundle.loss_normalizer is not None,
-        ),
+        loss_fn=loss_fn,
         ema=WeightEMA(names, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
+        pipeline=pipeline,
+        plan_choice=plan_choice,
     )

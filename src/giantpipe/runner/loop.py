@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from giantpipe.metrics.summary import format_table, write_summary
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.checkpoint import atomic_save
 from giantpipe.runner.evaluate import evaluate
+from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.init_weights import load_initial_weights
 from giantpipe.runner.run_dir import LAST, check_writable, resume_checkpoint, save_config
 from giantpipe.runner.seeding import seed_everything
@@ -60,6 +61,8 @@ class TrainingLoop:
         """Text figures of the latest evaluation (e.g. the BLEU signature), for the summary."""
         self.last_line: dict[str, Any] | None = None
         """The latest metrics line written; its loss is the run's final train loss."""
+        self.forecast = Forecast() if cfg.trainer.predict else None
+        """trainer.predict: the simulator's forecast after the first step, and the measurements."""
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -105,7 +108,7 @@ class TrainingLoop:
         self.progress.step += 1
         self.progress.position += len(batches)
         tokens = parts.bundle.tokens_per_batch
-        return StepRecord.from_engine(
+        record = StepRecord.from_engine(
             stats,
             step=self.progress.step,
             loss=loss,
@@ -115,6 +118,11 @@ class TrainingLoop:
             tokens=sum(tokens(b) for b in batches) if tokens is not None else None,
             grad_norm=grad_norm,
         )
+        if self.forecast is not None:  # after the record: its step time leaves the profile out
+            more = self.progress.step < parts.total_steps
+            precision = self.cfg.pipeline.precision
+            self.forecast.after_step(parts, precision, batches[0], stats, self.progress.step, more)
+        return record
 
     # -- evaluation and checkpoints ---------------------------------------------------------
 
@@ -175,6 +183,8 @@ class TrainingLoop:
             self.last_line = self.metrics.train_step(record) or self.last_line
             self.after_step()
         self.last_line = self.metrics.flush() or self.last_line
+        if self.forecast is not None:
+            self.forecast.report()
         self.evaluate()
         if self.cfg.trainer.save_last:
             self.save(LAST)
@@ -202,6 +212,10 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
     for key in ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind"):
         if key in figures:
             summary[f"pipeline/{key}"] = figures[key]
+    if loop.forecast is not None:
+        summary.update(loop.forecast.figures())
+    if parts.plan_choice is not None:
+        summary["pipeline/plan_choice"] = parts.plan_choice
     return summary
 
 
@@ -216,6 +230,7 @@ def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, A
     check_writable(run_dir)
     seed_everything(cfg.trainer.seed)
     parts = build_experiment(cfg, run_dir)
+    cfg = replace(cfg, pipeline=parts.pipeline)  # as run: the planner's knobs under plan=auto
     progress, last_good = Progress(), None
     if resume_from is not None:
         progress = restore_checkpoint(parts, resume_from)

@@ -71,18 +71,22 @@ def resolve_devices(cfg: PipelineConfig, cuda_count: int) -> list[str]:
     return ["cpu"] * (_requested_count(cfg) or DEFAULT_CPU_STAND_INS)
 
 
-def check_balance(balance: list[int], num_layers: int, num_devices: int) -> None:
-    """Reject a balance that does not cover the model or needs more devices than there are."""
+def check_balance(
+    balance: list[int], num_layers: int, num_devices: int, virtual_stages: int = 1
+) -> None:
+    """Reject a balance that does not cover the model or needs more devices than there are
+    (with V virtual stages per device, it lists K*V stages)."""
     if sum(balance) != num_layers:
         raise ConfigError(
             "pipeline.balance",
             f"{list(balance)} sums to {sum(balance)} but the model has {num_layers} layers",
         )
-    if len(balance) > num_devices:
+    if len(balance) > num_devices * virtual_stages or len(balance) % virtual_stages:
+        per = f" x {virtual_stages} virtual stages" if virtual_stages > 1 else ""
         raise ConfigError(
             "pipeline.balance",
-            f"{len(balance)} stages but only {num_devices} devices (see pipeline.devices, "
-            "pipeline.num_devices)",
+            f"{len(balance)} stages but only {num_devices} devices{per} (see pipeline.devices, "
+            "pipeline.num_devices, pipeline.virtual_stages)",
         )
 
 
@@ -96,7 +100,7 @@ def resolve_balance(
     if isinstance(cfg.balance, list):
         balance = list(cfg.balance)
     else:
-        stages = len(devices)
+        stages = len(devices) * cfg.virtual_stages
         if stages > len(model):
             raise ConfigError(
                 "pipeline.num_devices",
@@ -108,7 +112,7 @@ def resolve_balance(
             balance = balance_by_time(stages, model, sample, device=devices[0])
         else:
             balance = balance_by_size(stages, model, sample, device=devices[0])
-    check_balance(balance, len(model), len(devices))
+    check_balance(balance, len(model), len(devices), cfg.virtual_stages)
     return balance
 
 
@@ -145,10 +149,10 @@ def check_tied_parameters(model: nn.Sequential, balance: list[int]) -> None:
         )
 
 
-def check_schedule(name: str, stages: int, chunks: int) -> None:
-    """Reject a schedule the engine does not know, or one that cannot run this K and M."""
+def check_schedule(name: str, stages: int, chunks: int, virtual_stages: int = 1) -> None:
+    """Reject a schedule the engine does not know, or one that cannot run this K, M and V."""
     try:
-        build_schedule(name, stages, chunks)
+        build_schedule(name, stages, chunks, virtual_stages)
     except ValueError as err:
         raise ConfigError("pipeline.schedule", str(err)) from err
 
@@ -156,14 +160,16 @@ def check_schedule(name: str, stages: int, chunks: int) -> None:
 def build_pipe(
     model: nn.Sequential, cfg: PipelineConfig, balance: list[int], devices: list[str]
 ) -> GPipe:
-    """The engine over the first ``len(balance)`` devices, with the configured M and modes."""
-    check_schedule(cfg.schedule, len(balance), cfg.chunks)
+    """The engine over the first ``len(balance) / V`` devices, with the configured M and modes."""
+    workers = len(balance) // cfg.virtual_stages
+    check_schedule(cfg.schedule, workers, cfg.chunks, cfg.virtual_stages)
     return GPipe(
         model,
         balance=balance,
-        devices=devices[: len(balance)],
+        devices=devices[:workers],
         chunks=cfg.chunks,
         checkpoint=cfg.checkpoint,
         deferred_batch_norm=cfg.deferred_batch_norm,
         schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
     )

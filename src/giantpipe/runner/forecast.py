@@ -1,0 +1,154 @@
+"""Measured vs predicted in every run: the simulator's forecast beside the engine's own figures.
+
+After the run's first optimizer step (the warm-up), the stages are profiled once on that step's
+first batch (``GPipe.predict`` with ``repeats=1``) and the schedule is simulated. The profile
+restores gradients and BatchNorm statistics itself; the RNG streams are forked around it and
+the batch is one already trained on, so the run trains exactly as with ``trainer.predict=false``.
+At the end the prediction is set against the mean measured engine step (``train_step`` wall
+time, optimizer update excluded) and bubble of the steps after it::
+
+    predicted step 0.123 s bubble 0.20 | measured 0.131 s bubble 0.22 (+6%)
+
+with a warning when the measured step departs from the predicted one by more than 25%.
+
+Example::
+
+    forecast = Forecast()
+    forecast.after_step(parts, "fp32", batches[0], stats, more=True)   # every optimizer step
+    forecast.report()                                                  # logs the line above
+    summary.update(forecast.figures())                                 # pipeline/predicted_*
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from giantpipe.data.bundle import Batch
+from giantpipe.metrics.record import EngineStats
+from giantpipe.runner.step import autocast, to_device
+
+if TYPE_CHECKING:
+    from giantpipe.pipe.predict import Prediction
+    from giantpipe.runner.build import Experiment
+
+log = logging.getLogger(__name__)
+
+WARN_ABOVE = 0.25
+"""Warn when |measured / predicted - 1| of the engine step exceeds this."""
+
+
+class Forecast:
+    """One prediction per run, and the measured engine steps that follow it."""
+
+    def __init__(self) -> None:
+        self.prediction: Prediction | None = None
+        self.predict_time_s = 0.0
+        self._done = False
+        self._time = self._bubble = 0.0
+        self._count = 0
+
+    def after_step(
+        self,
+        parts: Experiment,
+        precision: str,
+        batch: Batch,
+        stats: Sequence[EngineStats],
+        step: int,
+        more: bool,
+    ) -> None:
+        """Predict after the first step (when steps remain to compare with); then measure."""
+        if self._done:
+            if self.prediction is not None:
+                self._time += sum(s.wall_time_s for s in stats)
+                self._bubble += sum(s.bubble for s in stats)
+                self._count += len(stats)
+            return
+        self._done = True
+        if more:
+            self._predict(parts, precision, batch, step)
+
+    def _predict(self, parts: Experiment, precision: str, batch: Batch, step: int) -> None:
+        predict = getattr(parts.pipe, "predict", None)
+        if predict is None:
+            log.info("no prediction: this executor has no simulator forecast")
+            return
+        inputs, targets = (
+            to_device(batch[0], parts.devices[0]),
+            to_device(batch[1], parts.devices[-1]),
+        )
+        cuda = [torch.device(d) for d in parts.devices if torch.device(d).type == "cuda"]
+        started = time.perf_counter()
+        try:
+            with torch.random.fork_rng(devices=cuda), autocast(precision, parts.devices[0]):
+                self.prediction = predict(inputs, targets, parts.loss_fn, repeats=1)
+        except Exception as err:  # a diagnostic: say so, and train on
+            log.warning(
+                "no prediction: profiling the stages failed: %s: %s", type(err).__name__, err
+            )
+            return
+        self.predict_time_s = time.perf_counter() - started
+        log.info(
+            "simulator (stages profiled after step %d, %.1fs): predicted step %.3g s, bubble %.2f",
+            step,
+            self.predict_time_s,
+            self.prediction.step_time_s,
+            self.prediction.bubble,
+        )
+
+    def measured(self) -> tuple[float, float] | None:
+        """Mean engine step time (s) and bubble since the prediction; None before any."""
+        if not self._count:
+            return None
+        return self._time / self._count, self._bubble / self._count
+
+    def line(self) -> str | None:
+        """``predicted step 0.123 s bubble 0.20 | measured 0.131 s bubble 0.22 (+6%)``."""
+        if self.prediction is None:
+            return None
+        p = self.prediction
+        text = f"predicted step {p.step_time_s:.3g} s bubble {p.bubble:.2f}"
+        measured = self.measured()
+        if measured is None:
+            return text + " | measured: no step after the prediction"
+        gap = measured[0] / p.step_time_s - 1
+        return text + f" | measured {measured[0]:.3g} s bubble {measured[1]:.2f} ({gap:+.0%})"
+
+    def report(self) -> None:
+        """Log the line, and a warning when the measured step departs by more than 25%."""
+        line = self.line()
+        if line is None:
+            return
+        log.info("engine step, simulator vs measured: %s", line)
+        measured = self.measured()
+        assert self.prediction is not None
+        if measured is not None and abs(measured[0] / self.prediction.step_time_s - 1) > WARN_ABOVE:
+            log.warning(
+                "the measured engine step (%.3g s) departs from the simulator's prediction "
+                "(%.3g s) by more than %.0f%%: the machine was busier or quieter than while "
+                "profiling, or the stage costs do not add up as the simulator assumes",
+                measured[0],
+                self.prediction.step_time_s,
+                WARN_ABOVE * 100,
+            )
+
+    def figures(self) -> dict[str, Any]:
+        """summary.json keys: pipeline/predicted_* and the measured engine step beside them."""
+        if self.prediction is None:
+            return {}
+        p = self.prediction
+        figures: dict[str, Any] = {
+            "pipeline/predicted_step_time_s": p.step_time_s,
+            "pipeline/predicted_bubble": p.bubble,
+            "pipeline/predicted_peak_memory_bytes": list(p.peak_memory_bytes),
+            "pipeline/predict_time_s": self.predict_time_s,
+        }
+        measured = self.measured()
+        if measured is not None:
+            figures["pipeline/step_time_s"] = measured[0]
+            figures["pipeline/step_time_vs_predicted"] = measured[0] / p.step_time_s - 1
+        return figures

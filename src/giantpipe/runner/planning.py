@@ -1,0 +1,342 @@
+"""``pipeline.plan=auto``: the planner (:mod:`giantpipe.plan`) on the run's own model and devices.
+
+What goes in, all measured on this run rather than assumed:
+
+- bytes per layer (parameters, saved activations, boundary tensors) from the model copied to
+  the meta device, one sample (:func:`giantpipe.plan.measure_layers`);
+- seconds per layer (forward, input gradient, weight gradient) on the first device, at the
+  smallest and the largest micro-batch of the search, interpolated linearly in between
+  (:class:`LayerTimer`), and the executor's cost per action;
+- the optimizer's state per parameter (``optim.name``, ``optim.momentum``), the batch size of
+  the data (M is searched over the divisors of it) and ``pipeline.memory_budget_gib``.
+
+Not modelled: CPU stand-ins slowing each other down (they share cores), allocator slack.
+
+Example::
+
+    pipeline, choice = plan_pipeline(cfg, model, ["cpu", "cpu"], inputs, targets, loss_fn)
+    pipeline.balance, pipeline.chunks, pipeline.checkpoint, pipeline.schedule
+    choice["predicted_samples_per_s"]
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from giantpipe.config import ConfigError, ExperimentConfig, OptimConfig, PipelineConfig
+from giantpipe.data.bundle import Tensors, batch_size
+from giantpipe.pipe.checkpoint import recomputing
+from giantpipe.pipe.predict import executor_overhead
+from giantpipe.pipe.rng import rng_context
+from giantpipe.pipe.schedule import build_schedule
+from giantpipe.pipe.simulate import StageCost
+from giantpipe.pipe.stage_profile import profile_stages
+from giantpipe.plan import Candidate, DeviceSpec, LayerCost, measure_layers, plan
+from giantpipe.plan.__main__ import format_table
+from giantpipe.runner.losses import LossFn
+from giantpipe.runner.step import autocast
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+TOP = 5
+"""Rows of the candidates table in the log."""
+
+
+def plan_pipeline(
+    cfg: ExperimentConfig,
+    model: nn.Sequential,
+    devices: list[str],
+    inputs: Tensors,
+    targets: Tensors,
+    loss_fn: LossFn,
+) -> tuple[PipelineConfig, dict[str, Any]]:
+    """The pipeline config with the planner's balance, chunks, checkpoint, schedule and V, and
+    the choice as a dict for summary.json. ``inputs`` and ``targets`` are one training batch.
+
+    Leaves the model's parameters, gradients, buffers and the RNG streams as they were.
+    """
+    started = time.perf_counter()
+    size, k = batch_size(inputs), len(devices)
+    min_micro = 2 if has_batchnorm(model) else 1
+    chunks = chunk_options(size, min_micro)
+    budget = memory_budget(cfg.pipeline, devices)
+    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+    with torch.random.fork_rng(devices=cuda), autocast(cfg.pipeline.precision, devices[0]):
+        layers = per_sample(
+            measure_layers(meta_copy(model), meta_sample(inputs, min_micro)), min_micro
+        )
+        threads = threads_per_worker(devices)
+        timer = LayerTimer(model, devices[0], inputs, targets, loss_fn, threads)
+        timer.calibrate([size // max(chunks), size // min(chunks)])
+        schedule = build_schedule("gpipe", k, 4)
+        overhead = executor_overhead(schedule, [torch.device(d) for d in devices], threads, 2)
+    spec = DeviceSpec(
+        peak_flops=1.0,  # unused: layer times are measured
+        memory_bytes=budget,
+        link_bandwidth=link_bandwidth(devices),
+        link_latency=0.0,
+    )
+    search = functools.partial(
+        plan,
+        layers,
+        k,
+        size,
+        chunks=chunks,
+        optimizer_slots=optimizer_slots(cfg.optim),
+        layer_times=timer,
+        overhead=overhead,
+    )
+    candidates = search(spec)
+    if not candidates:
+        raise _nothing_fits(search(replace(spec, memory_bytes=math.inf)), spec, size, k)
+    best = candidates[0]
+    seconds = time.perf_counter() - started
+    log.info(
+        "pipeline.plan=auto (%.1fs): %d configurations fit %.3g GiB per device (batch %d, K=%d, "
+        "M in %s); the best %d, by simulation on measured layer times:\n%s",
+        *(seconds, len(candidates), budget / GIB, size, k, chunks, min(TOP, len(candidates))),
+        format_table(candidates[:TOP]),
+    )
+    planned = replace(
+        cfg.pipeline,
+        balance=list(best.balance),
+        chunks=best.chunks,
+        checkpoint=best.checkpoint,
+        schedule=best.schedule,
+        virtual_stages=best.virtual_stages,
+    )
+    return planned, describe(best, budget, len(candidates))
+
+
+def describe(best: Candidate, budget: float, fitting: int) -> dict[str, Any]:
+    """The choice as summary.json records it (pipeline/plan_choice)."""
+    return {
+        "schedule": best.schedule,
+        "virtual_stages": best.virtual_stages,
+        "chunks": best.chunks,
+        "checkpoint": best.checkpoint,
+        "balance": list(best.balance),
+        "predicted_samples_per_s": best.samples_per_s,
+        "predicted_step_time_s": best.step_time_s,
+        "predicted_bubble": best.bubble,
+        "predicted_peak_memory_bytes": list(best.peak_memory_bytes),
+        "memory_budget_bytes": int(budget),
+        "configurations_fitting": fitting,
+    }
+
+
+def _nothing_fits(unbounded: list[Candidate], spec: DeviceSpec, size: int, k: int) -> ConfigError:
+    budget = spec.memory_bytes / GIB
+    problem = f"{budget:.3g} GiB per device fits no plan for batch {size} on {k} devices"
+    if unbounded:
+        lean = min(unbounded, key=lambda c: max(c.peak_memory_bytes))
+        need = max(lean.peak_memory_bytes) / (1 - spec.reserve)
+        problem += (
+            f"; the leanest ({lean.schedule}, M={lean.chunks}, checkpoint={lean.checkpoint}) "
+            f"needs {need / GIB:.3g} GiB"
+        )
+    return ConfigError(
+        "pipeline.memory_budget_gib",
+        problem + ": raise it, add devices (pipeline.num_devices) or lower data.batch_size",
+    )
+
+
+# --------------------------------------------------------------------------- search space
+
+
+def chunk_options(size: int, min_micro: int = 1) -> list[int]:
+    """M to try: the divisors of the batch size that leave ``min_micro`` samples or more per
+    micro-batch (every micro-batch then has the same size).
+
+    >>> chunk_options(12), chunk_options(12, min_micro=2)
+    ([1, 2, 3, 4, 6, 12], [1, 2, 3, 4, 6])
+    """
+    found = [m for m in range(1, size + 1) if size % m == 0 and size // m >= min_micro]
+    return found or [1]
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether the model normalizes by batch statistics (a micro-batch then needs 2 samples)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def optimizer_slots(optim: OptimConfig) -> int:
+    """Tensors of optimizer state per parameter: Adam(W) 2; RMSProp 1 (+1 with momentum);
+    SGD 1 with momentum, else 0.
+
+    >>> optimizer_slots(OptimConfig(name="adamw")), optimizer_slots(OptimConfig(name="sgd"))
+    (2, 0)
+    """
+    momentum = 1 if optim.momentum > 0 else 0
+    return {"adam": 2, "adamw": 2, "rmsprop": 1 + momentum}.get(optim.name, momentum)
+
+
+def memory_budget(cfg: PipelineConfig, devices: Sequence[str]) -> float:
+    """Bytes per device: pipeline.memory_budget_gib, else the smallest GPU's memory, else (CPU
+    stand-ins) the machine's RAM over the number of devices."""
+    if cfg.memory_budget_gib is not None:
+        return cfg.memory_budget_gib * GIB
+    gpus = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+    if gpus:
+        return float(min(torch.cuda.get_device_properties(d).total_memory for d in gpus))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / len(devices)
+
+
+def threads_per_worker(devices: Sequence[str]) -> int | None:
+    """Intra-op threads of each worker, as the engine sets them (CPU stand-ins share cores)."""
+    cpu = sum(torch.device(d).type == "cpu" for d in devices)
+    return max(1, torch.get_num_threads() // cpu) if cpu > 1 else None
+
+
+def link_bandwidth(devices: Sequence[str]) -> float:
+    """Bytes/s from the first device to the second, timed on a 64 MiB copy (inf: one device)."""
+    src, dst = torch.device(devices[0]), torch.device(devices[-1])
+    if src == dst:
+        return math.inf
+    block = torch.empty(16 * 2**20, device=src)
+    block.to(dst)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    block.to(dst)
+    torch.cuda.synchronize()
+    return block.numel() * block.element_size() / (time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def meta_copy(model: nn.Sequential) -> nn.Sequential:
+    """The model on the meta device (shapes only), copied one layer at a time."""
+    return nn.Sequential(*[copy.deepcopy(layer).to("meta") for layer in model]).train()
+
+
+def meta_sample(inputs: Tensors, n: int = 1) -> Tensors:
+    """The first ``n`` samples of ``inputs`` on the meta device."""
+    if isinstance(inputs, tuple):
+        return tuple(torch.empty_like(t[:n], device="meta") for t in inputs)
+    return torch.empty_like(inputs[:n], device="meta")
+
+
+def per_sample(layers: list[LayerCost], n: int) -> list[LayerCost]:
+    """Costs measured on ``n`` samples (BatchNorm needs 2 in training) as costs of one."""
+    if n == 1:
+        return layers
+    return [
+        replace(
+            c,
+            flops=c.flops / n,
+            input_bytes=c.input_bytes // n,
+            saved_bytes=c.saved_bytes // n,
+            input_saved=c.input_saved // n,
+            output_bytes=c.output_bytes // n,
+        )
+        for c in layers
+    ]
+
+
+class LayerTimer:
+    """Seconds per layer on ``device`` for a micro-batch of n samples: measured at a few sizes
+    (:meth:`calibrate`), linear in n between and beyond them. Each layer runs as the executor
+    runs a stage (:func:`giantpipe.pipe.stage_profile.profile_stages`); a layer not on
+    ``device`` is profiled on a copy. The loss runs after the last layer.
+
+    Example::
+
+        timer = LayerTimer(model, "cpu", inputs, targets, loss_fn, threads=1)
+        timer.calibrate([8, 64])
+        timer(16)   # [(forward_s, input_grad_s, weight_grad_s), ...] per layer
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        device: str,
+        inputs: Tensors,
+        targets: Tensors,
+        loss_fn: LossFn,
+        threads: int | None,
+        repeats: int = 2,
+    ) -> None:
+        self.model, self.device = model, torch.device(device)
+        self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
+        self.threads, self.repeats = threads, repeats
+        self.points: dict[int, list[StageCost]] = {}
+
+    def calibrate(self, sizes: Sequence[int]) -> None:
+        for n in sorted(set(sizes)):
+            self.points[n] = self.profile(n)
+
+    def profile(self, n: int) -> list[StageCost]:
+        """Every layer's measured cost on the first ``n`` samples."""
+        x: Any = _to(_head(self.inputs, n), self.device)
+        target = _head(self.targets, n)
+        costs = []
+        for i, layer in enumerate(self.model):
+            on_device = all(p.device == self.device for p in layer.parameters())
+            stage = nn.Sequential(layer if on_device else copy.deepcopy(layer).to(self.device))
+            last = i == len(self.model) - 1
+            stage_in = x if i == 0 else _wanting_grad(x)  # a leaf that needs its input gradient
+            costs += profile_stages(
+                [stage],
+                [self.device],
+                stage_in,
+                target if last else None,
+                self.loss_fn if last else None,
+                repeats=self.repeats,
+                threads=self.threads,
+            )
+            if not last:
+                with torch.no_grad(), recomputing(stage), rng_context(0, 0, self.device):
+                    x = stage(x)
+        return costs
+
+    def __call__(self, n: int) -> list[tuple[float, float, float]]:
+        sizes = sorted(self.points)
+        lo, hi = sizes[0], sizes[-1]
+        if lo == hi:
+            return [(c.forward, c.backward_input, c.weight) for c in self.points[lo]]
+        share = (n - lo) / (hi - lo)
+
+        def at(a: float, b: float) -> float:
+            return max(0.0, a + (b - a) * share)
+
+        return [
+            (
+                at(a.forward, b.forward),
+                at(a.backward_input, b.backward_input),
+                at(a.weight, b.weight),
+            )
+            for a, b in zip(self.points[lo], self.points[hi], strict=True)
+        ]
+
+
+def _head(tensors: Tensors, n: int) -> Tensors:
+    return tuple(t[:n] for t in tensors) if isinstance(tensors, tuple) else tensors[:n]
+
+
+def _to(tensors: Tensors, device: torch.device) -> Tensors:
+    if isinstance(tensors, tuple):
+        return tuple(t.to(device) for t in tensors)
+    return tensors.to(device)
+
+
+def _wanting_grad(x: Any) -> Any:
+    def leaf(t: Any) -> Any:
+        if not torch.is_tensor(t):
+            return t
+        return t.detach().requires_grad_(t.is_floating_point())
+
+    return leaf(x) if torch.is_tensor(x) else tuple(leaf(t) for t in x)

@@ -1,0 +1,32 @@
+"""``python train.py ... pipeline.plan=auto``: the planner's table in the log, its choice run and
+recorded in summary.json, the simulator's forecast beside the measured step. (A budget nothing
+fits in: tests/unit/runner/test_runner_plan.py; the CLI prints any ConfigError as one line.)"""
+
+import json
+from pathlib import Path
+
+from tests.integration.test_train_cli import TINY, ok, train
+
+
+def test_plan_auto_runs_the_planned_settings_and_reports_them(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    result = ok(
+        train(
+            *TINY,
+            "trainer.max_steps=4",
+            "pipeline.plan=auto",
+            "pipeline.memory_budget_gib=2",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+        )
+    )
+    log = result.stdout + result.stderr
+    assert "pipeline.plan=auto" in log and "| # | schedule | V | M | checkpoint |" in log
+    assert "predicted step" in log and "| measured" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    choice = summary["pipeline/plan_choice"]
+    assert summary["pipeline/chunks"] == choice["chunks"] and 64 % choice["chunks"] == 0
+    assert summary["pipeline/balance"] == choice["balance"]
+    assert choice["memory_budget_bytes"] == 2 * 2**30
+    assert summary["pipeline/predicted_step_time_s"] > 0
+    assert "plan (pipeline.plan=auto): schedule" in result.stdout  # the summary table
