@@ -62,10 +62,8 @@ from giantpipe.runner.state import Progress
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-
-def torchrun_world() -> int:
-    """Processes of this torchrun launch (1 when not launched by torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+SETUP_TIMEOUT_S = 1800.0
+"""How long the ranks wait for rank 0 during set-up (building the data, profiling a balance)."""
 
 
 def agree(body: Callable[[], _T]) -> _T:
@@ -325,7 +323,10 @@ def train_distributed(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) ->
             "--nproc_per_node=K train.py ... pipeline.executor=distributed",
         )
     start = time.perf_counter()
-    init_distributed(timeout=cfg.pipeline.timeout)
+    # The world group only carries set-up (rank 0 may prepare data or profile layers for
+    # minutes while the others wait) and the final summary; the steps run on the pipe's own
+    # groups, under pipeline.timeout. A rank that dies still wakes the others at once.
+    init_distributed(timeout=max(cfg.pipeline.timeout, SETUP_TIMEOUT_S))
     try:
         return _train(cfg, from_rank0(run_dir), config_yaml, start)
     finally:
