@@ -364,6 +364,8 @@ def _train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str, start: float)
             cfg.name,
             asdict(cfg),
         )
+    if rank == 0 and getattr(cfg.trainer, "predict", False):
+        log.info("trainer.predict: the simulator's forecast is logged by the local executor only")
     loop = DistributedLoop(cfg, parts, run_dir, metrics, progress)
     if resume_from is not None:
         loop.last_good = (resume_from, progress.step)
