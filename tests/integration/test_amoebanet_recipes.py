@@ -160,17 +160,5 @@ def test_fine_tune_from_a_foreign_checkpoint_is_one_line(tmp_path: Path):
     assert lines[0].startswith(f"error: trainer.init_from: {tmp_path / 'other.pt'} has no tensor")
 
 
-# -- the quick start, as a new user runs it ---------------------------------------------------
-
-
-@pytest.mark.slow
-def test_quickstart_with_no_arguments_learns_far_above_chance(tmp_path: Path):
-    result = ok(train(cwd=tmp_path, timeout=600))
-    (run_dir,) = (tmp_path / "outputs").glob("*/*")
-    figures = summary(run_dir)
-    assert figures["name"] == "amoebanet_quickstart"
-    assert figures["eval/accuracy"] > 0.8  # 10 classes: chance is 0.1
-    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["kind"] == "train" and first["loss"] > 1.2  # steps 1-10 (ln 10 = 2.3 at start)
-    assert figures["eval/loss"] < 0.5
-    assert "eval accuracy" in result.stdout and "eval top-5 accuracy" in result.stdout
+# The default job with no arguments (the quick start) is run as typed by
+# tests/integration/test_readme.py::test_main_job_command_runs_as_written.

@@ -55,3 +55,4 @@ def test_main_job_command_runs_as_written(tmp_path: Path) -> None:
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["loss"] > 1.2 and figures["eval/loss"] < 0.5  # the loss clearly falls
     assert "eval accuracy" in done.stdout  # the summary table is printed
+    assert "eval top-5 accuracy" in done.stdout
