@@ -21,7 +21,8 @@ import bisect
 import copy
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -101,6 +102,16 @@ def balance_by_params(partitions: int, module: nn.Sequential) -> list[int]:
     return solve_balance(costs, partitions)
 
 
+@contextmanager
+def _rng_untouched(device: torch.device) -> Iterator[None]:
+    # Profiling runs dropout and drop-path layers, which draw from the global generators. The
+    # engine draws each step's seed from them too, so without this a run balanced by time or
+    # size would train differently from the same run given the resulting balance by hand.
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 def profile_times(
     module: nn.Sequential, sample: TensorOrTensors, device: torch.device, repeats: int = 3
 ) -> list[float]:
@@ -112,16 +123,17 @@ def profile_times(
     device = torch.device(device)
     x = to_device(sample, device)
     times = []
-    for layer in module:
-        probe = copy.deepcopy(layer).to(device)
-        samples = []
-        for _ in range(repeats + 1):  # the first run warms up caches and kernels
-            start = time.perf_counter()
-            y = _forward_backward(probe, x)
-            _sync(device)
-            samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples[1:]))
-        x = y
+    with _rng_untouched(device):
+        for layer in module:
+            probe = copy.deepcopy(layer).to(device)
+            samples = []
+            for _ in range(repeats + 1):  # the first run warms up caches and kernels
+                start = time.perf_counter()
+                y = _forward_backward(probe, x)
+                _sync(device)
+                samples.append(time.perf_counter() - start)
+            times.append(statistics.median(samples[1:]))
+            x = y
     return times
 
 
@@ -146,16 +158,18 @@ def profile_sizes(
     device: torch.device,
 ) -> list[float]:
     """Bytes per layer: parameter bytes x ``param_scale`` + activation bytes saved for backward."""
-    x = to_device(sample, torch.device(device))
+    device = torch.device(device)
+    x = to_device(sample, device)
     sizes = []
-    for layer in module:
-        probe = copy.deepcopy(layer).to(device)
-        meter = SavedTensorMeter(exclude=probe.parameters())
-        with meter:
-            y = _forward(probe, x)
-        param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
-        sizes.append(param_bytes * param_scale + meter.bytes)
-        x = _detach(y)
+    with _rng_untouched(device):
+        for layer in module:
+            probe = copy.deepcopy(layer).to(device)
+            meter = SavedTensorMeter(exclude=probe.parameters())
+            with meter:
+                y = _forward(probe, x)
+            param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+            sizes.append(param_bytes * param_scale + meter.bytes)
+            x = _detach(y)
     return sizes
 
 

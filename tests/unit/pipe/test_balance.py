@@ -98,3 +98,19 @@ def test_balance_by_size_counts_measured_activations() -> None:
     assert sizes[0] == params + 64 * 16 * 4
     assert sizes[1] == params + 2 * 64 * 16 * 4
     assert balance_by_size(2, model, torch.randn(64, 16)) in ([2, 2], [1, 3])
+
+
+@pytest.mark.parametrize("policy", ["time", "size"])
+def test_profiling_leaves_the_global_generator_where_it_was(policy: str) -> None:
+    # The engine draws each step's seed from the global generator: profiling a model with
+    # dropout must not move it, or a balanced run would differ from the same balance given.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5))
+    sample = torch.randn(4, 8)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    if policy == "time":
+        balance_by_time(2, model, sample, repeats=1)
+    else:
+        balance_by_size(2, model, sample)
+    assert torch.equal(torch.rand(3), expected)
