@@ -18,6 +18,7 @@ from torch import nn
 
 from giantpipe import GPipe
 from giantpipe.pipe.balance import solve_balance
+from giantpipe.pipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from giantpipe.pipe.distributed import DistributedPipe
 from giantpipe.pipe.gradsync import clip_grad_norm_
 from giantpipe.pipe.materialize import init_layers
@@ -186,6 +187,33 @@ def equivalence(
                     assert pipe.sync.early == len(pipe.sync.buckets) > 1, what
                 checked.append((what, n))
     return {"checked": checked}
+
+
+def replicated_batch_norm(tmp: Path, workers: int, chunks: int = 2) -> dict[str, Any]:
+    """Deferred BatchNorm under R replicas: every replica commits the whole batch's statistics."""
+    replicas = dist.get_world_size() // workers
+    model = convert_deferred_batch_norm(plain_model(4))
+    inputs, target = tuple_batch(n=16)
+    shards = [(shard(inputs, r, replicas), shard(target, r, replicas)) for r in range(replicas)]
+    plain, _ = reference(model, shards, chunks, step_seed(SEED))
+    commit_deferred_batch_norm(plain)
+    pipe = DistributedPipe(
+        model_fn(4),
+        solve_balance([1.0] * len(model), workers),
+        chunks=chunks,
+        deferred_batch_norm=True,
+        seed=INIT,
+        timeout=20,
+    )
+    x, y = shards[pipe.replica]
+    torch.manual_seed(SEED)
+    pipe.train_step(
+        x if pipe.needs_inputs else None,
+        y if pipe.needs_targets else None,
+        nn.functional.cross_entropy,
+    )
+    checked = assert_matches(pipe, plain, f"deferred BN R={replicas}", buffers=True)
+    return {"checked": checked, "buffers": sum(1 for _ in pipe.buffers())}
 
 
 def accumulation(tmp: Path, workers: int, steps: int = 2) -> dict[str, Any]:

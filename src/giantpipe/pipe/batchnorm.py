@@ -16,6 +16,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -111,6 +113,54 @@ def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
         if replaced is not child:
             setattr(module, name, replaced)
     return module
+
+
+def merge_deferred_batch_norm(
+    module: nn.Module, all_reduce_sum: Callable[[torch.Tensor], None]
+) -> None:
+    """Merges each DeferredBatchNorm's pending statistics with its replicas', before commit.
+
+    ``all_reduce_sum`` sums a tensor in place over the replicas (e.g. ``dist.all_reduce`` on the
+    stage's replica group). After the merge every replica holds the (count, mean, M2) of the
+    whole mini-batch across replicas, so the committed running statistics equal those of the
+    un-replicated model on that mini-batch, and replicas never drift apart. Two reductions for
+    the whole module, whatever the number of layers (counts and means first, then M2 about the
+    merged mean: exact, and stable where sums of squares would cancel).
+
+    Example::
+
+        merge_deferred_batch_norm(stage, lambda t: dist.all_reduce(t, group=replicas))
+        commit_deferred_batch_norm(stage)
+    """
+    norms = [
+        m
+        for m in module.modules()
+        if isinstance(m, DeferredBatchNorm) and m._mean is not None and m._m2 is not None
+    ]
+    if not norms:
+        return
+    device = norms[0]._mean.device  # type: ignore[union-attr]
+    counts = torch.tensor([float(m._count) for m in norms], dtype=torch.float64, device=device)
+    sums = torch.cat([m._mean.double() * m._count for m in norms])  # type: ignore[union-attr]
+    first = torch.cat([counts, sums])
+    all_reduce_sum(first)
+    total, merged_sums = (
+        first[: len(norms)],
+        first[len(norms) :].split([m.num_features for m in norms]),
+    )
+    means = [s / n for s, n in zip(merged_sums, total, strict=True)]
+    spread = torch.cat(
+        [
+            m._m2.double() + m._count * (m._mean.double() - mean).square()  # type: ignore[union-attr]
+            for m, mean in zip(norms, means, strict=True)
+        ]
+    )
+    all_reduce_sum(spread)
+    for m, n, mean, m2 in zip(
+        norms, total, means, spread.split([m.num_features for m in norms]), strict=True
+    ):
+        m._count = int(n.item())
+        m._mean, m._m2 = mean.float(), m2.float()
 
 
 def commit_deferred_batch_norm(module: nn.Module) -> None:

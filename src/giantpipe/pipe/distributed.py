@@ -41,7 +41,11 @@ import torch.distributed as dist
 from torch import nn
 
 from giantpipe.pipe import shards
-from giantpipe.pipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from giantpipe.pipe.batchnorm import (
+    commit_deferred_batch_norm,
+    convert_deferred_batch_norm,
+    merge_deferred_batch_norm,
+)
 from giantpipe.pipe.checkpoint import MODES, checkpoint_stop
 from giantpipe.pipe.executor import LossFn, LossSpec, StepConfig, StepRun
 from giantpipe.pipe.faults import (
@@ -51,6 +55,7 @@ from giantpipe.pipe.faults import (
     default_store,
     failure_message,
     install_sigterm_note,
+    wait_work,
 )
 from giantpipe.pipe.gradsync import GradientSync, clip_grad_norm_
 from giantpipe.pipe.layout import (
@@ -256,11 +261,21 @@ class DistributedPipe(nn.Module):
             self.sync.finish()
         if self.training:
             for part in self.partitions:
+                if self.groups.replica is not None:
+                    merge_deferred_batch_norm(part, self._replica_sum)
                 commit_deferred_batch_norm(part)
         local = (
             torch.stack([run.losses[m] for m in range(self.chunks)]).sum() if run.losses else None
         )
         return self._finish(run, started, local)
+
+    def _replica_sum(self, tensor: torch.Tensor) -> None:
+        # Deferred BatchNorm statistics of the whole mini-batch, across replicas: every replica
+        # then commits the same running statistics as the un-replicated model would.
+        work = dist.all_reduce(tensor, group=self.groups.replica, async_op=True)
+        ranks = dist.get_process_group_ranks(self.groups.replica)
+        what = f"the all-reduce of BatchNorm statistics over ranks {ranks}"
+        wait_work(work, self.timeout, what, self.board)
 
     def _scatter(self, inputs: TensorOrTensors | None) -> list[TensorOrTensors]:
         if not self.needs_inputs:
