@@ -21,59 +21,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from giantpipe.pipe.checkpoint import recomputing
+from giantpipe.pipe.leaves import detach, make_leaves, pair_gradients
 from giantpipe.pipe.mailbox import Aborted, Mailbox
 from giantpipe.pipe.memory import SavedTensorMeter
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, nbytes, to_device
 from giantpipe.pipe.rng import rng_context
 from giantpipe.pipe.schedule import Action, Schedule
 from giantpipe.pipe.split_backward import WeightGradient, backward_input
+from giantpipe.pipe.step_config import LossFn, LossSpec, PipelineError, StepConfig
 
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-class PipelineError(RuntimeError):
-    """An action of the pipeline failed; ``stage`` and ``microbatch`` say which."""
-
-    def __init__(self, stage: int, microbatch: int, device: torch.device, cause: BaseException):
-        self.stage, self.microbatch, self.device = stage, microbatch, device
-        super().__init__(
-            f"stage {stage} (device {device}) failed on micro-batch {microbatch}: "
-            f"{type(cause).__name__}: {cause}"
-        )
-
-
-@dataclass
-class LossSpec:
-    """The step API's loss: ``loss_fn(output_m, target_m) * scale[m]`` on the last stage."""
-
-    fn: LossFn
-    targets: list[TensorOrTensors]
-    scales: list[float]
-
-
-@dataclass
-class StepConfig:
-    """Everything a step needs that the workers only read."""
-
-    stages: Sequence[nn.Sequential]
-    devices: Sequence[torch.device]
-    checkpoint_stop: int
-    grad_enabled: bool
-    seed: int
-    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
-    loss: LossSpec | None = None
-    threads_per_worker: int | None = None
-    timeout: float = 300.0
-    placement: Sequence[int] | None = None  # worker of each stage; None: one stage per worker
+__all__ = ["LossFn", "LossSpec", "PipelineError", "StepConfig", "StepRun"]
 
 
 class StepRun:
@@ -199,7 +164,7 @@ class StepRun:
         device = cfg.devices[stage]
         x = to_device(self._receive(stage, ("act", stage, m)), device)
         train = cfg.grad_enabled
-        leaves = _make_leaves(x, first=stage == 0) if train else x
+        leaves = make_leaves(x, first=stage == 0) if train else x
         recompute_later = train and m < cfg.checkpoint_stop
         meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
         meter.ignore(as_tuple(leaves))  # counted once, as held inputs, below
@@ -229,9 +194,9 @@ class StepRun:
             if self.cfg.loss is not None:
                 self.losses[m] = y.detach()
             else:
-                self.results[m] = _detach(y)
+                self.results[m] = detach(y)
             return
-        self.mailbox.put(("act", stage + 1, m), _detach(y))
+        self.mailbox.put(("act", stage + 1, m), detach(y))
 
     def backward(self, stage: int, m: int) -> None:
         """B(stage, m): backward of the stage for micro-batch m, gradient to the previous one."""
@@ -252,7 +217,7 @@ class StepRun:
             tensors, grads = [y], [None]
         else:
             received = as_tuple(self._receive(stage, ("grad", stage, m)))
-            tensors, grads = _pair_gradients(as_tuple(y), received, cfg.devices[stage])
+            tensors, grads = pair_gradients(as_tuple(y), received, cfg.devices[stage])
         if (stage, m) in self.split:
             # Zero bubble: input gradients now, the graph kept for W (recompute done once).
             input_grads, pending = _backward_input(tensors, grads, leaves, cfg.stages[stage])
@@ -324,45 +289,3 @@ def _reopen(box: Mailbox) -> Mailbox:
     fresh = Mailbox(box.timeout)
     fresh._items = box._items  # noqa: SLF001
     return fresh
-
-
-def _make_leaves(x: TensorOrTensors, first: bool) -> TensorOrTensors:
-    """Detached copies of a stage's inputs, in the same structure (tensor or tuple).
-
-    Float leaves require grad so that the gradient for the previous stage can be read off them;
-    on the first stage only where the user's input requires grad (no wasted input gradient).
-    The detach is what keeps each stage's graph to itself (see the module docstring).
-    """
-
-    def leaf(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        wants = t.requires_grad if first else t.is_floating_point()
-        return t.detach().requires_grad_(wants)
-
-    if isinstance(x, torch.Tensor):
-        return leaf(x)
-    return tuple(leaf(t) for t in x)
-
-
-def _detach(y: Any) -> Any:
-    if isinstance(y, torch.Tensor):
-        return y.detach()
-    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in y)
-
-
-def _pair_gradients(
-    outputs: tuple[Any, ...], grads: tuple[Any, ...], device: torch.device
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """Outputs that need a backward, each with its incoming gradient (None and ints dropped)."""
-    if len(outputs) != len(grads):
-        raise RuntimeError(
-            f"stage returned {len(outputs)} tensors but {len(grads)} gradients came back"
-        )
-    tensors: list[torch.Tensor] = []
-    out_grads: list[torch.Tensor | None] = []
-    for y, g in zip(outputs, grads):
-        if isinstance(y, torch.Tensor) and y.requires_grad and g is not None:
-            tensors.append(y)
-            out_grads.append(g.to(device, non_blocking=True))
-    return tensors, out_grads

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from giantpipe.pipe.checkpoint import recomputing
-from giantpipe.pipe.executor import LossFn, LossSpec, StepConfig, StepRun, _make_leaves
+from giantpipe.pipe.executor import LossFn, LossSpec, StepConfig, StepRun
+from giantpipe.pipe.leaves import make_leaves
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, batch_size, scatter
 from giantpipe.pipe.rng import rng_context
 from giantpipe.pipe.schedule import Schedule
@@ -146,7 +147,7 @@ def measure_contention(
 
 
 def _forward_backward(stage: nn.Module, x: Any, first: bool, device: torch.device) -> Any:
-    leaves = _make_leaves(x, first)
+    leaves = make_leaves(x, first)
     params = list(stage.parameters())
 
     def step() -> None:

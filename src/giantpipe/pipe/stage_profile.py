@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from giantpipe.pipe.checkpoint import recomputing
-from giantpipe.pipe.executor import LossFn, _make_leaves, _pair_gradients
+from giantpipe.pipe.leaves import make_leaves, pair_gradients
 from giantpipe.pipe.memory import SavedTensorMeter
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, nbytes
 from giantpipe.pipe.microbatch import to_device as move
 from giantpipe.pipe.rng import rng_context
 from giantpipe.pipe.simulate import StageCost
 from giantpipe.pipe.split_backward import backward_input
+from giantpipe.pipe.step_config import LossFn
 
 
 def profile_stages(
@@ -100,7 +101,7 @@ def _profile_stage(
     saved = [p.grad for p in params]
     for p in params:
         p.grad = None  # backward accumulates in place: profile on fresh gradients
-    leaves = _make_leaves(x, first)
+    leaves = make_leaves(x, first)
 
     def run() -> Any:
         y = stage(leaves)
@@ -109,7 +110,7 @@ def _profile_stage(
     def grads(y: Any) -> tuple[list[torch.Tensor], list[Any]]:
         if loss is not None:
             return [y], [None]
-        return _pair_gradients(as_tuple(y), tuple(_ones(t) for t in as_tuple(y)), device)
+        return pair_gradients(as_tuple(y), tuple(_ones(t) for t in as_tuple(y)), device)
 
     def full_backward() -> float:
         tensors, out_grads = grads(run())
