@@ -19,6 +19,9 @@ Example::
     >>> pipe.last_stats.expected_bubble
     0.2
 
+The autograd bridge of door 1 is :mod:`giantpipe.pipe.front_door`; the checks of the arguments
+are :mod:`giantpipe.pipe.gpipe_args`.
+
 Parameters keep the names they have in the plain module (``"0.weight"``, ``"2.bias"``), so a
 state dict saved from one partitioning loads into any other, or into the plain model.
 """
@@ -28,28 +31,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from giantpipe.pipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from giantpipe.pipe.checkpoint import MODES, checkpoint_stop
+from giantpipe.pipe.checkpoint import checkpoint_stop
 from giantpipe.pipe.executor import LossFn, LossSpec, StepConfig, StepRun
+from giantpipe.pipe.front_door import PipelineFunction, out_is_tensor
+from giantpipe.pipe.gpipe_args import check_arguments, check_input
 from giantpipe.pipe.memory import device_peak, reset_device_peak
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, batch_size, gather, scatter
-from giantpipe.pipe.partition import (
-    BalanceError,
-    Device,
-    resolve_devices,
-    split_module,
-    verify_balance,
-    verify_module,
-)
+from giantpipe.pipe.partition import Device, split_module
 from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks
 from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
 from giantpipe.pipe.stats import StepStats
+from giantpipe.pipe.step_config import autocast_state
 
 if TYPE_CHECKING:
     from giantpipe.pipe.predict import Prediction
@@ -99,25 +98,10 @@ class GPipe(nn.Module):
         virtual_stages: int | None = None,
     ) -> None:
         super().__init__()
-        if balance is None:
-            raise ValueError(
-                "balance is required; compute one with giantpipe.pipe.balance_by_time, "
-                "balance_by_size or balance_by_params"
-            )
-        chunks = int(chunks)
-        if chunks <= 0:
-            raise ValueError("number of chunks must be positive integer")
-        if checkpoint not in MODES:
-            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
-        verify_module(module)
-        balance = list(balance)
-        v = _virtual_stages(schedule, virtual_stages, len(balance))
+        balance, chunks, v, resolved = check_arguments(
+            module, balance, devices, chunks, checkpoint, schedule, virtual_stages
+        )
         workers = len(balance) // v
-        resolved = resolve_devices(devices, workers)
-        try:
-            balance = verify_balance(len(module), balance, len(resolved) * v)
-        except BalanceError as exc:
-            raise ValueError(str(exc)) from exc
         _schedule(schedule, workers, chunks, v)  # fail early on a bad name or M
         if deferred_batch_norm:
             convert_deferred_batch_norm(module)
@@ -171,7 +155,7 @@ class GPipe(nn.Module):
         """Pipelines the forward pass; with grad enabled, ``backward`` is pipelined too."""
         started = time.perf_counter()
         self._reset_peaks()
-        micro = scatter(_check_input(input), self.chunks)
+        micro = scatter(check_input(input), self.chunks)
         grad = torch.is_grad_enabled()
         run = StepRun(self._step_config(grad, None), micro)
         fill_drain = _schedule("gpipe", self.num_workers, self.chunks, self.virtual_stages)
@@ -182,7 +166,7 @@ class GPipe(nn.Module):
             return gather([run.results[m] for m in range(self.chunks)])
         tensors = as_tuple(input)
         phony = torch.empty(0, requires_grad=True)  # gives the output a grad_fn in any case
-        out = _PipelineFunction.apply(self, run, fill_drain, started, phony, *tensors)
+        out = PipelineFunction.apply(self, run, fill_drain, started, phony, *tensors)
         return out[0] if out_is_tensor(run) else out
 
     # ---- front door 2: the step API --------------------------------------------------------
@@ -206,7 +190,7 @@ class GPipe(nn.Module):
             raise RuntimeError("train_step needs grad mode; use model(x) under torch.no_grad()")
         started = time.perf_counter()
         self._reset_peaks()
-        micro = scatter(_check_input(inputs), self.chunks)
+        micro = scatter(check_input(inputs), self.chunks)
         if batch_size(targets) != batch_size(inputs):
             raise ValueError(
                 f"targets have batch size {batch_size(targets)}, inputs {batch_size(inputs)}"
@@ -275,7 +259,7 @@ class GPipe(nn.Module):
             checkpoint_stop=checkpoint_stop(self.checkpoint, self.chunks) if grad else 0,
             grad_enabled=grad,
             seed=draw_step_seed(),
-            autocast=_autocast_state(self.devices),
+            autocast=autocast_state(self.devices),
             loss=loss,
             threads_per_worker=threads,
             timeout=self.timeout,
@@ -311,87 +295,3 @@ class GPipe(nn.Module):
             stats = dataclasses.replace(stats, expected_bubble=bubble)
         self.last_stats = stats
         self.last_in_flight = list(run.in_flight_peaks)
-
-
-def out_is_tensor(run: StepRun) -> bool:
-    """Whether the last stage returned a lone tensor (the front door then unwraps it)."""
-    return isinstance(run.results[0], torch.Tensor)
-
-
-class _PipelineFunction(torch.autograd.Function):
-    """Autograd bridge of the front door: forward phase now, backward phase on ``backward()``."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        pipe: GPipe,
-        run: StepRun,
-        schedule: Schedule,
-        started: float,
-        phony: Any,
-        *inputs: Any,
-    ) -> tuple[torch.Tensor, ...]:
-        run.run(schedule.phase("F"))
-        pipe._commit_batchnorm()
-        ctx.pipe, ctx.run, ctx.schedule, ctx.started = pipe, run, schedule, started
-        ctx.num_inputs = len(inputs)
-        out = as_tuple(gather([run.results[m] for m in range(pipe.chunks)]))
-        ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point()])
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
-        pipe, run = ctx.pipe, ctx.run
-        chunks = pipe.chunks
-        per_output = [
-            scatter(g, chunks) if g is not None else [None] * chunks for g in grad_outputs
-        ]
-        last = len(pipe.partitions) - 1
-        for m in range(chunks):
-            run.mailbox.put(("grad", last, m), tuple(col[m] for col in per_output))
-        run.run(ctx.schedule.phase("B"))
-        pipe._finish(run, ctx.started)
-        grads = _gather_input_grads(run, chunks, ctx.num_inputs)
-        return (None, None, None, None, None, *grads)
-
-
-def _gather_input_grads(run: StepRun, chunks: int, num_inputs: int) -> list[Any]:
-    grads: list[Any] = []
-    for i in range(num_inputs):
-        parts = [run.input_grads[m][i] for m in range(chunks)]
-        grads.append(None if any(p is None for p in parts) else torch.cat(parts))
-    return grads
-
-
-def _virtual_stages(schedule: str, virtual_stages: int | None, num_stages: int) -> int:
-    """V: as given, else 2 for 'interleaved' and 1 otherwise; K*V must be the balance's length."""
-    v = (
-        int(virtual_stages)
-        if virtual_stages is not None
-        else (2 if schedule == "interleaved" else 1)
-    )
-    if v < 1:
-        raise ValueError(f"virtual_stages must be positive (got {v})")
-    if num_stages % v:
-        raise ValueError(
-            f"with virtual_stages={v}, balance must list K*V stages (a multiple of {v}); "
-            f"got {num_stages} entries"
-        )
-    return v
-
-
-def _check_input(input: Any) -> TensorOrTensors:
-    if isinstance(input, torch.Tensor):
-        return input
-    if isinstance(input, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in input):
-        return tuple(input)
-    raise TypeError(f"expected Tensor or Tuple[Tensor, ...], but got {type(input).__name__}")
-
-
-def _autocast_state(devices: Sequence[torch.device]) -> list[tuple[str, torch.dtype]]:
-    """Autocast settings of the caller, for each device type the pipeline uses."""
-    state = []
-    for device_type in sorted({d.type for d in devices}):
-        if torch.is_autocast_enabled(device_type):
-            state.append((device_type, torch.get_autocast_dtype(device_type)))
-    return state

@@ -57,3 +57,12 @@ class StepConfig:
     threads_per_worker: int | None = None
     timeout: float = 300.0
     placement: Sequence[int] | None = None  # worker of each stage; None: one stage per worker
+
+
+def autocast_state(devices: Sequence[torch.device]) -> list[tuple[str, torch.dtype]]:
+    """Autocast settings of the caller, for each device type the pipeline uses."""
+    state = []
+    for device_type in sorted({d.type for d in devices}):
+        if torch.is_autocast_enabled(device_type):
+            state.append((device_type, torch.get_autocast_dtype(device_type)))
+    return state
