@@ -7,7 +7,8 @@ steps, the loss and the statistics are collective. Rank 0 (stage 0 of replica 0)
 the run directory: config, progress bar, ``metrics.jsonl``, ``summary.json`` and the log; it
 already holds what it logs, because every step all-gathers the loss of the last stage and each
 stage's busy time, bubble and peak memory (:mod:`giantpipe.pipe.rankstats`). Checkpoints are
-directories of shards (:mod:`giantpipe.runner.dist_checkpoint`).
+directories of shards (:mod:`giantpipe.runner.dist_checkpoint`); the set-up, all ranks in step,
+is :mod:`giantpipe.runner.dist_setup`.
 
 As in the local runner: gradient accumulation, global-norm clipping (over every stage),
 the LR schedule, EMA, bf16, evaluation of loss and accuracy, ``trainer.resume`` and
@@ -25,72 +26,31 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
-from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig
-from giantpipe.data.bundle import Batch, DataBundle, batch_size
-from giantpipe.metrics.jsonl import truncate_after_step
+from giantpipe.data.bundle import Batch, batch_size
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import StepRecord
-from giantpipe.metrics.summary import format_table, write_summary
 from giantpipe.pipe.distributed import clip_grad_norm_, init_distributed
-from giantpipe.runner.build import build_model
-from giantpipe.runner.dist_build import (
-    DistributedExperiment,
-    build_bundle,
-    build_parts,
-    check_supported,
-    engine_steps,
-    pipeline_ranks,
-    plan_balance,
-    rank_device,
-)
-from giantpipe.runner.dist_checkpoint import LAST_DIR, restore_run, resume_directory, save_run
+from giantpipe.runner.dist_build import DistributedExperiment, engine_steps
+from giantpipe.runner.dist_checkpoint import LAST_DIR, save_run
 from giantpipe.runner.dist_eval import evaluate_distributed
-from giantpipe.runner.init_weights import matching, read_weights
+from giantpipe.runner.dist_setup import agree, from_rank0, setup
 from giantpipe.runner.loop import NonFiniteLossError
-from giantpipe.runner.run_dir import check_writable, save_config
-from giantpipe.runner.seeding import seed_everything
+from giantpipe.runner.run_record import base_summary, open_record, run_to_summary
 from giantpipe.runner.state import Progress
 
+__all__ = ["DistributedLoop", "agree", "from_rank0", "summarize", "train_distributed"]
+
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 SETUP_TIMEOUT_S = 1800.0
 """How long the ranks wait for rank 0 during set-up (building the data, profiling a balance)."""
-
-
-def agree(body: Callable[[], _T]) -> _T:
-    """Runs ``body`` on every rank and returns its result; if it failed on any rank, every rank
-    raises at once (the failed rank its own error), so a set-up error (a bad key, a missing
-    file) ends the whole launch in seconds instead of leaving the others in a collective."""
-    try:
-        result = body()
-        error: BaseException | None = None
-    except Exception as err:  # noqa: BLE001 - shared with the other ranks, then re-raised
-        error = err
-    texts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(texts, None if error is None else str(error))
-    if error is not None:
-        raise error
-    failed = [(rank, text) for rank, text in enumerate(texts) if text is not None]
-    if failed:
-        rank, text = failed[0]
-        raise RuntimeError(f"rank {rank} failed while setting up: {text}")
-    return result
-
-
-def from_rank0(value: _T) -> _T:
-    """Rank 0's ``value`` on every rank (a small picklable object)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class DistributedLoop:
@@ -233,82 +193,16 @@ def summarize(cfg: ExperimentConfig, loop: DistributedLoop, wall_time_s: float) 
     """The run's figures for summary.json (rank 0), as the local runner reports them."""
     parts = loop.parts
     figures = loop.metrics.run_figures() if loop.metrics is not None else {}
-    summary: dict[str, Any] = {
-        "name": cfg.name,
-        "status": "completed",
-        "steps": loop.progress.step,
-        "wall_time_s": wall_time_s,
+    pipeline = {
+        "pipeline/executor": "distributed",
+        "pipeline/world_size": parts.pipe.layout.world_size,
+        "pipeline/replicas": parts.pipe.replicas,
+        "pipeline/devices": list(parts.devices),
+        "pipeline/balance": list(parts.balance),
     }
-    if loop.last_line is not None:
-        summary["train/loss"] = loop.last_line["loss"]
-    summary.update({f"eval/{k}": v for k, v in loop.last_eval.items()})
-    for key in ("samples_per_s", "tokens_per_s", "step_time_s"):
-        if key in figures:
-            summary[f"train/{key}"] = figures[key]
-    summary["pipeline/executor"] = "distributed"
-    summary["pipeline/world_size"] = parts.pipe.layout.world_size
-    summary["pipeline/replicas"] = parts.pipe.replicas
-    summary["pipeline/devices"] = list(parts.devices)
-    summary["pipeline/balance"] = list(parts.balance)
-    summary["pipeline/chunks"] = cfg.pipeline.chunks
-    for key in ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind"):
-        if key in figures:
-            summary[f"pipeline/{key}"] = figures[key]
-    return summary
-
-
-def _init_from(parts: DistributedExperiment, path: Path) -> None:
-    """Fine-tune: this rank's tensors of a ``.pt`` file, by name and shape (as the local runner;
-    a shard directory: consolidate it first)."""
-    live = parts.pipe.state_dict()
-    found = matching(read_weights(path), live)
-    if not found:
-        raise ConfigError("trainer.init_from", f"{path} has no tensor matching this rank's stage")
-    parts.pipe.load_state_dict({**live, **found})
-    if parts.ema is not None:
-        parts.ema.load_state_dict({n: p.detach() for n, p in parts.names.items()})
-
-
-def _setup(
-    cfg: ExperimentConfig, run_dir: Path
-) -> tuple[DistributedExperiment, Progress, Path | None]:
-    """Build this rank's parts, all ranks in step; nothing in ``run_dir`` is written but the
-    data builder's files (rank 0 first, the others then reuse them) until all is checked."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    def checks() -> tuple[int, Path | None]:
-        check_supported(cfg)
-        k = pipeline_ranks(cfg.pipeline, world)
-        resume_from = resume_directory(cfg.trainer.resume, run_dir)
-        if rank == 0:
-            check_writable(run_dir)
-        return k, resume_from
-
-    k, resume_from = agree(checks)
-    device = rank_device(cfg.pipeline)
-    seed_everything(cfg.trainer.seed)  # then data, then model: the local runner's order
-    bundle = agree(lambda: build_bundle(cfg, run_dir) if rank == 0 else None)
-
-    def model_and_balance() -> tuple[DataBundle, nn.Sequential, list[int] | None]:
-        data = bundle or build_bundle(cfg, run_dir)
-        model = build_model(cfg)
-        balance = plan_balance(cfg, model, data, k, device) if rank == 0 else None
-        return data, model, balance
-
-    data, model, balance = agree(model_and_balance)
-    balance = from_rank0(balance)  # profiled once, on rank 0
-    assert balance is not None
-    parts = build_parts(cfg, data, model, balance, device)
-    del model  # the other stages' layers go with it
-
-    def restore() -> Progress:
-        if resume_from is not None:
-            return restore_run(parts, resume_from)
-        if cfg.trainer.init_from is not None:
-            _init_from(parts, Path(cfg.trainer.init_from).expanduser())
-        return Progress()
-
-    return parts, agree(restore), resume_from
+    return base_summary(
+        cfg, loop.progress.step, wall_time_s, loop.last_line, loop.last_eval, figures, pipeline
+    )
 
 
 def train_distributed(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, Any]:
@@ -335,52 +229,35 @@ def train_distributed(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) ->
 
 def _train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str, start: float) -> dict[str, Any]:
     rank = dist.get_rank()
-    parts, progress, resume_from = _setup(cfg, run_dir)
+    parts, progress, resume_from = setup(cfg, run_dir)
     metrics = None
     if rank == 0:
-        if resume_from is not None:
-            truncate_after_step(run_dir / "metrics.jsonl", progress.step)
-        save_config(run_dir, config_yaml, progress.step if resume_from is not None else None)
-        log.info(
-            "%s: distributed, %d ranks = K %d x R %d, devices %s, balance %s, M=%d, "
-            "steps %d..%d, run dir %s",
-            cfg.name,
-            parts.pipe.layout.world_size,
-            parts.pipe.layout.workers,
-            parts.pipe.replicas,
+        layout = parts.pipe.layout
+        ranks = (layout.world_size, layout.workers, parts.pipe.replicas)
+        metrics = open_record(
+            cfg,
+            run_dir,
+            config_yaml,
+            progress.step,
+            resume_from is not None,
+            parts.total_steps,
             parts.devices,
             parts.balance,
-            cfg.pipeline.chunks,
-            progress.step,
-            parts.total_steps,
-            run_dir,
-        )
-        metrics = MetricsLogger(
-            cfg.logger,
-            run_dir,
-            parts.total_steps,
-            progress.step,
-            cfg.trainer.log_every,
-            cfg.name,
-            asdict(cfg),
+            log,
+            ("distributed, %d ranks = K %d x R %d, ", ranks),
         )
     if rank == 0 and getattr(cfg.trainer, "predict", False):
         log.info("trainer.predict: the simulator's forecast is logged by the local executor only")
     loop = DistributedLoop(cfg, parts, run_dir, metrics, progress)
     if resume_from is not None:
         loop.last_good = (resume_from, progress.step)
-    summary: dict[str, Any] = {"name": cfg.name, "status": "failed"}
-    try:
-        loop.run()
-        summary = summarize(cfg, loop, time.perf_counter() - start)
-    except Exception as err:
-        summary.update(steps=loop.progress.step, error=f"{type(err).__name__}: {err}")
-        raise
-    finally:
-        if metrics is not None:
-            write_summary(run_dir / "summary.json", summary)
-            metrics.close(summary)
-    if rank == 0:
-        print(format_table(summary), flush=True)
+    summary = run_to_summary(
+        cfg.name,
+        run_dir,
+        metrics,
+        loop.run,
+        lambda: summarize(cfg, loop, time.perf_counter() - start),
+        lambda: loop.progress.step,
+    )
     shared: dict[str, Any] = from_rank0(summary)
     return shared

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +20,15 @@ import torch
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, batch_size
-from giantpipe.metrics.jsonl import truncate_after_step
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import StepRecord
-from giantpipe.metrics.summary import format_table, write_summary
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.checkpoint import atomic_save
 from giantpipe.runner.evaluate import evaluate
 from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.init_weights import load_initial_weights
-from giantpipe.runner.run_dir import LAST, check_writable, resume_checkpoint, save_config
+from giantpipe.runner.run_dir import LAST, check_writable, resume_checkpoint
+from giantpipe.runner.run_record import base_summary, open_record, run_to_summary
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.state import Progress, capture, restore_checkpoint
 from giantpipe.runner.step import accumulate_gradients
@@ -192,26 +191,18 @@ class TrainingLoop:
 
 def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> dict[str, Any]:
     """The run's figures for summary.json, the table and the sweep objective."""
-    parts, figures = loop.parts, loop.metrics.run_figures()
-    summary: dict[str, Any] = {
-        "name": cfg.name,
-        "status": "completed",
-        "steps": loop.progress.step,
-        "wall_time_s": wall_time_s,
-    }
-    if loop.last_line is not None:
-        summary["train/loss"] = loop.last_line["loss"]
-    summary.update({f"eval/{k}": v for k, v in loop.last_eval.items()})
-    summary.update({f"eval/{k}": v for k, v in loop.eval_notes.items()})
-    for key in ("samples_per_s", "tokens_per_s", "step_time_s"):
-        if key in figures:
-            summary[f"train/{key}"] = figures[key]
-    summary["pipeline/devices"] = list(parts.devices)
-    summary["pipeline/balance"] = list(parts.balance)
-    summary["pipeline/chunks"] = cfg.pipeline.chunks
-    for key in ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind"):
-        if key in figures:
-            summary[f"pipeline/{key}"] = figures[key]
+    parts = loop.parts
+    pipeline = {"pipeline/devices": list(parts.devices), "pipeline/balance": list(parts.balance)}
+    evaluation = {**loop.last_eval, **loop.eval_notes}
+    summary = base_summary(
+        cfg,
+        loop.progress.step,
+        wall_time_s,
+        loop.last_line,
+        evaluation,
+        loop.metrics.run_figures(),
+        pipeline,
+    )
     if loop.forecast is not None:
         summary.update(loop.forecast.figures())
     if parts.plan_choice is not None:
@@ -238,38 +229,24 @@ def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, A
     elif cfg.trainer.init_from is not None:  # fine-tune: weights only, a fresh run otherwise
         load_initial_weights(parts, Path(cfg.trainer.init_from).expanduser())
     # -- checked: from here on the run writes into run_dir -----------------------------------
-    if resume_from is not None:
-        truncate_after_step(run_dir / "metrics.jsonl", progress.step)
-    save_config(run_dir, config_yaml, progress.step if resume_from is not None else None)
-    log.info(
-        "%s: devices %s, balance %s, M=%d, steps %d..%d, run dir %s",
-        cfg.name,
+    resumed = resume_from is not None
+    metrics = open_record(
+        cfg,
+        run_dir,
+        config_yaml,
+        progress.step,
+        resumed,
+        parts.total_steps,
         parts.devices,
         parts.balance,
-        cfg.pipeline.chunks,
-        progress.step,
-        parts.total_steps,
-        run_dir,
-    )
-    metrics = MetricsLogger(
-        cfg.logger,
-        run_dir,
-        parts.total_steps,
-        progress.step,
-        cfg.trainer.log_every,
-        cfg.name,
-        asdict(cfg),
+        log,
     )
     loop = TrainingLoop(cfg, parts, run_dir, metrics, progress, last_good)
-    summary: dict[str, Any] = {"name": cfg.name, "status": "failed"}
-    try:
-        loop.run()
-        summary = summarize(cfg, loop, time.perf_counter() - start)
-    except Exception as err:
-        summary.update(steps=loop.progress.step, error=f"{type(err).__name__}: {err}")
-        raise
-    finally:
-        write_summary(run_dir / "summary.json", summary)
-        metrics.close(summary)
-    print(format_table(summary), flush=True)
-    return summary
+    return run_to_summary(
+        cfg.name,
+        run_dir,
+        metrics,
+        loop.run,
+        lambda: summarize(cfg, loop, time.perf_counter() - start),
+        lambda: loop.progress.step,
+    )

@@ -1,0 +1,131 @@
+"""A run's record in its directory, opened and closed alike by the local and distributed runner.
+
+Opening: ``metrics.jsonl`` cut back to the resumed step, ``config.yaml`` saved, one start line in
+the log, the metrics sinks opened. Closing: the summary (the figures on success; the error and
+the steps done on failure, which is re-raised) written to ``summary.json`` and the sinks, and on
+success the table printed. Under the distributed runner only rank 0 holds a record (``metrics``
+is None elsewhere).
+
+Example::
+
+    metrics = open_record(cfg, run_dir, config_yaml, progress.step, resumed, parts.total_steps,
+                          parts.devices, parts.balance, log)
+    summary = run_to_summary(
+        cfg.name, run_dir, metrics, loop.run, lambda: summarize(loop), lambda: loop.progress.step
+    )
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from giantpipe.config import ExperimentConfig
+from giantpipe.metrics.jsonl import truncate_after_step
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.summary import format_table, write_summary
+from giantpipe.runner.run_dir import save_config
+
+TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")
+PIPELINE_FIGURES = ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind")
+
+
+def open_record(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    config_yaml: str,
+    step: int,
+    resumed: bool,
+    total_steps: int,
+    devices: Sequence[Any],
+    balance: Sequence[int],
+    log: logging.Logger,
+    where: tuple[str, tuple[Any, ...]] = ("", ()),
+) -> MetricsLogger:
+    """Starts writing into ``run_dir`` (everything is checked by now); returns the sinks.
+
+    ``log`` is the runner's own logger; ``where`` a format and its arguments that the start
+    line carries before the devices (the distributed runner's ranks).
+    """
+    if resumed:
+        truncate_after_step(run_dir / "metrics.jsonl", step)
+    save_config(run_dir, config_yaml, step if resumed else None)
+    log.info(
+        "%s: " + where[0] + "devices %s, balance %s, M=%d, steps %d..%d, run dir %s",
+        cfg.name,
+        *where[1],
+        devices,
+        balance,
+        cfg.pipeline.chunks,
+        step,
+        total_steps,
+        run_dir,
+    )
+    return MetricsLogger(
+        cfg.logger,
+        run_dir,
+        total_steps,
+        step,
+        cfg.trainer.log_every,
+        cfg.name,
+        asdict(cfg),
+    )
+
+
+def base_summary(
+    cfg: ExperimentConfig,
+    steps: int,
+    wall_time_s: float,
+    last_line: dict[str, Any] | None,
+    evaluation: dict[str, Any],
+    figures: dict[str, Any],
+    pipeline: dict[str, Any],
+) -> dict[str, Any]:
+    """The figures both runners report, in summary.json's order; ``pipeline`` holds the runner's
+    own ``pipeline/`` entries, which come before the chunks and the measured pipeline figures."""
+    summary: dict[str, Any] = {
+        "name": cfg.name,
+        "status": "completed",
+        "steps": steps,
+        "wall_time_s": wall_time_s,
+    }
+    if last_line is not None:
+        summary["train/loss"] = last_line["loss"]
+    summary.update({f"eval/{k}": v for k, v in evaluation.items()})
+    for key in TRAIN_FIGURES:
+        if key in figures:
+            summary[f"train/{key}"] = figures[key]
+    summary.update(pipeline)
+    summary["pipeline/chunks"] = cfg.pipeline.chunks
+    for key in PIPELINE_FIGURES:
+        if key in figures:
+            summary[f"pipeline/{key}"] = figures[key]
+    return summary
+
+
+def run_to_summary(
+    name: str,
+    run_dir: Path,
+    metrics: MetricsLogger | None,
+    run: Callable[[], None],
+    summarize: Callable[[], dict[str, Any]],
+    steps: Callable[[], int],
+) -> dict[str, Any]:
+    """Runs ``run`` and closes the record with the summary of success or failure (re-raised)."""
+    summary: dict[str, Any] = {"name": name, "status": "failed"}
+    try:
+        run()
+        summary = summarize()
+    except Exception as err:
+        summary.update(steps=steps(), error=f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        if metrics is not None:
+            write_summary(run_dir / "summary.json", summary)
+            metrics.close(summary)
+    if metrics is not None:
+        print(format_table(summary), flush=True)
+    return summary
