@@ -38,16 +38,18 @@ from giantpipe.runner.registry import build_from_target
 
 
 @dataclass
-class Experiment:
-    """The built parts of a run."""
+class TrainingParts:
+    """What both runners build around their engine: the data, where the stages run, and what
+    trains the parameters (the local runner's :class:`Experiment`, the distributed runner's
+    :class:`~giantpipe.runner.dist_build.DistributedExperiment`)."""
 
     bundle: DataBundle
-    model: nn.Sequential
-    pipe: GPipe
     devices: list[str]
+    """The device of each worker (pipeline rank), in stage order."""
     balance: list[int]
     names: dict[str, nn.Parameter]
-    """Un-partitioned parameter names -> parameters (checkpoints key by these)."""
+    """Un-partitioned parameter names -> parameters (checkpoints key by these); under the
+    distributed runner, this rank's parameters only."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_fn: LossFn
@@ -55,6 +57,14 @@ class Experiment:
     steps_per_epoch: float
     """Optimizer steps per epoch (batches per epoch / accumulate)."""
     total_steps: int
+
+
+@dataclass
+class Experiment(TrainingParts):
+    """The built parts of a run."""
+
+    model: nn.Sequential
+    pipe: GPipe
     pipeline: PipelineConfig
     """The pipeline as run: cfg.pipeline, or with the planner's knobs under plan=auto."""
     plan_choice: dict[str, Any] | None = None

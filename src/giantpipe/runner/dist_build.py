@@ -34,7 +34,7 @@ from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import Batch, DataBundle, Tensors, batch_size
 from giantpipe.pipe.distributed import DistributedPipe
 from giantpipe.pipe.stats import StepStats
-from giantpipe.runner.build import micro_batch_sample, total_steps
+from giantpipe.runner.build import TrainingParts, micro_batch_sample, total_steps
 from giantpipe.runner.checkpoint import first_names
 from giantpipe.runner.ema import WeightEMA
 from giantpipe.runner.losses import LossFn, build_loss
@@ -48,23 +48,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class DistributedExperiment:
-    """This rank's built parts of a distributed run."""
+class DistributedExperiment(TrainingParts):
+    """This rank's built parts of a distributed run (``names``: this rank's parameters)."""
 
-    bundle: DataBundle
     pipe: DistributedPipe
     device: torch.device
-    devices: list[str]
-    """Each pipeline rank's device, in stage order (for the summary)."""
-    balance: list[int]
-    names: dict[str, nn.Parameter]
-    """This rank's parameters by their un-partitioned names."""
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    loss_fn: LossFn
-    ema: WeightEMA | None
-    steps_per_epoch: float
-    total_steps: int
 
 
 def virtual_stages(cfg: PipelineConfig) -> int:
