@@ -22,19 +22,26 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from giantpipe.pipe.checkpoint import recomputing
 from giantpipe.pipe.executor import LossFn, LossSpec, StepConfig, StepRun
 from giantpipe.pipe.leaves import make_leaves
+from giantpipe.pipe.memory import SavedTensorMeter
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, batch_size, scatter
 from giantpipe.pipe.rng import rng_context
 from giantpipe.pipe.schedule import Schedule
 from giantpipe.pipe.simulate import Simulation, StageCost, simulate
-from giantpipe.pipe.stage_profile import intra_op_threads, median_time, profile_stages, stage_inputs
+from giantpipe.pipe.stage_profile import (
+    median_time,
+    on_worker_thread,
+    preserved_state,
+    profile_stages,
+    stage_inputs,
+)
 
 if TYPE_CHECKING:
     from giantpipe.pipe.gpipe import GPipe
@@ -72,7 +79,9 @@ def predict(
     if targets is not None and loss_fn is not None:
         target = scatter(targets, pipe.chunks)[0]
         scale = batch_size(target) / batch_size(targets)
+    rng = torch.get_rng_state()
     threads = pipe._step_config(False, None).threads_per_worker
+    torch.set_rng_state(rng)  # _step_config draws a step seed: leave the caller's RNG alone
     stages, devices = pipe.partitions, pipe.devices
     costs = profile_stages(stages, devices, micro, target, loss_fn, scale, repeats, threads)
     schedule = pipe.step_schedule()
@@ -133,15 +142,21 @@ def measure_contention(
     repeats: int = 3,
 ) -> float:
     """How much slower a stage's forward + backward runs while every other worker runs its
-    own in a loop than alone: the median over stages of that ratio, at least 1."""
+    own in a loop than alone: the median over stages of that ratio, at least 1. Each runs as
+    the executor runs it (worker thread, saved-tensor meter, deferred BatchNorm accumulating,
+    RNG hooks), so the Python work that two workers serialise on the GIL is in the ratio too;
+    buffers and BatchNorm accumulators are put back afterwards."""
     inputs = stage_inputs(stages, devices, sample)
     ratios = []
-    with intra_op_threads(threads):
+    with ExitStack() as kept:
+        for stage in stages:
+            kept.enter_context(preserved_state(stage))
         for s, stage in enumerate(stages):
             step = _forward_backward(stage, inputs[s], s == 0, devices[s])
-            alone = median_time(step, repeats, devices[s])
+            timed = partial(median_time, step, repeats, devices[s])
+            alone = on_worker_thread(timed, threads, devices)
             with _busy_neighbours(stages, inputs, placement, s, threads):
-                together = median_time(step, repeats, devices[s])
+                together = on_worker_thread(timed, threads, devices)
             ratios.append(together / alone if alone > 0 else 1.0)
     return max(1.0, statistics.median(ratios))
 
@@ -155,7 +170,9 @@ def _forward_backward(stage: nn.Module, x: Any, first: bool, device: torch.devic
         for p in params:
             p.grad = None  # backward accumulates in place: keep the caller's gradients apart
         try:
-            with recomputing(stage), rng_context(0, 0, device):
+            # as the executor runs it: metered, deferred BatchNorm accumulating (put back by
+            # the caller), RNG hooks seeded
+            with rng_context(0, 0, device), SavedTensorMeter(exclude=params):
                 outs = [
                     t for t in as_tuple(stage(leaves)) if torch.is_tensor(t) and t.requires_grad
                 ]

@@ -85,3 +85,43 @@ def test_predict_under_autocast_keeps_it_in_the_busy_neighbours() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         prediction = pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
     assert prediction.contention >= 1.0 and prediction.step_time_s > 0
+
+
+def bn_dropout_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Tanh())
+            for _ in range(4)
+        ]
+    )
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_predict_profiles_batchnorm_as_trained_and_leaves_no_trace(deferred: bool) -> None:
+    # the profile runs BatchNorm accumulating and dropout hooked, as the executor does: a step
+    # after predict must equal one without it (gradients, running statistics, RNG)
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    pipes = [
+        GPipe(
+            bn_dropout_model(),
+            [2, 2],
+            devices=["cpu"] * 2,
+            chunks=4,
+            checkpoint="except_last",
+            deferred_batch_norm=deferred,
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for i, pipe in enumerate(pipes):
+        torch.manual_seed(1)
+        if i == 1:
+            pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        results.append((loss, [p.grad for p in pipe.parameters()], list(pipe.buffers())))
+        results[-1][2].append(torch.get_rng_state())
+    (loss_a, grads_a, bufs_a), (loss_b, grads_b, bufs_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert all(torch.equal(a, b) for a, b in zip(bufs_a, bufs_b))
