@@ -1,5 +1,9 @@
 """The local executor: one process, one worker thread per pipeline worker, any schedule.
 
+The threads belong to the pipe's :class:`~giantpipe.pipe.workers.WorkerPool` and serve step
+after step (a fresh thread's first action is slow); a failed phase, ``pipe.close()`` or the
+pipe's collection joins them all.
+
 Each worker runs its list of actions in order. An action waits only for what it consumes::
 
     F(k, m): activation of m from stage k-1  --(mailbox)-->  runs stage k  --> activation to k+1
@@ -19,10 +23,10 @@ joined, and :class:`PipelineError` names the stage and micro-batch.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,6 +41,7 @@ from giantpipe.pipe.rng import rng_context
 from giantpipe.pipe.schedule import Action, Schedule
 from giantpipe.pipe.split_backward import WeightGradient, backward_input
 from giantpipe.pipe.step_config import LossFn, LossSpec, PipelineError, StepConfig
+from giantpipe.pipe.workers import WorkerPool
 
 __all__ = ["LossFn", "LossSpec", "PipelineError", "StepConfig", "StepRun"]
 
@@ -49,9 +54,15 @@ class StepRun:
     """
 
     def __init__(
-        self, config: StepConfig, inputs: list[TensorOrTensors], mailbox: Mailbox | None = None
+        self,
+        config: StepConfig,
+        inputs: list[TensorOrTensors],
+        mailbox: Mailbox | None = None,
+        pool: WorkerPool | None = None,
     ) -> None:
         self.cfg = config
+        # Threads that run the workers; without one, each phase starts and joins its own.
+        self.pool = pool
         k = len(config.stages)
         # A rank of the distributed executor passes a mailbox that sends to other processes
         # (giantpipe.pipe.p2p); its ``inputs`` are empty unless it holds stage 0.
@@ -93,19 +104,17 @@ class StepRun:
         if len(workers) == 1:
             self._work(workers[0], errors, times, own_thread=False)
         else:
-            threads = [
-                threading.Thread(
-                    target=self._work,
-                    args=(w, errors, times, True),
-                    daemon=True,
-                    name=f"giantpipe-worker-{i}",
-                )
-                for i, w in enumerate(workers)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            pool = self.pool if self.pool is not None else WorkerPool()
+            tasks = [partial(self._work, w, errors, times, True) for w in workers]
+            try:
+                pool.run(tasks)
+            except BaseException:  # interrupted while waiting: stop the workers too
+                self.mailbox.abort()
+                pool.close()
+                raise
+            finally:
+                if errors or pool is not self.pool:
+                    pool.close()  # a failed phase, or a one-off pool, leaves no thread behind
         if times:
             self.span += max(e for _, e in times) - min(s for s, _ in times)
         for stage, waited in enumerate(self.waited):
@@ -146,10 +155,12 @@ class StepRun:
 
     @contextmanager
     def _worker_context(self, own_thread: bool) -> Iterator[None]:
-        # New threads start with grad mode on, autocast off and all cores; give them the
-        # caller's state, and one share of the cores each so stages don't oversubscribe.
+        # Worker threads start with grad mode on, autocast off and all cores; give them the
+        # caller's state, and one share of the cores each so stages don't oversubscribe. A
+        # pooled thread gets its own core count back after the phase, as if it were fresh.
         with ExitStack() as stack:
             if own_thread and self.cfg.threads_per_worker:
+                stack.callback(torch.set_num_threads, torch.get_num_threads())
                 torch.set_num_threads(self.cfg.threads_per_worker)
             stack.enter_context(torch.set_grad_enabled(self.cfg.grad_enabled))
             for device_type, dtype in self.cfg.autocast:

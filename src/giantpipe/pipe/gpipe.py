@@ -49,6 +49,7 @@ from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks
 from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
 from giantpipe.pipe.stats import StepStats
 from giantpipe.pipe.step_config import autocast_state
+from giantpipe.pipe.workers import WorkerPool
 
 if TYPE_CHECKING:
     from giantpipe.pipe.predict import Prediction
@@ -122,6 +123,7 @@ class GPipe(nn.Module):
         self._rng_hooks = install_rng_hooks(module)
         self.last_stats: StepStats | None = None
         self.last_in_flight: list[int] = []  # per stage: most micro-batches held at once
+        self._worker_pool = WorkerPool()  # threads kept across steps; see close()
 
     # ---- Sequential-like access ------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class GPipe(nn.Module):
         self._reset_peaks()
         micro = scatter(check_input(input), self.chunks)
         grad = torch.is_grad_enabled()
-        run = StepRun(self._step_config(grad, None), micro)
+        run = StepRun(self._step_config(grad, None), micro, pool=self._worker_pool)
         fill_drain = _schedule("gpipe", self.num_workers, self.chunks, self.virtual_stages)
         if not grad:
             run.run(fill_drain.phase("F"))
@@ -205,7 +207,7 @@ class GPipe(nn.Module):
                 raise ValueError(f"loss_normalizer returned {norm}; it must be positive")
             scales = [1.0 / norm] * self.chunks
         spec = LossSpec(loss_fn, micro_targets, scales)
-        run = StepRun(self._step_config(True, spec), micro)
+        run = StepRun(self._step_config(True, spec), micro, pool=self._worker_pool)
         run.run(self.step_schedule())
         self._commit_batchnorm()
         self._finish(run, started)
@@ -231,6 +233,17 @@ class GPipe(nn.Module):
         from giantpipe.pipe.predict import predict  # imported here: it imports the executor
 
         return predict(self, inputs, targets, loss_fn, repeats)
+
+    def close(self) -> None:
+        """Stops the worker threads kept between steps (collecting the pipe does it too); a
+        later step starts new ones.
+
+        Example::
+
+            pipe.train_step(x, y, loss_fn)  # starts giantpipe-worker-0..K-1, kept for the next
+            pipe.close()                    # none left
+        """
+        self._worker_pool.close()
 
     # ---- shared plumbing ------------------------------------------------------------------
 

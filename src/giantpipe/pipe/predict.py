@@ -42,6 +42,7 @@ from giantpipe.pipe.stage_profile import (
     profile_stages,
     stage_inputs,
 )
+from giantpipe.pipe.workers import WorkerPool
 
 if TYPE_CHECKING:
     from giantpipe.pipe.gpipe import GPipe
@@ -85,7 +86,7 @@ def predict(
     stages, devices = pipe.partitions, pipe.devices
     costs = profile_stages(stages, devices, micro, target, loss_fn, scale, repeats, threads)
     schedule = pipe.step_schedule()
-    overhead = executor_overhead(schedule, devices, threads, repeats)
+    overhead = executor_overhead(schedule, devices, threads, repeats, pipe._worker_pool)
     contention = 1.0
     if pipe.num_workers > 1 and all(d.type == "cpu" for d in devices):
         contention = measure_contention(stages, devices, micro, pipe.placement, threads, repeats)
@@ -108,10 +109,12 @@ def executor_overhead(
     devices: Sequence[torch.device],
     threads: int | None = None,
     repeats: int = 3,
+    pool: WorkerPool | None = None,
 ) -> float:
     """Seconds the local executor adds to every action: hand-over through the mailbox, waking
-    the waiting thread, bookkeeping. Runs ``schedule`` on stages that do nothing and divides its
-    span by the simulated span of unit-cost actions."""
+    the waiting thread, bookkeeping. Runs ``schedule`` on stages that do nothing (on ``pool``'s
+    threads, as the pipe's steps do) and divides its span by the simulated span of unit-cost
+    actions."""
     k, m = schedule.num_stages, schedule.num_microbatches
     zeros: list[TensorOrTensors] = [torch.zeros(1, 1, device=devices[-1]) for _ in range(m)]
     config = StepConfig(
@@ -126,7 +129,7 @@ def executor_overhead(
     )
     spans = []
     for _ in range(repeats + 1):
-        run = StepRun(config, [torch.ones(1, 1, device=devices[0]) for _ in range(m)])
+        run = StepRun(config, [torch.ones(1, 1, device=devices[0]) for _ in range(m)], pool=pool)
         run.run(schedule)
         spans.append(run.span)
     unit = StageCost(1.0, 1.0, backward_input=1.0, weight=1.0)

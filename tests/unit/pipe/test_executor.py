@@ -4,6 +4,7 @@ the caller's grad mode and autocast, and the instrumentation measures."""
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import time
 
@@ -31,6 +32,8 @@ class Boom(nn.Module):
 
 
 def worker_threads() -> list[threading.Thread]:
+    # A pipe's threads end with the pipe; collect those of earlier tests' unreachable pipes.
+    gc.collect()
     return [t for t in threading.enumerate() if t.name.startswith("giantpipe-worker")]
 
 
@@ -81,6 +84,33 @@ def test_exception_during_backward_names_the_stage() -> None:
     with pytest.raises(PipelineError, match="stage 1 .* ValueError: bad gradient"):
         pipe.train_step(torch.randn(4, 3), torch.randn(4, 1), nn.functional.mse_loss)
     assert worker_threads() == []
+
+
+def test_worker_threads_serve_every_step_and_are_gone_after_close_or_collection() -> None:
+    # Threads outlive a step (a fresh thread's first action is slow), but stay bounded, named,
+    # daemonic, leave the caller's intra-op threads alone, and end with the pipe.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+    pipe = GPipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=4, threads_per_stage=1)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    threads = torch.get_num_threads()
+    before = set(worker_threads())
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    ours = [t for t in worker_threads() if t not in before]
+    assert sorted(t.name for t in ours) == [f"giantpipe-worker-{i}" for i in range(3)]
+    assert all(t.daemon and t.is_alive() for t in ours)
+    pipe(x).sum().backward()
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    assert [t for t in worker_threads() if t not in before] == ours  # the same three threads
+    assert torch.get_num_threads() == threads
+    pipe.close()
+    assert [t for t in worker_threads() if t not in before] == []
+    assert not any(t.is_alive() for t in ours)
+    pipe.train_step(x, y, nn.functional.mse_loss)  # usable after close: new threads
+    assert len([t for t in worker_threads() if t not in before]) == 3
+    copy.deepcopy(pipe).train_step(x, y, nn.functional.mse_loss)  # a copy has its own pool
+    del pipe
+    gc.collect()
+    assert [t for t in worker_threads() if t not in before] == []
 
 
 def test_mailbox_times_out_with_a_message() -> None:
