@@ -42,7 +42,7 @@ from giantpipe.runner.dist_checkpoint import LAST_DIR, save_run
 from giantpipe.runner.dist_eval import evaluate_distributed
 from giantpipe.runner.dist_setup import agree, from_rank0, setup
 from giantpipe.runner.loop import NonFiniteLossError
-from giantpipe.runner.run_record import base_summary, open_record, run_to_summary
+from giantpipe.runner.run_record import after_step, base_summary, open_record, run_to_summary
 from giantpipe.runner.state import Progress
 
 __all__ = ["DistributedLoop", "agree", "from_rank0", "summarize", "train_distributed"]
@@ -160,14 +160,7 @@ class DistributedLoop:
             self.last_good = (directory, self.progress.step)
 
     def after_step(self) -> None:
-        trainer, step = self.cfg.trainer, self.progress.step
-        if trainer.eval_every and step % trainer.eval_every == 0 and step < self.parts.total_steps:
-            self.evaluate()
-            if trainer.save_last:
-                self.save(LAST_DIR)
-        if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
-            self.save(f"step_{step}")
-            self.save(LAST_DIR)
+        after_step(self, LAST_DIR, lambda step: f"step_{step}")
 
     def run(self) -> None:
         pipe = self.parts.pipe

@@ -28,7 +28,7 @@ from giantpipe.runner.evaluate import evaluate
 from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.init_weights import load_initial_weights
 from giantpipe.runner.run_dir import LAST, check_writable, resume_checkpoint
-from giantpipe.runner.run_record import base_summary, open_record, run_to_summary
+from giantpipe.runner.run_record import after_step, base_summary, open_record, run_to_summary
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.state import Progress, capture, restore_checkpoint
 from giantpipe.runner.step import accumulate_gradients
@@ -164,14 +164,7 @@ class TrainingLoop:
             self.last_good = (path, self.progress.step)
 
     def after_step(self) -> None:
-        trainer, step = self.cfg.trainer, self.progress.step
-        if trainer.eval_every and step % trainer.eval_every == 0 and step < self.parts.total_steps:
-            self.evaluate()
-            if trainer.save_last:
-                self.save(LAST)
-        if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
-            self.save(f"step_{step}.pt")
-            self.save(LAST)
+        after_step(self, LAST, lambda step: f"step_{step}.pt")
 
     # -- the loop ---------------------------------------------------------------------------
 
