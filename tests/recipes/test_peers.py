@@ -3,7 +3,6 @@ methods on a tiny model, and the quick run end to end (two gloo processes)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -13,18 +12,14 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.recipes.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def peers() -> ModuleType:
-    path = ROOT / "benchmarks" / "peers.py"
-    spec = importlib.util.spec_from_file_location("peers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/peers.py")
 
 
 def test_rss_growth_sees_a_tensor_that_lived_inside_the_body(peers: ModuleType) -> None:

@@ -7,9 +7,7 @@ the quick recipe run against the models' own parameter counts.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -24,8 +22,7 @@ from giantpipe.memory_model.stage import StageLoss, measure_stage
 from giantpipe.memory_model.tracker import LiveBytes
 from giantpipe.pipe.memory import SavedTensorMeter
 from models.amoebanet import amoebanetd
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.recipes.scripts import load_script
 
 
 def _mlp() -> nn.Sequential:
@@ -151,14 +148,8 @@ def test_transformer_template_expands_to_the_full_model() -> None:
     assert [template[i] for i in family.expand(3)] == full
 
 
-def _recipe():  # type: ignore[no-untyped-def]
-    path = ROOT / "recipes" / "table1_max_model_size.py"
-    spec = importlib.util.spec_from_file_location("table1_max_model_size", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def _recipe() -> ModuleType:
+    return load_script("recipes/table1_max_model_size.py")
 
 
 @pytest.fixture(scope="module")

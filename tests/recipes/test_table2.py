@@ -3,7 +3,6 @@ the collection of the runs' summaries, and the quick run end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,22 +17,14 @@ from torch import nn
 from giantpipe.config import register_configs
 from giantpipe.pipe.simulate import StageCost
 from giantpipe.plan import DeviceSpec, measure_layers
+from tests.recipes.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def recipe() -> ModuleType:
-    return _load("table2_throughput", ROOT / "recipes" / "table2_throughput.py")
+    return load_script("recipes/table2_throughput.py")
 
 
 @pytest.mark.parametrize(

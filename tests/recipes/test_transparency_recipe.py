@@ -4,7 +4,6 @@ every schedule that runs, and the quick run finds the pipelined runs equal to th
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 import subprocess
 import sys
@@ -18,19 +17,14 @@ from torch import nn
 
 from giantpipe.data.bundle import DataBundle
 from giantpipe.pipe import GPipe
+from tests.recipes.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def recipe() -> ModuleType:
-    path = ROOT / "recipes" / "transparency.py"
-    spec = importlib.util.spec_from_file_location("transparency", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/transparency.py")
 
 
 def test_grid_has_plain_per_m_and_every_schedule_that_runs(recipe: ModuleType) -> None:
