@@ -40,6 +40,7 @@ from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, nbytes, to_devi
 from giantpipe.pipe.rng import rng_context
 from giantpipe.pipe.schedule import Action, Schedule
 from giantpipe.pipe.split_backward import WeightGradient, backward_input
+from giantpipe.pipe.stats import ActionTiming
 from giantpipe.pipe.step_config import LossFn, LossSpec, PipelineError, StepConfig
 from giantpipe.pipe.workers import WorkerPool
 
@@ -75,6 +76,8 @@ class StepRun:
         self.input_grads: dict[int, tuple[Any, ...]] = {}
         self.busy = [0.0] * k
         self.waited = [0.0] * k  # time inside actions spent waiting for a neighbour
+        self.recomputed = [0.0] * k  # time inside B actions spent re-materializing
+        self.timings: list[ActionTiming] = []  # every action run, in the order they ended
         self.span = 0.0
         self.live = [0] * k
         self.peaks = [0] * k
@@ -137,6 +140,8 @@ class StepRun:
         try:
             with self._worker_context(own_thread):
                 for action in actions:
+                    stage = action.stage
+                    waited, replayed = self.waited[stage], self.recomputed[stage]
                     t0 = time.perf_counter()
                     if action.kind == "F":
                         self.forward(action.stage, action.microbatch)
@@ -146,7 +151,17 @@ class StepRun:
                         self.weight(action.stage, action.microbatch)
                     else:
                         raise ValueError(f"the local executor cannot run action {action}")
-                    self.busy[action.stage] += time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    self.busy[stage] += t1 - t0
+                    self.timings.append(
+                        ActionTiming(
+                            action,
+                            t0,
+                            t1,
+                            self.waited[stage] - waited,
+                            self.recomputed[stage] - replayed,
+                        )
+                    )
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
             errors.append((action, exc))
             self.mailbox.abort()
@@ -214,12 +229,14 @@ class StepRun:
         cfg = self.cfg
         leaves = self.leaves[stage].pop(m)
         if m < cfg.checkpoint_stop:
+            t0 = time.perf_counter()
             meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
             meter.ignore(as_tuple(leaves))
             with rng_context(cfg.seed, m, cfg.devices[stage]), recomputing(cfg.stages[stage]):
                 with meter:
                     y = self._run_stage(stage, leaves, m)
             self._hold(stage, m, meter.bytes)
+            self.recomputed[stage] += time.perf_counter() - t0
         else:
             y = self.outputs[stage].pop(m)
         tensors: list[torch.Tensor]

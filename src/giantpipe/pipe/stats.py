@@ -18,7 +18,26 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from giantpipe.pipe.schedule import expected_bubble
+from giantpipe.pipe.schedule import Action, expected_bubble
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    """One action as the executor ran it: ``start`` and ``end`` on ``time.perf_counter``'s
+    clock, ``waited`` of it spent waiting for a neighbour's activation or gradient, and
+    ``recompute`` of it spent re-materializing the forward (a B of a re-materialized
+    micro-batch)."""
+
+    action: Action
+    start: float
+    end: float
+    waited: float = 0.0
+    recompute: float = 0.0
+
+    @property
+    def work(self) -> float:
+        """Seconds of the action spent working (waiting left out)."""
+        return self.end - self.start - self.waited
 
 
 @dataclass(frozen=True)
