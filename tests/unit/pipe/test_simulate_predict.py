@@ -78,8 +78,8 @@ def test_predict_leaves_gradients_statistics_and_threads_alone() -> None:
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
-def test_predict_under_autocast_keeps_it_in_the_busy_neighbours() -> None:
-    # the contention probe's threads start with autocast off; bf16 inputs then met fp32 weights
+def test_predict_under_autocast_keeps_it_in_the_replays_threads() -> None:
+    # the replay's threads start with autocast off; bf16 inputs then met fp32 weights
     pipe = GPipe(mlp(), [4, 4], devices=["cpu"] * 2, chunks=2)
     x, y = torch.randn(8, 32), torch.randn(8, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
