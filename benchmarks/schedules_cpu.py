@@ -14,7 +14,8 @@ rounds: measured samples/s (batch / wall time of train_step), predicted samples/
 simulated step time), the gap between them (the median over rounds of each round's ratio, so
 the load of the moment cancels), measured and predicted bubble, the measured CPU contention, and
 the peak activation memory of each worker as the executor counts it, measured / predicted.
-Timelines of the simulated steps go to outputs/schedules_cpu/ as PNG.
+Timelines of the simulated steps and of each configuration's last measured step go to
+outputs/schedules_cpu/ as PNG ({schedule}_k2_m{M}.png, {schedule}_k2_m{M}_measured.png).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.pipe.timeline import plot_timeline
+from giantpipe.pipe.timeline import plot_measured, plot_timeline
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,11 @@ def run(setup: Setup, checkpoint: str, out: Path) -> dict[tuple[str, int], Sampl
             visit(pipes[s, m], x, y, setup.steps, results[s, m])
         print(f"round {r + 1}/{setup.rounds} done", flush=True)
     for s, _, m in configs:
-        sim = pipes[s, m].predict(x, y, nn.functional.mse_loss).simulation
+        pipe = pipes[s, m]
+        sim = pipe.predict(x, y, nn.functional.mse_loss).simulation
         plot_timeline(sim, out / f"{s}_k2_m{m}.png", title=f"{s}, K=2, M={m} (simulated)")
+        name, title = f"{s}_k2_m{m}_measured.png", f"{s}, K=2, M={m} (measured, last step)"
+        plot_measured(pipe.last_timings, pipe.step_schedule(), out / name, title=title)
     return results
 
 

@@ -29,4 +29,6 @@ def test_plan_auto_runs_the_planned_settings_and_reports_them(tmp_path: Path):
     assert summary["pipeline/balance"] == choice["balance"]
     assert choice["memory_budget_bytes"] == 2 * 2**30
     assert summary["pipeline/predicted_step_time_s"] > 0
+    for name in ("timeline_predicted.png", "timeline_measured.png"):  # drawn side by side
+        assert (run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "plan (pipeline.plan=auto): schedule" in result.stdout  # the summary table

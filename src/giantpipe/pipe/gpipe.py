@@ -47,7 +47,7 @@ from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, batch_size, gat
 from giantpipe.pipe.partition import Device, split_module
 from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks
 from giantpipe.pipe.schedule import Schedule, build_schedule, expected_bubble
-from giantpipe.pipe.stats import StepStats
+from giantpipe.pipe.stats import ActionTiming, StepStats
 from giantpipe.pipe.step_config import autocast_state
 from giantpipe.pipe.workers import WorkerPool
 
@@ -123,6 +123,7 @@ class GPipe(nn.Module):
         self._rng_hooks = install_rng_hooks(module)
         self.last_stats: StepStats | None = None
         self.last_in_flight: list[int] = []  # per stage: most micro-batches held at once
+        self.last_timings: list[ActionTiming] = []  # every action of the last step, as run
         self._worker_pool = WorkerPool()  # threads kept across steps; see close()
 
     # ---- Sequential-like access ------------------------------------------------------------
@@ -308,3 +309,4 @@ class GPipe(nn.Module):
             stats = dataclasses.replace(stats, expected_bubble=bubble)
         self.last_stats = stats
         self.last_in_flight = list(run.in_flight_peaks)
+        self.last_timings = list(run.timings)

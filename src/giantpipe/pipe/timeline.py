@@ -1,7 +1,10 @@
-"""Drawing a simulated step: as text (docs, logs, tests) or as a PNG (matplotlib, lazily).
+"""Drawing a step, simulated or as the executor ran it: as text (docs, logs, tests) or as a
+PNG (matplotlib, lazily).
 
 One row per worker, one box per action: F blue, B green, W orange, the recompute that opens a
-re-materialized B hatched, waiting blank.
+re-materialized B hatched, waiting blank. A measured step (``pipe.last_timings``, the
+executor's :class:`~giantpipe.pipe.stats.ActionTiming` of every action) is drawn the same way
+by :func:`plot_measured`, so the two can be set side by side.
 
 Example::
 
@@ -11,13 +14,17 @@ Example::
     worker 1 | .  F0 B0 F1 B1 F2 B2 .
 
     plot_timeline(sim, "outputs/1f1b_k2_m3.png", title="1F1B, K=2, M=3")
+    plot_measured(pipe.last_timings, pipe.step_schedule(), "outputs/1f1b_measured.png")
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-from giantpipe.pipe.simulate import Simulation
+from giantpipe.pipe.schedule import Schedule
+from giantpipe.pipe.simulate import Simulation, TimedAction
+from giantpipe.pipe.stats import ActionTiming
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
 
@@ -41,18 +48,68 @@ def render_text(sim: Simulation, tick: float | None = None) -> str:
 
 
 def plot_timeline(sim: Simulation, path: str | Path, title: str | None = None) -> Path:
-    """Writes the timeline as a PNG at ``path`` and returns the path."""
+    """Writes the simulated timeline as a PNG at ``path`` and returns the path."""
+    title = title or f"{sim.schedule.name}: step {sim.step_time:.3g}s, bubble {sim.bubble:.1%}"
+    return _draw(sim.schedule, sim.timeline, sim.step_time, title, path)
+
+
+def plot_measured(
+    timings: Sequence[ActionTiming], schedule: Schedule, path: str | Path, title: str | None = None
+) -> Path:
+    """Writes the timeline of a step as the executor ran it (``pipe.last_timings``) as a PNG at
+    ``path`` and returns the path."""
+    timeline = measured_timeline(timings, schedule.placement)
+    span = max(t.end for t in timeline)
+    busy = sum(t.busy for t in timeline)
+    bubble = 1 - busy / (schedule.num_workers * span) if span > 0 else 0.0
+    title = title or f"{schedule.name}, measured: step {span:.3g}s, bubble {bubble:.1%}"
+    return _draw(schedule, timeline, span, title, path)
+
+
+def measured_timeline(
+    timings: Sequence[ActionTiming], placement: Sequence[int]
+) -> list[TimedAction]:
+    """The executor's timings as the simulator's timeline, the first start at 0. The two agree
+    on what a box is: an F waits first and works last; a re-materialized B recomputes first,
+    then waits for its gradient, then works; so the work ends at ``end`` in both.
+
+    >>> from giantpipe.pipe.schedule import Action
+    >>> t = ActionTiming(Action("B", 1, 0), start=5.0, end=9.0, waited=1.0, recompute=0.5)
+    >>> [(a.worker, a.start, a.end, a.busy, a.recompute) for a in measured_timeline([t], [0, 1])]
+    [(1, 0.0, 4.0, 3.0, 0.5)]
+    """
+    if not timings:
+        return []
+    origin = min(t.start for t in timings)
+    return [
+        TimedAction(
+            t.action,
+            placement[t.action.stage],
+            t.start - origin,
+            t.end - origin,
+            t.work,
+            t.recompute,
+        )
+        for t in sorted(timings, key=lambda t: t.start)
+    ]
+
+
+def _draw(
+    schedule: Schedule,
+    timeline: Sequence[TimedAction],
+    span: float,
+    title: str,
+    path: str | Path,
+) -> Path:
     import matplotlib  # imported here: the engine itself needs only torch
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    k = sim.schedule.num_workers
-    fig, ax = plt.subplots(
-        figsize=(max(6.0, min(24.0, len(sim.timeline) / k * 0.35)), 0.6 * k + 1.4)
-    )
-    for t in sim.timeline:
+    k = schedule.num_workers
+    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, len(timeline) / k * 0.35)), 0.6 * k + 1.4))
+    for t in timeline:
         kind, m = t.action.kind, t.action.microbatch
         work_start = t.end - (t.busy - t.recompute)
         if t.recompute:
@@ -60,8 +117,8 @@ def plot_timeline(sim: Simulation, path: str | Path, title: str | None = None) -
         ax.barh(
             t.worker, t.end - work_start, left=work_start, color=COLORS[kind], edgecolor="white"
         )
-        label = f"{kind}{m}" if sim.schedule.virtual_stages == 1 else f"{kind}{m}.{t.action.stage}"
-        inches = (t.end - work_start) / sim.step_time * fig.get_size_inches()[0] * 0.85
+        label = f"{kind}{m}" if schedule.virtual_stages == 1 else f"{kind}{m}.{t.action.stage}"
+        inches = (t.end - work_start) / span * fig.get_size_inches()[0] * 0.85
         if inches > 0.075 * len(label):  # label only the boxes it fits in
             ax.text(
                 (work_start + t.end) / 2,
@@ -80,9 +137,7 @@ def plot_timeline(sim: Simulation, path: str | Path, title: str | None = None) -
     ax.legend(
         handles=legend, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False
     )
-    ax.set_title(
-        title or f"{sim.schedule.name}: step {sim.step_time:.3g}s, bubble {sim.bubble:.1%}"
-    )
+    ax.set_title(title)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,10 @@ time, optimizer update excluded) and bubble of the steps after it::
 
     predicted step 0.123 s bubble 0.20 | measured 0.131 s bubble 0.22 (+6%)
 
-with a warning when the measured step departs from the predicted one by more than 25%.
+with a warning when the measured step departs from the predicted one by more than 25%, and the
+two steps are drawn side by side in the run directory: ``timeline_predicted.png`` (the
+simulation) and ``timeline_measured.png`` (the run's last engine step, as the executor timed
+each action).
 
 Example::
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,12 +122,15 @@ class Forecast:
         gap = measured[0] / p.step_time_s - 1
         return text + f" | measured {measured[0]:.3g} s bubble {measured[1]:.2f} ({gap:+.0%})"
 
-    def report(self) -> None:
-        """Log the line, and a warning when the measured step departs by more than 25%."""
+    def report(self, run_dir: Path | None = None, pipe: Any = None) -> None:
+        """Log the line, and a warning when the measured step departs by more than 25%; with
+        ``run_dir``, draw the predicted step and ``pipe``'s last step there, side by side."""
         line = self.line()
         if line is None:
             return
         log.info("engine step, simulator vs measured: %s", line)
+        if run_dir is not None:
+            self._plot(run_dir, pipe)
         measured = self.measured()
         assert self.prediction is not None
         if measured is not None and abs(measured[0] / self.prediction.step_time_s - 1) > WARN_ABOVE:
@@ -135,6 +142,22 @@ class Forecast:
                 self.prediction.step_time_s,
                 WARN_ABOVE * 100,
             )
+
+    def _plot(self, run_dir: Path, pipe: Any) -> None:
+        """timeline_predicted.png and timeline_measured.png (the run's last engine step)."""
+        from giantpipe.pipe.timeline import plot_measured, plot_timeline
+
+        assert self.prediction is not None
+        try:
+            paths = [plot_timeline(self.prediction.simulation, run_dir / "timeline_predicted.png")]
+            timings = getattr(pipe, "last_timings", None)
+            if timings:
+                schedule = pipe.step_schedule()
+                paths.append(plot_measured(timings, schedule, run_dir / "timeline_measured.png"))
+        except Exception as err:  # a diagnostic: say so, and finish the run
+            log.warning("timelines not drawn: %s: %s", type(err).__name__, err)
+            return
+        log.info("timelines, predicted and measured: %s", ", ".join(str(p) for p in paths))
 
     def figures(self) -> dict[str, Any]:
         """summary.json keys: pipeline/predicted_* and the measured engine step beside them."""

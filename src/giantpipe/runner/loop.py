@@ -176,7 +176,7 @@ class TrainingLoop:
             self.after_step()
         self.last_line = self.metrics.flush() or self.last_line
         if self.forecast is not None:
-            self.forecast.report()
+            self.forecast.report(self.run_dir, self.parts.pipe)
         self.evaluate()
         if self.cfg.trainer.save_last:
             self.save(LAST)
