@@ -61,3 +61,9 @@ def pair_gradients(
             tensors.append(y)
             out_grads.append(g.to(device, non_blocking=True))
     return tensors, out_grads
+
+
+def ones_gradient(t: Any) -> Any:
+    """A gradient of ones for a floating-point tensor, None for anything else: what a profile
+    feeds a stage's backward in place of its real output gradient."""
+    return torch.ones_like(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else None

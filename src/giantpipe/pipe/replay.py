@@ -4,22 +4,25 @@
 and again on one input. The executor does something else: a worker of 1F1B runs a forward
 right after a backward of another micro-batch, each on fresh memory, with its bookkeeping
 (mailbox, meter, RNG hooks) around every action. On CPU stand-ins that made the executor's
-forwards 5-15% slower than the isolated profile's under 1F1B (8-block MLP, 64 rows per
+forwards 10-19% slower than the isolated profile's under 1F1B (8-block MLP, 64 rows per
 micro-batch, 2 cores), and the forecast too optimistic by as much.
 
-So :func:`replay_costs` lets the executor run each worker's own action list of the real
-schedule, in its order, on a worker thread set up as the executor's, with a mailbox that hands
-every action its activation or gradient at once (:class:`CannedMailbox`): nothing waits, and
-every action is timed as in a real step (:class:`~giantpipe.pipe.stats.ActionTiming`). The
-median per stage and kind of action replaces the profile's forward, backward, recompute and
-weight-gradient times. Parameters' gradients, buffers and deferred BatchNorm's accumulators are
-put back afterwards.
+So :func:`replay` lets the executor run each worker's own action list of the real schedule, in
+its order, on that worker's pool thread, with a mailbox that hands every action its activation
+or gradient at once (:class:`CannedMailbox`): nothing waits, and every action is timed as in a
+real step (:class:`~giantpipe.pipe.stats.ActionTiming`). The median per stage and kind of action
+replaces the profile's forward, backward, recompute and weight-gradient times. Then all workers
+replay at once: their busy time against the sum of the lone replays is the contention between
+them (CPU stand-ins share cores and memory bus; every worker's Python work shares the GIL).
+Parameters' gradients, buffers and deferred BatchNorm's accumulators are put back afterwards.
 
 Example::
 
     costs = profile_stages(pipe.partitions, pipe.devices, x[:8], y[:8], loss_fn, 8 / len(x))
     config = pipe._step_config(True, LossSpec(loss_fn, scatter(y, 4), [0.25] * 4))
-    costs = replay_costs(config, scatter(x, 4), pipe.step_schedule(), costs)
+    replayed = replay(config, scatter(x, 4), pipe.step_schedule())
+    sim = simulate(pipe.step_schedule(), replayed.costs(costs, config.checkpoint_stop),
+                   contention=replayed.contention)
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 
 from giantpipe.pipe.executor import StepConfig, StepRun
+from giantpipe.pipe.leaves import ones_gradient
 from giantpipe.pipe.mailbox import Key, Mailbox
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple
 from giantpipe.pipe.schedule import Schedule
@@ -165,7 +169,7 @@ def _boundaries(
         flow = stage_inputs([*stages, nn.Identity()], [*devices, devices[-1]], x)
         for s in range(k):
             activations[s].append(flow[s])
-            gradients[s].append(tuple(_ones(t) for t in as_tuple(flow[s + 1])))
+            gradients[s].append(tuple(ones_gradient(t) for t in as_tuple(flow[s + 1])))
     return activations, gradients
 
 
@@ -202,7 +206,3 @@ def _fresh(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_fresh(v) for v in value)
     return value
-
-
-def _ones(t: Any) -> Any:
-    return torch.ones_like(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else None

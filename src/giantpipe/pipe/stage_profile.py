@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from giantpipe.pipe.checkpoint import recomputing
-from giantpipe.pipe.leaves import make_leaves, pair_gradients
+from giantpipe.pipe.leaves import make_leaves, ones_gradient, pair_gradients
 from giantpipe.pipe.memory import SavedTensorMeter
 from giantpipe.pipe.microbatch import TensorOrTensors, as_tuple, nbytes
 from giantpipe.pipe.microbatch import to_device as move
@@ -123,7 +123,7 @@ def _profile_stage(
     def grads(y: Any) -> tuple[list[torch.Tensor], list[Any]]:
         if loss is not None:
             return [y], [None]
-        return pair_gradients(as_tuple(y), tuple(_ones(t) for t in as_tuple(y)), device)
+        return pair_gradients(as_tuple(y), tuple(ones_gradient(t) for t in as_tuple(y)), device)
 
     def full_backward() -> float:
         tensors, out_grads = grads(metered())
@@ -193,10 +193,6 @@ def _sync(device: torch.device, clock: Callable[[], float]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return clock()
-
-
-def _ones(t: Any) -> Any:
-    return torch.ones_like(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
 
 
 def _detach(y: Any) -> Any:
