@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import socket
 import statistics
@@ -65,7 +66,12 @@ def mlp(width: int, blocks: int) -> nn.Sequential:
 
 
 def timed(step: Callable[[], None], steps: int) -> float:
-    """Seconds per step: one warm-up, then the mean of ``steps`` steps."""
+    """Seconds per step: a full garbage collection, one warm-up, then the mean of ``steps``
+    steps."""
+    # Building models leaves a full (generation 2) collection due; left to chance it lands in
+    # whichever method is timed next. In a 2-process peers round it took 193 ms inside one
+    # GPipe step of rank 0, stalling rank 1 as long: that was "distributed GPipe is slow".
+    gc.collect()
     step()
     start = time.perf_counter()
     for _ in range(steps):
