@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from giantpipe.config import ConfigError, ExperimentConfig
-from giantpipe.data.bundle import Batch, batch_size
+from giantpipe.data.bundle import Batch
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import StepRecord
 from giantpipe.pipe.distributed import clip_grad_norm_, init_distributed
@@ -44,6 +44,7 @@ from giantpipe.runner.dist_setup import agree, from_rank0, setup
 from giantpipe.runner.loop import NonFiniteLossError
 from giantpipe.runner.run_record import after_step, base_summary, open_record, run_to_summary
 from giantpipe.runner.state import Progress
+from giantpipe.runner.update import apply_update
 
 __all__ = ["DistributedLoop", "agree", "from_rank0", "summarize", "train_distributed"]
 
@@ -106,24 +107,14 @@ class DistributedLoop:
             grad_norm = float(clip_grad_norm_(parts.pipe, trainer.grad_clip))
             if not math.isfinite(grad_norm):
                 raise self._fail("the gradient norm", grad_norm)
-        lr = float(parts.optimizer.param_groups[0]["lr"])
-        parts.optimizer.step()
-        parts.scheduler.step()
-        if parts.ema is not None:
-            parts.ema.update()
-        self.progress.step += 1
-        self.progress.position += len(batches)
-        held = [b for b in batches if b is not None]
-        tokens = parts.bundle.tokens_per_batch
-        return StepRecord.from_engine(
+        return apply_update(
+            parts,
+            self.progress,
+            batches,
+            loss,
             stats,  # type: ignore[arg-type]
-            step=self.progress.step,
-            loss=loss,
-            lr=lr,
-            step_time_s=time.perf_counter() - start,
-            samples=sum(batch_size(inputs) for inputs, _ in held),
-            tokens=sum(tokens(b) for b in held) if tokens is not None and held else None,
-            grad_norm=grad_norm,
+            grad_norm,
+            start,
         )
 
     def evaluate(self) -> None:

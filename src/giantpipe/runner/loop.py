@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from giantpipe.config import ExperimentConfig
-from giantpipe.data.bundle import Batch, batch_size
+from giantpipe.data.bundle import Batch
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import StepRecord
 from giantpipe.runner.build import Experiment, build_experiment
@@ -32,6 +32,7 @@ from giantpipe.runner.run_record import after_step, base_summary, open_record, r
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.state import Progress, capture, restore_checkpoint
 from giantpipe.runner.step import accumulate_gradients
+from giantpipe.runner.update import apply_update
 
 log = logging.getLogger(__name__)
 
@@ -99,24 +100,7 @@ class TrainingLoop:
             grad_norm = float(norm)
             if not math.isfinite(grad_norm):
                 raise self._fail("the gradient norm", grad_norm)
-        lr = float(parts.optimizer.param_groups[0]["lr"])
-        parts.optimizer.step()
-        parts.scheduler.step()
-        if parts.ema is not None:
-            parts.ema.update()
-        self.progress.step += 1
-        self.progress.position += len(batches)
-        tokens = parts.bundle.tokens_per_batch
-        record = StepRecord.from_engine(
-            stats,
-            step=self.progress.step,
-            loss=loss,
-            lr=lr,
-            step_time_s=time.perf_counter() - start,
-            samples=sum(batch_size(inputs) for inputs, _ in batches),
-            tokens=sum(tokens(b) for b in batches) if tokens is not None else None,
-            grad_norm=grad_norm,
-        )
+        record = apply_update(parts, self.progress, batches, loss, stats, grad_norm, start)
         if self.forecast is not None:  # after the record: its step time leaves the profile out
             more = self.progress.step < parts.total_steps
             precision = self.cfg.pipeline.precision
