@@ -37,8 +37,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_cpu import FULL, QUICK, Setup, mlp, pippy_round, plain_step, timed  # noqa: E402
 
-from giantpipe.pipe.distributed import DistributedPipe  # noqa: E402
-from giantpipe.pipe.schedule import build_schedule, schedule_builders  # noqa: E402
+from giantpipe.engine.dist.pipe import DistributedPipe  # noqa: E402
+from giantpipe.engine.schedules import build_schedule, schedule_builders  # noqa: E402
 
 
 def schedules_for_two_workers(chunks: int) -> list[tuple[str, int]]:

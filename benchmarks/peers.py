@@ -67,7 +67,7 @@ from distributed_cpu import _free_port  # noqa: E402
 from engine_cpu import mlp, plain_step, timed  # noqa: E402
 
 from giantpipe import GPipe  # noqa: E402
-from giantpipe.pipe import balance_by_time  # noqa: E402
+from giantpipe.perf.balance import balance_by_time  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "1"}
 MEMORY_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": "4096"}  # the memory pass: RSS = live memory
@@ -261,7 +261,7 @@ def _dist_steps(name: str, setup: Setup, rank: int, m: int, balance: list[int]
                 ) -> dict[str, Callable[[], None]]:  # fmt: skip
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from giantpipe.pipe.distributed import DistributedPipe
+    from giantpipe.engine.dist.pipe import DistributedPipe
 
     model, x, y = build(name, setup.quick)
     loss = nn.functional.mse_loss

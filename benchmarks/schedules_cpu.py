@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.pipe.timeline import plot_measured, plot_timeline
+from giantpipe.perf.timeline import plot_measured, plot_timeline
 
 
 @dataclass(frozen=True)

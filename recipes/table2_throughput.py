@@ -48,11 +48,11 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
-from giantpipe.pipe import solve_balance  # noqa: E402
-from giantpipe.pipe.microbatch import scatter  # noqa: E402
-from giantpipe.pipe.schedule import gpipe  # noqa: E402
-from giantpipe.pipe.simulate import StageCost, simulate  # noqa: E402
-from giantpipe.pipe.stage_profile import profile_stages  # noqa: E402
+from giantpipe.engine.microbatch import scatter  # noqa: E402
+from giantpipe.engine.schedule import gpipe  # noqa: E402
+from giantpipe.perf.balance import solve_balance  # noqa: E402
+from giantpipe.perf.simulate import StageCost, simulate  # noqa: E402
+from giantpipe.perf.stage_profile import profile_stages  # noqa: E402
 from giantpipe.plan import DeviceSpec, measure_layers, plan  # noqa: E402
 from giantpipe.plan.costs import LayerCost  # noqa: E402
 from giantpipe.plan.models import build as build_full_size  # noqa: E402

@@ -36,7 +36,7 @@ from torch import nn
 from giantpipe import GPipe
 from giantpipe.data.bundle import Batch
 from giantpipe.data.translation_bundle import translation
-from giantpipe.pipe import balance_by_params
+from giantpipe.perf.balance import balance_by_params
 from giantpipe.runner.losses import build_loss
 from models.transformer import transformer_t
 

@@ -14,7 +14,7 @@ Transformer T(L, H, A) on the generated translation corpus (``recipe=transformer
 4 + 4 layers so that K=4 x V=2 interleaved stages exist, dropout 0.1). For each:
 
     plain        the un-pipelined model, micro-batch by micro-batch (gradient accumulation),
-                 dropout seeded as the engine seeds it (giantpipe.pipe.rng.rng_context), BatchNorm
+                 dropout seeded as the engine seeds it (giantpipe.engine.rng.rng_context), BatchNorm
                  deferred as in the pipeline: the same mathematics, no pipeline
     K, M, sched  GPipe over K CPU stand-ins with M micro-batches, (K, M) = (2, 4), (2, 8),
                  (4, 8), under each schedule: gpipe / 1f1b / interleaved (V=2) / zb-h1; the
@@ -48,11 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
 from giantpipe.data.bundle import DataBundle, batch_size  # noqa: E402
-from giantpipe.pipe import GPipe, balance_by_params, convert_deferred_batch_norm  # noqa: E402
-from giantpipe.pipe.batchnorm import commit_deferred_batch_norm  # noqa: E402
-from giantpipe.pipe.microbatch import scatter  # noqa: E402
-from giantpipe.pipe.rng import draw_step_seed, install_rng_hooks, rng_context  # noqa: E402
-from giantpipe.pipe.schedule import SCHEDULE_NAMES, build_schedule  # noqa: E402
+from giantpipe.engine import GPipe, convert_deferred_batch_norm  # noqa: E402
+from giantpipe.engine.batchnorm import commit_deferred_batch_norm  # noqa: E402
+from giantpipe.engine.microbatch import scatter  # noqa: E402
+from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, rng_context  # noqa: E402
+from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule  # noqa: E402
+from giantpipe.perf.balance import balance_by_params  # noqa: E402
 from giantpipe.runner.build import build_model  # noqa: E402
 from giantpipe.runner.evaluate import evaluate  # noqa: E402
 from giantpipe.runner.losses import build_loss  # noqa: E402

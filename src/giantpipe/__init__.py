@@ -12,7 +12,15 @@ Example::
     loss.backward()
 """
 
-from giantpipe.pipe import GPipe, is_recomputing
+from giantpipe.engine import GPipe, PipelineError, is_recomputing
+from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 
-__all__ = ["GPipe", "is_recomputing"]
+__all__ = [
+    "GPipe",
+    "PipelineError",
+    "balance_by_params",
+    "balance_by_size",
+    "balance_by_time",
+    "is_recomputing",
+]
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ Usage::
     # wrote 26 tensors (1.3 MiB) from 2 shards (step 100) to model.pt
 
 then ``model.load_state_dict(torch.load("model.pt"))`` on the un-pipelined model. Runs in one
-process, without torch.distributed; see :mod:`giantpipe.pipe.shards` for the layout on disk.
+process, without torch.distributed; see :mod:`giantpipe.engine.dist.shards` for the layout on disk.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from giantpipe.pipe.shards import consolidate
+from giantpipe.engine.dist.shards import consolidate
 
 
 def main(argv: list[str] | None = None) -> int:

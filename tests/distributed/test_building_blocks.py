@@ -9,12 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.pipe.layout import Layout
-from giantpipe.pipe.materialize import build_on_meta, init_layers, materialize, seeded_init
-from giantpipe.pipe.p2p import expected_receives
-from giantpipe.pipe.schedule import build_schedule
-from giantpipe.pipe.shards import atomic_save
-from giantpipe.pipe.wire import (
+from giantpipe.engine.dist.layout import Layout
+from giantpipe.engine.dist.meta import build_on_meta, init_layers, materialize, seeded_init
+from giantpipe.engine.dist.p2p import expected_receives
+from giantpipe.engine.dist.shards import atomic_save
+from giantpipe.engine.dist.wire import (
     allocate,
     as_bytes,
     decode,
@@ -25,6 +24,7 @@ from giantpipe.pipe.wire import (
     seed_of,
     words_of,
 )
+from giantpipe.engine.schedules import build_schedule
 
 
 def roundtrip(value: object, seed: int = 7) -> object:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from giantpipe.consolidate import main as consolidate_main
-from giantpipe.pipe import shards
+from giantpipe.engine.dist import shards
 from tests.distributed.launch import REPO, spawn
 from tests.distributed.workers import plain_model
 

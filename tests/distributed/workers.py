@@ -17,15 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.pipe.balance import solve_balance
-from giantpipe.pipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from giantpipe.pipe.distributed import DistributedPipe
-from giantpipe.pipe.gradsync import clip_grad_norm_
-from giantpipe.pipe.materialize import init_layers
-from giantpipe.pipe.microbatch import batch_size, scatter
-from giantpipe.pipe.rng import install_rng_hooks, mix, rng_context
-from giantpipe.pipe.schedule import build_schedule
-from tests.unit.pipe.pipe_helpers import step_seed, tuple_batch, tuple_model
+from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from giantpipe.engine.dist.gradsync import clip_grad_norm_
+from giantpipe.engine.dist.meta import init_layers
+from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.microbatch import batch_size, scatter
+from giantpipe.engine.rng import install_rng_hooks, mix, rng_context
+from giantpipe.engine.schedules import build_schedule
+from giantpipe.perf.balance import solve_balance
+from tests.unit.engine.engine_helpers import step_seed, tuple_batch, tuple_model
 
 SEED = 5  # torch.manual_seed before each step: the step seed rank 0 draws
 INIT = 3  # layer initialisation seed
@@ -33,7 +33,7 @@ INIT = 3  # layer initialisation seed
 
 def registered_schedules() -> list[str]:
     """Every schedule the engine knows now (others may be added later)."""
-    from giantpipe.pipe import schedule
+    from giantpipe.engine import schedule
 
     if hasattr(schedule, "schedule_builders"):
         return sorted(schedule.schedule_builders())
@@ -384,7 +384,7 @@ def faulty(
     import signal
     import time
 
-    from giantpipe.pipe.faults import RankFailure
+    from giantpipe.engine.dist.faults import RankFailure
 
     rank = dist.get_rank()
     model = plain_model(2)
@@ -458,7 +458,7 @@ def train_and_save(tmp: Path, workers: int, ckpt: str, steps: int = 2) -> dict[s
 def resume_and_step(tmp: Path, workers: int, ckpt: str, step: int = 2) -> dict[str, Any]:
     """Loads the shards into another K (parameters never initialised), takes one step and
     compares it with the plain model loaded from the same shards."""
-    from giantpipe.pipe import shards
+    from giantpipe.engine.dist import shards
 
     model = plain_model(2)
     model.load_state_dict(shards.load(ckpt))

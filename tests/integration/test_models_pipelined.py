@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.pipe.microbatch import scatter
+from giantpipe.engine.microbatch import scatter
 from models.amoebanet import amoebanetd
 from models.transformer import label_smoothed_cross_entropy, transformer_t
-from tests.unit.pipe.pipe_helpers import reference_step, step_seed
+from tests.unit.engine.engine_helpers import reference_step, step_seed
 
 
 def assert_same_grads(pipe: nn.Module, plain: nn.Module, atol: float = 1e-6) -> None:
@@ -92,7 +92,7 @@ def test_transformer_k3_m4_dropout_variable_lengths_matches_plain(mode: str) -> 
         seed = step_seed(100 + step)
         ntok = tokens(target)
         ref = 0.0
-        from giantpipe.pipe.rng import install_rng_hooks, rng_context
+        from giantpipe.engine.rng import install_rng_hooks, rng_context
 
         handles = install_rng_hooks(plain)
         for m, (xm, ym) in enumerate(zip(scatter(inputs, 4), scatter(target, 4))):

@@ -14,14 +14,14 @@ from hydra import compose, initialize_config_dir
 
 from giantpipe.cli import to_experiment
 from giantpipe.config import ConfigError, ExperimentConfig, register_configs
-from giantpipe.pipe.microbatch import scatter
-from giantpipe.pipe.rng import install_rng_hooks, rng_context
+from giantpipe.engine.microbatch import scatter
+from giantpipe.engine.rng import install_rng_hooks, rng_context
 from giantpipe.runner import train as train_in_process
 from giantpipe.runner.build import build_experiment, build_model
 from giantpipe.runner.step import accumulate_gradients
 from models.transformer import count_parameters, label_smoothed_cross_entropy
 from tests.integration.test_train_cli import REPO, ok
-from tests.unit.pipe.pipe_helpers import step_seed
+from tests.unit.engine.engine_helpers import step_seed
 
 CONF = REPO / "conf"
 register_configs()

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from giantpipe.engine.memory import SavedTensorMeter
 from giantpipe.memory_model.layers import profile_layers
 from giantpipe.memory_model.search import AmoebaNetD, TransformerL
 from giantpipe.memory_model.specs import TensorSpec
 from giantpipe.memory_model.stage import StageLoss, measure_stage
 from giantpipe.memory_model.tracker import LiveBytes
-from giantpipe.pipe.memory import SavedTensorMeter
 from models.amoebanet import amoebanetd
 from tests.recipes.scripts import load_script
 

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 
 from giantpipe.config import register_configs
-from giantpipe.pipe.simulate import StageCost
+from giantpipe.perf.simulate import StageCost
 from giantpipe.plan import DeviceSpec, measure_layers
 from tests.recipes.scripts import load_script
 

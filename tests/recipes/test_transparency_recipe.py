@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from giantpipe.data.bundle import DataBundle
-from giantpipe.pipe import GPipe
+from giantpipe.engine import GPipe
 from tests.recipes.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.pipe.balance import solve_balance
-from giantpipe.pipe.schedule import build_schedule
+from giantpipe.engine.schedules import build_schedule
+from giantpipe.perf.balance import solve_balance
 from giantpipe.plan import DeviceSpec, LayerCost, measure_layers, plan
 from giantpipe.plan.__main__ import main
 from giantpipe.plan.models import build

@@ -36,7 +36,7 @@ from torch import nn
 from giantpipe.memory_model.specs import Spec, make, make_grads, spec_bytes, spec_of
 from giantpipe.memory_model.stage import StageLoss, as_fake
 from giantpipe.memory_model.tracker import LiveBytes, storage_bytes
-from giantpipe.pipe.balance import solve_balance
+from giantpipe.perf.balance import solve_balance
 
 # Copies of each parameter an optimizer keeps besides the weight and its gradient.
 OPTIMIZER_SLOTS = {"rmsprop": 1, "sgd": 0, "adam": 2}

@@ -1,6 +1,6 @@
 """Peak memory of one pipeline stage over one real training step, run by the engine itself.
 
-The stage runs the engine's own actions (:class:`giantpipe.pipe.executor.StepRun`'s ``forward``
+The stage runs the engine's own actions (:class:`giantpipe.engine.executor.StepRun`'s ``forward``
 and ``backward``, in the order the schedule gives this stage, with the engine's
 re-materialization) and then a real optimizer step. Only this stage is on the "device": its
 input activations are made when the schedule would receive them, its outputs and input
@@ -41,11 +41,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
+from giantpipe.engine.recompute import checkpoint_stop
+from giantpipe.engine.schedules import build_schedule
 from giantpipe.memory_model.specs import Spec, make, make_grads, spec_bytes, spec_of
 from giantpipe.memory_model.tracker import LiveBytes, storage_bytes
-from giantpipe.pipe.checkpoint import checkpoint_stop
-from giantpipe.pipe.executor import LossFn, LossSpec, StepConfig, StepRun
-from giantpipe.pipe.schedule import build_schedule
 
 OPTIMIZERS = ("rmsprop", "sgd", "adam")
 

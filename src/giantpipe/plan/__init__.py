@@ -18,7 +18,7 @@ From Python (what ``pipeline.plan=auto`` in the runner can call)::
 
 ``plan`` returns every configuration that fits in memory, fastest first; each
 :class:`Candidate` carries its predicted step time, samples/s, bubble, peak memory per device
-and the :class:`~giantpipe.pipe.simulate.Simulation` (``plot_timeline`` draws it). What goes in:
+and the :class:`~giantpipe.perf.simulate.Simulation` (``plot_timeline`` draws it). What goes in:
 per-layer FLOPs and bytes measured on the meta device (:mod:`giantpipe.plan.costs`), a device
 model (:class:`DeviceSpec`: peak FLOP/s x efficiency + a per-layer overhead, memory, link), the
 optimizer's state per parameter, and each schedule's in-flight activations. What is left out:

@@ -14,8 +14,8 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from giantpipe.pipe.checkpoint import MODES
-from giantpipe.pipe.schedule import SCHEDULE_NAMES
+from giantpipe.engine.recompute import MODES
+from giantpipe.engine.schedules import SCHEDULE_NAMES
 from giantpipe.plan.costs import measure_layers
 from giantpipe.plan.models import NAMES, build
 from giantpipe.plan.search import Candidate, DeviceSpec, plan
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(format_table(candidates[: args.top]))
     if args.plot:
-        from giantpipe.pipe.timeline import plot_timeline
+        from giantpipe.perf.timeline import plot_timeline
 
         best = candidates[0]
         out = plot_timeline(

@@ -30,10 +30,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from giantpipe.pipe.checkpoint import MODES, checkpoint_stop
-from giantpipe.pipe.microbatch import split_sizes
-from giantpipe.pipe.schedule import SCHEDULE_NAMES, Schedule, build_schedule
-from giantpipe.pipe.simulate import Simulation, StageCost, simulate
+from giantpipe.engine.microbatch import split_sizes
+from giantpipe.engine.recompute import MODES, checkpoint_stop
+from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule
+from giantpipe.perf.simulate import Simulation, StageCost, simulate
 from giantpipe.plan.costs import LayerCost
 
 LayerTimes = Callable[[int], Sequence[tuple[float, float, float]]]

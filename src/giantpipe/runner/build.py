@@ -21,7 +21,7 @@ from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
-from giantpipe.pipe import GPipe
+from giantpipe.engine import GPipe
 from giantpipe.runner.checkpoint import parameter_names
 from giantpipe.runner.ema import WeightEMA
 from giantpipe.runner.losses import LossFn, build_loss

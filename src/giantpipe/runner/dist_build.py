@@ -2,7 +2,7 @@
 
 Under ``pipeline.executor=distributed`` every torchrun process builds the same things as the
 local runner (data bundle, model, balance, optimizer, LR schedule, loss, EMA) but keeps only its
-own stage: the engine is a :class:`~giantpipe.pipe.distributed.DistributedPipe`, the optimizer
+own stage: the engine is a :class:`~giantpipe.engine.dist.pipe.DistributedPipe`, the optimizer
 and the EMA cover this rank's parameters, and data reaches only the ranks that hold stage 0
 (inputs) or the last stage (targets). With R replicas every batch is split in R along dim 0,
 replica r taking slice r, so a step trains on the same samples as the local runner's.
@@ -32,8 +32,8 @@ from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import Batch, DataBundle, Tensors, batch_size
-from giantpipe.pipe.distributed import DistributedPipe
-from giantpipe.pipe.stats import StepStats
+from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.stats import StepStats
 from giantpipe.runner.build import TrainingParts, micro_batch_sample, total_steps
 from giantpipe.runner.checkpoint import first_names
 from giantpipe.runner.ema import WeightEMA

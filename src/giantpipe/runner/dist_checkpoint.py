@@ -1,7 +1,7 @@
 """Checkpoints of a distributed run: weight shards by un-partitioned names, plus run state.
 
 A checkpoint is a directory (``RUN/last/``, ``RUN/step_N/``) in the layout of
-:mod:`giantpipe.pipe.shards`, with one more file per rank::
+:mod:`giantpipe.engine.dist.shards`, with one more file per rank::
 
     last/
       manifest.json                          the commit point; extra: step, position, files
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from giantpipe.config import ConfigError
-from giantpipe.pipe import shards
+from giantpipe.engine.dist import shards
 from giantpipe.runner.checkpoint import (
     check_model_fits,
     load_optimizer_state_by_name,

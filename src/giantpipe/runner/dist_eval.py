@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from giantpipe.data.bundle import Batch, DataBundle
-from giantpipe.pipe.distributed import DistributedPipe
-from giantpipe.pipe.faults import wait_work
+from giantpipe.engine.dist.faults import wait_work
+from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.runner.dist_build import replica_slice
 from giantpipe.runner.evaluate import Tally, _add_batch
 from giantpipe.runner.losses import build_loss

@@ -6,7 +6,7 @@ Every rank runs this loop over its own stage (see :mod:`giantpipe.runner.dist_bu
 steps, the loss and the statistics are collective. Rank 0 (stage 0 of replica 0) alone writes
 the run directory: config, progress bar, ``metrics.jsonl``, ``summary.json`` and the log; it
 already holds what it logs, because every step all-gathers the loss of the last stage and each
-stage's busy time, bubble and peak memory (:mod:`giantpipe.pipe.rankstats`). Checkpoints are
+stage's busy time, bubble and peak memory (:mod:`giantpipe.engine.dist.rankstats`). Checkpoints are
 directories of shards (:mod:`giantpipe.runner.dist_checkpoint`); the set-up, all ranks in step,
 is :mod:`giantpipe.runner.dist_setup`.
 
@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.data.bundle import Batch
+from giantpipe.engine.dist.pipe import clip_grad_norm_, init_distributed
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import StepRecord
-from giantpipe.pipe.distributed import clip_grad_norm_, init_distributed
 from giantpipe.runner.dist_build import DistributedExperiment, engine_steps
 from giantpipe.runner.dist_checkpoint import LAST_DIR, save_run
 from giantpipe.runner.dist_eval import evaluate_distributed

@@ -37,7 +37,7 @@ from giantpipe.metrics.record import EngineStats
 from giantpipe.runner.step import autocast, to_device
 
 if TYPE_CHECKING:
-    from giantpipe.pipe.predict import Prediction
+    from giantpipe.perf.predict import Prediction
     from giantpipe.runner.build import Experiment
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class Forecast:
 
     def _plot(self, run_dir: Path, pipe: Any) -> None:
         """timeline_predicted.png and timeline_measured.png (the run's last engine step)."""
-        from giantpipe.pipe.timeline import plot_measured, plot_timeline
+        from giantpipe.perf.timeline import plot_measured, plot_timeline
 
         assert self.prediction is not None
         try:

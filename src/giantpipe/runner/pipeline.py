@@ -16,13 +16,8 @@ from torch import nn
 
 from giantpipe.config import ConfigError, PipelineConfig
 from giantpipe.data.bundle import Tensors
-from giantpipe.pipe import (
-    GPipe,
-    balance_by_params,
-    balance_by_size,
-    balance_by_time,
-    build_schedule,
-)
+from giantpipe.engine import GPipe, build_schedule
+from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 
 DEFAULT_CPU_STAND_INS = 2
 

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from giantpipe.data.bundle import Tensors
-from giantpipe.pipe.checkpoint import recomputing
-from giantpipe.pipe.rng import rng_context
-from giantpipe.pipe.simulate import StageCost
-from giantpipe.pipe.stage_profile import profile_stages
+from giantpipe.engine.recompute import recomputing
+from giantpipe.engine.rng import rng_context
+from giantpipe.perf.simulate import StageCost
+from giantpipe.perf.stage_profile import profile_stages
 from giantpipe.plan import LayerCost
 from giantpipe.runner.losses import LossFn
 
@@ -61,7 +61,7 @@ def per_sample(layers: list[LayerCost], n: int) -> list[LayerCost]:
 class LayerTimer:
     """Seconds per layer on ``device`` for a micro-batch of n samples: measured at a few sizes
     (:meth:`calibrate`), linear in n between and beyond them. Each layer runs as the executor
-    runs a stage (:func:`giantpipe.pipe.stage_profile.profile_stages`); a layer not on
+    runs a stage (:func:`giantpipe.perf.stage_profile.profile_stages`); a layer not on
     ``device`` is profiled on a copy. The loss runs after the last layer.
 
     Example::

@@ -37,8 +37,8 @@ from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig, OptimConfig, PipelineConfig
 from giantpipe.data.bundle import Tensors, batch_size
-from giantpipe.pipe.predict import executor_overhead
-from giantpipe.pipe.schedule import build_schedule
+from giantpipe.engine.schedules import build_schedule
+from giantpipe.perf.predict import executor_overhead
 from giantpipe.plan import Candidate, DeviceSpec, measure_layers, plan
 from giantpipe.plan.__main__ import format_table
 from giantpipe.runner.losses import LossFn

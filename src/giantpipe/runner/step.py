@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from giantpipe.data.bundle import Batch, Tensors, batch_size
-from giantpipe.pipe import GPipe
+from giantpipe.engine import GPipe
 from giantpipe.runner.losses import LossFn
 
 

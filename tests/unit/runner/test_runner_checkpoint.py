@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from giantpipe.config import ConfigError
-from giantpipe.pipe import GPipe
+from giantpipe.engine import GPipe
 from giantpipe.runner.checkpoint import (
     atomic_save,
     check_model_fits,

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from giantpipe.pipe import GPipe
+from giantpipe.engine import GPipe
 from giantpipe.runner.losses import build_loss
 from giantpipe.runner.step import accumulate_gradients
 

@@ -1,0 +1,198 @@
+"""Gradients across ranks: bucketed all-reduce over a stage's replicas, global-norm clipping.
+
+**Replicas.** Each stage's gradients are summed over the R replicas of that stage (the loss is
+already divided by the global batch, so a sum is the average). As in DDP, parameters are packed
+into buckets in reverse order (backward reaches the last layers first) and a bucket's all-reduce
+starts as soon as all its gradients are final, overlapping the rest of the backward::
+
+    last backward of the stage  | ...layer 7 grads | layer 6 grads | ... | layer 4 grads |
+    replica all-reduce          |                  [ bucket 0: 7, 6 ]    [ bucket 1: 5, 4 ]
+
+"Final" = the parameter's gradient was accumulated once per micro-batch (a post-accumulate-grad
+hook counts M); this does not depend on the schedule (GPipe, 1F1B, or W actions of zero-bubble).
+Buckets start strictly in order, so every replica issues the same collectives in the same order
+whatever its data; a bucket whose gradients never all become final (an unused parameter) is sent
+when the step ends.
+
+**Clipping.** :func:`clip_grad_norm_` takes the norm over every stage: local sums of squares,
+all-reduced over the pipeline (replicas hold identical gradients after the all-reduce).
+
+Example::
+
+    sync = GradientSync(pipe.named_parameters(), groups.replica, microbatches=8, timeout=60.0)
+    sync.begin()           # before the step's actions
+    ...                    # the schedule runs; buckets start from inside autograd
+    sync.finish()          # the remaining buckets, then wait and copy back into p.grad
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from giantpipe.engine.dist.faults import FailureBoard, wait_work
+
+
+class GradientSync:
+    """Sums the gradients of one rank's parameters over its replica group, bucket by bucket."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        group: Any,
+        microbatches: int,
+        timeout: float,
+        bucket_bytes: int = 25 * 2**20,
+        overlap: bool = True,
+        board: FailureBoard | None = None,
+    ) -> None:
+        self.group, self.microbatches, self.timeout = group, microbatches, timeout
+        self.board, self.overlap = board, overlap
+        params = [p for _, p in named_params if p.requires_grad]
+        self.buckets = _buckets(params, bucket_bytes)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._counts: dict[int, int] = {}
+        self._ready = [0] * len(self.buckets)
+        self._next = 0  # buckets start in order: the next one to start
+        self._works: list[tuple[Any, torch.Tensor]] = []
+        self._late: list[str] = []
+        self._held: dict[int, torch.Tensor] = {}
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b
+        ]
+        self._names = {id(p): name for name, p in named_params}
+        self.early = 0  # buckets of the last step started from inside the backward
+
+    def begin(self) -> None:
+        """Before a step's actions. Gradients already in ``p.grad`` (accumulation over several
+        steps) are set aside: they are already summed, only this step's part is all-reduced."""
+        self._held = {}
+        for bucket in self.buckets:
+            for p in bucket:
+                if p.grad is not None:
+                    self._held[id(p)] = p.grad
+                    p.grad = None
+        self.early = 0
+        self._counts.clear()
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._works.clear()
+        self._late.clear()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.overlap:
+            return
+        count = self._counts.get(id(param), 0) + 1
+        self._counts[id(param)] = count
+        index = self._bucket_of[id(param)]
+        if index < self._next:
+            self._late.append(self._names.get(id(param), "a parameter"))
+        elif count == self.microbatches:
+            self._ready[index] += 1
+            while self._next < len(self.buckets) and self._ready[self._next] == len(
+                self.buckets[self._next]
+            ):
+                self._start(self._next)
+                self.early += 1
+
+    def _start(self, index: int) -> None:
+        bucket = self.buckets[index]
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+        )
+        self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
+        self._next = index + 1
+
+    def finish(self) -> None:
+        """Starts what is left, waits for every bucket and writes the sums into ``p.grad``."""
+        if self._late:
+            raise RuntimeError(
+                f"{self._late[0]} received a gradient after its bucket was all-reduced (more "
+                f"than {self.microbatches} accumulations per step); use overlap=False"
+            )
+        while self._next < len(self.buckets):
+            self._start(self._next)
+        for index, (work, flat) in enumerate(self._works):
+            wait_work(work, self.timeout, f"the all-reduce of gradient bucket {index}", self.board)
+            offset = 0
+            for p in self.buckets[index]:
+                total = flat[offset : offset + p.numel()].view_as(p)
+                held = self._held.pop(id(p), None)
+                if held is not None:
+                    p.grad = held.add_(total)
+                elif p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.copy_(total)
+                offset += p.numel()
+        self._works.clear()
+
+    def drop(self) -> None:
+        """Forgets the all-reduces in flight and the group (after a failure)."""
+        self._works.clear()
+        self._held.clear()
+        self.group = None
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Parameters in reverse order, cut into buckets of about ``bucket_bytes``, one dtype each."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        fits = buckets and size + nbytes <= bucket_bytes and buckets[-1][0].dtype == p.dtype
+        if not fits:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | Any,
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: Any = None,
+) -> torch.Tensor:
+    """Clips gradients by their norm over every stage of the pipeline; returns that norm.
+
+    ``parameters`` are this rank's (``pipe.parameters()``; or pass the pipe itself, whose
+    pipeline group is then used). Equals ``torch.nn.utils.clip_grad_norm_`` on the plain model.
+
+    Example::
+
+        loss = pipe.train_step(x, y, loss_fn)
+        norm = clip_grad_norm_(pipe, max_norm=1.0)
+        optimizer.step()
+    """
+    if hasattr(parameters, "groups") and hasattr(parameters, "parameters"):
+        group = parameters.groups.pipeline if group is None else group
+        parameters = parameters.parameters()
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    inf = norm_type == float("inf")
+    if grads:
+        norms = torch.stack(
+            [g.detach().abs().max() if inf else g.detach().norm(norm_type) for g in grads]
+        ).double()
+        local = norms.max() if inf else norms.pow(norm_type).sum()
+    else:
+        local = torch.zeros((), dtype=torch.float64)
+    total = local.reshape(1).cpu()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    norm = total[0] if inf else total[0].pow(1.0 / norm_type)
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.detach().mul_(coef)
+    return norm.float()

@@ -1,0 +1,424 @@
+"""The distributed executor: one process per pipeline rank (under torchrun), R replicas.
+
+Each rank builds the model with its parameters on the meta device, materialises only the layers
+of its own stage(s), and runs its own list of actions from the same schedule data as the local
+executor (the very same ``StepRun``; only its mailbox sends to other processes, see
+:mod:`giantpipe.engine.dist.p2p`). Per step::
+
+    last stage:  all-reduce of the loss normaliser over replicas (global batch / token count)
+    every rank:  its actions; boundary values by isend/irecv, the step's dropout seed (drawn
+                 where stage 0 is) riding in their headers; the replica all-reduce of gradient
+                 buckets starts inside the last backward (giantpipe.engine.dist.gradsync)
+    pipeline:    one all-gather of [loss, wall, span, busy, peak memory]: the loss and the
+                 step's statistics on every rank (giantpipe.engine.dist.rankstats)
+
+Any failure is reported on the failure board, this rank's groups are torn down (which wakes
+every rank waiting on it) and :class:`RankFailure` names the rank and stage that failed first.
+
+Example (``torchrun --nproc_per_node=2 train.py``)::
+
+    init_distributed()                                      # reads torchrun's environment
+    pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)   # R = world size / K
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)        # this rank's parameters only
+    x = batch if pipe.needs_inputs else None
+    y = target if pipe.needs_targets else None
+    loss = pipe.train_step(x, y, nn.functional.cross_entropy)   # same value on every rank
+    clip_grad_norm_(pipe, 1.0)
+    opt.step(); opt.zero_grad()
+    pipe.save_checkpoint("ckpt/", step=100)                 # shards by un-partitioned names
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from giantpipe.engine.dist import shards
+from giantpipe.engine.batchnorm import (
+    commit_deferred_batch_norm,
+    convert_deferred_batch_norm,
+    merge_deferred_batch_norm,
+)
+from giantpipe.engine.recompute import MODES, checkpoint_stop
+from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
+from giantpipe.engine.dist.faults import (
+    FailureBoard,
+    RankFailure,
+    clear_frames,
+    default_store,
+    failure_message,
+    install_sigterm_note,
+    wait_work,
+)
+from giantpipe.engine.dist.gradsync import GradientSync, clip_grad_norm_
+from giantpipe.engine.dist.layout import (
+    Groups,
+    Layout,
+    build_groups,
+    comm_device,
+    drop_groups,
+    init_distributed,
+    resolve_device,
+)
+from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
+from giantpipe.engine.memory import reset_device_peak
+from giantpipe.engine.microbatch import TensorOrTensors, batch_size, gather, scatter
+from giantpipe.engine.dist.p2p import P2PMailbox
+from giantpipe.engine.partition import verify_balance, verify_module
+from giantpipe.engine.dist.rankstats import all_reduce_sum, gather_step
+from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
+from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.stats import StepStats
+
+__all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distributed"]
+
+ModelSource = nn.Sequential | Callable[[], nn.Sequential]
+_T = TypeVar("_T")
+
+
+class DistributedPipe(nn.Module):
+    """This rank's share of a pipeline x data-parallel model; a step door like ``GPipe``'s.
+
+    Args:
+        module: the model, or a function that builds it (called with parameters on meta).
+        balance: layers per stage (K*V stages: K pipeline ranks, V virtual stages each).
+        chunks: M, micro-batches per mini-batch (per replica).
+        checkpoint: re-materialization, ``'always'``, ``'except_last'`` or ``'never'``.
+        schedule: a name of :func:`giantpipe.engine.schedules.build_schedule`.
+        virtual_stages: V (interleaved schedules).
+        device: this rank's device (default ``cuda:LOCAL_RANK`` if CUDA, else CPU).
+        seed: initialisation seed of the layers (see :mod:`giantpipe.engine.dist.meta`).
+        init: ``init(index, layer)`` for meta layers; default: ``seeded_init(seed)``; None to
+            leave them uninitialised (load a checkpoint right after).
+        deferred_batch_norm: BatchNorm running statistics once per mini-batch, as GPipe's.
+        timeout: seconds any wait for another rank may take before the run fails.
+        bucket_mb: size of the gradient buckets all-reduced over replicas.
+        overlap_grad_sync: start a bucket's all-reduce inside the backward (else at the end).
+
+    The replicas R are the world size over the K pipeline ranks the schedule needs.
+    """
+
+    def __init__(
+        self,
+        module: ModelSource,
+        balance: Iterable[int],
+        *,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        schedule: str = "gpipe",
+        virtual_stages: int = 1,
+        device: torch.device | str | None = None,
+        deferred_batch_norm: bool = False,
+        seed: int = 0,
+        init: LayerInit | None | str = "seeded",
+        timeout: float = 60.0,
+        bucket_mb: float = 25.0,
+        overlap_grad_sync: bool = True,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
+        if checkpoint not in MODES:
+            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
+        verify_module(model)
+        balance = list(balance)
+        balance = verify_balance(len(model), balance, len(balance))
+        if len(balance) % virtual_stages:
+            raise ValueError(f"{len(balance)} stages do not split into V={virtual_stages} each")
+        self.plan: Schedule = build_schedule(
+            schedule, len(balance) // virtual_stages, chunks, virtual_stages
+        )
+        self.layout = Layout(
+            dist.get_world_size(), dist.get_rank(), self.plan.num_workers, self.plan.placement
+        )
+        self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
+        self.schedule, self.timeout = schedule, timeout
+        self.device = resolve_device(device)
+        install_rng_hooks(model)  # numbered over the whole model, as GPipe numbers them
+        layer_init = seeded_init(seed) if init == "seeded" else init
+        if isinstance(layer_init, str):
+            raise ValueError(f"init must be 'seeded', a function or None; got {init!r}")
+        self.partitions = local_stages(
+            model, balance, self.layout.local_stages, self.device, layer_init
+        )
+        if deferred_batch_norm:
+            for part in self.partitions:
+                convert_deferred_batch_norm(part)
+        for part in self.partitions:
+            for name, layer in part.named_children():
+                self.add_module(name, layer)
+        self.groups = build_groups(self.layout, timeout)
+        self.board = FailureBoard(default_store(), self.layout.label())
+        install_sigterm_note(self.board)
+        self._box: P2PMailbox | None = None
+        self._broken: str | None = None
+        self.sync = (
+            GradientSync(
+                list(self.named_parameters()),
+                self.groups.replica,
+                chunks,
+                timeout,
+                bucket_bytes=int(bucket_mb * 2**20),
+                overlap=overlap_grad_sync,
+                board=self.board,
+            )
+            if self.layout.replicas > 1
+            else None
+        )
+        self.last_stats: StepStats | None = None
+
+    # ---- who needs what ------------------------------------------------------------------
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank's ``train_step`` needs ``inputs`` (it holds stage 0)."""
+        return self.layout.needs_inputs
+
+    @property
+    def needs_targets(self) -> bool:
+        """Whether this rank's ``train_step`` needs ``targets`` (it holds the last stage)."""
+        return self.layout.needs_targets
+
+    @property
+    def replica(self) -> int:
+        """This rank's replica: its data shard index (out of ``replicas``)."""
+        return self.layout.replica
+
+    @property
+    def replicas(self) -> int:
+        return self.layout.replicas
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def train_step(
+        self,
+        inputs: TensorOrTensors | None = None,
+        targets: TensorOrTensors | None = None,
+        loss_fn: LossFn | None = None,
+        loss_normalizer: Callable[[TensorOrTensors], float] | None = None,
+    ) -> torch.Tensor:
+        """Forward + backward of this replica's mini-batch; returns the global loss everywhere.
+
+        As ``GPipe.train_step``, with the mean (or ``loss_normalizer``) taken over the
+        batches of all replicas, whose gradients are summed: a step equals the plain model on
+        the concatenation of the replicas' batches. Gradients accumulate into ``p.grad``.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step needs grad mode; use eval_step under torch.no_grad()")
+        return self._guarded(lambda: self._step(True, inputs, targets, loss_fn, loss_normalizer))
+
+    def eval_step(
+        self,
+        inputs: TensorOrTensors | None = None,
+        targets: TensorOrTensors | None = None,
+        loss_fn: LossFn | None = None,
+        loss_normalizer: Callable[[TensorOrTensors], float] | None = None,
+    ) -> torch.Tensor:
+        """The loss of a forward without gradients (global over replicas), on every rank."""
+        with torch.no_grad():
+            return self._guarded(
+                lambda: self._step(False, inputs, targets, loss_fn, loss_normalizer)
+            )
+
+    def forward(self, inputs: TensorOrTensors | None = None) -> TensorOrTensors | None:
+        """Pipelined forward without gradients: the outputs on last-stage ranks, None elsewhere."""
+        with torch.no_grad():
+            return self._guarded(lambda: self._forward(inputs))
+
+    def _forward(self, inputs: TensorOrTensors | None) -> TensorOrTensors | None:
+        started = time.perf_counter()
+        run = self._run(False, None, self._scatter(inputs), self.plan.phase("F"))
+        self._finish(run, started, None)
+        if not self.needs_targets:
+            return None
+        return gather([run.results[m] for m in range(self.chunks)])
+
+    def _step(
+        self,
+        grad: bool,
+        inputs: TensorOrTensors | None,
+        targets: TensorOrTensors | None,
+        loss_fn: LossFn | None,
+        loss_normalizer: Callable[[TensorOrTensors], float] | None,
+    ) -> torch.Tensor:
+        started = time.perf_counter()
+        if loss_fn is None:
+            raise ValueError("loss_fn is required (on every rank, though only the last uses it)")
+        spec = self._loss_spec(targets, loss_fn, loss_normalizer)
+        if self.sync is not None and grad:
+            self.sync.begin()
+        plan = self.plan if grad else self.plan.phase("F")
+        run = self._run(grad, spec, self._scatter(inputs), plan)
+        if self.sync is not None and grad:
+            self.sync.finish()
+        if self.training:
+            for part in self.partitions:
+                if self.groups.replica is not None:
+                    merge_deferred_batch_norm(part, self._replica_sum)
+                commit_deferred_batch_norm(part)
+        local = (
+            torch.stack([run.losses[m] for m in range(self.chunks)]).sum() if run.losses else None
+        )
+        return self._finish(run, started, local)
+
+    def _replica_sum(self, tensor: torch.Tensor) -> None:
+        # Deferred BatchNorm statistics of the whole mini-batch, across replicas: every replica
+        # then commits the same running statistics as the un-replicated model would.
+        work = dist.all_reduce(tensor, group=self.groups.replica, async_op=True)
+        ranks = dist.get_process_group_ranks(self.groups.replica)
+        what = f"the all-reduce of BatchNorm statistics over ranks {ranks}"
+        wait_work(work, self.timeout, what, self.board)
+
+    def _scatter(self, inputs: TensorOrTensors | None) -> list[TensorOrTensors]:
+        if not self.needs_inputs:
+            return []
+        if inputs is None:
+            raise ValueError(f"{self.layout.label()} holds stage 0 and needs inputs")
+        return scatter(inputs if isinstance(inputs, torch.Tensor) else tuple(inputs), self.chunks)
+
+    def _loss_spec(
+        self,
+        targets: TensorOrTensors | None,
+        loss_fn: LossFn,
+        normalizer: Callable[[TensorOrTensors], float] | None,
+    ) -> LossSpec:
+        if not self.needs_targets:
+            return LossSpec(loss_fn, [], [])
+        if targets is None:
+            raise ValueError(f"{self.layout.label()} holds the last stage and needs targets")
+        micro = scatter(targets, self.chunks)
+        norm = float(normalizer(targets)) if normalizer else float(batch_size(targets))
+        if self.groups.replica is not None:
+            norm = all_reduce_sum(
+                norm, self.groups.replica, self.timeout, self.board, "loss normaliser"
+            )
+        if not norm > 0:
+            raise ValueError(f"the loss normaliser is {norm}; it must be positive")
+        if normalizer is None:
+            return LossSpec(loss_fn, micro, [batch_size(t) / norm for t in micro])
+        return LossSpec(loss_fn, micro, [1.0 / norm] * self.chunks)
+
+    def _run(
+        self, grad: bool, spec: LossSpec | None, micro: list[TensorOrTensors], plan: Schedule
+    ) -> StepRun:
+        """Runs this rank's actions of ``plan`` with a mailbox that reaches the other ranks."""
+        reset_device_peak(self.device)
+        worker = self.layout.worker
+        mine = tuple(acts if w == worker else () for w, acts in enumerate(plan.actions))
+        local = Schedule(plan.name, plan.num_stages, plan.num_microbatches, mine, plan.placement)
+        seed = self._draw_seed() if self.needs_inputs else None
+        config = StepConfig(
+            stages=self.partitions,  # type: ignore[arg-type]
+            devices=[self.device] * len(self.partitions),
+            checkpoint_stop=checkpoint_stop(self.checkpoint, self.chunks) if grad else 0,
+            grad_enabled=grad,
+            seed=seed if seed is not None else 0,  # elsewhere: set by the first activation
+            autocast=_autocast_state(self.device),
+            loss=spec,
+            timeout=self.timeout,
+            placement=plan.placement,
+        )
+
+        def learn_seed(value: int) -> None:
+            config.seed = value
+
+        self._box = P2PMailbox(
+            self.layout,
+            self.groups.p2p,
+            self.timeout,
+            self.board,
+            comm_device(self.device),
+            seed=seed,
+            on_seed=learn_seed,
+        )
+        run = StepRun(config, micro, mailbox=self._box)
+        self._box.start(mine[worker])
+        run.run(local)
+        self._box.finish()
+        return run
+
+    def _draw_seed(self) -> int:
+        """The step's dropout seed, drawn where stage 0 is (as GPipe draws it from the caller's
+        RNG); it travels down the pipeline in the message headers. Replicas see other data and
+        get other masks (replica 0's equal the local executor's)."""
+        value = draw_step_seed()
+        return value if self.layout.replica == 0 else mix(value, self.layout.replica)
+
+    # ---- failures ----------------------------------------------------------------------------
+
+    def _guarded(self, body: Callable[[], _T]) -> _T:
+        """Runs a step; on any failure: report it, tear down the groups, raise RankFailure.
+
+        Tearing down closes this rank's connections, so every rank waiting on it wakes at once
+        (see :mod:`giantpipe.engine.dist.faults`). The pipe is unusable afterwards.
+        """
+        if self._broken is not None:
+            raise RankFailure(f"the pipeline failed earlier and cannot run: {self._broken}")
+        try:
+            return body()
+        except BaseException as exc:
+            message = failure_message(exc, self.layout, self.board)
+            clear_frames(exc)  # locals of the failed frames hold requests of the groups
+            self._teardown(message)
+            if not isinstance(exc, Exception) or isinstance(exc, RankFailure):
+                raise
+            raise RankFailure(message) from exc
+
+    def _teardown(self, message: str) -> None:
+        self._broken = message
+        if self._box is not None:
+            self._box.drop()
+        if self.sync is not None:
+            self.sync.drop()
+        groups, self.groups = self.groups, Groups(None, None, None)
+        drop_groups(groups)
+        del groups
+        gc.collect()  # a group (or request) still referenced keeps its connections open
+
+    def _finish(
+        self, run: StepRun, started: float, local_loss: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The global loss on every rank; the step's statistics in ``last_stats``."""
+        local = 0.0 if local_loss is None else float(local_loss)
+        if local_loss is not None and self.groups.replica is not None:
+            local = all_reduce_sum(local, self.groups.replica, self.timeout, self.board, "loss")
+        where = (self.layout, self.plan, self.device, self.groups.pipeline)
+        loss, self.last_stats = gather_step(run, started, local, *where, self.timeout, self.board)
+        return loss
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Loads this rank's entries of a full (or any partial) un-partitioned state dict."""
+        own = set(self.state_dict().keys())
+        local = {k: v for k, v in state_dict.items() if k in own}
+        return super().load_state_dict(local, strict=strict, assign=assign)
+
+    def save_checkpoint(
+        self, directory: str | os.PathLike[str], step: int = 0, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Collective. Every rank of replica 0 writes its shard; rank 0 commits the manifest."""
+        self._guarded(lambda: shards.save(self, directory, step, extra, group=self.groups.p2p))
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Loads this rank's names from whichever shards hold them; returns the manifest."""
+        manifest = shards.read_manifest(directory)
+        self.load_state_dict(shards.load(directory, self.state_dict().keys(), self.device))
+        return manifest
+
+
+def _autocast_state(device: torch.device) -> list[tuple[str, torch.dtype]]:
+    if torch.is_autocast_enabled(device.type):
+        return [(device.type, torch.get_autocast_dtype(device.type))]
+    return []

@@ -1,0 +1,176 @@
+"""Checkpoints of a distributed pipeline: a shard per rank, by un-partitioned names, a manifest.
+
+::
+
+    ckpt/
+      manifest.json                       the commit point: layout, balance, names per shard
+      step000100-3f9c2a-rank00000.pt      rank 0's state dict: "0.weight", "1.bias", ...
+      step000100-3f9c2a-rank00001.pt      rank 1's: "4.weight", ...
+
+Names are those of the plain model, so a run resumes under another K, V or R (each rank loads
+its names from whichever shards hold them) and :func:`consolidate` (``python -m
+giantpipe.consolidate ckpt/ model.pt``) merges the shards into one state dict the plain model
+loads. Every file is written to a temporary name and moved into place (``os.replace``); shard
+names carry a token unique to the save, and the manifest, replaced last, is what makes a save
+count. A rank killed half-way through a save leaves the previous manifest and its shards intact;
+they are removed only after the new manifest is in place.
+
+Example::
+
+    pipe.save_checkpoint("ckpt", step=100)                 # all ranks
+    state = load("ckpt", pipe.state_dict().keys())         # any layout
+    consolidate("ckpt", "model.pt")                        # one process, no torch.distributed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+FORMAT = "giantpipe-shards/1"
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to a temporary file next to ``path``, then ``os.replace`` onto it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _atomic_write_text(text: str, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save(
+    pipe: Any,
+    directory: str | os.PathLike[str],
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+    group: Any = None,
+) -> None:
+    """Collective: replica 0's ranks write their shards, rank 0 commits the manifest.
+
+    ``pipe`` is a :class:`~giantpipe.engine.dist.pipe.DistributedPipe` (its layout, balance
+    and local state dict are used). ``extra`` (JSON-safe) is stored in the manifest. The
+    collectives run on ``group`` (default: the world); the pipe passes its own, which a failure
+    tears down, so that no rank is left waiting.
+    """
+    layout = pipe.layout
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    token = [f"step{step:09d}-{secrets.token_hex(3)}"]
+    dist.broadcast_object_list(token, src=0, group=group)  # one name for this save everywhere
+    entry = None
+    if layout.replica == 0:
+        name = f"{token[0]}-rank{layout.rank:05d}.pt"
+        state = {k: v.detach().cpu() for k, v in pipe.state_dict().items()}
+        atomic_save(state, folder / name)
+        entry = {
+            "file": name,
+            "rank": layout.rank,
+            "stages": layout.local_stages,
+            "names": list(state),
+        }
+    entries: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(entries, entry, group=group)
+    if layout.rank == 0:
+        shards = [e for e in entries if e is not None]
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "balance": list(pipe.balance),
+            "num_layers": sum(pipe.balance),
+            "schedule": pipe.schedule,
+            "chunks": pipe.chunks,
+            "workers": layout.workers,
+            "replicas": layout.replicas,
+            "placement": list(layout.placement),
+            "shards": shards,
+            "extra": extra or {},
+        }
+        _atomic_write_text(json.dumps(manifest, indent=1), folder / MANIFEST)
+        _remove_stale(folder, {s["file"] for s in shards})
+    dist.barrier(group=group)
+
+
+def _remove_stale(folder: Path, keep: set[str]) -> None:
+    for path in folder.glob("step*-rank*.pt"):
+        if path.name not in keep:
+            path.unlink(missing_ok=True)
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a shard directory (raises FileNotFoundError / ValueError if unusable)."""
+    path = Path(directory) / MANIFEST
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a giantpipe shard manifest ({manifest.get('format')!r})")
+    return manifest
+
+
+def load(
+    directory: str | os.PathLike[str],
+    names: Iterable[str] | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The tensors called ``names`` (default: all), from whichever shards hold them.
+
+    Only the shards that hold a wanted name are opened (memory-mapped), so a rank of a new
+    layout reads just what it needs.
+    """
+    folder = Path(directory)
+    manifest = read_manifest(folder)
+    where = {n: s["file"] for s in manifest["shards"] for n in s["names"]}
+    wanted = list(where) if names is None else list(names)
+    missing = [n for n in wanted if n not in where]
+    if missing:
+        raise KeyError(f"{folder} holds no shard with {missing[:5]} ({len(missing)} missing)")
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted({where[n] for n in wanted}):
+        shard = torch.load(folder / file, map_location="cpu", weights_only=True, mmap=True)
+        for n in wanted:
+            if where[n] == file:
+                state[n] = shard[n].to(device).clone()
+    return state
+
+
+def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Any]:
+    """Merges every shard into one state dict at ``out`` (atomic); returns a short summary."""
+    state = load(directory)
+    manifest = read_manifest(directory)
+    position = {name: i for i, name in enumerate(state)}
+    ordered = dict(sorted(state.items(), key=lambda kv: (_layer(kv[0]), position[kv[0]])))
+    atomic_save(ordered, out)
+    return {
+        "tensors": len(ordered),
+        "bytes": sum(t.numel() * t.element_size() for t in ordered.values()),
+        "shards": len(manifest["shards"]),
+        "step": manifest["step"],
+    }
+
+
+def _layer(name: str) -> int:
+    """The plain model's layer index of a parameter name ("12.fc.weight" -> 12)."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else -1

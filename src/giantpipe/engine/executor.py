@@ -1,0 +1,319 @@
+"""The local executor: one process, one worker thread per pipeline worker, any schedule.
+
+The threads belong to the pipe's :class:`~giantpipe.engine.workers.WorkerPool` and serve step
+after step (a fresh thread's first action is slow); a failed phase, ``pipe.close()`` or the
+pipe's collection joins them all.
+
+Each worker runs its list of actions in order. An action waits only for what it consumes::
+
+    F(k, m): activation of m from stage k-1  --(mailbox)-->  runs stage k  --> activation to k+1
+    B(k, m): gradient of m from stage k+1    --(mailbox)-->  backward of k --> gradient to k-1
+
+    W(k, m): weight gradients of k for m, where the schedule split the backward (zero bubble):
+             B then computes only the input gradient and keeps the graph until W
+
+Every stage's autograd graph starts at detached copies of its inputs ("leaves"), so a backward
+never crosses threads or devices by itself: gradients cross the boundary through the mailbox,
+exactly as activations do. Torch kernels release the GIL, so workers on CPU stand-ins really run
+concurrently.
+
+A failing action aborts the step: the other workers stop at their next wait, all threads are
+joined, and :class:`PipelineError` names the stage and micro-batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from giantpipe.engine.leaves import detach, make_leaves, pair_gradients
+from giantpipe.engine.mailbox import Aborted, Mailbox
+from giantpipe.engine.memory import SavedTensorMeter
+from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes, to_device
+from giantpipe.engine.recompute import recomputing
+from giantpipe.engine.rng import rng_context
+from giantpipe.engine.schedule import Action, Schedule
+from giantpipe.engine.split_backward import WeightGradient, backward_input
+from giantpipe.engine.stats import ActionTiming
+from giantpipe.engine.step_config import LossFn, LossSpec, PipelineError, StepConfig
+from giantpipe.engine.workers import WorkerPool
+
+__all__ = ["LossFn", "LossSpec", "PipelineError", "StepConfig", "StepRun"]
+
+
+class StepRun:
+    """State of one training (or inference) step, shared by the workers of its phases.
+
+    The front door runs the forward phase in ``forward()`` and the backward phase when autograd
+    calls back; the step API runs the whole schedule at once. Both use :meth:`run`.
+    """
+
+    def __init__(
+        self,
+        config: StepConfig,
+        inputs: list[TensorOrTensors],
+        mailbox: Mailbox | None = None,
+        pool: WorkerPool | None = None,
+    ) -> None:
+        self.cfg = config
+        # Threads that run the workers; without one, each phase starts and joins its own.
+        self.pool = pool
+        k = len(config.stages)
+        # A rank of the distributed executor passes a mailbox that sends to other processes
+        # (giantpipe.engine.dist.p2p); its ``inputs`` are empty unless it holds stage 0.
+        self.mailbox = mailbox if mailbox is not None else Mailbox(config.timeout)
+        self.leaves: list[dict[int, Any]] = [{} for _ in range(k)]
+        self.held: list[dict[int, int]] = [{} for _ in range(k)]
+        self.outputs: list[dict[int, Any]] = [{} for _ in range(k)]
+        self.results: dict[int, TensorOrTensors] = {}  # last stage's outputs (front door)
+        self.losses: dict[int, torch.Tensor] = {}
+        self.input_grads: dict[int, tuple[Any, ...]] = {}
+        self.busy = [0.0] * k
+        self.waited = [0.0] * k  # time inside actions spent waiting for a neighbour
+        self.recomputed = [0.0] * k  # time inside B actions spent re-materializing
+        self.timings: list[ActionTiming] = []  # every action run, in the order they ended
+        self.span = 0.0
+        self.live = [0] * k
+        self.peaks = [0] * k
+        # Per stage, micro-batches whose activations are held (F done, B or W not yet).
+        self.in_flight = [0] * k
+        self.in_flight_peaks = [0] * k
+        # Per worker (interleaved schedules put several stages on one worker).
+        self.worker_of = list(config.placement) if config.placement else list(range(k))
+        self.worker_live = [0] * (max(self.worker_of) + 1)
+        self.worker_peaks = [0] * (max(self.worker_of) + 1)
+        self.pending: list[dict[int, WeightGradient | None]] = [{} for _ in range(k)]
+        self.split: set[tuple[int, int]] = set()  # (stage, m) whose backward a W completes
+        for m, x in enumerate(inputs):
+            self.mailbox.put(("act", 0, m), x)
+
+    # ---- running a phase -------------------------------------------------------------------
+
+    def run(self, schedule: Schedule) -> None:
+        """Runs every worker's actions of ``schedule``; raises PipelineError on failure."""
+        self.mailbox = _reopen(self.mailbox)
+        self.split |= {
+            (a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"
+        }
+        errors: list[tuple[Action, BaseException]] = []
+        times: list[tuple[float, float]] = []
+        workers = [w for w in schedule.actions if w]
+        if len(workers) == 1:
+            self._work(workers[0], errors, times, own_thread=False)
+        else:
+            pool = self.pool if self.pool is not None else WorkerPool()
+            tasks = [partial(self._work, w, errors, times, True) for w in workers]
+            try:
+                pool.run(tasks)
+            except BaseException:  # interrupted while waiting: stop the workers too
+                self.mailbox.abort()
+                pool.close()
+                raise
+            finally:
+                if errors or pool is not self.pool:
+                    pool.close()  # a failed phase, or a one-off pool, leaves no thread behind
+        if times:
+            self.span += max(e for _, e in times) - min(s for s, _ in times)
+        for stage, waited in enumerate(self.waited):
+            self.busy[stage] -= waited
+            self.waited[stage] = 0.0
+        if errors:
+            action, exc = min(errors, key=lambda e: isinstance(e[1], Aborted))
+            stage = action.stage
+            raise PipelineError(stage, action.microbatch, self.cfg.devices[stage], exc) from exc
+
+    def _work(
+        self,
+        actions: Sequence[Action],
+        errors: list[tuple[Action, BaseException]],
+        times: list[tuple[float, float]],
+        own_thread: bool,
+    ) -> None:
+        start = time.perf_counter()
+        action = actions[0]
+        try:
+            with self._worker_context(own_thread):
+                for action in actions:
+                    stage = action.stage
+                    waited, replayed = self.waited[stage], self.recomputed[stage]
+                    t0 = time.perf_counter()
+                    if action.kind == "F":
+                        self.forward(action.stage, action.microbatch)
+                    elif action.kind == "B":
+                        self.backward(action.stage, action.microbatch)
+                    elif action.kind == "W":
+                        self.weight(action.stage, action.microbatch)
+                    else:
+                        raise ValueError(f"the local executor cannot run action {action}")
+                    t1 = time.perf_counter()
+                    self.busy[stage] += t1 - t0
+                    self.timings.append(
+                        ActionTiming(
+                            action,
+                            t0,
+                            t1,
+                            self.waited[stage] - waited,
+                            self.recomputed[stage] - replayed,
+                        )
+                    )
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+            errors.append((action, exc))
+            self.mailbox.abort()
+        finally:
+            times.append((start, time.perf_counter()))
+
+    @contextmanager
+    def _worker_context(self, own_thread: bool) -> Iterator[None]:
+        # Worker threads start with grad mode on, autocast off and all cores; give them the
+        # caller's state, and one share of the cores each so stages don't oversubscribe. A
+        # pooled thread gets its own core count back after the phase, as if it were fresh.
+        with ExitStack() as stack:
+            if own_thread and self.cfg.threads_per_worker:
+                stack.callback(torch.set_num_threads, torch.get_num_threads())
+                torch.set_num_threads(self.cfg.threads_per_worker)
+            stack.enter_context(torch.set_grad_enabled(self.cfg.grad_enabled))
+            for device_type, dtype in self.cfg.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            yield
+
+    # ---- actions ---------------------------------------------------------------------------
+
+    def forward(self, stage: int, m: int) -> None:
+        """F(stage, m): run the stage on micro-batch m and hand the result on."""
+        cfg = self.cfg
+        device = cfg.devices[stage]
+        x = to_device(self._receive(stage, ("act", stage, m)), device)
+        train = cfg.grad_enabled
+        leaves = make_leaves(x, first=stage == 0) if train else x
+        recompute_later = train and m < cfg.checkpoint_stop
+        meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
+        meter.ignore(as_tuple(leaves))  # counted once, as held inputs, below
+        with rng_context(cfg.seed, m, device), meter:
+            if recompute_later:
+                with torch.no_grad():
+                    y = self._run_stage(stage, leaves, m)
+            else:
+                y = self._run_stage(stage, leaves, m)
+        if train:
+            self.leaves[stage][m] = leaves
+            if not recompute_later:
+                self.outputs[stage][m] = y
+            self._hold(stage, m, nbytes(leaves) + (0 if recompute_later else meter.bytes))
+        self._hand_on(stage, m, y)
+
+    def _run_stage(self, stage: int, x: Any, m: int) -> Any:
+        y = self.cfg.stages[stage](x)
+        loss = self.cfg.loss
+        if loss is not None and stage == len(self.cfg.stages) - 1:
+            target = to_device(loss.targets[m], self.cfg.devices[stage])
+            return loss.fn(y, target) * loss.scales[m]
+        return y
+
+    def _hand_on(self, stage: int, m: int, y: Any) -> None:
+        if stage == len(self.cfg.stages) - 1:
+            if self.cfg.loss is not None:
+                self.losses[m] = y.detach()
+            else:
+                self.results[m] = detach(y)
+            return
+        self.mailbox.put(("act", stage + 1, m), detach(y))
+
+    def backward(self, stage: int, m: int) -> None:
+        """B(stage, m): backward of the stage for micro-batch m, gradient to the previous one."""
+        cfg = self.cfg
+        leaves = self.leaves[stage].pop(m)
+        if m < cfg.checkpoint_stop:
+            t0 = time.perf_counter()
+            meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
+            meter.ignore(as_tuple(leaves))
+            with rng_context(cfg.seed, m, cfg.devices[stage]), recomputing(cfg.stages[stage]):
+                with meter:
+                    y = self._run_stage(stage, leaves, m)
+            self._hold(stage, m, meter.bytes)
+            self.recomputed[stage] += time.perf_counter() - t0
+        else:
+            y = self.outputs[stage].pop(m)
+        tensors: list[torch.Tensor]
+        grads: list[torch.Tensor | None]
+        if stage == len(cfg.stages) - 1 and cfg.loss is not None:
+            tensors, grads = [y], [None]
+        else:
+            received = as_tuple(self._receive(stage, ("grad", stage, m)))
+            tensors, grads = pair_gradients(as_tuple(y), received, cfg.devices[stage])
+        if (stage, m) in self.split:
+            # Zero bubble: input gradients now, the graph kept for W (recompute done once).
+            input_grads, pending = _backward_input(tensors, grads, leaves, cfg.stages[stage])
+            self.pending[stage][m] = pending
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            input_grads = tuple(
+                t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                for t in as_tuple(leaves)
+            )
+            self._release(stage, m)
+        del y, tensors, grads
+        if stage == 0:
+            self.input_grads[m] = input_grads
+        else:
+            self.mailbox.put(("grad", stage - 1, m), input_grads)
+
+    def weight(self, stage: int, m: int) -> None:
+        """W(stage, m): parameter gradients of a split backward; then the graph is released."""
+        pending = self.pending[stage].pop(m)
+        if pending is not None:
+            pending.run()
+        del pending
+        self._release(stage, m)
+
+    def _receive(self, stage: int, key: tuple[str, int, int]) -> Any:
+        # Waiting is idle time, not work: keep it out of the stage's busy time.
+        t0 = time.perf_counter()
+        try:
+            return self.mailbox.get(key)
+        finally:
+            self.waited[stage] += time.perf_counter() - t0
+
+    # ---- memory accounting -------------------------------------------------------------
+
+    def _hold(self, stage: int, m: int, added: int) -> None:
+        if m not in self.held[stage]:
+            self.in_flight[stage] += 1
+            self.in_flight_peaks[stage] = max(self.in_flight_peaks[stage], self.in_flight[stage])
+        self.held[stage][m] = self.held[stage].get(m, 0) + added
+        self.live[stage] += added
+        self.peaks[stage] = max(self.peaks[stage], self.live[stage])
+        w = self.worker_of[stage]
+        self.worker_live[w] += added
+        self.worker_peaks[w] = max(self.worker_peaks[w], self.worker_live[w])
+
+    def _release(self, stage: int, m: int) -> None:
+        if m in self.held[stage]:
+            self.in_flight[stage] -= 1
+        released = self.held[stage].pop(m, 0)
+        self.live[stage] -= released
+        self.worker_live[self.worker_of[stage]] -= released
+
+
+def _backward_input(
+    tensors: list[torch.Tensor], grads: list[Any], leaves: Any, stage: nn.Module
+) -> tuple[tuple[Any, ...], WeightGradient | None]:
+    """B of a split backward: the input gradients, and the W that completes it."""
+    if not tensors:
+        return tuple(None for _ in as_tuple(leaves)), None
+    return backward_input(tensors, grads, as_tuple(leaves), stage.parameters())
+
+
+def _reopen(box: Mailbox) -> Mailbox:
+    # A phase after a failed phase must not inherit the abort flag; live items carry over.
+    if not box.aborted:
+        return box
+    fresh = Mailbox(box.timeout)
+    fresh._items = box._items  # noqa: SLF001
+    return fresh

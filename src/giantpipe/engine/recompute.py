@@ -1,0 +1,92 @@
+"""Re-materialization: which micro-batches drop their activations, and how recompute stays exact.
+
+Modes (torchgpipe's names), for M micro-batches in training:
+
+    always       every micro-batch is recomputed in backward     (least memory)
+    except_last  all but the last one; the last one's backward follows its forward at once,
+                 so keeping its activations costs nothing extra
+    never        nothing is recomputed                            (fastest)
+
+Recomputation must reproduce the forward exactly:
+
+- Dropout masks: every RNG-using layer is seeded from (step seed, layer, micro-batch) by
+  :mod:`giantpipe.engine.rng`, so the replay draws the same masks with no state to save.
+- BatchNorm: a recompute must not move running statistics a second time. Layers can ask
+  :func:`is_recomputing`; plain ``nn.BatchNorm*`` layers have their buffers restored.
+
+Example::
+
+    >>> checkpoint_stop("except_last", chunks=4)
+    3
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+MODES = ("always", "except_last", "never")
+
+_local = threading.local()
+
+
+def checkpoint_stop(mode: str, chunks: int) -> int:
+    """Micro-batches ``m < checkpoint_stop(...)`` are re-materialized in backward."""
+    if mode not in MODES:
+        raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+def is_recomputing() -> bool:
+    """True while the current thread replays a forward pass for backward.
+
+    Layers with side effects (statistics, counters, caches) use it to act once per step::
+
+        if self.training and not is_recomputing():
+            self.num_calls += 1
+    """
+    return getattr(_local, "recomputing", False)
+
+
+@contextmanager
+def recomputing(stage: nn.Module) -> Iterator[None]:
+    """Marks the current thread as recomputing and protects BatchNorm running statistics."""
+    saved = _snapshot_batchnorm(stage)
+    previous = is_recomputing()
+    _local.recomputing = True
+    try:
+        yield
+    finally:
+        _local.recomputing = previous
+        _restore_batchnorm(saved)
+
+
+def _plain_batchnorms(stage: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [
+        m
+        for m in stage.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and not getattr(m, "defers_running_stats", False)  # DeferredBatchNorm commits once
+        and m.track_running_stats
+        and m.training
+    ]
+
+
+def _snapshot_batchnorm(stage: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    saved = []
+    for bn in _plain_batchnorms(stage):
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            buf = getattr(bn, name)
+            if buf is not None:
+                saved.append((buf, buf.clone()))
+    return saved
+
+
+def _restore_batchnorm(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buf, copy in saved:
+            buf.copy_(copy)

@@ -1,0 +1,255 @@
+"""Schedules as plain data: for each worker, the ordered list of actions it runs in one step.
+
+Legend (the paper's letters, plus those of the schedules that came after it)::
+
+    K  workers (devices), one thread or process each    M  micro-batches per mini-batch
+    V  virtual stages per worker (interleaved): the model is cut into K*V stages, stage s
+       runs on worker s % K (``Schedule.placement``); V = 1 everywhere else
+    F  forward of micro-batch m on stage s              B  backward of m on stage s
+    W  weight-gradient of m on stage s: where a schedule lists W, its B computes only the
+       input gradient (sent on at once) and W accumulates the parameter gradients later
+
+GPipe's fill-drain for K=3, M=4 (time flows right; each column is one clock tick)::
+
+    stage 0 | F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0
+    stage 1 | .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .
+    stage 2 | .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .  .
+
+The executor runs any schedule that :func:`validate` accepts: an action waits only for the data
+it needs (the activation from the previous stage, the gradient from the next), so 1F1B,
+interleaved or zero-bubble orders are other lists, not other executors. They live in
+:mod:`giantpipe.engine.schedules`, where :func:`~giantpipe.engine.schedules.build_schedule`
+finds every schedule by name.
+
+Example::
+
+    >>> s = gpipe(num_stages=2, num_microbatches=2)
+    >>> [str(a) for a in s.actions[0]]
+    ['F0@0', 'F1@0', 'B1@0', 'B0@0']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Action(NamedTuple):
+    """One unit of work: ``kind`` ('F', 'B' or 'W') of ``microbatch`` on ``stage``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}@{self.stage}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-worker action lists for one training step.
+
+    ``actions[w]`` is worker ``w``'s list; ``placement[s]`` is the worker that owns stage ``s``
+    (identity for GPipe and 1F1B, several stages per worker for interleaved schedules).
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.actions)
+
+    @property
+    def virtual_stages(self) -> int:
+        """V, stages per worker (1 unless the schedule is interleaved)."""
+        return self.num_stages // self.num_workers
+
+    def is_fill_drain(self) -> bool:
+        """True when every worker runs all its forwards before any backward.
+
+        Only such schedules can back the autograd front door (``y = pipe(x);
+        loss.backward()``), where the loss is computed outside the pipeline.
+        """
+        for worker in self.actions:
+            kinds = [a.kind for a in worker]
+            if "B" in kinds and "F" in kinds[kinds.index("B") :]:
+                return False
+        return True
+
+    def phase(self, kinds: str) -> Schedule:
+        """The same schedule keeping only actions whose kind is in ``kinds`` (e.g. ``"F"``)."""
+        kept = tuple(tuple(a for a in w if a.kind in kinds) for w in self.actions)
+        return Schedule(self.name, self.num_stages, self.num_microbatches, kept, self.placement)
+
+
+def expected_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a fill-drain or 1F1B pipeline with equal stage costs: (K-1)/(M+K-1).
+
+    With V virtual stages per worker (interleaved 1F1B) the fill and drain shrink V-fold:
+    (K-1)/(V*M+K-1).
+
+    >>> expected_bubble(4, 4)
+    0.42857142857142855
+    """
+    k, v = num_stages, virtual_stages
+    return (k - 1) / (v * num_microbatches + k - 1)
+
+
+def gpipe(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """GPipe fill-drain: all forwards in micro-batch order, then all backwards in reverse.
+
+    Backwards run last-in first-out, as autograd would for the whole mini-batch, so the last
+    micro-batch (whose activations are the freshest) is released first. With ``virtual_stages``
+    V > 1, ``num_stages`` workers hold K*V stages (stage s on worker s % K) and each worker runs
+    its stages one after the other, breadth first ("looped" fill-drain).
+    """
+    _check_sizes(num_stages, num_microbatches, virtual_stages)
+    k, v = num_stages, virtual_stages
+    workers = []
+    for w in range(k):
+        stages = range(w, k * v, k)
+        forwards = [Action("F", s, m) for s in stages for m in range(num_microbatches)]
+        backwards = [
+            Action("B", s, m) for s in reversed(stages) for m in reversed(range(num_microbatches))
+        ]
+        workers.append(tuple(forwards + backwards))
+    placement = tuple(s % k for s in range(k * v))
+    return Schedule("gpipe", k * v, num_microbatches, tuple(workers), placement)
+
+
+def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int, int]]]:
+    """Forward clock ticks of fill-drain: at tick t, stage k runs micro-batch t - k.
+
+    >>> clock_cycles(2, 3)
+    [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
+
+    Each pair is (micro-batch, stage); useful to draw or reason about the pipeline's fill.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    ticks = []
+    for t in range(num_microbatches + num_stages - 1):
+        ticks.append([(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches])
+    return ticks
+
+
+def dependencies(action: Action, num_stages: int) -> list[Action]:
+    """Actions that must finish before ``action`` may start.
+
+    F(k, m) needs F(k-1, m)'s activation; B(k, m) needs its own F(k, m) and B(k+1, m)'s
+    gradient (the last stage computes the loss inside F); W(k, m) needs B(k, m). Stages are
+    global (0 .. K*V-1), so the same rules hold for virtual stages.
+    """
+    kind, stage, m = action
+    if kind == "F":
+        return [Action("F", stage - 1, m)] if stage > 0 else []
+    if kind == "B":
+        deps = [Action("F", stage, m)]
+        if stage < num_stages - 1:
+            deps.append(Action("B", stage + 1, m))
+        return deps
+    if kind == "W":
+        return [Action("B", stage, m)]
+    raise ValueError(f"unknown action kind {kind!r} in {action}")
+
+
+def validate(schedule: Schedule) -> None:
+    """Checks that a schedule is complete, runs each action once and cannot deadlock.
+
+    Every (stage, micro-batch) needs one F and one B; a W is optional (it splits that B) and
+    must follow its B. Every action runs on the worker its stage is placed on. Replays the
+    schedule as the executor would: a worker may run its next action only when that action's
+    dependencies are done. Raises ValueError naming the first problem found.
+    """
+    k, m = schedule.num_stages, schedule.num_microbatches
+    _check_placement(schedule)
+    seen: list[Action] = [a for worker in schedule.actions for a in worker]
+    if len(set(seen)) != len(seen):
+        dup = next(a for a in seen if seen.count(a) > 1)
+        raise ValueError(f"schedule {schedule.name!r} runs {dup} more than once")
+    required = {Action(kind, s, mb) for kind in "FB" for s in range(k) for mb in range(m)}
+    missing = required - set(seen)
+    if missing:
+        raise ValueError(f"schedule {schedule.name!r} never runs {sorted(missing)[0]}")
+    for w, worker in enumerate(schedule.actions):
+        for a in worker:
+            if a.kind not in "FBW" or len(a.kind) != 1:
+                raise ValueError(f"schedule {schedule.name!r} has unknown action kind in {a}")
+            if not 0 <= a.stage < k or not 0 <= a.microbatch < m:
+                raise ValueError(f"schedule {schedule.name!r} has out-of-range action {a}")
+            if schedule.placement[a.stage] != w:
+                raise ValueError(f"{a} is on worker {w} but stage {a.stage} is not placed there")
+    _replay(schedule)
+
+
+def _check_placement(schedule: Schedule) -> None:
+    placement, workers = schedule.placement, schedule.num_workers
+    if len(placement) != schedule.num_stages:
+        raise ValueError(
+            f"schedule {schedule.name!r} places {len(placement)} stages, "
+            f"but has {schedule.num_stages}"
+        )
+    for stage, w in enumerate(placement):
+        if not 0 <= w < workers:
+            raise ValueError(f"stage {stage} is placed on worker {w}, but there are {workers}")
+
+
+def _replay(schedule: Schedule) -> None:
+    done: set[Action] = set()
+    cursors = [0] * schedule.num_workers
+    remaining = sum(len(w) for w in schedule.actions)
+    while remaining:
+        progressed = False
+        for w, worker in enumerate(schedule.actions):
+            while cursors[w] < len(worker):
+                action = worker[cursors[w]]
+                if not all(d in done for d in dependencies(action, schedule.num_stages)):
+                    break
+                done.add(action)
+                cursors[w] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [str(w[c]) for w, c in zip(schedule.actions, cursors) if c < len(w)]
+            raise ValueError(f"schedule {schedule.name!r} deadlocks; waiting: {', '.join(stuck)}")
+
+
+def in_flight(schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once.
+
+    A micro-batch is held from its F until its B, or until its W where the schedule splits
+    the backward (the graph is kept for the weight gradient).
+
+    >>> in_flight(gpipe(2, 4))
+    [4, 4]
+    """
+    held, peak = [0] * schedule.num_stages, [0] * schedule.num_stages
+    split = {(a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"}
+    for worker in schedule.actions:
+        for a in worker:
+            if a.kind == "F":
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
+                held[a.stage] -= 1
+    return peak
+
+
+def _check_sizes(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+    if num_stages < 1:
+        raise ValueError(f"number of stages must be positive (got {num_stages})")
+    if num_microbatches < 1:
+        raise ValueError(f"number of chunks must be positive integer (chunks: {num_microbatches})")
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be positive (got {virtual_stages})")
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """Renders per-worker action lists as text, one line per worker (for logs and docs)."""
+    return "\n".join(
+        f"worker {w} | " + " ".join(str(a) for a in actions)
+        for w, actions in enumerate(schedule.actions)
+    )

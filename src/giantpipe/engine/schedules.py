@@ -1,0 +1,189 @@
+"""The 1F1B family: one-forward-one-backward with flush, interleaved 1F1B and zero-bubble ZB-H1.
+
+All three keep GPipe's synchronous update (one flush per mini-batch), so they are transparent:
+only the order of the actions changes. What they change is memory and idle time.
+
+1F1B (PipeDream-flush, Narayanan et al. 2021), K=3, M=4. Stage k runs K-k-1 warm-up forwards,
+then alternates F and B, so it never holds more than K-k micro-batches (GPipe holds M)::
+
+    stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
+    stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
+    stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
+
+The bubble is GPipe's, (K-1)/(M+K-1).
+
+Interleaved 1F1B (Megatron-LM): each worker holds V stages, s, s+K, ..., so a micro-batch
+crosses every worker V times and the warm-up and drain are V times shorter: bubble
+(K-1)/(V*M+K-1). It needs M to be a multiple of K (micro-batches go round in groups of K).
+
+ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into B (input
+gradient, on the critical path: the previous stage waits for it) and W (weight gradient, which
+nobody waits for). 1F1B's order with B in place of the full backward; stage k defers its first k
+W actions, and the deferred W fill the drain's idle time. K=3, M=4, unit costs::
+
+    stage 0 | F0 F1 F2 .  .  B0 W0 F3 B1 W1 B2 W2 B3 W3
+    stage 1 | .  F0 F1 .  B0 F2 B1 W0 F3 B2 W1 B3 W2 W3
+    stage 2 | .  .  F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3
+
+Bubble (K-1)(F+B-W) per stage instead of (K-1)(F+B+W), at 1F1B's peak of K micro-batches.
+
+Example::
+
+    >>> [str(a) for a in one_f_one_b(2, 3).actions[0]]
+    ['F0@0', 'F1@0', 'B0@0', 'F2@0', 'B1@0', 'B2@0']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from giantpipe.engine.schedule import Action, Schedule, _check_sizes, gpipe, validate
+
+
+def one_f_one_b(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """1F1B with flush: K-k-1 warm-up forwards on stage k, then F and B alternate.
+
+    >>> [str(a) for a in one_f_one_b(2, 2).actions[1]]
+    ['F0@1', 'B0@1', 'F1@1', 'B1@1']
+    """
+    _check_single_stage("1f1b", num_workers, num_microbatches, virtual_stages)
+    workers = []
+    for k in range(num_workers):
+        forwards = [Action("F", k, m) for m in range(num_microbatches)]
+        backwards = [Action("B", k, m) for m in range(num_microbatches)]
+        workers.append(_one_f_one_b_order(forwards, backwards, warmup=num_workers - k - 1))
+    return Schedule("1f1b", num_workers, num_microbatches, tuple(workers), _identity(num_workers))
+
+
+def _one_f_one_b_order(
+    forwards: list[Action], backwards: list[Action], warmup: int
+) -> tuple[Action, ...]:
+    """Warm-up forwards, then one forward and one backward in turn, then the remaining
+    backwards. ``forwards`` and ``backwards`` are one worker's actions in the order they run."""
+    warmup = min(warmup, len(forwards))
+    order = forwards[:warmup]
+    for i in range(len(forwards) - warmup):
+        order += [forwards[warmup + i], backwards[i]]
+    order += backwards[len(forwards) - warmup :]
+    return tuple(order)
+
+
+def interleaved(num_workers: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM's order): K*V stages, stage s on worker s % K.
+
+    A worker's forwards go round its V stages in groups of K micro-batches (depth first: stage
+    w for micro-batches 0..K-1, then stage w+K for the same ones, ...); its backwards go round
+    the stages in reverse. Worker w warms up with 2(K-w-1) + (V-1)K forwards.
+
+    >>> [str(a) for a in interleaved(2, 2, 2).actions[1]]
+    ['F0@1', 'F1@1', 'F0@3', 'B0@3', 'F1@3', 'B1@3', 'B0@1', 'B1@1']
+    """
+    k, m, v = num_workers, num_microbatches, virtual_stages
+    _check_sizes(k, m, v)
+    if v < 2:
+        raise ValueError(
+            f"interleaved needs virtual_stages >= 2 (got {v}); with one stage per worker use '1f1b'"
+        )
+    if m % k:
+        raise ValueError(
+            f"interleaved 1F1B needs the number of micro-batches (chunks={m}) to be a multiple "
+            f"of the number of workers ({k}): micro-batches go round the stages in groups of K"
+        )
+    total = m * v
+
+    def action(kind: str, w: int, i: int) -> Action:
+        chunk = (i % (k * v)) // k
+        if kind == "B":
+            chunk = v - 1 - chunk
+        return Action(kind, chunk * k + w, (i // (k * v)) * k + i % k)
+
+    workers = []
+    for w in range(k):
+        forwards = [action("F", w, i) for i in range(total)]
+        backwards = [action("B", w, i) for i in range(total)]
+        warmup = 2 * (k - w - 1) + (v - 1) * k
+        workers.append(_one_f_one_b_order(forwards, backwards, warmup))
+    placement = tuple(s % k for s in range(k * v))
+    return Schedule("interleaved", k * v, m, tuple(workers), placement)
+
+
+def zb_h1(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """ZB-H1: 1F1B with the backward split into B and W; stage k defers its first k W.
+
+    After each B, the stage runs the oldest pending W once it has done more than k backwards;
+    the W still pending after the last B run at the end, where stage k would otherwise wait
+    for the drain.
+
+    >>> [str(a) for a in zb_h1(2, 2).actions[1]]
+    ['F0@1', 'B0@1', 'F1@1', 'B1@1', 'W0@1', 'W1@1']
+    """
+    _check_single_stage("zb-h1", num_workers, num_microbatches, virtual_stages)
+    workers = []
+    for k in range(num_workers):
+        forwards = [Action("F", k, m) for m in range(num_microbatches)]
+        backwards = [Action("B", k, m) for m in range(num_microbatches)]
+        order = _one_f_one_b_order(forwards, backwards, warmup=num_workers - k - 1)
+        workers.append(_with_weight_gradients(order, deferred=k))
+    return Schedule("zb-h1", num_workers, num_microbatches, tuple(workers), _identity(num_workers))
+
+
+def _with_weight_gradients(order: tuple[Action, ...], deferred: int) -> tuple[Action, ...]:
+    """Inserts W(m) after the B that leaves more than ``deferred`` weight gradients pending,
+    oldest first; the rest go at the end."""
+    out: list[Action] = []
+    pending: list[Action] = []
+    for a in order:
+        out.append(a)
+        if a.kind == "B":
+            pending.append(Action("W", a.stage, a.microbatch))
+            if len(pending) > deferred:
+                out.append(pending.pop(0))
+    return tuple(out + pending)
+
+
+def _check_single_stage(name: str, k: int, m: int, v: int) -> None:
+    _check_sizes(k, m, v)
+    if v != 1:
+        raise ValueError(
+            f"{name} runs one stage per worker (virtual_stages=1, got {v}); "
+            "use 'interleaved' for virtual stages"
+        )
+
+
+def _identity(num_workers: int) -> tuple[int, ...]:
+    return tuple(range(num_workers))
+
+
+ScheduleFn = Callable[[int, int, int], Schedule]
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def schedule_builders() -> dict[str, ScheduleFn]:
+    """Every schedule by name: ``fn(num_workers, num_microbatches, virtual_stages)``."""
+    return {
+        "gpipe": gpipe,
+        "1f1b": one_f_one_b,
+        "interleaved": interleaved,
+        "zb-h1": zb_h1,
+    }
+
+
+def build_schedule(
+    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> Schedule:
+    """Looks up a schedule by name and validates it.
+
+    ``num_stages`` is K, the number of workers; with ``virtual_stages`` V the model is cut into
+    K*V stages (only 'gpipe' and 'interleaved' take V > 1).
+
+    >>> build_schedule("gpipe", 2, 4).num_workers
+    2
+    >>> build_schedule("interleaved", 2, 4, virtual_stages=2).num_stages
+    4
+    """
+    builders = schedule_builders()
+    if name not in builders:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(builders)}")
+    schedule = builders[name](num_stages, num_microbatches, virtual_stages)
+    validate(schedule)
+    return schedule

@@ -1,0 +1,267 @@
+"""Measured stage costs for the simulator: each stage alone on its device, on one micro-batch.
+
+Each stage runs the way the executor runs it: on a worker thread of its own with the same
+intra-op threads, grad mode and autocast, on detached input leaves, under the same saved-tensor
+meter, with the RNG hooks seeded, deferred BatchNorm accumulating its statistics (the recompute
+alone is timed under ``recomputing``, as the executor replays it), the loss on the last stage.
+On small stages these are no small part of the cost: the meter's Python hooks, the statistics
+and a fresh thread's cold allocator made the executor's actions 1.3-1.5x slower than the stage
+run bare (AmoebaNet-D (3,16), 32px, 16 per micro-batch, on 2 cores).
+Timed (median of ``repeats`` after a warm-up): forward with and without autograd, the recompute,
+the whole backward, and the backward split into B (input gradients) and W (weight gradients).
+Counted: the bytes of the stage input and of what autograd saves. Parameters' gradients, every
+buffer (BatchNorm running statistics) and deferred BatchNorm's accumulators are left as they
+were, and dropout draws from a fixed seed. :mod:`giantpipe.perf.predict` turns these costs into
+a forecast of a step.
+
+Example::
+
+    costs = profile_stages(pipe.partitions, pipe.devices, x[:8], y[:8], loss_fn, 8 / len(x))
+    costs[0].forward, costs[0].backward, costs[0].activation_bytes
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from giantpipe.engine.leaves import make_leaves, ones_gradient, pair_gradients
+from giantpipe.engine.memory import SavedTensorMeter
+from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes
+from giantpipe.engine.microbatch import to_device as move
+from giantpipe.engine.recompute import recomputing
+from giantpipe.engine.rng import rng_context
+from giantpipe.engine.split_backward import backward_input
+from giantpipe.engine.step_config import LossFn, autocast_state
+from giantpipe.perf.simulate import StageCost
+
+
+def profile_stages(
+    stages: Sequence[nn.Sequential],
+    devices: Sequence[torch.device],
+    sample: TensorOrTensors,
+    target: TensorOrTensors | None = None,
+    loss_fn: LossFn | None = None,
+    loss_scale: float = 1.0,
+    repeats: int = 3,
+    threads: int | None = None,
+    optimizer_slots: int = 0,
+) -> list[StageCost]:
+    """One :class:`StageCost` per stage, the micro-batch ``sample`` flowing stage to stage.
+
+    ``static_bytes`` counts parameters x (2 + ``optimizer_slots``): weights, gradients and the
+    optimizer's per-parameter state (1 for momentum or RMSProp, 2 for Adam).
+    """
+    inputs = stage_inputs(stages, devices, sample)
+    costs = []
+    with intra_op_threads(threads):
+        for s, stage in enumerate(stages):
+            last = s == len(stages) - 1
+            loss = _loss(loss_fn, target, loss_scale, devices[s]) if last else None
+            fields, y = on_worker_thread(
+                partial(_profile_stage, stage, inputs[s], devices[s], s == 0, loss, repeats),
+                threads,
+                devices,
+            )
+            send = 0.0 if last else _send_time(y, devices[s], devices[s + 1], repeats)
+            params = sum(p.numel() * p.element_size() for p in stage.parameters())
+            static = params * (2 + optimizer_slots)
+            costs.append(StageCost(**fields, send=send, static_bytes=static))
+    return costs
+
+
+def stage_inputs(
+    stages: Sequence[nn.Module], devices: Sequence[torch.device], sample: Any
+) -> list[Any]:
+    """The input of every stage: ``sample`` through the stages, without autograd."""
+    inputs, x = [], sample
+    with torch.no_grad():
+        for stage, device in zip(stages, devices):
+            x = move(x, device)
+            inputs.append(x)
+            with recomputing(stage), rng_context(0, 0, device):
+                x = stage(x)
+    return inputs
+
+
+def _loss(
+    loss_fn: LossFn | None, target: Any, scale: float, device: torch.device
+) -> Callable[[Any], Any] | None:
+    if loss_fn is None or target is None:
+        return None
+    on_device = move(target, device)
+    return lambda y: loss_fn(y, on_device) * scale
+
+
+def _profile_stage(
+    stage: nn.Module,
+    x: Any,
+    device: torch.device,
+    first: bool,
+    loss: Callable[[Any], Any] | None,
+    repeats: int,
+) -> tuple[dict[str, Any], Any]:
+    x = move(x, device)
+    params = list(stage.parameters())
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None  # backward accumulates in place: profile on fresh gradients
+    leaves = make_leaves(x, first)
+
+    def run() -> Any:
+        y = stage(leaves)
+        return loss(y) if loss is not None else y
+
+    def grads(y: Any) -> tuple[list[torch.Tensor], list[Any]]:
+        if loss is not None:
+            return [y], [None]
+        return pair_gradients(as_tuple(y), tuple(ones_gradient(t) for t in as_tuple(y)), device)
+
+    def full_backward() -> float:
+        tensors, out_grads = grads(metered())
+        start = time.perf_counter()
+        torch.autograd.backward(tensors, out_grads)
+        return _sync(device, time.perf_counter) - start
+
+    def split_backward() -> tuple[float, float]:
+        tensors, out_grads = grads(metered())
+        start = time.perf_counter()
+        _, weight = backward_input(tensors, out_grads, as_tuple(leaves), params)
+        middle = _sync(device, time.perf_counter)
+        weight.run()
+        return middle - start, _sync(device, time.perf_counter) - middle
+
+    meter = SavedTensorMeter(exclude=params)
+    meter.ignore(as_tuple(leaves))
+
+    def metered() -> Any:
+        # the executor meters every forward it keeps for backward (Python hooks per tensor)
+        with SavedTensorMeter(exclude=params):
+            return run()
+
+    try:
+        with preserved_state(stage), rng_context(0, 0, device):
+            with meter:
+                y = run()  # the loss too, on the last stage: the executor meters it there
+            forward = median_time(metered, repeats, device)
+            with torch.no_grad():
+                forward_no_grad = median_time(run, repeats, device)
+            with recomputing(stage):
+                recompute = median_time(metered, repeats, device)
+            backward = statistics.median([full_backward() for _ in range(repeats + 1)][1:])
+            halves = [split_backward() for _ in range(repeats + 1)][1:]
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    fields = {
+        "forward": forward,
+        "forward_no_grad": forward_no_grad,
+        "recompute": recompute,
+        "backward": backward,
+        "backward_input": statistics.median(h[0] for h in halves),
+        "weight": statistics.median(h[1] for h in halves),
+        "input_bytes": nbytes(leaves),
+        "activation_bytes": meter.bytes,
+    }
+    return fields, _detach(y)
+
+
+def median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    samples = []
+    for _ in range(repeats + 1):  # the first run warms up caches and kernels
+        start = time.perf_counter()
+        fn()
+        samples.append(_sync(device, time.perf_counter) - start)
+    return statistics.median(samples[1:])
+
+
+def _send_time(y: Any, src: torch.device, dst: torch.device, repeats: int) -> float:
+    if src == dst:
+        return 0.0
+    return median_time(lambda: move(y, dst), repeats, dst)
+
+
+def _sync(device: torch.device, clock: Callable[[], float]) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return clock()
+
+
+def _detach(y: Any) -> Any:
+    if isinstance(y, torch.Tensor):
+        return y.detach()
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in y)
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def on_worker_thread(
+    fn: Callable[[], Any], threads: int | None, devices: Sequence[torch.device]
+) -> Any:
+    """``fn()`` on a fresh thread set up as the executor sets up a worker (intra-op threads,
+    the caller's grad mode and autocast): a fresh thread starts with a cold allocator, and the
+    executor starts one per worker every step. Returns what ``fn`` returns, raises what it
+    raises."""
+    grad = torch.is_grad_enabled()
+    casts = autocast_state(devices)
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            if threads:
+                torch.set_num_threads(threads)
+            with ExitStack() as stack:
+                stack.enter_context(torch.set_grad_enabled(grad))
+                for device_type, dtype in casts:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            error.append(exc)
+
+    worker = threading.Thread(target=body, name="giantpipe-profile")
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+@contextmanager
+def preserved_state(stage: nn.Module) -> Iterator[None]:
+    """Runs the body with ``stage``'s buffers (BatchNorm running statistics, counters) and
+    deferred BatchNorm's accumulators put back afterwards, so a profile may run the stage
+    exactly as training does."""
+    from giantpipe.engine.batchnorm import DeferredBatchNorm  # avoids an import cycle
+
+    buffers = [(b, b.detach().clone()) for b in stage.buffers()]
+    deferred = [
+        (m, (m._count, m._mean, m._m2))  # noqa: SLF001
+        for m in stage.modules()
+        if isinstance(m, DeferredBatchNorm)
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, copy in buffers:
+                buf.copy_(copy)
+        for m, (count, mean, m2) in deferred:
+            m._count, m._mean, m._m2 = count, mean, m2  # noqa: SLF001

@@ -1,0 +1,146 @@
+"""Drawing a step, simulated or as the executor ran it: as text (docs, logs, tests) or as a
+PNG (matplotlib, lazily).
+
+One row per worker, one box per action: F blue, B green, W orange, the recompute that opens a
+re-materialized B hatched, waiting blank. A measured step (``pipe.last_timings``, the
+executor's :class:`~giantpipe.engine.stats.ActionTiming` of every action) is drawn the same way
+by :func:`plot_measured`, so the two can be set side by side.
+
+Example::
+
+    >>> sim = simulate(one_f_one_b(2, 3), [StageCost(forward=1.0, backward=1.0)] * 2)
+    >>> print(render_text(sim))
+    worker 0 | F0 F1 .  B0 F2 B1 .  B2
+    worker 1 | .  F0 B0 F1 B1 F2 B2 .
+
+    plot_timeline(sim, "outputs/1f1b_k2_m3.png", title="1F1B, K=2, M=3")
+    plot_measured(pipe.last_timings, pipe.step_schedule(), "outputs/1f1b_measured.png")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.stats import ActionTiming
+from giantpipe.perf.simulate import Simulation, TimedAction
+
+COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
+
+
+def render_text(sim: Simulation, tick: float | None = None) -> str:
+    """The timeline on a grid of ``tick`` seconds (default: the shortest action), one cell per
+    tick; an action longer than a tick fills its first cell and leaves the rest as ``--``."""
+    if tick is None:
+        tick = min(t.end - t.start for t in sim.timeline if t.end > t.start)
+    cells = round(sim.step_time / tick)
+    rows = [["."] * cells for _ in range(sim.schedule.num_workers)]
+    origin = min(t.start for t in sim.timeline)
+    for t in sim.timeline:
+        first, last = round((t.start - origin) / tick), round((t.end - origin) / tick)
+        rows[t.worker][first] = f"{t.action.kind}{t.action.microbatch}"
+        for i in range(first + 1, last):
+            rows[t.worker][i] = "--"
+    return "\n".join(
+        f"worker {w} | " + " ".join(c.ljust(2) for c in row).rstrip() for w, row in enumerate(rows)
+    )
+
+
+def plot_timeline(sim: Simulation, path: str | Path, title: str | None = None) -> Path:
+    """Writes the simulated timeline as a PNG at ``path`` and returns the path."""
+    title = title or f"{sim.schedule.name}: step {sim.step_time:.3g}s, bubble {sim.bubble:.1%}"
+    return _draw(sim.schedule, sim.timeline, sim.step_time, title, path)
+
+
+def plot_measured(
+    timings: Sequence[ActionTiming], schedule: Schedule, path: str | Path, title: str | None = None
+) -> Path:
+    """Writes the timeline of a step as the executor ran it (``pipe.last_timings``) as a PNG at
+    ``path`` and returns the path."""
+    timeline = measured_timeline(timings, schedule.placement)
+    span = max(t.end for t in timeline)
+    busy = sum(t.busy for t in timeline)
+    bubble = 1 - busy / (schedule.num_workers * span) if span > 0 else 0.0
+    title = title or f"{schedule.name}, measured: step {span:.3g}s, bubble {bubble:.1%}"
+    return _draw(schedule, timeline, span, title, path)
+
+
+def measured_timeline(
+    timings: Sequence[ActionTiming], placement: Sequence[int]
+) -> list[TimedAction]:
+    """The executor's timings as the simulator's timeline, the first start at 0. The two agree
+    on what a box is: an F waits first and works last; a re-materialized B recomputes first,
+    then waits for its gradient, then works; so the work ends at ``end`` in both.
+
+    >>> from giantpipe.engine.schedule import Action
+    >>> t = ActionTiming(Action("B", 1, 0), start=5.0, end=9.0, waited=1.0, recompute=0.5)
+    >>> [(a.worker, a.start, a.end, a.busy, a.recompute) for a in measured_timeline([t], [0, 1])]
+    [(1, 0.0, 4.0, 3.0, 0.5)]
+    """
+    if not timings:
+        return []
+    origin = min(t.start for t in timings)
+    return [
+        TimedAction(
+            t.action,
+            placement[t.action.stage],
+            t.start - origin,
+            t.end - origin,
+            t.work,
+            t.recompute,
+        )
+        for t in sorted(timings, key=lambda t: t.start)
+    ]
+
+
+def _draw(
+    schedule: Schedule,
+    timeline: Sequence[TimedAction],
+    span: float,
+    title: str,
+    path: str | Path,
+) -> Path:
+    import matplotlib  # imported here: the engine itself needs only torch
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    k = schedule.num_workers
+    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, len(timeline) / k * 0.35)), 0.6 * k + 1.4))
+    for t in timeline:
+        kind, m = t.action.kind, t.action.microbatch
+        work_start = t.end - (t.busy - t.recompute)
+        if t.recompute:
+            ax.barh(t.worker, t.recompute, left=t.start, color="0.8", hatch="//", edgecolor="0.5")
+        ax.barh(
+            t.worker, t.end - work_start, left=work_start, color=COLORS[kind], edgecolor="white"
+        )
+        label = f"{kind}{m}" if schedule.virtual_stages == 1 else f"{kind}{m}.{t.action.stage}"
+        inches = (t.end - work_start) / span * fig.get_size_inches()[0] * 0.85
+        if inches > 0.075 * len(label):  # label only the boxes it fits in
+            ax.text(
+                (work_start + t.end) / 2,
+                t.worker,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
+    ax.set_yticks(range(k), [f"worker {w}" for w in range(k)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    legend = [Patch(color=c, label=n) for n, c in COLORS.items()]
+    legend.append(Patch(facecolor="0.8", hatch="//", label="recompute"))
+    ax.legend(
+        handles=legend, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False
+    )
+    ax.set_title(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

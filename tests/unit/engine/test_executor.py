@@ -1,0 +1,226 @@
+"""The local executor: failures surface fast and clean, runs are reproducible, workers inherit
+the caller's grad mode and autocast, and the instrumentation measures."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from giantpipe import GPipe
+from giantpipe.engine import PipelineError, is_recomputing
+from giantpipe.engine.mailbox import Mailbox, PipelineTimeout
+from giantpipe.engine.memory import SavedTensorMeter
+from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
+
+
+class Boom(nn.Module):
+    def __init__(self, after: int = 0) -> None:
+        super().__init__()
+        self.calls, self.after = 0, after
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > self.after:
+            raise RuntimeError("boom")
+        return x
+
+
+def worker_threads() -> list[threading.Thread]:
+    # A pipe's threads end with the pipe; collect those of earlier tests' unreachable pipes.
+    gc.collect()
+    return [t for t in threading.enumerate() if t.name.startswith("giantpipe-worker")]
+
+
+@pytest.mark.parametrize("door", ["forward", "train_step"])
+def test_exception_in_stage_2_of_3_surfaces_quickly_and_leaves_no_thread(door: str) -> None:
+    slow = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    model = nn.Sequential(slow, nn.Linear(64, 64), Boom(after=1), nn.Linear(64, 1))
+    pipe = GPipe(model, [1, 1, 2], devices=["cpu"] * 3, chunks=4)
+    x, y = torch.randn(16, 64), torch.randn(16, 1)
+    start = time.monotonic()
+    with pytest.raises(
+        PipelineError,
+        match=r"stage 2 \(device cpu\) failed on micro-batch 1: "
+        r"RuntimeError: boom",
+    ) as info:
+        if door == "forward":
+            pipe(x).sum().backward()
+        else:
+            pipe.train_step(x, y, nn.functional.mse_loss)
+    assert time.monotonic() - start < 5
+    assert info.value.stage == 2 and info.value.microbatch == 1
+    assert worker_threads() == []
+    # the engine is usable again after a failure
+    model[2].after = 10**9
+    pipe.train_step(x, y, nn.functional.mse_loss)
+
+
+def test_exception_during_backward_names_the_stage() -> None:
+    class BadGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            raise ValueError("bad gradient")
+
+    class Layer(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return BadGrad.apply(x)
+
+    pipe = GPipe(
+        nn.Sequential(nn.Linear(3, 3), Layer(), nn.Linear(3, 1)),
+        [1, 1, 1],
+        devices=["cpu"] * 3,
+        chunks=2,
+    )
+    with pytest.raises(PipelineError, match="stage 1 .* ValueError: bad gradient"):
+        pipe.train_step(torch.randn(4, 3), torch.randn(4, 1), nn.functional.mse_loss)
+    assert worker_threads() == []
+
+
+def test_worker_threads_serve_every_step_and_are_gone_after_close_or_collection() -> None:
+    # Threads outlive a step (a fresh thread's first action is slow), but stay bounded, named,
+    # daemonic, leave the caller's intra-op threads alone, and end with the pipe.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
+    pipe = GPipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=4, threads_per_stage=1)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    threads = torch.get_num_threads()
+    before = set(worker_threads())
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    ours = [t for t in worker_threads() if t not in before]
+    assert sorted(t.name for t in ours) == [f"giantpipe-worker-{i}" for i in range(3)]
+    assert all(t.daemon and t.is_alive() for t in ours)
+    pipe(x).sum().backward()
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    assert [t for t in worker_threads() if t not in before] == ours  # the same three threads
+    assert torch.get_num_threads() == threads
+    pipe.close()
+    assert [t for t in worker_threads() if t not in before] == []
+    assert not any(t.is_alive() for t in ours)
+    pipe.train_step(x, y, nn.functional.mse_loss)  # usable after close: new threads
+    assert len([t for t in worker_threads() if t not in before]) == 3
+    copy.deepcopy(pipe).train_step(x, y, nn.functional.mse_loss)  # a copy has its own pool
+    del pipe
+    gc.collect()
+    assert [t for t in worker_threads() if t not in before] == []
+
+
+def test_mailbox_times_out_with_a_message() -> None:
+    box = Mailbox(timeout=0.05)
+    with pytest.raises(PipelineTimeout, match="gradient of micro-batch 3 into stage 1"):
+        box.get(("grad", 1, 3))
+
+
+def test_two_identical_runs_give_bitwise_identical_gradients() -> None:
+    grads = []
+    for _ in range(2):
+        model = tuple_model()
+        inputs, target = tuple_batch()
+        pipe = GPipe(model, [2, 2, 2], devices=["cpu"] * 3, chunks=4, checkpoint="except_last")
+        torch.manual_seed(123)
+        pipe.train_step(inputs, target, nn.functional.cross_entropy)
+        grads.append([p.grad.clone() for p in pipe.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_dropout_masks_replayed_by_recompute() -> None:
+    """always (recompute with dropout) and never (no recompute) give the same gradients."""
+    grads = {}
+    for mode in ["always", "never"]:
+        pipe = GPipe(tuple_model(), [3, 3], devices=["cpu"] * 2, chunks=3, checkpoint=mode)
+        inputs, target = tuple_batch()
+        torch.manual_seed(7)
+        pipe.train_step(inputs, target, nn.functional.cross_entropy)
+        grads[mode] = [p.grad for p in pipe.parameters()]
+    for a, b in zip(grads["always"], grads["never"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_is_recomputing_is_true_only_during_recompute() -> None:
+    seen: list[bool] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(is_recomputing())
+            return x * 2
+
+    pipe = GPipe(
+        nn.Sequential(nn.Linear(2, 2), Probe()),
+        [1, 1],
+        devices=["cpu"] * 2,
+        chunks=2,
+        checkpoint="except_last",
+    )
+    pipe(torch.randn(4, 2)).sum().backward()
+    assert seen == [False, False, True]  # two forwards, then micro-batch 0 replayed
+    assert not is_recomputing()
+
+
+def test_grad_mode_and_autocast_are_inherited_by_workers() -> None:
+    dtypes: list[torch.dtype] = []
+
+    class Record(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dtypes.append(x.dtype)
+            return x
+
+    pipe = GPipe(
+        nn.Sequential(nn.Linear(4, 4), Record(), nn.Linear(4, 4)),
+        [1, 2],
+        devices=["cpu", "cpu"],
+        chunks=2,
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pipe(torch.randn(4, 4))
+    assert dtypes == [torch.bfloat16] * 2 and out.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert not pipe(torch.randn(4, 4)).requires_grad
+    assert pipe(torch.randn(4, 4)).requires_grad
+
+
+def test_stats_are_recorded_for_both_doors() -> None:
+    pipe = GPipe(
+        nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]),
+        [2, 2],
+        devices=["cpu", "cpu"],
+        chunks=4,
+        checkpoint="never",
+    )
+    pipe(torch.randn(16, 32)).sum().backward()
+    stats = pipe.last_stats
+    assert stats is not None and len(stats.busy_time_s) == 2 and stats.span_s > 0
+    assert stats.expected_bubble == pytest.approx(1 / 5)
+    assert 0 <= stats.bubble < 1 and stats.memory_kind == "saved_activations"
+    assert all(b > 0 for b in stats.busy_time_s) and all(p > 0 for p in stats.peak_memory_bytes)
+
+
+def test_peak_activation_memory_always_vs_never() -> None:
+    """Recomputing keeps only stage inputs plus one micro-batch's activations."""
+    depth, width = 16, 64
+    layers = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)]
+    model = nn.Sequential(*layers)
+    peaks = {}
+    for mode in ["never", "always"]:
+        pipe = GPipe(
+            copy.deepcopy(model), [8, 8], devices=["cpu", "cpu"], chunks=8, checkpoint=mode
+        )
+        pipe.train_step(torch.randn(64, width), torch.randn(64, width), nn.functional.mse_loss)
+        peaks[mode] = max(pipe.last_stats.peak_memory_bytes)
+    # never holds, per stage, every micro-batch's input and saved activations; measure one
+    # micro-batch of the plain layers independently to get the expected figure.
+    x = torch.randn(8, width, requires_grad=True)
+    meter = SavedTensorMeter(exclude=model.parameters())
+    meter.ignore([x])
+    with meter:
+        model[:8](x)
+    assert peaks["never"] >= 8 * (meter.bytes + x.numel() * 4)
+    assert peaks["always"] <= peaks["never"] / 3
