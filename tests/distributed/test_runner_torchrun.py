@@ -20,6 +20,7 @@ from giantpipe.engine.dist.shards import consolidate
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model
+from giantpipe.runner.checkpoint import read_checkpoint
 from tests.distributed.launch import REPO, finish, free_port, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -106,7 +107,7 @@ def test_torchrun_trains_as_the_local_executor_and_resumes(tmp_path: Path) -> No
     consolidate(run / "last", tmp_path / "model.pt")
     plain = build_model(local_config())
     plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
-    reference = torch.load(tmp_path / "local" / "last.pt", weights_only=False)["model"]
+    reference = read_checkpoint(tmp_path / "local" / "last")["model"]
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-6)
 

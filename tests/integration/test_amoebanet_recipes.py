@@ -139,7 +139,7 @@ def test_fine_tune_to_another_class_count(imagenet_run: Path, tmp_path: Path):
             *TINY_IMAGENET,
             f"data.root={tmp_path / 'data'}",
             "data.num_classes=3",
-            f"trainer.init_from={imagenet_run / 'last.pt'}",
+            f"trainer.init_from={imagenet_run / 'last'}",
             f"hydra.run.dir={run_dir}",
             cwd=tmp_path,
         )

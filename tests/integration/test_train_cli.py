@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from giantpipe.runner.checkpoint import read_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -61,15 +62,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     ok(train(*TINY, "trainer.max_steps=20", f"hydra.run.dir={root / 'full'}", cwd=root))
     ok(train(*TINY, "trainer.max_steps=10", f"hydra.run.dir={root / 'part'}", cwd=root))
-    shutil.copy(root / "part" / "last.pt", root / "step10.pt")
-    return {"root": root, "full": root / "full", "part": root / "part", "ckpt": root / "step10.pt"}
+    shutil.copytree(root / "part" / "last", root / "step10")
+    return {"root": root, "full": root / "full", "part": root / "part", "ckpt": root / "step10"}
 
 
 def test_five_step_run_writes_metrics_checkpoint_and_summary(tmp_path: Path):
     result = ok(train(*TINY, "trainer.max_steps=5", cwd=tmp_path))
     (run_dir,) = (tmp_path / "outputs").glob("*/*")  # outputs/DATE/TIME
     assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5]
-    assert torch.load(run_dir / "last.pt", weights_only=False)["step"] == 5
+    assert read_checkpoint(run_dir / "last")["step"] == 5
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     config = (run_dir / "config.yaml").read_text()
     assert config.startswith("# overrides: recipe=mlp_quickstart data.train_size=512")
@@ -104,7 +105,7 @@ def test_resume_with_another_number_of_stages(runs, tmp_path: Path):
             cwd=tmp_path,
         )
     )
-    assert torch.load(runs["ckpt"], weights_only=False)["balance"] == [2, 2]
+    assert read_checkpoint(runs["ckpt"])["balance"] == [2, 2]
     summary = json.loads((tmp_path / "k3" / "summary.json").read_text())
     assert len(summary["pipeline/balance"]) == 3
     full, resumed = losses(runs["full"]), losses(tmp_path / "k3")
@@ -123,7 +124,7 @@ def test_multirun_runs_every_job_even_when_one_fails(tmp_path: Path):
     assert errors[0].endswith(": pipeline.chunks: must be >= 1, got 0")
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
     assert json.loads((sweep_dir / "1" / "summary.json").read_text())["status"] == "completed"
-    assert not (sweep_dir / "0" / "last.pt").exists()
+    assert not (sweep_dir / "0" / "last").exists()
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -175,7 +176,7 @@ def test_incompatible_resume_is_one_line_and_overwrites_nothing(runs, tmp_path: 
             cwd=tmp_path,
         )
     )
-    assert line.startswith(f"error: trainer.resume: {run_dir / 'last.pt'} does not fit this model")
+    assert line.startswith(f"error: trainer.resume: {run_dir / 'last'} does not fit this model")
     after = {k: v for k, v in fingerprint(run_dir).items() if k != "train.log"}
     assert after == {k: v for k, v in before.items() if k != "train.log"}
 
@@ -187,8 +188,8 @@ def test_diverging_run_stops_keeps_last_good_checkpoint_and_leaves_a_traceback(t
         train(*TINY, "trainer.max_steps=5", *args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     )
     assert line.startswith("error: NonFiniteLossError: step 2: the loss is nan")
-    assert f"last good checkpoint: {run_dir / 'last.pt'} (step 1)" in line
-    assert torch.load(run_dir / "last.pt", weights_only=False)["step"] == 1
+    assert f"last good checkpoint: {run_dir / 'last'} (step 1)" in line
+    assert read_checkpoint(run_dir / "last")["step"] == 1
     assert "Traceback" in (run_dir / "error.txt").read_text()
 
 

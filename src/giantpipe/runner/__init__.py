@@ -1,6 +1,19 @@
 """The experiment runner: build parts from config, train, evaluate, checkpoint, summarize.
 
-Nothing here imports Hydra or OmegaConf: it receives the dataclasses of ``giantpipe.config``.
+One runner for both executors: the local executor is a world of one process
+(:class:`~giantpipe.runner.world.World`), ``pipeline.executor=distributed`` the processes
+torchrun started (:class:`~giantpipe.runner.world.TorchrunWorld`); the same build, loop,
+evaluation and checkpoint format serve both. Nothing here imports Hydra or OmegaConf: it
+receives the dataclasses of ``giantpipe.config``; only ``giantpipe.cli`` imports the runner.
+
+    build.py      every part from the config (data, model, plan, balance, pipe, optimizer)
+    pipeline.py   PipelineConfig -> devices, balance, the pipe
+    loop.py       the training loop and train()
+    step.py       one optimizer step's engine steps (accumulation, replica slices, clipping)
+    evaluate.py   evaluation, and the data's whole-model figures (BLEU)
+    checkpoint.py the one checkpoint format; resume; starting from weights
+    record.py     the run directory and the run's record (metrics, summary)
+    world.py      who runs: one process or torchrun's
 
 Example::
 
@@ -10,27 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import Any
-
-from giantpipe.config import ConfigError, ExperimentConfig
-from giantpipe.runner.loop import train as train_local
+from giantpipe.runner.loop import train
 
 __all__ = ["train"]
-
-
-def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, Any]:
-    """Train with ``pipeline.executor``: the local loop, or one torchrun process per stage."""
-    if cfg.pipeline.executor == "distributed":
-        from giantpipe.runner.distributed import train_distributed
-
-        return train_distributed(cfg, run_dir, config_yaml)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ConfigError(
-            "pipeline.executor",
-            f"local runs in one process, but torchrun started {world}; set "
-            "pipeline.executor=distributed",
-        )
-    return train_local(cfg, run_dir, config_yaml)

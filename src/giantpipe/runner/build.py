@@ -1,17 +1,27 @@
 """Build every part of an experiment from its config, checking it before any training work.
 
+One build for both executors. The local executor is a world of one: its pipe is a
+:class:`~giantpipe.engine.GPipe` over K devices of this process. Under torchrun every rank
+builds the same things in the same order (data bundle, model, plan, balance, optimizer, LR
+schedule, loss, EMA) but keeps only its own stage: a
+:class:`~giantpipe.engine.dist.pipe.DistributedPipe`, with an optimizer and an EMA over its
+parameters, and data only where stage 0 (inputs) or the last stage (targets) is. What one rank
+decides for all (the plan, a profiled balance) is decided on rank 0 and handed to the others;
+a failure on any rank fails every rank at once (:meth:`~giantpipe.runner.world.World.agree`).
+
 Order matters: cheap checks first (devices, data directory, model length, balance), so a bad
 setting fails in seconds with the dotted key, before profiling or allocating the engine.
 
 Example::
 
-    parts = build_experiment(cfg)
+    parts = build_experiment(cfg, run_dir)                    # World(): the local executor
     parts.pipe, parts.optimizer, parts.scheduler, parts.bundle
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,34 +32,47 @@ from torch import nn
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.engine import GPipe
-from giantpipe.runner.checkpoint import parameter_names
-from giantpipe.runner.ema import WeightEMA
+from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.runner.losses import LossFn, build_loss
-from giantpipe.runner.lr_schedule import lr_multiplier
-from giantpipe.runner.optim import build_optimizer
+from giantpipe.runner.optim import WeightEMA, build_optimizer, lr_multiplier
 from giantpipe.runner.pipeline import (
+    build_distributed_pipe,
     build_pipe,
+    check_schedule,
     check_tied_parameters,
+    pipeline_ranks,
+    rank_device,
     resolve_balance,
     resolve_devices,
 )
 from giantpipe.runner.planning import plan_pipeline
 from giantpipe.runner.registry import build_from_target
+from giantpipe.runner.world import World
+
+Pipe = GPipe | DistributedPipe
 
 
 @dataclass
-class TrainingParts:
-    """What both runners build around their engine: the data, where the stages run, and what
-    trains the parameters (the local runner's :class:`Experiment`, the distributed runner's
-    :class:`~giantpipe.runner.dist_build.DistributedExperiment`)."""
+class Experiment:
+    """The built parts of a run, as this process holds them (under torchrun: this rank's)."""
 
     bundle: DataBundle
+    model: nn.Sequential | None
+    """The whole plain model, where whole-model evaluation (e.g. BLEU) runs: the local
+    executor's (its layers are the pipe's), rank 0's under torchrun when the data has such an
+    evaluation (filled with every rank's weights before it runs); None elsewhere."""
+    pipe: Pipe
+    pipeline: PipelineConfig
+    """The pipeline as run: cfg.pipeline, or with the planner's knobs under plan=auto."""
     devices: list[str]
     """The device of each worker (pipeline rank), in stage order."""
+    input_device: str
+    """Where this process's inputs go (stage 0's device)."""
+    target_device: str
+    """Where this process's targets go (the last stage's device)."""
     balance: list[int]
     names: dict[str, nn.Parameter]
-    """Un-partitioned parameter names -> parameters (checkpoints key by these); under the
-    distributed runner, this rank's parameters only."""
+    """Un-partitioned parameter names -> this process's parameters (checkpoints key by these)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_fn: LossFn
@@ -57,18 +80,43 @@ class TrainingParts:
     steps_per_epoch: float
     """Optimizer steps per epoch (batches per epoch / accumulate)."""
     total_steps: int
-
-
-@dataclass
-class Experiment(TrainingParts):
-    """The built parts of a run."""
-
-    model: nn.Sequential
-    pipe: GPipe
-    pipeline: PipelineConfig
-    """The pipeline as run: cfg.pipeline, or with the planner's knobs under plan=auto."""
     plan_choice: dict[str, Any] | None = None
     """pipeline.plan=auto: the planner's choice and its predictions (summary.json)."""
+
+
+def first_names(named: Mapping[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    """One name per parameter: a shared one (e.g. one embedding table for source and target)
+    appears once, under its first name, so the optimizer does not update it twice per step.
+
+    Example::
+
+        first_names({"0.src.weight": w, "0.tgt.weight": w})   # {"0.src.weight": w}
+    """
+    seen: set[int] = set()
+    unique: dict[str, nn.Parameter] = {}
+    for name, param in named.items():
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique[name] = param
+    return unique
+
+
+def parameter_names(pipe: nn.Module, model: nn.Module | None = None) -> dict[str, nn.Parameter]:
+    """Un-partitioned name -> parameter, for every parameter the engine trains (on this rank).
+
+    The engine's ``state_dict(keep_vars=True)`` gives the names; the plain model's
+    ``named_parameters()`` is the fallback (the engine moves layers in place, keeping the objects).
+    """
+    live = {id(p) for p in pipe.parameters()}
+    candidates = [
+        {k: v for k, v in pipe.state_dict(keep_vars=True).items() if isinstance(v, nn.Parameter)}
+    ]
+    if model is not None:
+        candidates.append(dict(model.named_parameters()))
+    for named in candidates:
+        if {id(p) for p in named.values()} == live:
+            return first_names(named)
+    raise RuntimeError("cannot name the engine's parameters; checkpoints need un-partitioned names")
 
 
 def build_model(cfg: ExperimentConfig) -> nn.Sequential:
@@ -77,6 +125,14 @@ def build_model(cfg: ExperimentConfig) -> nn.Sequential:
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise ConfigError("model._target_", "must build a non-empty nn.Sequential")
     return model
+
+
+def build_bundle(cfg: ExperimentConfig, run_dir: Path | None) -> DataBundle:
+    """The data bundle (``run_dir`` is where builders keep files, e.g. a trained vocabulary)."""
+    bundle = build_from_target(cfg.data, "data", run_dir=run_dir)
+    if not isinstance(bundle, DataBundle):
+        raise ConfigError("data._target_", "must build a giantpipe.data.bundle.DataBundle")
+    return bundle
 
 
 def micro_batch_sample(inputs: Tensors, chunks: int) -> Tensors:
@@ -92,32 +148,101 @@ def total_steps(cfg: ExperimentConfig, steps_per_epoch: float) -> int:
     return max(1, round((cfg.trainer.max_epochs or 0) * steps_per_epoch))
 
 
-def build_experiment(cfg: ExperimentConfig, run_dir: Path | None = None) -> Experiment:
-    """Devices, data, model, balance, engine, optimizer, schedule, loss and EMA.
+def worker_devices(cfg: PipelineConfig, world: World) -> tuple[list[str], str]:
+    """The K workers' devices, and this process's own (collective under torchrun)."""
+    cuda = torch.cuda.device_count()
+    if world.size == 1:
+        devices = resolve_devices(cfg, cuda)
+        return devices, devices[0]
+    k, own = world.agree(lambda: (pipeline_ranks(cfg, world.size), rank_device(cfg, cuda)))
+    return [str(d) for d in world.gather(own)[:k]], own  # replica 0's ranks are 0..K-1
 
-    ``run_dir`` is handed to data builders that keep files there (a trained vocabulary).
-    """
-    devices = resolve_devices(cfg.pipeline, torch.cuda.device_count())
-    bundle: DataBundle = build_from_target(cfg.data, "data", run_dir=run_dir)
-    if not isinstance(bundle, DataBundle):
-        raise ConfigError("data._target_", "must build a giantpipe.data.bundle.DataBundle")
-    model = build_model(cfg)
-    sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
-    loss_fn = build_loss(
+
+def loss_of(cfg: ExperimentConfig, bundle: DataBundle) -> LossFn:
+    """The training loss the data asks for (label smoothing from trainer.label_smoothing)."""
+    return build_loss(
         bundle.loss,
         cfg.trainer.label_smoothing,
         bundle.ignore_index,
         summed=bundle.loss_normalizer is not None,
     )
-    pipeline, plan_choice = cfg.pipeline, None
+
+
+def plan_and_balance(
+    cfg: ExperimentConfig, model: nn.Sequential, bundle: DataBundle, devices: list[str]
+) -> tuple[PipelineConfig, dict[str, Any] | None, list[int]]:
+    """The pipeline as run (the planner's under plan=auto) and its balance (profiled on the
+    first device by the ``time`` and ``memory`` policies)."""
+    sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
+    pipeline, choice = cfg.pipeline, None
     if pipeline.plan == "auto":
-        pipeline, plan_choice = plan_pipeline(
+        loss_fn = loss_of(cfg, bundle)
+        pipeline, choice = plan_pipeline(
             cfg, model, devices, sample_inputs, sample_targets, loss_fn
         )
     sample = micro_batch_sample(sample_inputs, pipeline.chunks)
     balance = resolve_balance(pipeline, model, devices, sample)
     check_tied_parameters(model, balance)
-    pipe = build_pipe(model, pipeline, balance, devices)
+    v = pipeline.virtual_stages
+    check_schedule(pipeline.schedule, len(balance) // v, pipeline.chunks, v)
+    return pipeline, choice, balance
+
+
+def build_experiment(
+    cfg: ExperimentConfig, run_dir: Path | None = None, world: World | None = None
+) -> Experiment:
+    """Devices, data, model, plan, balance, engine, optimizer, LR schedule, loss and EMA.
+
+    Under torchrun (``world``) rank 0 builds the data first (builders may write files, e.g. a
+    vocabulary, that the other ranks then find in ``run_dir``) and plans and balances for all.
+    """
+    world = world or World()
+    devices, own = worker_devices(cfg.pipeline, world)
+    first = world.agree(lambda: build_bundle(cfg, run_dir) if world.rank == 0 else None)
+
+    def model_and_plan() -> tuple[DataBundle, nn.Sequential, Any]:
+        bundle = first or build_bundle(cfg, run_dir)
+        model = build_model(cfg)
+        decided = plan_and_balance(cfg, model, bundle, devices) if world.rank == 0 else None
+        return bundle, model, decided
+
+    bundle, model, decided = world.agree(model_and_plan)
+    pipeline, plan_choice, balance = world.from_rank0(decided)  # profiled once, on rank 0
+    workers = len(balance) // pipeline.virtual_stages
+    pipe: Pipe
+    if world.size == 1:
+        pipe = build_pipe(model, pipeline, balance, devices)
+        inputs_to, targets_to = devices[0], devices[workers - 1]
+    else:
+        pipe = build_distributed_pipe(model, pipeline, balance, own)
+        world.bind(pipe)
+        inputs_to = targets_to = own
+    keep = world.rank == 0 and (world.size == 1 or bundle.evaluate_model is not None)
+    return _training_parts(
+        cfg,
+        bundle,
+        model if keep else None,
+        pipe,
+        pipeline,
+        devices[:workers],
+        (inputs_to, targets_to),
+        balance,
+        plan_choice,
+    )
+
+
+def _training_parts(
+    cfg: ExperimentConfig,
+    bundle: DataBundle,
+    model: nn.Sequential | None,
+    pipe: Pipe,
+    pipeline: PipelineConfig,
+    devices: list[str],
+    feeds: tuple[str, str],
+    balance: list[int],
+    plan_choice: dict[str, Any] | None,
+) -> Experiment:
+    """What trains the pipe's parameters: optimizer, LR schedule, loss and EMA."""
     names = parameter_names(pipe, model)
     optimizer = build_optimizer(names.values(), cfg.optim)
     steps_per_epoch = bundle.batches_per_epoch / cfg.trainer.accumulate
@@ -127,15 +252,17 @@ def build_experiment(cfg: ExperimentConfig, run_dir: Path | None = None) -> Expe
         bundle=bundle,
         model=model,
         pipe=pipe,
-        devices=devices[: len(balance) // pipeline.virtual_stages],
+        pipeline=pipeline,
+        devices=devices,
+        input_device=feeds[0],
+        target_device=feeds[1],
         balance=balance,
         names=names,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
-        loss_fn=loss_fn,
+        loss_fn=loss_of(cfg, bundle),
         ema=WeightEMA(names, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
-        pipeline=pipeline,
         plan_choice=plan_choice,
     )

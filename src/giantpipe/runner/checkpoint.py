@@ -1,92 +1,99 @@
-"""Checkpoints that survive a crash mid-write and a change of partitioning.
+"""Checkpoints: one format for both executors, shards by un-partitioned names plus a manifest.
 
-A checkpoint holds the model (the engine's state_dict: un-partitioned names such as
-``"3.0.weight"``), the optimizer state keyed by parameter NAME rather than by position, the
-scheduler, the EMA, the step, the data position and the RNG states. Keyed by name, a run saved
-with K=2 stages resumes with K=3. Files are written to a temporary file in the same directory,
-fsynced and renamed over the old one, so ``last.pt`` is always a whole checkpoint.
+A checkpoint is a directory (``RUN/last/``, ``RUN/step_N/``) in the shard format of
+:mod:`giantpipe.engine.dist.shards`, with the run's state beside the weights::
+
+    last/
+      manifest.json                              the commit point; extra: step, position, files
+      step000000100-3f9c2a-rank00000.pt          weights of rank 0's stages ("0.weight", ...)
+      step000000100-3f9c2a-rank00001.pt          (torchrun; a local run writes this one shard)
+      state-step000000100-8b01de-rank00000.pt    rank 0: optimizer (by parameter name), EMA,
+      state-step000000100-8b01de-rank00001.pt    LR schedule, RNG, step and data position
+
+Every file is fsynced under a temporary name before it is moved into place, and the manifest,
+written last, makes the save count: a crash at any moment leaves the previous checkpoint whole.
+Optimizer and EMA state are keyed by parameter NAME, so a run resumes under another K, R or
+executor (a torchrun run resumes in one process and back): every rank gathers its names from
+whichever files hold them. RNG states come from the same rank where it existed.
+``python -m giantpipe.consolidate RUN/last model.pt`` merges the weights for the plain model.
+
+Files of the earlier format, one ``.pt`` holding everything (``last.pt``), still load for
+``trainer.resume`` and ``trainer.init_from``.
 
 Example::
 
-    names = parameter_names(pipe, model)
-    save_checkpoint(run_dir / "last.pt", {"optimizer": optimizer_state_by_name(opt, names), ...})
-    state = load_checkpoint(run_dir / "last.pt")
-    load_optimizer_state_by_name(opt, state["optimizer"], names)
+    save_run(parts, progress, run_dir / "last", world)      # every rank
+    progress = restore(parts, run_dir / "last", world)      # any K, R or executor
+    read_checkpoint(run_dir / "last")["step"]               # 100
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from giantpipe.config import ConfigError
+from giantpipe.engine.dist import shards
+from giantpipe.engine.dist.shards import atomic_save
+from giantpipe.runner.seeding import restore_rng, rng_state
 
-FORMAT_VERSION = 1
-REQUIRED_KEYS = ("format_version", "step", "position", "model", "optimizer", "rng")
+if TYPE_CHECKING:
+    from giantpipe.runner.build import Experiment
+    from giantpipe.runner.world import World
 
+__all__ = ["atomic_save", "read_checkpoint", "restore", "save_run"]
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temp file beside ``path``, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    # Persist the rename itself (the directory entry), where the platform allows it.
-    try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+log = logging.getLogger(__name__)
+
+RUN_FORMAT = "giantpipe-run/1"
+LEGACY_VERSION = 1
+LEGACY_KEYS = ("format_version", "step", "position", "model", "optimizer", "rng")
+RESUME, INIT = "trainer.resume", "trainer.init_from"
 
 
-def first_names(named: Mapping[str, nn.Parameter]) -> dict[str, nn.Parameter]:
-    """One name per parameter: a shared one (e.g. one embedding table for source and target)
-    appears once, under its first name, so the optimizer does not update it twice per step.
+@dataclass
+class Progress:
+    """Where the run is: optimizer steps done and training batches consumed."""
 
-    Example::
-
-        first_names({"0.src.weight": w, "0.tgt.weight": w})   # {"0.src.weight": w}
-    """
-    seen: set[int] = set()
-    unique: dict[str, nn.Parameter] = {}
-    for name, param in named.items():
-        if id(param) not in seen:
-            seen.add(id(param))
-            unique[name] = param
-    return unique
+    step: int = 0
+    position: int = 0
 
 
-def parameter_names(pipe: nn.Module, model: nn.Module) -> dict[str, nn.Parameter]:
-    """Un-partitioned name -> parameter, for every parameter the engine trains.
+@dataclass(frozen=True)
+class Place:
+    """Where this process sits: its rank, its replica, the stages it holds, K, R, placement."""
 
-    The engine's ``state_dict(keep_vars=True)`` gives the names; the plain model's
-    ``named_parameters()`` is the fallback (the engine moves layers in place, keeping the objects).
-    """
-    live = {id(p) for p in pipe.parameters()}
-    candidates = [
-        {k: v for k, v in pipe.state_dict(keep_vars=True).items() if isinstance(v, nn.Parameter)},
-        dict(model.named_parameters()),
-    ]
-    for named in candidates:
-        if {id(p) for p in named.values()} == live:
-            return first_names(named)
-    raise RuntimeError("cannot name the engine's parameters; checkpoints need un-partitioned names")
+    rank: int
+    replica: int
+    stages: list[int]
+    workers: int
+    replicas: int
+    placement: list[int]
+
+
+def place_of(pipe: Any) -> Place:
+    """The place of ``pipe``'s process (a GPipe holds every stage, in a world of one)."""
+    layout = getattr(pipe, "layout", None)
+    if layout is None:
+        stages = list(range(len(pipe.partitions)))
+        return Place(0, 0, stages, pipe.num_workers, 1, list(pipe.placement))
+    return Place(
+        layout.rank,
+        layout.replica,
+        layout.local_stages,
+        layout.workers,
+        layout.replicas,
+        list(layout.placement),
+    )
+
+
+# -- parameters and optimizer state by name ---------------------------------------------------
 
 
 def optimizer_state_by_name(
@@ -131,32 +138,305 @@ def load_optimizer_state_by_name(
     )
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint onto the CPU; anything unreadable is a ConfigError naming the path."""
-    if not path.is_file():
-        raise ConfigError("trainer.resume", f"no checkpoint at {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # a truncated or foreign file: say which one
-        raise ConfigError("trainer.resume", f"{path} is not a readable checkpoint ({err})") from err
-    if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
-        raise ConfigError("trainer.resume", f"{path} is not a giantpipe checkpoint")
-    return state
-
-
 def check_model_fits(saved: Mapping[str, Tensor], live: Mapping[str, Tensor], path: Path) -> None:
     """Raise a one-line ConfigError unless the saved weights have this model's names and shapes."""
     missing = sorted(set(live) - set(saved))
     unexpected = sorted(set(saved) - set(live))
     if missing or unexpected:
         raise ConfigError(
-            "trainer.resume",
+            RESUME,
             f"{path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}",
         )
     for name, tensor in live.items():
         if tuple(saved[name].shape) != tuple(tensor.shape):
             raise ConfigError(
-                "trainer.resume",
+                RESUME,
                 f"{path} does not fit this model: {name} has shape {tuple(saved[name].shape)} "
                 f"in the checkpoint, {tuple(tensor.shape)} here",
             )
+
+
+# -- saving ----------------------------------------------------------------------------------
+
+
+def state_file(token: str, rank: int) -> str:
+    return f"state-{token}-rank{rank:05d}.pt"
+
+
+def save_run(parts: Experiment, progress: Progress, directory: Path, world: World) -> None:
+    """Collective: every rank writes its run state, replica 0 its weights; rank 0 commits."""
+    pipe, place = parts.pipe, place_of(parts.pipe)
+    token = world.from_rank0(shards.new_token(progress.step))
+    leader = place.replica == 0  # replicas hold the same optimizer state and EMA
+    state = {
+        "rank": place.rank,
+        "step": progress.step,
+        "position": progress.position,
+        "scheduler": parts.scheduler.state_dict(),
+        "rng": rng_state(),
+        "optimizer": optimizer_state_by_name(parts.optimizer, parts.names) if leader else None,
+        "ema": parts.ema.state_dict() if leader and parts.ema is not None else None,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_save(state, directory / state_file(token, place.rank))
+    entry = (
+        shards.write_shard(pipe.state_dict(), directory, token, place.rank, place.stages)
+        if leader
+        else None
+    )
+    entries = world.gather(entry)
+    if world.rank == 0:
+        files = [state_file(token, r) for r in range(world.size)]
+        meta = {
+            "step": progress.step,
+            "balance": list(pipe.balance),
+            "schedule": pipe.schedule,
+            "chunks": pipe.chunks,
+            "workers": place.workers,
+            "replicas": place.replicas,
+            "placement": place.placement,
+        }
+        extra = {
+            "format": RUN_FORMAT,
+            "step": progress.step,
+            "position": progress.position,
+            "state_files": files,
+            "leader_ranks": list(range(world.size // place.replicas)),  # replica 0's ranks
+            "ema": parts.ema is not None,
+        }
+        shards.commit(directory, [e for e in entries if e is not None], meta, extra)
+        for path in directory.glob("state-*-rank*.pt"):
+            if path.name not in files:
+                path.unlink(missing_ok=True)
+    world.barrier()
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def run_extra(directory: Path, key: str = RESUME) -> dict[str, Any]:
+    """The run state's entry in a checkpoint directory's manifest; ConfigError naming ``key``."""
+    try:
+        manifest = shards.read_manifest(directory)
+    except (OSError, ValueError) as err:
+        raise ConfigError(key, f"{directory} is not a readable checkpoint ({err})") from err
+    extra: dict[str, Any] = manifest.get("extra") or {}
+    if extra.get("format") != RUN_FORMAT:
+        raise ConfigError(
+            key,
+            f"{directory} holds weights without run state; start a new run from them with "
+            "python -m giantpipe.consolidate DIR model.pt and trainer.init_from=model.pt",
+        )
+    return extra
+
+
+def restore(parts: Experiment, path: Path, world: World) -> Progress:
+    """Load a checkpoint (a directory, or a ``.pt`` file of the earlier format) into the built
+    parts; ConfigError naming trainer.resume if it does not fit."""
+    if path.is_dir():
+        return restore_run(parts, path, world.rank)
+    return restore_legacy(parts, path, whole=world.size == 1)
+
+
+def restore_run(parts: Experiment, directory: Path, rank: int) -> Progress:
+    """Weights, optimizer, EMA, LR schedule and RNG for this process's names (any layout)."""
+    extra = run_extra(directory)
+    live = parts.pipe.state_dict()
+    try:
+        saved = shards.load(directory, live.keys())
+    except KeyError as err:
+        raise ConfigError(RESUME, f"{directory} does not fit this model ({err.args[0]})") from err
+    check_model_fits(saved, live, directory)
+    files = [directory / name for name in extra["state_files"]]
+    leaders = [_load(files[r]) for r in extra["leader_ranks"]]
+    if parts.ema is not None and not extra.get("ema"):
+        raise ConfigError("trainer.ema_decay", f"{directory} was saved without an EMA")
+    _restore_optimizer(parts, leaders, directory)
+    parts.pipe.load_state_dict(saved)
+    if parts.ema is not None:
+        parts.ema.load_state_dict(
+            {n: t for s in leaders for n, t in s["ema"].items() if n in parts.ema.shadow}
+        )
+    parts.scheduler.load_state_dict(leaders[0]["scheduler"])
+    if rank < len(files):  # a rank new to the layout keeps its seeded generators
+        restore_rng(_load(files[rank])["rng"])
+    return Progress(step=int(extra["step"]), position=int(extra["position"]))
+
+
+def _restore_optimizer(parts: Experiment, leaders: list[dict[str, Any]], directory: Path) -> None:
+    """This process's optimizer state, gathered by parameter name from the leaders' files."""
+    mine = set(parts.names)
+    per_name = {
+        name: value
+        for s in leaders
+        for name, value in s["optimizer"]["state"].items()
+        if name in mine
+    }
+    saved_groups = leaders[0]["optimizer"]["param_groups"]
+    live_groups = [
+        [n for n, p in parts.names.items() if any(p is q for q in g["params"])]
+        for g in parts.optimizer.param_groups
+    ]
+    if len(saved_groups) != len(live_groups):
+        raise ConfigError(RESUME, f"{directory}: optimizer parameter groups differ")
+    state = {
+        "state": per_name,
+        "param_groups": [
+            {**saved, "params": names}
+            for saved, names in zip(saved_groups, live_groups, strict=True)
+        ],
+    }
+    try:
+        load_optimizer_state_by_name(parts.optimizer, state, parts.names)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(RESUME, f"{directory}: optimizer state does not fit ({err})") from err
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a ``.pt`` checkpoint of the earlier format onto the CPU; anything unreadable is a
+    ConfigError naming the path."""
+    if not path.is_file():
+        raise ConfigError(RESUME, f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated or foreign file: say which one
+        raise ConfigError(RESUME, f"{path} is not a readable checkpoint ({err})") from err
+    if not isinstance(state, dict) or any(k not in state for k in LEGACY_KEYS):
+        raise ConfigError(RESUME, f"{path} is not a giantpipe checkpoint")
+    return state
+
+
+def restore_legacy(parts: Experiment, path: Path, whole: bool = True) -> Progress:
+    """Resume from a ``.pt`` file of the earlier format (any balance); ``whole``: this process
+    holds the whole model (else: a torchrun rank, which takes its own names)."""
+    state = load_checkpoint(path)
+    live = parts.pipe.state_dict()
+    saved = state["model"] if whole else {k: v for k, v in state["model"].items() if k in live}
+    check_model_fits(saved, live, path)
+    if parts.ema is not None and state.get("ema") is None:
+        raise ConfigError("trainer.ema_decay", f"{path} was saved without an EMA of the weights")
+    mine = set(parts.names)
+    optimizer = {
+        "state": {n: s for n, s in state["optimizer"]["state"].items() if n in mine},
+        "param_groups": [
+            {**g, "params": [n for n in g["params"] if n in mine]}
+            for g in state["optimizer"]["param_groups"]
+        ],
+    }
+    try:
+        load_optimizer_state_by_name(parts.optimizer, optimizer, parts.names)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(RESUME, f"{path}: optimizer state does not fit ({err})") from err
+    parts.pipe.load_state_dict({k: v for k, v in state["model"].items() if k in live})
+    parts.scheduler.load_state_dict(state["scheduler"])
+    if parts.ema is not None:
+        parts.ema.load_state_dict({n: t for n, t in state["ema"].items() if n in parts.ema.shadow})
+    restore_rng(state["rng"])
+    return Progress(step=int(state["step"]), position=int(state["position"]))
+
+
+def read_checkpoint(directory: Path) -> dict[str, Any]:
+    """A checkpoint as one mapping, to look into: ``step``, ``position``, ``model`` (every
+    weight, merged), ``ema`` (merged, or None) and the manifest's ``balance`` and ``workers``.
+
+    Example::
+
+        read_checkpoint(Path("outputs/2026-12-01/10-00-00/last"))["step"]   # 120
+    """
+    extra = run_extra(directory)
+    manifest = shards.read_manifest(directory)
+    leaders = [_load(directory / extra["state_files"][r]) for r in extra["leader_ranks"]]
+    ema = {n: t for s in leaders for n, t in (s["ema"] or {}).items()} if extra["ema"] else None
+    return {
+        "step": int(extra["step"]),
+        "position": int(extra["position"]),
+        "model": shards.load(directory),
+        "ema": ema,
+        "balance": manifest["balance"],
+        "workers": manifest["workers"],
+    }
+
+
+# -- starting from weights (fine-tuning) -----------------------------------------------------
+
+
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """Name -> tensor from a checkpoint (its EMA when it kept one), a shard directory or a
+    plain ``state_dict`` file; anything else is a ConfigError naming trainer.init_from.
+
+    Example::
+
+        weights = read_weights(Path("outputs/2026-11-30/14-26-42/last"))
+    """
+    if path.is_dir():
+        if not (path / shards.MANIFEST).is_file():
+            raise ConfigError(INIT, f"no checkpoint (manifest.json) in {path}")
+        extra = shards.read_manifest(path).get("extra") or {}
+        if extra.get("format") == RUN_FORMAT:
+            state = read_checkpoint(path)
+            return {**state["model"], **(state["ema"] or {})}
+        return shards.load(path)
+    if not path.is_file():
+        raise ConfigError(INIT, f"no checkpoint at {path}")
+    try:
+        loaded: Any = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated or foreign file: say which one
+        raise ConfigError(INIT, f"{path} is not a readable checkpoint ({err})") from err
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("model"), Mapping):
+        weights = dict(loaded["model"])
+        if isinstance(loaded.get("ema"), Mapping):
+            weights.update(loaded["ema"])
+        loaded = weights
+    if not isinstance(loaded, Mapping) or not loaded:
+        raise ConfigError(INIT, f"{path} holds no state dict (a name -> tensor mapping)")
+    return {str(k): v for k, v in loaded.items() if isinstance(v, Tensor)}
+
+
+def matching(saved: Mapping[str, Tensor], live: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The saved tensors whose name and shape the live model has.
+
+    Example::
+
+        matching({"fc.weight": torch.zeros(1000, 64)}, {"fc.weight": torch.zeros(10, 64)})  # {}
+    """
+    return {
+        name: tensor
+        for name, tensor in saved.items()
+        if name in live and tuple(live[name].shape) == tuple(tensor.shape)
+    }
+
+
+def load_initial_weights(parts: Experiment, path: Path) -> list[str]:
+    """Load the matching tensors of ``path`` into the built run; return the names left fresh.
+
+    The GPipe paper's transfer experiments start from the ImageNet model and replace its
+    softmax: every tensor whose name and shape match is loaded, the rest (a classifier of
+    another class count) keep their fresh initialization; optimizer, step and data position
+    start anew. A one-line ConfigError when nothing matches (another model, or a path to the
+    wrong run). The EMA, if any, restarts from the loaded weights.
+    """
+    live = parts.pipe.state_dict()
+    saved = read_weights(path)
+    found = matching(saved, live)
+    if not found:
+        raise ConfigError(
+            INIT,
+            f"{path} has no tensor matching this model by name and shape (checkpoint: "
+            f"{sorted(saved)[:2]}..., model: {sorted(live)[:2]}...)",
+        )
+    parts.pipe.load_state_dict({**live, **found})
+    if parts.ema is not None:
+        parts.ema.load_state_dict({n: p.detach() for n, p in parts.names.items()})
+    fresh = sorted(set(live) - set(found))
+    log.info(
+        "init_from %s: loaded %d of %d tensors; freshly initialized: %s",
+        path,
+        len(found),
+        len(live),
+        ", ".join(fresh) if fresh else "none",
+    )
+    return fresh

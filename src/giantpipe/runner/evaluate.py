@@ -1,5 +1,15 @@
 """Evaluation: the pipeline's forward over the eval batches, no gradients, eval mode.
 
+One evaluation for both executors. Every process runs the same number of forwards (rank 0,
+which reads the data, says how many); the processes holding stage 0 feed their replica's slice
+of each batch, those holding the last stage score the outputs, and the tallies are summed over
+the world, so every process returns the figures of the whole evaluation set. The local executor
+is a world of one, where the sums and the count are its own.
+
+The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`)
+needs every layer in one process: under torchrun, rank 0 gathers the other ranks' weights into
+its copy of the plain model first (see :func:`whole_model_figures`).
+
 Example::
 
     figures = evaluate(pipe, bundle, max_batches=None, precision="fp32", devices=devices)
@@ -8,15 +18,18 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
+from itertools import islice
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from giantpipe.data.bundle import DataBundle, batch_size
+from giantpipe.data.bundle import Batch, DataBundle, batch_size
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
-from giantpipe.runner.step import autocast, to_device
+from giantpipe.runner.step import autocast, feeds, replica_slice, to_device
+from giantpipe.runner.world import World
 
 
 @dataclass
@@ -29,10 +42,14 @@ class Tally:
     counted: int = 0
     correct_top5: int = 0
 
+    def as_list(self) -> list[float]:
+        return [self.loss_sum, self.weight, self.correct, self.counted, self.correct_top5]
 
-def _add_batch(
+
+def add_batch(
     tally: Tally, output: Tensor, targets: Tensor, bundle: DataBundle, loss_fn: LossFn
 ) -> None:
+    """Scores one batch into ``tally``."""
     normalizer = bundle.loss_normalizer
     loss = float(loss_fn(output, targets))
     if normalizer is not None:  # a summed loss over the batch's real tokens
@@ -47,6 +64,37 @@ def _add_batch(
         tally.correct_top5 += count_top_k(output, targets, 5, bundle.ignore_index)
 
 
+def _count(batches: Iterable[Batch], limit: int | None) -> int:
+    if isinstance(batches, Sized):
+        total = len(batches)
+        return total if limit is None else min(total, limit)
+    return sum(1 for _ in islice(batches, limit))
+
+
+def eval_stream(
+    bundle: DataBundle, max_batches: int | None, wanted: bool, world: World
+) -> Iterator[Batch | None]:
+    """The eval batches this process takes part in: real ones where it feeds the pipe, ``None``
+    elsewhere, as many everywhere as rank 0 counts."""
+    if world.size == 1:
+        yield from islice(bundle.eval_batches(), max_batches)
+        return
+    count = world.from_rank0(_count(bundle.eval_batches(), max_batches) if world.rank == 0 else 0)
+    stream = iter(bundle.eval_batches()) if wanted else None
+    for _ in range(count):
+        yield next(stream) if stream is not None else None
+
+
+def _figures(total: list[float], metric: str) -> dict[str, float]:
+    loss_sum, weight, correct, counted, top5 = total
+    figures = {"loss": loss_sum / max(weight, 1e-12)}
+    if metric in ("accuracy", "top5"):
+        figures["accuracy"] = correct / max(counted, 1)
+    if metric == "top5":
+        figures["top5"] = top5 / max(counted, 1)
+    return figures
+
+
 @torch.no_grad()
 def evaluate(
     pipe: nn.Module,
@@ -54,28 +102,56 @@ def evaluate(
     max_batches: int | None,
     precision: str,
     devices: Sequence[str],
+    world: World | None = None,
 ) -> dict[str, float]:
     """Loss (without label smoothing: the plain NLL or MSE) and the bundle's metric
-    (``accuracy``; for ``top5`` both ``accuracy`` and ``top5``)."""
+    (``accuracy``; for ``top5`` both ``accuracy`` and ``top5``), on every process.
+
+    ``devices``: inputs go to the first, outputs are scored where they come out.
+    """
+    world = world or World()
     tally = Tally()
     summed = bundle.loss_normalizer is not None
     loss_fn = build_loss(bundle.loss, 0.0, bundle.ignore_index, summed=summed)
+    inputs_wanted, targets_wanted, r, replicas = feeds(pipe)
     was_training = pipe.training
     pipe.eval()
     try:
-        for index, (inputs, targets) in enumerate(bundle.eval_batches()):
-            if max_batches is not None and index >= max_batches:
-                break
+        for batch in eval_stream(bundle, max_batches, inputs_wanted or targets_wanted, world):
+            inputs: Any = None
+            if batch is not None and inputs_wanted:
+                inputs = to_device(replica_slice(batch[0], r, replicas), devices[0])
             with autocast(precision, devices[0]):
-                output = pipe(to_device(inputs, devices[0]))
-            if not isinstance(output, Tensor) or not isinstance(targets, Tensor):
-                raise TypeError("the runner's losses need a tensor output and tensor targets")
-            _add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
+                output = pipe(inputs)
+            if batch is not None and targets_wanted:
+                targets = replica_slice(batch[1], r, replicas)
+                if not isinstance(output, Tensor) or not isinstance(targets, Tensor):
+                    raise TypeError("the runner's losses need a tensor output and tensor targets")
+                add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
     finally:
         pipe.train(was_training)
-    figures = {"loss": tally.loss_sum / max(tally.weight, 1e-12)}
-    if bundle.metric in ("accuracy", "top5"):
-        figures["accuracy"] = tally.correct / max(tally.counted, 1)
-    if bundle.metric == "top5":
-        figures["top5"] = tally.correct_top5 / max(tally.counted, 1)
-    return figures
+    return _figures(world.sum(tally.as_list()), bundle.metric)
+
+
+def whole_model_figures(
+    pipe: nn.Module, model: nn.Sequential | None, bundle: DataBundle, world: World
+) -> dict[str, float | str]:
+    """The data's own evaluation of the whole model (e.g. BLEU), on every process.
+
+    Under torchrun the ranks of replica 0 send their weights to rank 0, which loads them into
+    its plain model and runs the evaluation; the figures then reach every rank.
+    """
+    hook = bundle.evaluate_model
+    if hook is None:
+        return {}
+    if world.size > 1:
+        _, _, replica, _ = feeds(pipe)
+        state = {k: v.detach().cpu() for k, v in pipe.state_dict().items()} if not replica else {}
+        gathered = world.collect(state)
+        if gathered is not None:
+            assert model is not None, "rank 0 keeps the plain model for whole-model evaluation"
+            merged = {k: v for part in gathered for k, v in part.items()}
+            model.load_state_dict(merged)
+    figures = hook(model) if world.rank == 0 and model is not None else {}
+    result: dict[str, float | str] = world.from_rank0(figures)
+    return result

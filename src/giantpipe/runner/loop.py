@@ -1,5 +1,11 @@
 """The training loop: optimizer steps over the engine, evaluation, checkpoints, metrics.
 
+One loop for both executors. The local executor is a world of one process; under torchrun
+(``pipeline.executor=distributed``) every rank runs this loop over its own stage, the steps,
+the loss and the statistics are collective, and rank 0 alone writes the run directory (config,
+progress bar, ``metrics.jsonl``, ``summary.json``, the log): it already holds what it logs,
+because the engine gathers the loss and every stage's busy time, bubble and peak memory.
+
 Example::
 
     summary = train(cfg, run_dir=Path("outputs/run"), config_yaml=resolved_yaml)
@@ -11,28 +17,31 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from giantpipe.config import ExperimentConfig
-from giantpipe.data.bundle import Batch
+from giantpipe.data.bundle import Batch, batch_size
 from giantpipe.metrics.logger import MetricsLogger
-from giantpipe.metrics.record import StepRecord
+from giantpipe.metrics.record import EngineStats, StepRecord
 from giantpipe.runner.build import Experiment, build_experiment
-from giantpipe.runner.checkpoint import atomic_save
-from giantpipe.runner.evaluate import evaluate
+from giantpipe.runner.checkpoint import Progress, load_initial_weights, restore, save_run
+from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.forecast import Forecast
-from giantpipe.runner.init_weights import load_initial_weights
-from giantpipe.runner.run_dir import LAST, check_writable, resume_checkpoint
-from giantpipe.runner.run_record import after_step, base_summary, open_record, run_to_summary
+from giantpipe.runner.record import (
+    LAST,
+    after_step,
+    base_summary,
+    check_writable,
+    open_record,
+    resume_point,
+    run_to_summary,
+)
 from giantpipe.runner.seeding import seed_everything
-from giantpipe.runner.state import Progress, capture, restore_checkpoint
-from giantpipe.runner.step import accumulate_gradients
-from giantpipe.runner.update import apply_update
+from giantpipe.runner.step import accumulate_gradients, clip_grad_norm, feeds
+from giantpipe.runner.world import World, open_world
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +51,20 @@ class NonFiniteLossError(RuntimeError):
 
 
 class TrainingLoop:
-    """Runs optimizer steps from ``progress`` to ``parts.total_steps``."""
+    """Runs optimizer steps from ``progress`` to ``parts.total_steps`` on this process."""
 
     def __init__(
         self,
         cfg: ExperimentConfig,
         parts: Experiment,
         run_dir: Path,
-        metrics: MetricsLogger,
+        metrics: MetricsLogger | None,
         progress: Progress,
         last_good: tuple[Path, int] | None,
+        world: World,
     ) -> None:
         self.cfg, self.parts, self.run_dir, self.metrics = cfg, parts, run_dir, metrics
-        self.progress = progress
-        self.last_good = last_good
+        self.progress, self.last_good, self.world = progress, last_good, world
         self.last_eval: dict[str, float] = {}
         self.eval_notes: dict[str, str] = {}
         """Text figures of the latest evaluation (e.g. the BLEU signature), for the summary."""
@@ -77,11 +86,16 @@ class TrainingLoop:
             f"step {step}: {what} is {value}; stopped without saving ({kept})"
         )
 
-    def optimizer_step(self, stream: Iterator[Batch]) -> StepRecord:
-        """Accumulate gradients over trainer.accumulate batches, clip, update, advance."""
+    def _batches(self, stream: Iterator[Batch] | None) -> list[Batch | None]:
+        count = self.cfg.trainer.accumulate
+        return [next(stream) for _ in range(count)] if stream is not None else [None] * count
+
+    def optimizer_step(self, stream: Iterator[Batch] | None) -> StepRecord:
+        """Accumulate over trainer.accumulate batches, clip by the global norm, update, advance;
+        the same loss and norm on every process."""
         parts, trainer = self.parts, self.cfg.trainer
         start = time.perf_counter()
-        batches = [next(stream) for _ in range(trainer.accumulate)]
+        batches = self._batches(stream)
         parts.optimizer.zero_grad(set_to_none=True)
         loss, stats = accumulate_gradients(
             parts.pipe,
@@ -89,77 +103,107 @@ class TrainingLoop:
             parts.loss_fn,
             parts.bundle.loss_normalizer,
             self.cfg.pipeline.precision,
-            parts.devices,
+            [parts.input_device, parts.target_device],
         )
         if not math.isfinite(loss):
             raise self._fail("the loss", loss)
         grad_norm = None
         if trainer.grad_clip is not None:
-            # One global norm over every stage's parameters, wherever they live.
-            norm = torch.nn.utils.clip_grad_norm_(parts.pipe.parameters(), trainer.grad_clip)
-            grad_norm = float(norm)
+            grad_norm = clip_grad_norm(parts.pipe, trainer.grad_clip)
             if not math.isfinite(grad_norm):
                 raise self._fail("the gradient norm", grad_norm)
-        record = apply_update(parts, self.progress, batches, loss, stats, grad_norm, start)
+        record = self.update(batches, loss, stats, grad_norm, start)
         if self.forecast is not None:  # after the record: its step time leaves the profile out
             more = self.progress.step < parts.total_steps
             precision = self.cfg.pipeline.precision
             self.forecast.after_step(parts, precision, batches[0], stats, self.progress.step, more)
         return record
 
+    def update(
+        self,
+        batches: Sequence[Batch | None],
+        loss: float,
+        stats: list[EngineStats],
+        grad_norm: float | None,
+        started: float,
+    ) -> StepRecord:
+        """Steps the optimizer, the LR schedule and the EMA, advances the progress by one step
+        and ``len(batches)`` batches, and returns the step's record."""
+        parts, progress = self.parts, self.progress
+        lr = float(parts.optimizer.param_groups[0]["lr"])  # the rate this step used
+        parts.optimizer.step()
+        parts.scheduler.step()
+        if parts.ema is not None:
+            parts.ema.update()
+        progress.step += 1
+        progress.position += len(batches)
+        held = [b for b in batches if b is not None]  # a rank without data counts no samples
+        tokens = parts.bundle.tokens_per_batch
+        return StepRecord.from_engine(
+            stats,
+            step=progress.step,
+            loss=loss,
+            lr=lr,
+            step_time_s=time.perf_counter() - started,
+            samples=sum(batch_size(inputs) for inputs, _ in held),
+            tokens=sum(tokens(b) for b in held) if tokens is not None and held else None,
+            grad_norm=grad_norm,
+        )
+
     # -- evaluation and checkpoints ---------------------------------------------------------
 
-    def model_figures(self) -> dict[str, float]:
-        """The bundle's own evaluation of the model (e.g. BLEU); text figures become notes."""
-        hook = self.parts.bundle.evaluate_model
-        if hook is None:
-            return {}
-        figures = hook(self.parts.model)
-        notes = {k: v for k, v in figures.items() if isinstance(v, str)}
+    def _figures(self) -> dict[str, float]:
+        parts, world = self.parts, self.world
+        figures = evaluate(
+            parts.pipe,
+            parts.bundle,
+            self.cfg.trainer.eval_batches,
+            self.cfg.pipeline.precision,
+            [parts.input_device],
+            world,
+        )
+        whole = whole_model_figures(parts.pipe, parts.model, parts.bundle, world)
+        notes = {k: v for k, v in whole.items() if isinstance(v, str)}
         for key, note in notes.items():
             log.info("step %d eval %s: %s", self.progress.step, key, note)
         self.eval_notes.update(notes)
-        return {k: float(v) for k, v in figures.items() if not isinstance(v, str)}
+        return {**figures, **{k: float(v) for k, v in whole.items() if not isinstance(v, str)}}
 
     def evaluate(self) -> None:
-        parts = self.parts
-
-        def run() -> dict[str, float]:
-            figures = evaluate(
-                parts.pipe,
-                parts.bundle,
-                self.cfg.trainer.eval_batches,
-                self.cfg.pipeline.precision,
-                parts.devices,
-            )
-            return {**figures, **self.model_figures()}
-
-        if parts.ema is not None:
-            with parts.ema.swapped():
-                self.last_eval = run()
+        if self.parts.ema is not None:
+            with self.parts.ema.swapped():
+                self.last_eval = self._figures()
         else:
-            self.last_eval = run()
-        self.metrics.evaluation(self.progress.step, self.last_eval)
+            self.last_eval = self._figures()
+        if self.metrics is not None:
+            self.metrics.evaluation(self.progress.step, self.last_eval)
 
     def save(self, name: str) -> None:
-        path = self.run_dir / name
-        atomic_save(capture(self.parts, self.progress), path)
+        directory = self.run_dir / name
+        save_run(self.parts, self.progress, directory, self.world)
         if name == LAST:
-            self.last_good = (path, self.progress.step)
+            self.last_good = (directory, self.progress.step)
 
     def after_step(self) -> None:
-        after_step(self, LAST, lambda step: f"step_{step}.pt")
+        after_step(self, LAST, lambda step: f"step_{step}")
 
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        stream = self.parts.bundle.train_batches(self.cfg.trainer.seed, self.progress.position)
+        inputs_wanted, targets_wanted, _, _ = feeds(self.parts.pipe)
+        stream = (
+            self.parts.bundle.train_batches(self.cfg.trainer.seed, self.progress.position)
+            if inputs_wanted or targets_wanted
+            else None
+        )
         while self.progress.step < self.parts.total_steps:
             record = self.optimizer_step(stream)
-            self.last_line = self.metrics.train_step(record) or self.last_line
+            if self.metrics is not None:
+                self.last_line = self.metrics.train_step(record) or self.last_line
             self.after_step()
-        self.last_line = self.metrics.flush() or self.last_line
-        if self.forecast is not None:
+        if self.metrics is not None:
+            self.last_line = self.metrics.flush() or self.last_line
+        if self.forecast is not None and self.world.writes:
             self.forecast.report(self.run_dir, self.parts.pipe)
         self.evaluate()
         if self.cfg.trainer.save_last:
@@ -169,16 +213,17 @@ class TrainingLoop:
 def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> dict[str, Any]:
     """The run's figures for summary.json, the table and the sweep objective."""
     parts = loop.parts
-    pipeline = {"pipeline/devices": list(parts.devices), "pipeline/balance": list(parts.balance)}
+    pipeline = {
+        "pipeline/executor": cfg.pipeline.executor,
+        "pipeline/world_size": loop.world.size,
+        "pipeline/replicas": feeds(parts.pipe)[3],
+        "pipeline/devices": list(parts.devices),
+        "pipeline/balance": list(parts.balance),
+    }
+    figures = loop.metrics.run_figures() if loop.metrics is not None else {}
     evaluation = {**loop.last_eval, **loop.eval_notes}
     summary = base_summary(
-        cfg,
-        loop.progress.step,
-        wall_time_s,
-        loop.last_line,
-        evaluation,
-        loop.metrics.run_figures(),
-        pipeline,
+        cfg, loop.progress.step, wall_time_s, loop.last_line, evaluation, figures, pipeline
     )
     if loop.forecast is not None:
         summary.update(loop.forecast.figures())
@@ -188,26 +233,76 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
 
 
 def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, Any]:
-    """Check, build, (resume,) train, evaluate, and write the summary; return it.
+    """Check, build, (resume,) train, evaluate, and write the summary; return it (on every
+    process under torchrun: rank 0's).
 
     Nothing in ``run_dir`` is written until the config, the data, the model, the balance and any
-    checkpoint to resume from have all been checked.
+    checkpoint to resume from have all been checked (on every rank).
     """
     start = time.perf_counter()
-    resume_from = resume_checkpoint(cfg.trainer.resume, run_dir)
-    check_writable(run_dir)
-    seed_everything(cfg.trainer.seed)
-    parts = build_experiment(cfg, run_dir)
+    world = open_world(cfg.pipeline)
+    try:
+        return _train(cfg, world.from_rank0(run_dir), config_yaml, world, start)
+    finally:
+        world.close()
+
+
+def _train(
+    cfg: ExperimentConfig, run_dir: Path, config_yaml: str, world: World, start: float
+) -> dict[str, Any]:
+    def checks() -> Path | None:
+        resume_from = resume_point(cfg.trainer.resume, run_dir)
+        if world.writes:
+            check_writable(run_dir)
+        return resume_from
+
+    resume_from = world.agree(checks)
+    seed_everything(cfg.trainer.seed)  # then data, then model: every rank in the same order
+    parts = build_experiment(cfg, run_dir, world)
     cfg = replace(cfg, pipeline=parts.pipeline)  # as run: the planner's knobs under plan=auto
-    progress, last_good = Progress(), None
-    if resume_from is not None:
-        progress = restore_checkpoint(parts, resume_from)
-        last_good = (resume_from, progress.step)
-    elif cfg.trainer.init_from is not None:  # fine-tune: weights only, a fresh run otherwise
-        load_initial_weights(parts, Path(cfg.trainer.init_from).expanduser())
+
+    def restore_or_start() -> Progress:
+        if resume_from is not None:
+            return restore(parts, resume_from, world)
+        if cfg.trainer.init_from is not None:  # fine-tune: weights only, a fresh run otherwise
+            load_initial_weights(parts, Path(cfg.trainer.init_from).expanduser())
+        return Progress()
+
+    progress = world.agree(restore_or_start)
     # -- checked: from here on the run writes into run_dir -----------------------------------
-    resumed = resume_from is not None
-    metrics = open_record(
+    metrics = _open(cfg, run_dir, config_yaml, parts, progress, resume_from is not None, world)
+    last_good = (resume_from, progress.step) if resume_from is not None else None
+    loop = TrainingLoop(cfg, parts, run_dir, metrics, progress, last_good, world)
+    summary = run_to_summary(
+        cfg.name,
+        run_dir,
+        metrics,
+        loop.run,
+        lambda: summarize(cfg, loop, time.perf_counter() - start),
+        lambda: loop.progress.step,
+    )
+    shared: dict[str, Any] = world.from_rank0(summary)
+    return shared
+
+
+def _open(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    config_yaml: str,
+    parts: Experiment,
+    progress: Progress,
+    resumed: bool,
+    world: World,
+) -> MetricsLogger | None:
+    """Rank 0's record of the run (None elsewhere)."""
+    if not world.writes:
+        return None
+    where: tuple[str, tuple[Any, ...]] = ("", ())
+    if world.size > 1:
+        replicas = feeds(parts.pipe)[3]
+        ranks = (world.size, world.size // replicas, replicas)
+        where = ("distributed, %d ranks = K %d x R %d, ", ranks)
+    return open_record(
         cfg,
         run_dir,
         config_yaml,
@@ -217,13 +312,5 @@ def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, A
         parts.devices,
         parts.balance,
         log,
-    )
-    loop = TrainingLoop(cfg, parts, run_dir, metrics, progress, last_good)
-    return run_to_summary(
-        cfg.name,
-        run_dir,
-        metrics,
-        loop.run,
-        lambda: summarize(cfg, loop, time.perf_counter() - start),
-        lambda: loop.progress.step,
+        where,
     )

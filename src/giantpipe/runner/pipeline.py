@@ -1,4 +1,11 @@
-"""From ``PipelineConfig`` to an engine: devices, balance, and the GPipe itself.
+"""From ``PipelineConfig`` to an engine: devices, balance, and the pipe itself.
+
+The local executor's pipe is a :class:`~giantpipe.engine.GPipe` over K devices of this process;
+under torchrun each rank builds a :class:`~giantpipe.engine.dist.pipe.DistributedPipe` over its
+own device, and the world is K pipeline ranks x R replicas::
+
+    K: len(pipeline.balance) / V for a listed balance, else pipeline.num_devices, else the
+       world size (R = 1)
 
 Everything here is checked before any training work: a bad device list, a balance that does not
 fit the model or more stages than devices is a ConfigError naming the ``pipeline.*`` key.
@@ -12,11 +19,15 @@ Example::
 
 from __future__ import annotations
 
+import os
+
+import torch
 from torch import nn
 
 from giantpipe.config import ConfigError, PipelineConfig
 from giantpipe.data.bundle import Tensors
 from giantpipe.engine import GPipe, build_schedule
+from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 
 DEFAULT_CPU_STAND_INS = 2
@@ -64,6 +75,57 @@ def resolve_devices(cfg: PipelineConfig, cuda_count: int) -> list[str]:
         return _cuda_devices(cfg, cuda_count)
     # cpu, or auto without GPUs: stand-in devices that share this machine's cores.
     return ["cpu"] * (_requested_count(cfg) or DEFAULT_CPU_STAND_INS)
+
+
+def pipeline_ranks(cfg: PipelineConfig, world: int) -> int:
+    """K, the pipeline ranks, for a world of ``world`` processes (the rest are replicas).
+
+    Example::
+
+        pipeline_ranks(PipelineConfig(num_devices=2), world=4)    # 2: two replicas of K=2
+    """
+    if isinstance(cfg.balance, list | tuple):
+        k, key = len(cfg.balance) // cfg.virtual_stages, "pipeline.balance"
+    elif cfg.num_devices is not None:
+        k, key = cfg.num_devices, "pipeline.num_devices"
+    else:
+        k, key = world, "pipeline.num_devices"
+    if k < 1 or world % k:
+        raise ConfigError(
+            key,
+            f"{k} pipeline ranks do not divide the {world} torchrun processes (world size = "
+            "pipeline ranks x replicas; set pipeline.num_devices or --nproc_per_node)",
+        )
+    return k
+
+
+def rank_device(cfg: PipelineConfig, cuda_count: int, local_rank: int | None = None) -> str:
+    """This torchrun process's device: entry LOCAL_RANK of a listed ``pipeline.devices`` (the
+    list of one machine's devices), cuda:LOCAL_RANK (``cuda``, or ``auto`` with a GPU), else cpu.
+
+    Example::
+
+        rank_device(PipelineConfig(devices=["cuda:1", "cuda:0"]), cuda_count=2, local_rank=0)
+        # "cuda:1"
+    """
+    local = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+    if isinstance(cfg.devices, list | tuple):
+        listed = _check_listed(list(cfg.devices), cuda_count)
+        if local >= len(listed):
+            raise ConfigError(
+                "pipeline.devices",
+                f"local rank {local} has no device: the list names {len(listed)} "
+                "(one per process of a machine)",
+            )
+        return listed[local]
+    if cfg.devices == "cuda" or (cfg.devices == "auto" and cuda_count > 0):
+        if local >= cuda_count:
+            raise ConfigError(
+                "pipeline.devices",
+                f"local rank {local} needs cuda:{local}; {cuda_count} GPUs visible",
+            )
+        return f"cuda:{local}"
+    return "cpu"
 
 
 def check_balance(
@@ -155,7 +217,8 @@ def check_schedule(name: str, stages: int, chunks: int, virtual_stages: int = 1)
 def build_pipe(
     model: nn.Sequential, cfg: PipelineConfig, balance: list[int], devices: list[str]
 ) -> GPipe:
-    """The engine over the first ``len(balance) / V`` devices, with the configured M and modes."""
+    """The local engine over the first ``len(balance) / V`` devices, with the configured M and
+    modes."""
     workers = len(balance) // cfg.virtual_stages
     check_schedule(cfg.schedule, workers, cfg.chunks, cfg.virtual_stages)
     return GPipe(
@@ -167,4 +230,25 @@ def build_pipe(
         deferred_batch_norm=cfg.deferred_batch_norm,
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
+        timeout=cfg.timeout,
+    )
+
+
+def build_distributed_pipe(
+    model: nn.Sequential, cfg: PipelineConfig, balance: list[int], device: str
+) -> DistributedPipe:
+    """This rank's engine (collective): it keeps its own stage of ``model``, built whole on the
+    host as the local runner builds it, so that both start from the same weights."""
+    check_schedule(cfg.schedule, len(balance) // cfg.virtual_stages, cfg.chunks, cfg.virtual_stages)
+    return DistributedPipe(
+        model,
+        balance,
+        chunks=cfg.chunks,
+        checkpoint=cfg.checkpoint,
+        schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
+        device=torch.device(device),
+        deferred_batch_norm=cfg.deferred_batch_norm,
+        init=None,
+        timeout=cfg.timeout,
     )

@@ -4,10 +4,17 @@ With ``A`` batches per optimizer step, each engine step's loss is weighted so th
 gradients equal those of one batch made of all ``A``: by batch size for mean losses, or by the
 combined normalizer (e.g. total non-pad tokens) for summed losses.
 
+The same code drives both executors. A process feeds the pipe only what its stages need: under
+torchrun, stage 0's ranks the inputs, the last stage's ranks the targets, the others ``None``
+batches; with R replicas each batch is split in R along dim 0, replica r taking slice r, so a
+step trains on the same samples as the local executor's. The local executor (a world of one)
+holds every stage and one replica.
+
 Example::
 
     loss, stats = accumulate_gradients(pipe, batches, loss_fn, normalizer=None,
                                        precision="fp32", devices=["cpu", "cpu"])
+    norm = clip_grad_norm(pipe, 1.0)
     optimizer.step()
 """
 
@@ -17,10 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, Tensors, batch_size
-from giantpipe.engine import GPipe
+from giantpipe.engine.dist.gradsync import clip_grad_norm_
 from giantpipe.runner.losses import LossFn
 
 
@@ -37,6 +44,32 @@ def autocast(precision: str, device: str) -> torch.autocast:
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
+def replica_slice(tensors: Tensors, replica: int, replicas: int) -> Tensors:
+    """Replica ``replica``'s share of a batch: slice ``replica`` of ``replicas`` along dim 0.
+
+    Example::
+
+        replica_slice(torch.arange(10), 1, 2)    # tensor([5, 6, 7, 8, 9])
+    """
+    if replicas == 1:
+        return tensors
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return torch.tensor_split(t, replicas)[replica]
+
+    return tuple(cut(t) for t in tensors) if isinstance(tensors, tuple) else cut(tensors)
+
+
+def feeds(pipe: nn.Module) -> tuple[bool, bool, int, int]:
+    """What ``pipe``'s process feeds: (inputs?, targets?, its replica, the replicas)."""
+    return (
+        getattr(pipe, "needs_inputs", True),
+        getattr(pipe, "needs_targets", True),
+        getattr(pipe, "replica", 0),
+        getattr(pipe, "replicas", 1),
+    )
+
+
 def _weighted(loss_fn: LossFn, weight: float) -> LossFn:
     def weighted(output: Tensor, target: Tensor) -> Tensor:
         return loss_fn(output, target.to(output.device)) * weight
@@ -44,9 +77,13 @@ def _weighted(loss_fn: LossFn, weight: float) -> LossFn:
     return weighted
 
 
+def _fixed(value: float) -> Callable[[Any], float]:
+    return lambda _targets: value
+
+
 def accumulate_gradients(
-    pipe: GPipe,
-    batches: Sequence[Batch],
+    pipe: nn.Module,
+    batches: Sequence[Batch | None],
     loss_fn: LossFn,
     normalizer: Callable[[Any], float] | None,
     precision: str,
@@ -54,20 +91,41 @@ def accumulate_gradients(
 ) -> tuple[float, list[Any]]:
     """Run ``pipe.train_step`` on each batch; grads add up in ``p.grad``.
 
-    Returns the combined batch's loss and the engine's stats of each engine step.
+    ``devices``: inputs go to the first, targets to the last. Returns the combined batch's loss
+    and the engine's stats of each engine step. Mean losses: batch ``i`` weighs its size over
+    the step's; summed losses: the engine divides by the step's normalizer (over every batch
+    of the step and, under torchrun, every replica).
     """
-    sizes = [batch_size(inputs) for inputs, _ in batches]
-    total_norm = sum(normalizer(t) for _, t in batches) if normalizer is not None else None
+    inputs_wanted, targets_wanted, r, replicas = feeds(pipe)
+    held = [b for b in batches if b is not None]
+    sizes = [0 if b is None else batch_size(b[1]) for b in batches]
+    share = (
+        sum(normalizer(replica_slice(t, r, replicas)) for _, t in held)
+        if normalizer is not None and targets_wanted
+        else None
+    )
     loss, stats = 0.0, []
-    for (inputs, targets), size in zip(batches, sizes, strict=True):
-        inputs, targets = to_device(inputs, devices[0]), to_device(targets, devices[-1])
-        if total_norm is None:
-            step_fn, step_norm = _weighted(loss_fn, size / sum(sizes)), None
-        else:
-            # The engine divides the summed loss by this number: the combined batch's tokens.
-            step_fn, step_norm = _weighted(loss_fn, 1.0), (lambda _t, n=total_norm: n)
+    for index, batch in enumerate(batches):
+        inputs = targets = None
+        step_fn, step_norm = _weighted(loss_fn, 1.0), None
+        if batch is not None:
+            if inputs_wanted:
+                inputs = to_device(replica_slice(batch[0], r, replicas), devices[0])
+            if targets_wanted:
+                targets = to_device(replica_slice(batch[1], r, replicas), devices[-1])
+            if normalizer is None:
+                step_fn = _weighted(loss_fn, sizes[index] / sum(sizes))
+            elif share is not None:
+                step_norm = _fixed(share)
         with autocast(precision, devices[0]):
             step_loss = pipe.train_step(inputs, targets, step_fn, loss_normalizer=step_norm)
         loss += float(step_loss)
         stats.append(pipe.last_stats)
     return loss, stats
+
+
+def clip_grad_norm(pipe: nn.Module, max_norm: float) -> float:
+    """Clips the gradients by one norm over every stage (and rank); returns that norm."""
+    if hasattr(pipe, "layout"):  # a torchrun rank: the norm is summed over the pipeline
+        return float(clip_grad_norm_(pipe, max_norm))
+    return float(torch.nn.utils.clip_grad_norm_(pipe.parameters(), max_norm))

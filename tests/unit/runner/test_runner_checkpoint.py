@@ -8,13 +8,13 @@ from torch import nn
 
 from giantpipe.config import ConfigError
 from giantpipe.engine import GPipe
+from giantpipe.runner.build import parameter_names
 from giantpipe.runner.checkpoint import (
     atomic_save,
     check_model_fits,
     load_checkpoint,
     load_optimizer_state_by_name,
     optimizer_state_by_name,
-    parameter_names,
 )
 
 

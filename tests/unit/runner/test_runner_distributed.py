@@ -1,5 +1,6 @@
-"""The distributed runner's pieces that need no processes: the config key, K and R, the rank
-overrides, replica slices, checkpoint directories, and the one-line errors of the dispatch."""
+"""The runner's torchrun pieces that need no processes: the config key, K and R, each rank's
+device, the rank overrides, replica slices, checkpoint directories, and the one-line errors of
+the dispatch."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from giantpipe.config import (
     register_configs,
 )
 from giantpipe.runner import train
-from giantpipe.runner.dist_build import check_supported, pipeline_ranks, replica_slice
-from giantpipe.runner.dist_checkpoint import resume_directory
+from giantpipe.runner.pipeline import pipeline_ranks, rank_device
+from giantpipe.runner.record import resume_point
+from giantpipe.runner.step import replica_slice
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 
@@ -71,9 +73,16 @@ def test_pipeline_ranks_must_divide_the_world() -> None:
         pipeline_ranks(PipelineConfig(balance=[2, 2, 2]), 4)
 
 
-def test_device_lists_are_for_the_local_executor() -> None:
-    with pytest.raises(ConfigError, match=r"^pipeline.devices: a device list is for the local"):
-        check_supported(tiny(devices=["cpu", "cpu"]))
+def test_each_rank_takes_its_local_rank_of_a_device_list() -> None:
+    listed = PipelineConfig(devices=["cpu", "cpu", "cpu"])
+    assert [rank_device(listed, 0, local_rank=r) for r in range(3)] == ["cpu"] * 3
+    assert rank_device(PipelineConfig(devices=["cuda:1", "cuda:0"]), 2, local_rank=0) == "cuda:1"
+    assert rank_device(PipelineConfig(devices="cuda"), 2, local_rank=1) == "cuda:1"
+    assert rank_device(PipelineConfig(devices="auto"), 0, local_rank=1) == "cpu"
+    with pytest.raises(ConfigError, match=r"^pipeline.devices: local rank 2 has no device"):
+        rank_device(PipelineConfig(devices=["cpu", "cpu"]), 0, local_rank=2)
+    with pytest.raises(ConfigError, match=r"^pipeline.devices: local rank 1 needs cuda:1"):
+        rank_device(PipelineConfig(devices="cuda"), 1, local_rank=1)
 
 
 def test_ranks_other_than_zero_get_no_log_file_nor_run_dir() -> None:
@@ -97,22 +106,21 @@ def test_replica_slices_cover_the_batch_in_order() -> None:
     assert replica_slice(batch[0], 0, 1) is batch[0]
 
 
-def test_resume_directory_rules(tmp_path: Path) -> None:
-    assert resume_directory(False, tmp_path) is None
-    with pytest.raises(ConfigError, match=r"^trainer.resume: no distributed checkpoint"):
-        resume_directory(True, tmp_path)
-    (tmp_path / "last.pt").write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"resume it with pipeline.executor=local"):
-        resume_directory(str(tmp_path / "last.pt"), tmp_path / "new")
+def test_resume_rules(tmp_path: Path) -> None:
+    assert resume_point(False, tmp_path) is None
+    with pytest.raises(ConfigError, match=r"^trainer.resume: no checkpoint at .*last"):
+        resume_point(True, tmp_path)
+    (tmp_path / "last.pt").write_bytes(b"")  # the earlier one-file format still counts
+    assert resume_point(str(tmp_path / "last.pt"), tmp_path / "new") == tmp_path / "last.pt"
     with pytest.raises(ConfigError, match=r"already holds a run \(last.pt\)"):
-        resume_directory(False, tmp_path)
+        resume_point(False, tmp_path)
     (tmp_path / "last.pt").unlink()
     (tmp_path / "last").mkdir()
     (tmp_path / "last" / "manifest.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"already holds a run \(last/manifest.json\)"):
-        resume_directory(False, tmp_path)
-    assert resume_directory(True, tmp_path) == tmp_path / "last"
-    assert resume_directory(str(tmp_path / "last" / "manifest.json"), tmp_path / "b") == (
+        resume_point(False, tmp_path)
+    assert resume_point(True, tmp_path) == tmp_path / "last"
+    assert resume_point(str(tmp_path / "last" / "manifest.json"), tmp_path / "b") == (
         tmp_path / "last"
     )
 

@@ -21,8 +21,8 @@ from giantpipe.config import (
 from giantpipe.data.image_bundle import generated_images
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
+from giantpipe.runner.checkpoint import load_initial_weights, read_checkpoint, read_weights
 from giantpipe.runner.evaluate import evaluate
-from giantpipe.runner.init_weights import load_initial_weights, read_weights
 from giantpipe.runner.losses import count_top_k
 
 
@@ -46,10 +46,10 @@ def amoeba(classes: int, **trainer) -> ExperimentConfig:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """last.pt of a 2-step run on 10 classes, with an EMA of the weights."""
+    """The last checkpoint of a 2-step run on 10 classes, with an EMA of the weights."""
     run_dir = tmp_path_factory.mktemp("pretrain")
     train(amoeba(10, ema_decay=0.5), run_dir, "name: amoeba\n")
-    return run_dir / "last.pt"
+    return run_dir / "last"
 
 
 def test_count_top_k() -> None:
@@ -74,7 +74,7 @@ def test_init_from_loads_all_but_the_new_classifier(checkpoint: Path) -> None:
     fresh_fc = parts.pipe.state_dict()["classifier.fc.weight"].clone()
     fresh = load_initial_weights(parts, checkpoint)
     assert fresh == ["classifier.fc.bias", "classifier.fc.weight"]
-    state, saved = parts.pipe.state_dict(), torch.load(checkpoint, weights_only=False)
+    state, saved = parts.pipe.state_dict(), read_checkpoint(checkpoint)
     # Parameters come from the EMA (the weights the run evaluated), buffers from the model.
     assert torch.equal(state["stem.conv.weight"], saved["ema"]["stem.conv.weight"])
     assert not torch.equal(saved["ema"]["stem.conv.weight"], saved["model"]["stem.conv.weight"])
@@ -85,9 +85,10 @@ def test_init_from_loads_all_but_the_new_classifier(checkpoint: Path) -> None:
 def test_init_from_runs_a_fresh_run_with_another_class_count(checkpoint: Path, tmp_path: Path):
     summary = train(amoeba(3, init_from=str(checkpoint)), tmp_path, "name: amoeba\n")
     assert summary["status"] == "completed" and summary["steps"] == 2  # steps start from 0
-    assert torch.load(tmp_path / "last.pt", weights_only=False)["model"][
-        "classifier.fc.weight"
-    ].shape == (3, 16 * 8)  # 16 D features
+    assert read_checkpoint(tmp_path / "last")["model"]["classifier.fc.weight"].shape == (
+        3,
+        16 * 8,
+    )  # 16 D features
 
 
 def test_init_from_without_a_match_is_one_line(tmp_path: Path, checkpoint: Path) -> None:

@@ -19,6 +19,7 @@ from giantpipe.config import (
 )
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
+from giantpipe.runner.checkpoint import read_checkpoint
 from giantpipe.runner.forecast import Forecast
 
 PREDICTED = (
@@ -70,7 +71,7 @@ def test_the_prediction_changes_nothing_the_run_trains(tmp_path: Path):
         run_dir = tmp_path / str(predict)
         train(tiny(predict, dropout=0.3), run_dir, "name: tiny\n")
         losses = [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-        runs[predict] = losses, torch.load(run_dir / "last.pt", weights_only=False)["model"]
+        runs[predict] = losses, read_checkpoint(run_dir / "last")["model"]
     assert runs[True][0] == runs[False][0]
     for name, tensor in runs[True][1].items():
         assert torch.equal(tensor, runs[False][1][name]), name

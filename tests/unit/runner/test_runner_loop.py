@@ -6,7 +6,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from giantpipe.config import (
     ConfigError,
@@ -21,6 +20,7 @@ from giantpipe.data.bundle import DataBundle
 from giantpipe.data.synthetic import classification
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
+from giantpipe.runner.checkpoint import read_checkpoint
 from giantpipe.runner.loop import NonFiniteLossError
 
 NAN_FROM = 3  # the training batch from which nan_data returns NaN inputs
@@ -83,8 +83,8 @@ def test_run_writes_metrics_summary_config_and_checkpoint(tmp_path: Path, capsys
         assert key in first, key
     assert len(first["busy_time_s"]) == len(first["peak_memory_bytes"]) == 2
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
-    assert torch.load(tmp_path / "last.pt", weights_only=False)["step"] == 6
-    assert torch.load(tmp_path / "step_4.pt", weights_only=False)["step"] == 4
+    assert read_checkpoint(tmp_path / "last")["step"] == 6
+    assert read_checkpoint(tmp_path / "step_4")["step"] == 4
     assert (tmp_path / "config.yaml").read_text() == "name: tiny\n"
     assert "eval loss" in capsys.readouterr().out
 
@@ -92,19 +92,19 @@ def test_run_writes_metrics_summary_config_and_checkpoint(tmp_path: Path, capsys
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path):
     cfg = tiny(eval_every=2, max_steps=8)
     cfg.data = {"_target_": f"{__name__}.nan_data", "features": 8, "classes": 4}
-    with pytest.raises(NonFiniteLossError, match=r"step 4: the loss is nan; .*last.pt \(step 2\)"):
+    with pytest.raises(NonFiniteLossError, match=r"step 4: the loss is nan; .*last \(step 2\)"):
         train(cfg, tmp_path, "")
-    assert torch.load(tmp_path / "last.pt", weights_only=False)["step"] == 2
+    assert read_checkpoint(tmp_path / "last")["step"] == 2
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps"] == 3
 
 
 def test_fresh_run_refuses_a_directory_holding_a_run(tmp_path: Path):
     train(tiny(max_steps=2), tmp_path, "")
-    before = (tmp_path / "last.pt").read_bytes()
+    before = (tmp_path / "last" / "manifest.json").read_bytes()
     with pytest.raises(ConfigError, match="trainer.resume: .* already holds a run"):
         train(tiny(max_steps=2), tmp_path, "")
-    assert (tmp_path / "last.pt").read_bytes() == before
+    assert (tmp_path / "last" / "manifest.json").read_bytes() == before
 
 
 def test_resume_continues_the_same_losses_even_with_dropout(tmp_path: Path):
@@ -134,13 +134,13 @@ def test_accumulation_ema_bf16_and_epochs(tmp_path: Path):
     # 256 / 16 = 16 batches per epoch = 8 optimizer steps per epoch; a quarter epoch is 2 steps.
     assert summary["steps"] == 2
     assert math.isfinite(summary["eval/loss"])
-    assert "ema" in torch.load(tmp_path / "last.pt", weights_only=False)
+    assert read_checkpoint(tmp_path / "last")["ema"] is not None
 
 
 def test_resume_from_a_path_will_not_overwrite_another_run(tmp_path: Path):
     train(tiny(max_steps=2), tmp_path / "a", "")
     train(tiny(max_steps=2), tmp_path / "b", "")
-    before = (tmp_path / "b" / "last.pt").read_bytes()
-    with pytest.raises(ConfigError, match="holds another run's last.pt"):
-        train(tiny(max_steps=4, resume=str(tmp_path / "a" / "last.pt")), tmp_path / "b", "")
-    assert (tmp_path / "b" / "last.pt").read_bytes() == before
+    before = (tmp_path / "b" / "last" / "manifest.json").read_bytes()
+    with pytest.raises(ConfigError, match="holds another run's last/manifest.json"):
+        train(tiny(max_steps=4, resume=str(tmp_path / "a" / "last")), tmp_path / "b", "")
+    assert (tmp_path / "b" / "last" / "manifest.json").read_bytes() == before

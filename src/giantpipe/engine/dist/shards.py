@@ -12,8 +12,10 @@ its names from whichever shards hold them) and :func:`consolidate` (``python -m
 giantpipe.consolidate ckpt/ model.pt``) merges the shards into one state dict the plain model
 loads. Every file is written to a temporary name and moved into place (``os.replace``); shard
 names carry a token unique to the save, and the manifest, replaced last, is what makes a save
-count. A rank killed half-way through a save leaves the previous manifest and its shards intact;
-they are removed only after the new manifest is in place.
+count. Every shard is fsynced before the manifest that commits it. A rank killed half-way through
+a save leaves the previous manifest and its shards intact; they are removed only after the new
+manifest is in place. The pieces (:func:`write_shard`, :func:`commit`) also serve the runner,
+whose checkpoints are in this format whatever the executor (a local run writes one shard).
 
 Example::
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -39,27 +42,95 @@ FORMAT = "giantpipe-shards/1"
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to a temporary file next to ``path``, then ``os.replace`` onto it."""
+    """``torch.save`` to a temporary file beside ``path``, fsync, then ``os.replace`` onto it.
+
+    The file is on disk before its name is: a crash at any moment leaves the old file or the
+    new one, never a torn one. (The directory entry is made durable by :func:`commit`.)
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        torch.save(obj, tmp)
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def fsync_directory(folder: str | os.PathLike[str]) -> None:
+    """Makes the names created in ``folder`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
     finally:
-        tmp.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def new_token(step: int) -> str:
+    """A name unique to one save: ``step000000100-3f9c2a`` (every rank must use the same)."""
+    return f"step{step:09d}-{secrets.token_hex(3)}"
+
+
+def write_shard(
+    state: dict[str, torch.Tensor], folder: Path, token: str, rank: int, stages: list[int]
+) -> dict[str, Any]:
+    """Writes one rank's tensors (fsynced) and returns its manifest entry.
+
+    Example::
+
+        entry = write_shard(pipe.state_dict(), Path("ckpt"), new_token(100), 0, [0])
+    """
+    name = f"{token}-rank{rank:05d}.pt"
+    cpu = {k: v.detach().cpu() for k, v in state.items()}
+    atomic_save(cpu, folder / name)
+    return {"file": name, "rank": rank, "stages": list(stages), "names": list(cpu)}
+
+
+def commit(
+    folder: Path, entries: list[dict[str, Any]], meta: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    """Writes the manifest (the commit point: every shard is on disk before it), then removes
+    the shards of earlier saves. ``meta``: step, balance, schedule, chunks, workers, replicas,
+    placement; ``extra``: anything JSON-safe the caller keeps beside them."""
+    fsync_directory(folder)  # the shards' names, before the manifest that points at them
+    manifest = {"format": FORMAT, **meta, "shards": entries, "extra": extra}
+    manifest["num_layers"] = sum(meta["balance"])
+    _atomic_write_text(json.dumps(manifest, indent=1), folder / MANIFEST)
+    fsync_directory(folder)
+    _remove_stale(folder, {e["file"] for e in entries})
+
+
+def layout_meta(pipe: Any, step: int) -> dict[str, Any]:
+    """What a manifest records of ``pipe``'s layout (K, R, balance, schedule, M)."""
+    return {
+        "step": step,
+        "balance": list(pipe.balance),
+        "schedule": pipe.schedule,
+        "chunks": pipe.chunks,
+        "workers": pipe.layout.workers,
+        "replicas": pipe.layout.replicas,
+        "placement": list(pipe.layout.placement),
+    }
 
 
 def save(
@@ -79,38 +150,15 @@ def save(
     layout = pipe.layout
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    token = [f"step{step:09d}-{secrets.token_hex(3)}"]
+    token = [new_token(step)]
     dist.broadcast_object_list(token, src=0, group=group)  # one name for this save everywhere
     entry = None
     if layout.replica == 0:
-        name = f"{token[0]}-rank{layout.rank:05d}.pt"
-        state = {k: v.detach().cpu() for k, v in pipe.state_dict().items()}
-        atomic_save(state, folder / name)
-        entry = {
-            "file": name,
-            "rank": layout.rank,
-            "stages": layout.local_stages,
-            "names": list(state),
-        }
+        entry = write_shard(pipe.state_dict(), folder, token[0], layout.rank, layout.local_stages)
     entries: list[Any] = [None] * layout.world_size
     dist.all_gather_object(entries, entry, group=group)
     if layout.rank == 0:
-        shards = [e for e in entries if e is not None]
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "balance": list(pipe.balance),
-            "num_layers": sum(pipe.balance),
-            "schedule": pipe.schedule,
-            "chunks": pipe.chunks,
-            "workers": layout.workers,
-            "replicas": layout.replicas,
-            "placement": list(layout.placement),
-            "shards": shards,
-            "extra": extra or {},
-        }
-        _atomic_write_text(json.dumps(manifest, indent=1), folder / MANIFEST)
-        _remove_stale(folder, {s["file"] for s in shards})
+        commit(folder, [e for e in entries if e is not None], layout_meta(pipe, step), extra or {})
     dist.barrier(group=group)
 
 

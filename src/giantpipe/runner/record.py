@@ -1,13 +1,16 @@
-"""A run's record in its directory, opened and closed alike by the local and distributed runner.
+"""The run directory and the run's record in it, one rule for every executor.
 
-Opening: ``metrics.jsonl`` cut back to the resumed step, ``config.yaml`` saved, one start line in
-the log, the metrics sinks opened. Closing: the summary (the figures on success; the error and
-the steps done on failure, which is re-raised) written to ``summary.json`` and the sinks, and on
-success the table printed. Under the distributed runner only rank 0 holds a record (``metrics``
-is None elsewhere).
+Where a run starts or resumes, decided before anything is written: a fresh run refuses a
+directory that already holds a checkpoint (it would overwrite it); a resume needs one
+(``last/``, or a ``last.pt`` of the earlier format). Then the record: opening cuts
+``metrics.jsonl`` back to the resumed step, saves ``config.yaml`` and writes one start line in
+the log; closing writes the summary (the figures on success; the error and the steps done on
+failure, which is re-raised) to ``summary.json`` and the sinks, and on success prints the
+table. Under torchrun only rank 0 holds a record (``metrics`` is None elsewhere).
 
 Example::
 
+    checkpoint = resume_point(cfg.trainer.resume, run_dir)   # None for a fresh run
     metrics = open_record(cfg, run_dir, config_yaml, progress.step, resumed, parts.total_steps,
                           parts.devices, parts.balance, log)
     summary = run_to_summary(
@@ -18,16 +21,92 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
-from giantpipe.config import ExperimentConfig
+from giantpipe.config import ConfigError, ExperimentConfig
+from giantpipe.engine.dist.shards import MANIFEST
 from giantpipe.metrics.jsonl import truncate_after_step
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.summary import format_table, write_summary
-from giantpipe.runner.run_dir import save_config
+
+LAST = "last"
+"""The checkpoint directory refreshed at every evaluation and at the end."""
+LEGACY_LAST = "last.pt"
+"""The same, as the earlier one-file format wrote it."""
+KEY = "trainer.resume"
+
+
+def held_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``run_dir`` holds, if any: ``last/`` or a legacy ``last.pt``."""
+    if (run_dir / LAST / MANIFEST).is_file():
+        return run_dir / LAST
+    if (run_dir / LEGACY_LAST).exists():
+        return run_dir / LEGACY_LAST
+    return None
+
+
+def _shown(path: Path, run_dir: Path) -> str:
+    name = path.relative_to(run_dir)
+    return f"{name}/{MANIFEST}" if path.is_dir() else str(name)
+
+
+def resume_point(resume: bool | str, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from (a directory, or a ``.pt`` of the earlier format), or None
+    for a fresh run; ConfigError when the request cannot be met.
+
+    Example::
+
+        resume_point(True, Path("outputs/2024-05-01/10-00-00"))   # .../last
+    """
+    held = held_checkpoint(run_dir)
+    if resume is False:
+        if held is not None:
+            raise ConfigError(
+                KEY,
+                f"{run_dir} already holds a run ({_shown(held, run_dir)}); pass "
+                "trainer.resume=true to continue it, or choose another hydra.run.dir",
+            )
+        return None
+    if resume is True:
+        if held is None:
+            raise ConfigError(KEY, f"no checkpoint at {run_dir / LAST}")
+        return held
+    path = Path(str(resume)).expanduser()
+    if path.name == MANIFEST:
+        path = path.parent
+    if not (path.is_file() or (path / MANIFEST).is_file()):
+        raise ConfigError(KEY, f"no checkpoint at {path}")
+    if held is not None and not held.samefile(path):
+        raise ConfigError(
+            KEY,
+            f"{run_dir} holds another run's {_shown(held, run_dir)}; resume from a checkpoint "
+            "into a new directory",
+        )
+    return path
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create ``run_dir`` if needed; ConfigError naming it unless the run can write there."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError("hydra.run.dir", f"cannot create {run_dir} ({err.strerror})") from err
+    if not os.access(run_dir, os.W_OK):
+        raise ConfigError("hydra.run.dir", f"cannot write to {run_dir}")
+
+
+def save_config(run_dir: Path, config_yaml: str, resumed_at: int | None) -> Path:
+    """Write the resolved config: ``config.yaml``, or ``config.resume_<step>.yaml`` on a resume
+    (the original stays as it was)."""
+    name = "config.yaml" if resumed_at is None else f"config.resume_{resumed_at}.yaml"
+    path = run_dir / name
+    path.write_text(config_yaml)
+    return path
+
 
 TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")
 PIPELINE_FIGURES = ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind")

@@ -1,0 +1,170 @@
+"""Who runs the experiment: a world of one process (the local executor) or torchrun's processes.
+
+The runner has one training loop for both executors; what differs is only how its processes
+agree. A :class:`World` answers that, the way fairseq2's gang or torchtitan's parallel dims do:
+the local executor is a world of one, where every collective is the identity, and
+``pipeline.executor=distributed`` is a :class:`TorchrunWorld` over ``torch.distributed``::
+
+    world.agree(body)      run body on every rank; a failure anywhere fails every rank at once
+    world.from_rank0(x)    rank 0's value everywhere (a balance, a plan, a checkpoint token)
+    world.gather(x)        every rank's value, in rank order (world.collect(x): on rank 0 only)
+    world.sum(values)      element-wise sums over the ranks (evaluation tallies)
+
+Before the pipeline exists, collectives run on the world group with a long timeout (rank 0 may
+prepare data or profile layers for minutes); :meth:`World.bind` then moves them onto the pipe's
+own group and timeout, which a failing rank tears down, so no rank is left waiting on a dead one.
+
+Example::
+
+    world = open_world(cfg.pipeline)        # LocalWorld() or TorchrunWorld(), from the config
+    balance = world.from_rank0(plan_balance() if world.rank == 0 else None)
+    world.close()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from giantpipe.config import ConfigError, PipelineConfig
+from giantpipe.engine.dist.faults import wait_work
+from giantpipe.engine.dist.layout import init_distributed
+
+_T = TypeVar("_T")
+
+SETUP_TIMEOUT_S = 1800.0
+"""How long ranks wait for rank 0 during set-up (building the data, profiling a balance)."""
+
+
+class World:
+    """A world of one process: the local executor. Every collective is the identity."""
+
+    rank = 0
+    size = 1
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the run directory (rank 0 only)."""
+        return self.rank == 0
+
+    def agree(self, body: Callable[[], _T]) -> _T:
+        """Runs ``body`` on every rank; if it fails on any, every rank raises at once."""
+        return body()
+
+    def from_rank0(self, value: _T) -> _T:
+        """Rank 0's ``value`` on every rank (a small picklable object)."""
+        return value
+
+    def gather(self, value: _T) -> list[_T]:
+        """Every rank's ``value``, in rank order."""
+        return [value]
+
+    def collect(self, value: _T) -> list[_T] | None:
+        """Every rank's ``value`` on rank 0, in rank order (None elsewhere)."""
+        return [value]
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums of ``values`` over the ranks (float64)."""
+        return [float(v) for v in values]
+
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+
+    def bind(self, pipe: Any) -> None:
+        """From now on collectives run on ``pipe``'s group and under its timeout."""
+
+    def close(self) -> None:
+        """Leaves the world (the process group, where there is one)."""
+
+
+class TorchrunWorld(World):
+    """torchrun's processes: one per pipeline rank, K ranks x R replicas (gloo or NCCL)."""
+
+    def __init__(self, timeout: float) -> None:
+        # The world group carries set-up and the final summary; the steps run on the pipe's
+        # own groups under pipeline.timeout. A rank that dies still wakes the others at once.
+        init_distributed(timeout=max(timeout, SETUP_TIMEOUT_S))
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self._group: Any = None
+        self._pipe: Any = None
+
+    def agree(self, body: Callable[[], _T]) -> _T:
+        try:
+            result = body()
+            error: BaseException | None = None
+        except Exception as err:  # noqa: BLE001 - shared with the other ranks, then re-raised
+            error = err
+        texts: list[Any] = [None] * self.size
+        dist.all_gather_object(texts, None if error is None else str(error), group=self._group)
+        if error is not None:
+            raise error
+        failed = [(rank, text) for rank, text in enumerate(texts) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            raise RuntimeError(f"rank {rank} failed while setting up: {text}")
+        return result
+
+    def from_rank0(self, value: _T) -> _T:
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def gather(self, value: _T) -> list[_T]:
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value, group=self._group)
+        return values
+
+    def collect(self, value: _T) -> list[_T] | None:
+        values: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(value, values, dst=0, group=self._group)
+        return values
+
+    def sum(self, values: list[float]) -> list[float]:
+        total = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(total, group=self._group, async_op=True)
+        if self._pipe is None:
+            work.wait()
+        else:
+            wait_work(work, self._pipe.timeout, "an all-reduce of the runner", self._pipe.board)
+        return [float(v) for v in total.tolist()]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+    def bind(self, pipe: Any) -> None:
+        self._pipe, self._group = pipe, pipe.groups.p2p
+
+    def close(self) -> None:
+        self._pipe = self._group = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def open_world(cfg: PipelineConfig) -> World:
+    """The world ``pipeline.executor`` asks for, checked against how the process was started.
+
+    Example::
+
+        open_world(PipelineConfig())                        # World(): the local executor
+        open_world(PipelineConfig(executor="distributed"))  # under torchrun: TorchrunWorld
+    """
+    if cfg.executor == "distributed":
+        if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+            raise ConfigError(
+                "pipeline.executor",
+                "distributed needs one process per stage started by torchrun: torchrun "
+                "--nproc_per_node=K train.py ... pipeline.executor=distributed",
+            )
+        return TorchrunWorld(cfg.timeout)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes > 1:
+        raise ConfigError(
+            "pipeline.executor",
+            f"local runs in one process, but torchrun started {processes}; set "
+            "pipeline.executor=distributed",
+        )
+    return World()
