@@ -127,6 +127,35 @@ def test_resume_continues_the_same_losses_even_with_dropout(tmp_path: Path):
     assert (tmp_path / "part" / "config.resume_3.yaml").exists()
 
 
+def test_resume_with_accumulation_sees_the_batches_of_the_uninterrupted_run(tmp_path: Path):
+    """trainer.accumulate=2: every optimizer step reads two batches, so a run stopped after 5
+    steps resumes at batch 10 (neither re-reading nor skipping any). The resumed steps, which
+    cross the epoch boundary (16 batches), equal the uninterrupted run's: losses step by step,
+    evaluation and final weights."""
+
+    def cfg(**trainer) -> ExperimentConfig:
+        return tiny(log_every=1, eval_every=5, accumulate=2, predict=False, **trainer)
+
+    full = train(cfg(max_steps=10), tmp_path / "full", "")
+    train(cfg(max_steps=5), tmp_path / "part", "")
+    resumed = train(cfg(max_steps=10, resume=True), tmp_path / "part", "")
+    losses = {
+        name: [
+            r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"
+        ]
+        for name in ("full", "part")
+    }
+    assert len(losses["full"]) == 10
+    assert losses["part"] == losses["full"]
+    assert resumed["eval/loss"] == full["eval/loss"]
+    weights = {
+        name: torch.load(tmp_path / name / "last.pt", weights_only=False)["model"]
+        for name in ("full", "part")
+    }
+    for key, value in weights["full"].items():
+        assert torch.equal(weights["part"][key], value), key
+
+
 def test_accumulation_ema_bf16_and_epochs(tmp_path: Path):
     cfg = tiny(max_steps=None, max_epochs=0.25, accumulate=2, ema_decay=0.9, grad_clip=1.0)
     cfg.pipeline = PipelineConfig(devices="cpu", num_devices=2, chunks=2, precision="bf16")
