@@ -79,9 +79,10 @@ class PipelineConfig:
     executor: str = "local"
     """``local``: one process, a worker thread per stage. ``distributed``: one process per
     stage under torchrun (``torchrun --nproc_per_node=K train.py pipeline.executor=distributed``;
-    K pipeline ranks x R replicas = the world size, see giantpipe.runner.distributed)."""
+    K pipeline ranks x R replicas = the world size, see giantpipe.runner.pipeline)."""
     timeout: float = 60.0
-    """Distributed: seconds any wait for another rank may take before the run fails."""
+    """Seconds any wait for another stage (a worker thread, or another rank under torchrun) may
+    take before the step fails."""
     devices: Any = "auto"
     """``auto`` (all visible GPUs, else CPU stand-ins), ``cpu``, ``cuda`` or a list of names."""
     num_devices: int | None = None
@@ -116,12 +117,6 @@ class PipelineConfig:
             self.plan is None or self.plan in PLAN_MODES,
             "pipeline.plan",
             f"must be null or auto, got {self.plan!r}",
-        )
-        _check(
-            self.plan is None or self.executor == "local",
-            "pipeline.plan",
-            "auto plans the local executor only; with pipeline.executor=distributed set "
-            "balance, chunks, checkpoint and schedule by hand",
         )
         if self.memory_budget_gib is not None:
             _check(

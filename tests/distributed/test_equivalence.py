@@ -70,6 +70,7 @@ def test_two_stages_times_two_replicas_clipping_and_accumulation(tmp_path: Path)
                 },
             ),
             ("clipping", {"workers": 2}),
+            ("clipping_under_the_limit", {"workers": 2}),
             ("accumulation", {"workers": 2}),
             ("replicated_batch_norm", {"workers": 2}),
         ],
@@ -77,6 +78,8 @@ def test_two_stages_times_two_replicas_clipping_and_accumulation(tmp_path: Path)
     assert all("R=2" in what for what, _ in results[0]["equivalence"]["checked"])
     norms = {round(r["clipping"]["norm"], 5) for r in results}
     assert len(norms) == 1  # every rank of every replica clipped by the same global norm
+    under = {round(r["clipping_under_the_limit"]["norm"], 5) for r in results}
+    assert len(under) == 1 and all(r["clipping_under_the_limit"]["untouched"] for r in results)
     assert all(r["accumulation"]["checked"] > 0 for r in results)
     # running statistics of the whole batch on both replicas (compared by replicated_batch_norm)
     assert all(r["replicated_batch_norm"]["buffers"] > 0 for r in results)

@@ -251,6 +251,29 @@ def clipping(tmp: Path, workers: int, max_norm: float = 0.05) -> dict[str, Any]:
     return {"norm": float(norm)}
 
 
+def clipping_under_the_limit(tmp: Path, workers: int) -> dict[str, Any]:
+    """A limit above the global norm: clip_grad_norm_ returns the norm of every stage and
+    replica (torch's on the plain model) and leaves every gradient bit for bit as it was."""
+    replicas = dist.get_world_size() // workers
+    model = plain_model(4)
+    inputs, target = tuple_batch(n=16)
+    shards = [(shard(inputs, r, replicas), shard(target, r, replicas)) for r in range(replicas)]
+    plain, _ = reference(model, shards, 2, step_seed(SEED))
+    ref_norm = torch.stack([p.grad.norm() for p in plain.parameters()]).norm()
+    max_norm = 2.0 * float(ref_norm)  # the gradients are well under the limit: nothing to clip
+    balance = solve_balance([1.0] * len(model), workers)
+    pipe = DistributedPipe(model_fn(4), balance, chunks=2, seed=INIT, timeout=20)
+    x, y = shards[pipe.replica]
+    torch.manual_seed(SEED)
+    pipe.train_step(x, y, nn.functional.cross_entropy)
+    before = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    norm = clip_grad_norm_(pipe, max_norm)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=1e-6)
+    for name, p in pipe.named_parameters():
+        assert torch.equal(p.grad, before[name]), f"{name} changed under the limit"
+    return {"norm": float(norm), "untouched": len(before)}
+
+
 # ---- sequences of changing length: int tokens in, bool padding mask and a float carried -----
 
 

@@ -145,6 +145,48 @@ def test_dropout_masks_replayed_by_recompute() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("door", ["forward", "no_grad", "gpipe", "1f1b"])
+def test_dropout_masks_differ_between_microbatches(door: str) -> None:
+    """One sample repeated in every micro-batch: each micro-batch still draws its own masks.
+
+    The seed of a mask mixes in the micro-batch index (giantpipe.engine.rng); without it every
+    micro-batch would drop the same units, which the transparency tests cannot see (their
+    reference is seeded the same way). The last layer is a dropout, so an output entry is zero
+    exactly where its mask dropped it; the first dropout shows in the values."""
+    torch.manual_seed(0)
+    d, chunks, per_micro = 64, 4, 2
+    model = nn.Sequential(nn.Linear(d, d), nn.Dropout(0.5), nn.Linear(d, d), nn.Dropout(0.5))
+    x = torch.randn(1, d).expand(chunks * per_micro, d).contiguous()  # the same sample, 8 times
+    schedule = door if door in ("gpipe", "1f1b") else "gpipe"
+    pipe = GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=chunks, schedule=schedule)
+    seen: list[torch.Tensor] = []  # each micro-batch's output, whatever order they come in
+
+    def record(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not is_recomputing():  # a recomputed last stage would call the loss again
+            seen.append(out.detach().clone())
+        return out.square().mean()
+
+    torch.manual_seed(7)
+    if door == "forward":
+        out = pipe(x)
+        seen = list(out.detach().split(per_micro))
+        out.sum().backward()
+    elif door == "no_grad":
+        with torch.no_grad():
+            seen = list(pipe(x).split(per_micro))
+    else:
+        pipe.train_step(x, torch.zeros(len(x)), record)
+    assert len(seen) == chunks
+    for a in range(chunks):
+        kept = (seen[a] != 0).float().mean().item()
+        assert 0.3 < kept < 0.7, (a, kept)  # dropout is active
+        for b in range(a + 1, chunks):
+            for i in range(per_micro):  # the same row of two micro-batches: different masks
+                assert not torch.equal(seen[a][i], seen[b][i]), (a, b, i)
+            agree = ((seen[a] != 0) == (seen[b] != 0)).float().mean().item()
+            assert agree < 0.75, (a, b, agree)  # independent masks agree on about half
+
+
 def test_is_recomputing_is_true_only_during_recompute() -> None:
     seen: list[bool] = []
 

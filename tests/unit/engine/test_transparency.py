@@ -66,6 +66,49 @@ def test_autograd_door_matches_plain_model(stages: int, chunks: int, mode: str) 
     assert_same_grads(pipe, plain)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("chunks", [2, 3, 4, 5])
+def test_no_grad_forward_equals_the_plain_model_sample_by_sample(stages: int, chunks: int) -> None:
+    """The evaluation path: ``pipe(x)`` under no_grad, M > 1 with uneven micro-batches (14
+    samples: 7+7, 5+5+4, 4+4+3+3, 3+3+3+3+2), every output row the plain model's for the same
+    sample, in the same order; the int mask rides along in order too."""
+    model = tuple_model()
+    with torch.no_grad():  # distinct running statistics per feature, so BatchNorm matters
+        for layer in model[1:-1]:
+            layer.bn.running_mean.uniform_(-0.5, 0.5)
+            layer.bn.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    (x, mask), _ = tuple_batch()
+    with torch.no_grad():
+        expected = model((x, mask))
+        hidden, carried = model[:-1]((x, mask))
+    pipe = GPipe(
+        copy.deepcopy(model),
+        solve_balance([1.0] * len(model), stages),
+        devices=["cpu"] * stages,
+        chunks=chunks,
+    )
+    pipe.eval()
+    with torch.no_grad():
+        out = pipe((x, mask))
+    assert out.shape == expected.shape and not out.requires_grad
+    for i in range(x.shape[0]):
+        torch.testing.assert_close(out[i], expected[i], rtol=1e-5, atol=1e-6, msg=f"sample {i}")
+
+    # A tuple output (the body without the head): every item gathered in micro-batch order.
+    body = GPipe(
+        copy.deepcopy(model[:-1]),
+        solve_balance([1.0] * (len(model) - 1), stages),
+        devices=["cpu"] * stages,
+        chunks=chunks,
+    )
+    body.eval()
+    with torch.no_grad():
+        got_hidden, got_mask = body((x, mask))
+    torch.testing.assert_close(got_hidden, hidden, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_mask, carried)
+
+
 def test_input_gradient_flows_through_the_autograd_door() -> None:
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
     x = torch.randn(6, 5, requires_grad=True)

@@ -1,11 +1,13 @@
 """The training loop in-process on a tiny model: outputs, stops, resumption rules."""
 
+import copy
 import json
 import math
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from giantpipe.config import (
     ConfigError,
@@ -20,8 +22,11 @@ from giantpipe.data.bundle import DataBundle
 from giantpipe.data.synthetic import classification
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
-from giantpipe.runner.checkpoint import read_checkpoint
-from giantpipe.runner.loop import NonFiniteLossError
+from giantpipe.runner.build import build_experiment
+from giantpipe.runner.checkpoint import Progress, read_checkpoint
+from giantpipe.runner.loop import NonFiniteLossError, TrainingLoop
+from giantpipe.runner.seeding import seed_everything
+from giantpipe.runner.world import World
 
 NAN_FROM = 3  # the training batch from which nan_data returns NaN inputs
 
@@ -125,6 +130,71 @@ def test_resume_continues_the_same_losses_even_with_dropout(tmp_path: Path):
     }
     assert losses["part"] == losses["full"]
     assert (tmp_path / "part" / "config.resume_3.yaml").exists()
+
+
+def test_resume_with_accumulation_sees_the_batches_of_the_uninterrupted_run(tmp_path: Path):
+    """trainer.accumulate=2: every optimizer step reads two batches, so a run stopped after 5
+    steps resumes at batch 10 (neither re-reading nor skipping any). The resumed steps, which
+    cross the epoch boundary (16 batches), equal the uninterrupted run's: losses step by step,
+    evaluation and final weights."""
+
+    def cfg(**trainer) -> ExperimentConfig:
+        return tiny(log_every=1, eval_every=5, accumulate=2, predict=False, **trainer)
+
+    full = train(cfg(max_steps=10), tmp_path / "full", "")
+    train(cfg(max_steps=5), tmp_path / "part", "")
+    resumed = train(cfg(max_steps=10, resume=True), tmp_path / "part", "")
+    losses = {
+        name: [
+            r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["kind"] == "train"
+        ]
+        for name in ("full", "part")
+    }
+    assert len(losses["full"]) == 10
+    assert losses["part"] == losses["full"]
+    assert resumed["eval/loss"] == full["eval/loss"]
+    weights = {
+        name: read_checkpoint(tmp_path / name / "last")["model"] for name in ("full", "part")
+    }
+    for key, value in weights["full"].items():
+        assert torch.equal(weights["part"][key], value), key
+
+
+def test_clipping_uses_one_norm_over_every_stage(tmp_path: Path):
+    """trainer.grad_clip clips by the global norm over all stages, as torch's clip_grad_norm_
+    over the plain model's parameters does: every stage scaled by the same factor, even though
+    the stages' own norms differ. One optimizer step of two accumulated batches."""
+    cfg = tiny(accumulate=2, predict=False)
+    seed_everything(cfg.trainer.seed)  # as train() does: the same initial weights every time
+    parts = build_experiment(cfg)
+    assert len(parts.pipe.partitions) == 2
+    plain = copy.deepcopy(parts.model)
+    stream = parts.bundle.train_batches(cfg.trainer.seed, 0)
+    batches = [next(stream) for _ in range(2)]
+
+    total = sum(len(y) for _, y in batches)
+    for x, y in batches:  # the same mini-batch, un-pipelined
+        (parts.loss_fn(plain(x), y) * (len(y) / total)).backward()
+    grads = {name: p.grad.clone() for name, p in plain.named_parameters()}
+    name_of = {id(p): name for name, p in parts.names.items()}
+    stage_norms = [
+        torch.stack([grads[name_of[id(p)]].norm() for p in stage.parameters()]).norm().item()
+        for stage in parts.pipe.partitions
+    ]
+    global_norm = math.hypot(*stage_norms)
+    assert abs(stage_norms[0] - stage_norms[1]) > 0.1 * global_norm, stage_norms
+    clip = 0.5 * global_norm  # every gradient must shrink by one factor, close to 0.5
+    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+
+    cfg.trainer.grad_clip = clip
+    loop = TrainingLoop(cfg, parts, tmp_path, None, Progress(), None, World())
+    record = loop.optimizer_step(iter(batches))
+    assert record.grad_norm == pytest.approx(float(ref_norm), rel=1e-5)
+    want = dict(plain.named_parameters())
+    for name, p in parts.names.items():
+        torch.testing.assert_close(
+            p.grad, want[name].grad, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_accumulation_ema_bf16_and_epochs(tmp_path: Path):

@@ -1,0 +1,123 @@
+"""What reached torchrun with the one runner: BLEU (whole-model evaluation), the planner, device
+lists, and checkpoints shared with the local executor in both directions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from giantpipe.metrics.jsonl import read_jsonl
+from tests.distributed.launch import REPO, finish, free_port, torchrun
+
+pytestmark = pytest.mark.distributed
+
+# The translation quick start shrunk to seconds: a T(1, 32, 2) on two small generated languages.
+TRANSLATION = [
+    "recipe=transformer_quickstart",
+    "model.num_layers=1",
+    "model.ffn_dim=32",
+    "model.num_heads=2",
+    "model.d_model=16",
+    "model.head_dim=8",
+    "data.generated_languages=2",
+    "data.generated_train_sizes=[300,60]",
+    "data.generated_eval_size=6",
+    "data.vocab_size=200",
+    "data.max_tokens=256",
+    "data.bleu_sentences=3",
+    "trainer.max_steps=2",
+    "trainer.eval_every=0",
+    "trainer.predict=false",
+    "logger.progress=none",
+]
+MLP = [
+    "recipe=mlp_quickstart",
+    "data.train_size=512",
+    "data.eval_size=128",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "logger.progress=none",
+]
+
+
+def launch(run_dir: Path, *overrides: str) -> str:
+    """``torchrun --nproc_per_node=2 train.py ... pipeline.executor=distributed``."""
+    proc = torchrun(
+        [
+            "--nproc_per_node=2",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "--max_restarts=0",
+            str(REPO / "train.py"),
+            *overrides,
+            "pipeline.executor=distributed",
+            "pipeline.timeout=60",
+            f"hydra.run.dir={run_dir}",
+        ]
+    )
+    code, output = finish(proc, timeout=240)
+    assert code == 0, output
+    return output
+
+
+def local(run_dir: Path, *overrides: str) -> None:
+    """The same job with the local executor, as a new user runs it."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}:{REPO}", OMP_WAIT_POLICY="PASSIVE")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def test_bleu_under_torchrun_equals_the_local_runs(tmp_path: Path) -> None:
+    local(tmp_path / "local", *TRANSLATION)
+    launch(tmp_path / "dist", *TRANSLATION)
+    here, there = summary(tmp_path / "local"), summary(tmp_path / "dist")
+    assert there["status"] == "completed" and there["pipeline/world_size"] == 2
+    for key in ("eval/loss", "eval/bleu"):
+        assert there[key] == pytest.approx(here[key], rel=1e-4), key
+    assert any(k.startswith("eval/bleu_") for k in there)  # per pair, as the local run
+
+
+def test_planner_and_device_list_under_torchrun(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    devices = "pipeline.devices=[cpu,cpu]"
+    output = launch(run, *MLP, "trainer.max_steps=3", "pipeline.plan=auto", devices)
+    result = summary(run)
+    assert result["status"] == "completed"
+    choice = result["pipeline/plan_choice"]
+    assert result["pipeline/balance"] == choice["balance"]
+    assert result["pipeline/chunks"] == choice["chunks"]
+    assert result["pipeline/devices"] == ["cpu", "cpu"]
+    assert output.count("pipeline.plan=auto") >= 1  # rank 0 alone plans and logs the table
+
+
+def test_checkpoints_move_between_the_executors(tmp_path: Path) -> None:
+    steps = [*MLP, "trainer.checkpoint_every=3", "trainer.max_steps=8"]
+    local(tmp_path / "full", *steps)
+    expected = losses(tmp_path / "full")
+    # torchrun resumes the local run's step-3 checkpoint (one shard: K=2 in one process) ...
+    launch(tmp_path / "dist", *steps, f"trainer.resume={tmp_path / 'full' / 'step_3'}")
+    assert losses(tmp_path / "dist") == pytest.approx(expected[3:], rel=1e-5)
+    # ... and one process resumes torchrun's step 6 (two shards, two state files) with K=3.
+    back = tmp_path / "back"
+    local(back, *steps, "pipeline.num_devices=3", f"trainer.resume={tmp_path / 'dist' / 'step_6'}")
+    assert losses(back) == pytest.approx(expected[6:], rel=1e-4)
+    assert len(summary(back)["pipeline/balance"]) == 3
