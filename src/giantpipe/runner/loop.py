@@ -27,8 +27,9 @@ from giantpipe.data.bundle import Batch, batch_size
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import EngineStats, StepRecord
 from giantpipe.runner.build import Experiment, build_experiment
-from giantpipe.runner.checkpoint import Progress, load_initial_weights, restore, save_run
+from giantpipe.runner.checkpoint import Progress, restore, save_run
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
+from giantpipe.runner.finetune import load_initial_weights
 from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.record import (
     LAST,

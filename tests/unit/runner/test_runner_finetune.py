@@ -21,8 +21,9 @@ from giantpipe.config import (
 from giantpipe.data.image_bundle import generated_images
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint import load_initial_weights, read_checkpoint, read_weights
+from giantpipe.runner.checkpoint import read_checkpoint
 from giantpipe.runner.evaluate import evaluate
+from giantpipe.runner.finetune import load_initial_weights, read_weights
 from giantpipe.runner.losses import count_top_k
 
 
