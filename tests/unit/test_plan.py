@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from giantpipe.engine.schedules import build_schedule
-from giantpipe.perf.balance import solve_balance
+from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.plan import DeviceSpec, LayerCost, measure_layers, plan
 from giantpipe.plan.__main__ import main
 from giantpipe.plan.models import build
-from giantpipe.plan.search import min_max_balance, pressure
+from giantpipe.plan.search import pressure
 
 
 def test_measure_layers_on_meta() -> None:
@@ -51,11 +51,12 @@ def test_pressure_reads_in_flight_counts_off_the_schedule() -> None:
 
 def test_min_max_balance_is_exact_and_honours_memory() -> None:
     times = [1.0, 1.0, 1.0, 5.0, 1.0, 1.0]
-    free = min_max_balance(times, 3, lambda s, j, i: 0.0, 1.0)
+    free = solve_balance(times, 3, fits=lambda s, j, i: True)
     assert free == solve_balance(times, 3) == [3, 1, 2]
     # at most two layers per stage: the cut must change, and the bottleneck grows
-    assert min_max_balance(times, 3, lambda s, j, i: i - j, 2.0) == [2, 2, 2]
-    assert min_max_balance(times, 2, lambda s, j, i: i - j, 2.0) is None
+    assert solve_balance(times, 3, fits=lambda s, j, i: i - j <= 2.0) == [2, 2, 2]
+    with pytest.raises(NoFit):
+        solve_balance(times, 2, fits=lambda s, j, i: i - j <= 2.0)
 
 
 def layer(flops: float = 1.0, params: int = 1) -> LayerCost:

@@ -4,11 +4,11 @@ judged by the simulator on a FLOP-and-byte model of the device.
 For each (schedule, V, M, checkpoint):
 
 1. balance: the contiguous cut into K*V stages that minimises the slowest stage's time while
-   every stage fits in memory (exact dynamic programme over cut points). A stage's memory is
-   its parameters x (2 + optimizer slots) plus, at the worst moment of the schedule, n_in
-   micro-batches' stage inputs and n_act micro-batches' activations, (n_in, n_act) read off
-   the schedule itself (:func:`pressure`): GPipe holds M, 1F1B K-s, re-materialization only
-   inputs plus the one being recomputed;
+   every stage fits in memory (:func:`~giantpipe.perf.balance.solve_balance` with a memory
+   limit). A stage's memory is its parameters x (2 + optimizer slots) plus, at the worst
+   moment of the schedule, n_in micro-batches' stage inputs and n_act micro-batches'
+   activations, (n_in, n_act) read off the schedule itself (:func:`pressure`): GPipe holds M,
+   1F1B K-s, re-materialization only inputs plus the one being recomputed;
 2. simulate: step time, bubble and exact peak memory per device;
 3. keep it if every device fits in ``memory_bytes x (1 - reserve)``.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ from giantpipe.engine.microbatch import split_sizes
 from giantpipe.engine.recompute import MODES, checkpoint_stop
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule
+from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.perf.simulate import Simulation, StageCost, simulate
 from giantpipe.plan.costs import LayerCost
 
@@ -141,8 +141,9 @@ def _evaluate(
 
     # a worker of an interleaved schedule holds V stages: give each its share of the budget
     share = budget / schedule.virtual_stages
-    balance = min_max_balance(times, schedule.num_stages, memory, share)
-    if balance is None:
+    try:
+        balance = solve_balance(times, schedule.num_stages, lambda *cut: memory(*cut) <= share)
+    except NoFit:
         return None
     bounds = list(itertools.accumulate([0, *balance]))
     costs = [combine(per_layer[a:b], layers[a:b], micro) for a, b in itertools.pairwise(bounds)]
@@ -248,35 +249,3 @@ def pressure(schedule: Schedule, mode: str) -> list[list[tuple[int, int]]]:
 
 def _pareto(points: set[tuple[int, int]]) -> list[tuple[int, int]]:
     return [p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)]
-
-
-def min_max_balance(
-    times: Sequence[float],
-    num_stages: int,
-    memory: Callable[[int, int, int], float],
-    budget: float,
-) -> list[int] | None:
-    """Contiguous cut of the layers into ``num_stages`` stages minimising the slowest stage,
-    with ``memory(stage, first, end) <= budget`` for each; None if no cut fits.
-
-    Dynamic programme: best[s][i] is the best bottleneck for the first i layers in s stages.
-    """
-    n = len(times)
-    prefix = list(itertools.accumulate(times, initial=0.0))
-    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, i):
-                t = max(best[s - 1][j], prefix[i] - prefix[j])
-                if t < best[s][i] and memory(s - 1, j, i) <= budget:
-                    best[s][i], cut[s][i] = t, j
-    if math.isinf(best[num_stages][n]):
-        return None
-    bounds, i = [n], n
-    for s in range(num_stages, 0, -1):
-        i = cut[s][i]
-        bounds.append(i)
-    bounds.reverse()
-    return [b - a for a, b in itertools.pairwise(bounds)]
