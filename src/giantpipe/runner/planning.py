@@ -1,16 +1,18 @@
-"""``pipeline.plan=auto``: the planner (:mod:`giantpipe.plan`) on the run's own model and devices.
+"""``pipeline.plan=auto``: the planner (:mod:`giantpipe.perf.planner`) on the run's own model and
+devices.
 
 What goes in, all measured on this run rather than assumed:
 
 - bytes per layer (parameters, saved activations, boundary tensors) from the model copied to
-  the meta device, one sample (:func:`giantpipe.plan.measure_layers`);
+  the meta device, one sample (:func:`giantpipe.perf.costs.measure_layers`);
 - seconds per layer (forward, input gradient, weight gradient) on the first device, at the
   smallest and the largest micro-batch of the search, interpolated linearly in between
   (:class:`LayerTimer`), and the executor's cost per action;
 - the optimizer's state per parameter (``optim.name``, ``optim.momentum``), the batch size of
   the data (M is searched over the divisors of it) and ``pipeline.memory_budget_gib``.
 
-The measurements themselves are in :mod:`giantpipe.runner.plan_measure`.
+The measurements themselves are in :mod:`giantpipe.perf.costs`; this module is the glue from the
+config to them and to the planner.
 
 Not modelled: CPU stand-ins slowing each other down (they share cores), allocator slack.
 
@@ -38,11 +40,10 @@ from torch import nn
 from giantpipe.config import ConfigError, ExperimentConfig, OptimConfig, PipelineConfig
 from giantpipe.data.bundle import Tensors, batch_size
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.perf.costs import LayerTimer, measure_layers, meta_copy, meta_sample, per_sample
+from giantpipe.perf.planner import Candidate, DeviceSpec, format_table, plan
 from giantpipe.perf.predict import executor_overhead
-from giantpipe.plan import Candidate, DeviceSpec, measure_layers, plan
-from giantpipe.plan.__main__ import format_table
 from giantpipe.runner.losses import LossFn
-from giantpipe.runner.plan_measure import LayerTimer, meta_copy, meta_sample, per_sample
 from giantpipe.runner.step import autocast
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,7 @@
-"""The models the planner knows by name, built on the meta device with a one-sample input.
+"""The paper's models at full size, built on the meta device (shapes only, no memory).
+
+``build`` gives the models the planner script and the Table 2 recipe know by name, each with a
+one-sample input (recipes/plan_pipeline.py, recipes/table2_throughput.py).
 
 Example::
 
@@ -15,6 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from models.amoebanet import amoebanetd
+from models.transformer import transformer_lm
 
 NAMES = ("amoebanet-d", "transformer-l")
 
@@ -34,10 +40,6 @@ def build(
     decoder layers of the paper's sizes (model 2048, FFN 8192, 32 heads, 32k vocabulary) on
     ``seq_len`` tokens.
     """
-    # the models/ package sits next to src/ (installed with the project); imported on demand
-    from models.amoebanet import amoebanetd
-    from models.transformer import transformer_lm
-
     with torch.device("meta"):
         if name == "amoebanet-d":
             model = amoebanetd(layers or 18, filters, num_classes, image_size)
