@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, list[Column]]:
     """
     how = measured_how()
     space = spaces(args.quick)
-    jobs = {
+    jobs: dict[str, tuple[ModelFamily, dict, int]] = {
         "amoebanet": (AmoebaNetD(), PAPER_AMOEBANET, int(args.amoebanet_gib * GIB)),
         "transformer": (TransformerL(), PAPER_TRANSFORMER, int(args.transformer_gib * GIB)),
     }

@@ -84,6 +84,10 @@ class ModelFamily(Protocol):
         """The size as the paper writes it: ``(18,208)``, or ``13`` layers."""
         ...
 
+    def __hash__(self) -> int:
+        """Predictions are cached per family (by identity, as objects hash by default)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Setting:

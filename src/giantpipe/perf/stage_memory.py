@@ -123,7 +123,8 @@ def measure_stage(
     """Peak bytes of ``stage`` over one training step of ``chunks`` micro-batches.
 
     ``spec``: one micro-batch's input to the stage (``grad=True`` on floats unless it is the
-    first stage). ``loss`` is given for the last stage only. ``stage`` may be on the meta device
+    first stage). ``checkpoint``: GPipe's re-materialization mode ('always', 'except_last',
+    'never'). ``loss`` is given for the last stage only. ``stage`` may be on the meta device
     (a copy is materialized on the GPU if there is one, else as fake tensors), fake, or real
     CPU tensors (measured as they are).
     """
@@ -133,7 +134,7 @@ def measure_stage(
     probe = 2 if extrapolate and schedule == "gpipe" and chunks > 2 else chunks
     with _measuring(stage) as (target, tracker, device):
         run = functools.partial(
-            _run_step, target, spec, device, tracker, checkpoint=checkpoint, schedule=schedule,
+            _run_step, target, spec, device, tracker, recompute=checkpoint, schedule=schedule,
             stage_index=stage_index, num_stages=num_stages, loss=loss,
         )  # fmt: skip
         memory = _measure(target, tracker, run, probe, optimizer)
@@ -193,7 +194,7 @@ def _run_step(
     tracker: Any,
     chunks: int,
     *,
-    checkpoint: str,
+    recompute: str,
     schedule: str,
     stage_index: int,
     num_stages: int,
@@ -203,7 +204,7 @@ def _run_step(
 
     Returns the bytes of the weight gradients and the bytes the first forward left alive.
     """
-    run = StepRun(_stage_config(stage, device, chunks, checkpoint, loss), [])
+    run = StepRun(_stage_config(stage, device, chunks, recompute, loss), [])
     steps = build_schedule(schedule, num_stages, chunks)
     outputs: dict[int, Spec] = {}
     first_forward = -1
