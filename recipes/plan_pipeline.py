@@ -68,23 +68,27 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
-    started = time.perf_counter()
-    model, sample = build(args.model, args.layers, args.filters, args.image_size, args.seq_len)
-    layers = measure_layers(model, sample)
-    device = DeviceSpec(
+def device_spec(args: argparse.Namespace) -> DeviceSpec:
+    """The device model the command line describes."""
+    return DeviceSpec(
         peak_flops=args.peak_tflops * 1e12,
         memory_bytes=args.memory_gib * GIB,
         link_bandwidth=args.bandwidth_gbps * 1e9,
         efficiency=args.efficiency,
         layer_overhead=args.layer_overhead_us * 1e-6,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    started = time.perf_counter()
+    model, sample = build(args.model, args.layers, args.filters, args.image_size, args.seq_len)
+    layers = measure_layers(model, sample)
     candidates = plan(
         layers,
         args.devices,
         args.batch,
-        device,
+        device_spec(args),
         schedules=args.schedules,
         chunks=args.chunks,
         checkpoints=args.checkpoints,
