@@ -12,7 +12,8 @@ Each column is a setting (K partitions, M micro-batches, re-materialization). A 
 model sizes uses per-layer memory costs measured under fake tensors; the chosen model is then
 built on the meta device and every stage runs one real training step with the engine
 (forward, backward with recomputation, RMSProp step) under fake tensors, where a dispatch-mode
-tracker counts the live bytes (see ``giantpipe.memory_model``). Writes
+tracker counts the live bytes (see ``giantpipe.perf.sizing``; the model families are in
+``recipes/model_sizes.py``). Writes
 ``results/table1/table1.md`` and ``results/table1/table1.png``.
 """
 
@@ -30,19 +31,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
-from giantpipe.memory_model.search import (  # noqa: E402
-    AmoebaNetD,
-    Family,
-    Plan,
-    Result,
+from giantpipe.perf.sizing import (  # noqa: E402
+    MeasuredSize,
+    ModelFamily,
+    ModelSize,
     Setting,
-    TransformerL,
     confirm,
-    measure_plan,
+    measure_size,
     micro_batch,
-    predict,
     search,
+    size_model,
 )
+from recipes.model_sizes import AmoebaNetD, TransformerL  # noqa: E402
 
 GIB = 2**30
 
@@ -96,7 +96,7 @@ class Column:
     """One column of the table: our measured result, or the smallest model, over budget."""
 
     label: str
-    result: Result
+    result: MeasuredSize
     fits: bool
     seconds: float
 
@@ -109,23 +109,23 @@ def settings_for(label: str, partitions: int, chunks: Sequence[int]) -> list[Set
 
 
 def run_column(
-    family: Family, label: str, settings: list[Setting], space: Space, budget: int, opt: str
+    family: ModelFamily, label: str, settings: list[Setting], space: Space, budget: int, opt: str
 ) -> Column:
     """Searches, then measures, the largest model of one column."""
     started = time.perf_counter()
-    plans = search(family, settings, budget, space.widths, space.depths, opt, space.refine)
-    if plans:
-        result = confirm(family, plans, budget, opt, step=space.step)
+    sizes = search(family, settings, budget, space.widths, space.depths, opt, space.refine)
+    if sizes:
+        result = confirm(family, sizes, budget, opt, step=space.step)
         return Column(label, result, True, time.perf_counter() - started)
     # Nothing fits: measure the smallest model of the space to show by how much.
-    smallest = predict(family, settings[0], space.depths[0], min(space.widths), opt)
+    smallest = size_model(family, settings[0], space.depths[0], min(space.widths), opt)
     assert smallest is not None, f"{label}: the smallest model cannot be cut"
-    result = Result(smallest, measure_plan(family, smallest, opt))
+    result = MeasuredSize(smallest, measure_size(family, smallest, opt))
     return Column(label, result, False, time.perf_counter() - started)
 
 
 def run_family(
-    family: Family, space: Space, budget: int, opt: str, log: bool = True
+    family: ModelFamily, space: Space, budget: int, opt: str, log: bool = True
 ) -> list[Column]:
     """The naive column and one pipeline column per K."""
     columns = []
@@ -135,22 +135,22 @@ def run_family(
         column = run_column(family, label, settings_for(label, k, space.chunks), space, budget, opt)
         columns.append(column)
         if log:
-            plan = column.result.plan
+            size = column.result.size
             print(
-                f"{family.name} {label}: {family.describe(plan.layers, plan.width)} "
-                f"{plan.params / 1e6:.1f}M, peak {column.result.peak / GIB:.2f} GiB/device "
+                f"{family.name} {label}: {family.describe(size.layers, size.width)} "
+                f"{size.params / 1e6:.1f}M, peak {column.result.peak / GIB:.2f} GiB/device "
                 f"({column.seconds:.0f}s)",
                 flush=True,
             )
     return columns
 
 
-def paper_check(family: Family, column: Column, paper_size: str, opt: str) -> str:
+def paper_check(family: ModelFamily, column: Column, paper_size: str, opt: str) -> str:
     """Predicted peak per device of the paper's model in our setting (from layer profiles)."""
     numbers = [int(x) for x in paper_size.strip("()").split(",")]
     layers, width = (numbers[0], numbers[1]) if len(numbers) == 2 else (numbers[0], 2048)
-    plan = predict(family, column.result.plan.setting, layers, width, opt)
-    return "-" if plan is None else f"{max(plan.predicted) / GIB:.1f}"
+    size = size_model(family, column.result.size.setting, layers, width, opt)
+    return "-" if size is None else f"{max(size.predicted) / GIB:.1f}"
 
 
 def _fmt_params(n: float) -> str:
@@ -158,7 +158,7 @@ def _fmt_params(n: float) -> str:
 
 
 def table(
-    family: Family,
+    family: ModelFamily,
     columns: list[Column],
     paper: dict,
     budget: int,
@@ -177,12 +177,12 @@ def table(
     def row(name: str, cells: list[str]) -> None:
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
 
-    plans = [c.result.plan for c in columns]
-    sizes = [family.describe(p.layers, p.width) + ("" if c.fits else " (does not fit)")
-             for p, c in zip(plans, columns)]  # fmt: skip
-    row("size, ours", sizes)
+    sizes = [c.result.size for c in columns]
+    described = [family.describe(p.layers, p.width) + ("" if c.fits else " (does not fit)")
+                 for p, c in zip(sizes, columns)]  # fmt: skip
+    row("size, ours", described)
     row("size, paper", [paper[c.label][0] for c in columns])
-    row("parameters, ours", [_fmt_params(p.params) for p in plans])
+    row("parameters, ours", [_fmt_params(p.params) for p in sizes])
     row("parameters, paper", [_fmt_params(paper[c.label][1]) for c in columns])
     stages = [c.result.stages for c in columns]
     row("parameter memory (GiB, all devices), ours",
@@ -199,8 +199,8 @@ def table(
             [paper_check(family, c, paper[c.label][0], opt) for c in columns])  # fmt: skip
     row("M, re-materialization, micro-batch",
         [f"{p.setting.chunks}, {p.setting.checkpoint}, {micro_batch(family, p.setting)}"
-         for p in plans])  # fmt: skip
-    row("balance", [_fmt_balance(p) for p in plans])
+         for p in sizes])  # fmt: skip
+    row("balance", [_fmt_balance(p) for p in sizes])
     row("M measured as", [c.result.stages[0].microbatches for c in columns])
     notes = [c.label + " first measured over budget: " + ", ".join(c.result.tried)
              for c in columns if c.result.tried]  # fmt: skip
@@ -208,8 +208,8 @@ def table(
     return "\n".join([title, "", *rows, "", *[f"- {n}" for n in notes]]).rstrip() + "\n"
 
 
-def _fmt_balance(plan: Plan) -> str:
-    balance = list(plan.balance)
+def _fmt_balance(size: ModelSize) -> str:
+    balance = list(size.balance)
     if len(set(balance)) <= 3 and len(balance) > 8:
         first, last = balance[0], balance[-1]
         return f"[{first}, {balance[1]} x {len(balance) - 2}, {last}]"
@@ -234,7 +234,7 @@ def plot(results: dict[str, tuple[list[Column], dict]], path: Path, how: str) ->
     for ax, (name, (columns, paper)) in zip(axes[0], results.items()):
         labels = [c.label for c in columns]
         x = range(len(labels))
-        ours = [c.result.plan.params if c.fits else 0 for c in columns]
+        ours = [c.result.size.params if c.fits else 0 for c in columns]
         theirs = [paper[c.label][1] for c in columns]
         ax.bar([i - 0.2 for i in x], theirs, width=0.4, label="paper (TPU)", color="#bbbbbb")
         ax.bar([i + 0.2 for i in x], ours, width=0.4, label="giantpipe", color="#1f77b4")
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, list[Column]]:
     """
     how = measured_how()
     space = spaces(args.quick)
-    jobs = {
+    jobs: dict[str, tuple[ModelFamily, dict, int]] = {
         "amoebanet": (AmoebaNetD(), PAPER_AMOEBANET, int(args.amoebanet_gib * GIB)),
         "transformer": (TransformerL(), PAPER_TRANSFORMER, int(args.transformer_gib * GIB)),
     }

@@ -20,9 +20,10 @@ Every number in our columns comes from running code, each cell labelled by its c
   machine at each micro-batch size, cut into K stages by measured time, and the GPipe schedule
   simulated (one core per stage, no contention, no executor overhead).
 - ``simulated (device)``: the full-size model's per-layer FLOPs and bytes (measured on the meta
-  device, :mod:`giantpipe.plan.costs`) on a named device's FLOP-and-byte model
-  (:class:`giantpipe.plan.DeviceSpec`); the batch is adjusted to fit memory, as in the paper:
-  the planner picks the balance and re-materialization, and we keep the fastest batch that fits.
+  device, :mod:`giantpipe.perf.costs`) on a named device's FLOP-and-byte model
+  (:class:`giantpipe.perf.planner.DeviceSpec`); the batch is adjusted to fit memory, as in the
+  paper: the planner picks the balance and re-materialization, and we keep the fastest batch that
+  fits.
 
 The paper's and torchgpipe's numbers are quoted from docs (shared/reference/gpipe-paper.md).
 Writes ``results/table2/table2.md`` and ``results/table2/table2.png``.
@@ -51,11 +52,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without ins
 from giantpipe.engine.microbatch import scatter  # noqa: E402
 from giantpipe.engine.schedule import gpipe  # noqa: E402
 from giantpipe.perf.balance import solve_balance  # noqa: E402
+from giantpipe.perf.costs import LayerCost, measure_layers  # noqa: E402
+from giantpipe.perf.planner import DeviceSpec, plan  # noqa: E402
 from giantpipe.perf.simulate import StageCost, simulate  # noqa: E402
 from giantpipe.perf.stage_profile import profile_stages  # noqa: E402
-from giantpipe.plan import DeviceSpec, measure_layers, plan  # noqa: E402
-from giantpipe.plan.costs import LayerCost  # noqa: E402
-from giantpipe.plan.models import build as build_full_size  # noqa: E402
+from recipes.model_sizes import build as build_full_size  # noqa: E402
 
 GIB = 2**30
 Cell = tuple[int, int]  # (K, M)
@@ -98,7 +99,7 @@ class Model:
     sweep: str
     stand_in: tuple[str, ...]  # Hydra overrides that make the CPU stand-in
     stand_in_title: str
-    full_size: tuple[str, int, int]  # giantpipe.plan.models.build(name, layers, filters)
+    full_size: tuple[str, int, int]  # model_sizes.build(name, layers, filters)
     device: str  # a key of DEVICES
     ks: tuple[int, ...] = (2, 4, 8)
     ms: tuple[int, ...] = (1, 4, 32)

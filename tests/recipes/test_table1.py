@@ -16,12 +16,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from giantpipe.engine.memory import SavedTensorMeter
-from giantpipe.memory_model.layers import profile_layers
-from giantpipe.memory_model.search import AmoebaNetD, TransformerL
-from giantpipe.memory_model.specs import TensorSpec
-from giantpipe.memory_model.stage import StageLoss, measure_stage
-from giantpipe.memory_model.tracker import LiveBytes
+from giantpipe.perf.memory import LiveBytesTracker, StageLoss, TensorSpec
+from giantpipe.perf.stage_memory import measure_stage, profile_layer_memory
 from models.amoebanet import amoebanetd
+from recipes.model_sizes import AmoebaNetD, TransformerL
 from tests.recipes.scripts import load_script
 
 
@@ -40,7 +38,7 @@ def _forward_growth(model: nn.Module, x: torch.Tensor) -> tuple[int, int, torch.
     """Live-bytes growth of a forward and the engine meter's saved bytes for it."""
     meter = SavedTensorMeter(exclude=model.parameters())
     meter.ignore([x])
-    with LiveBytes() as mem:
+    with LiveBytesTracker() as mem:
         mem.track([*model.parameters(), x])
         before = mem.live
         with meter:
@@ -61,7 +59,7 @@ def test_tracker_gives_the_same_bytes_under_fake_tensors() -> None:
     real = _forward_growth(_mlp(), torch.randn(8, 64, requires_grad=True))[0]
     with FakeTensorMode():
         model, x = _mlp(), torch.randn(8, 64, requires_grad=True)
-        with LiveBytes() as mem:
+        with LiveBytesTracker() as mem:
             mem.track([*model.parameters(), x])
             before = mem.live
             y = model(x)
@@ -71,7 +69,7 @@ def test_tracker_gives_the_same_bytes_under_fake_tensors() -> None:
 
 
 def test_tracker_frees_and_keeps_peak() -> None:
-    with FakeTensorMode(), LiveBytes() as mem:
+    with FakeTensorMode(), LiveBytesTracker() as mem:
         x = torch.empty(1024, 1024)
         y = (x * 2).relu()
         assert (mem.live, mem.peak) == (8 * 2**20, 12 * 2**20)
@@ -143,8 +141,8 @@ def test_amoebanet_template_expands_to_the_full_model(layers: int) -> None:
 def test_transformer_template_expands_to_the_full_model() -> None:
     family = TransformerL(batch=2, seq_len=16, d_model=64)
     spec, loss = family.input(2), family.loss(2)
-    template = profile_layers(family.template(64), spec, loss)
-    full = profile_layers(family.build(3, 64), spec, loss)
+    template = profile_layer_memory(family.template(64), spec, loss)
+    full = profile_layer_memory(family.build(3, 64), spec, loss)
     assert [template[i] for i in family.expand(3)] == full
 
 
@@ -177,11 +175,11 @@ def test_quick_run_fits_and_counts_parameters_as_the_models_do(quick_run) -> Non
     budgets = {"AmoebaNet-D": 8 * 2**30, "Transformer-L": 16 * 2**30}
     for name, columns in results.items():
         for column in columns:
-            plan = column.result.plan
-            model = families[name].build(plan.layers, plan.width)  # on the meta device
-            assert plan.params == sum(p.numel() for p in model.parameters())
-            assert sum(s.params for s in column.result.stages) == plan.params
-            assert sum(plan.balance) == len(model)
+            size = column.result.size
+            model = families[name].build(size.layers, size.width)  # on the meta device
+            assert size.params == sum(p.numel() for p in model.parameters())
+            assert sum(s.params for s in column.result.stages) == size.params
+            assert sum(size.balance) == len(model)
             assert column.fits == (column.result.peak <= budgets[name])
     pipeline = results["Transformer-L"][-1]
-    assert pipeline.fits and pipeline.result.plan.setting.partitions == 1
+    assert pipeline.fits and pipeline.result.size.setting.partitions == 1

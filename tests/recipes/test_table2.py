@@ -15,8 +15,9 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 
 from giantpipe.config import register_configs
+from giantpipe.perf.costs import measure_layers
+from giantpipe.perf.planner import DeviceSpec
 from giantpipe.perf.simulate import StageCost
-from giantpipe.plan import DeviceSpec, measure_layers
 from tests.recipes.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,10 +1,30 @@
 """The cost model: measures a pipeline, simulates schedules, predicts steps, plans and sizes.
 
-What lives here: the exact min-max balance solver and the ``balance_by_*`` policies
-(:mod:`.balance`), the simulator (:mod:`.simulate`), stage profiles and the executor's own
-replayed timings (:mod:`.stage_profile`, :mod:`.replay`), the forecast of a step
-(:mod:`.predict`) and timelines (:mod:`.timeline`). It imports the engine; the engine never
-imports it. The runner and the benchmarks use it.
+What lives here, one module per concept:
+
+- :mod:`.balance`: the one exact min-max balance solver (``solve_balance``, with an optional
+  per-stage limit the planner uses) and the ``balance_by_*`` policies;
+- :mod:`.costs`: the one per-layer cost record (``LayerCost``: FLOPs and bytes per sample,
+  measured on the meta device) and measured seconds per layer (``LayerTimer``);
+- :mod:`.simulate`: the simulator (any schedule against a cost per stage);
+- :mod:`.stage_profile`: each stage measured alone, as the executor runs it;
+- :mod:`.predict`: the forecast of a pipe's step, from the executor's replayed actions;
+- :mod:`.planner`: the best balance, M, re-materialization and schedule, by simulation;
+- :mod:`.memory`, :mod:`.stage_memory`, :mod:`.sizing`: memory sized without allocating it
+  (the live-bytes tracker under fake tensors, one stage's training step, the largest model
+  that fits: Table 1);
+- :mod:`.timeline`: timelines, simulated or measured, as text or PNG.
+
+Who imports it: the runner (``pipeline.plan=auto``, ``trainer.predict``), the recipes and the
+benchmarks. It imports the engine; the engine never imports it, except ``GPipe.predict``, a thin
+door that calls :func:`giantpipe.perf.predict.predict` lazily (this package reads a pipe
+through a protocol and never imports ``GPipe``). Nothing here knows a model by name: the paper's
+models and their sizes are in ``recipes/model_sizes.py``.
+
+Words: a "plan" is only the planner's choice; re-materialization is "recompute" (GPipe's
+parameter keeps torchgpipe's name, ``checkpoint``, and its values 'always', 'except_last',
+'never'); the saved-bytes *meter* is the engine's (what autograd keeps for backward), the
+memory *tracker* counts every live byte.
 
 Example::
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import bisect
 import copy
+import math
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
@@ -30,14 +32,30 @@ from torch import nn
 from giantpipe.engine.memory import SavedTensorMeter
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, to_device
 
+Fits = Callable[[int, int, int], bool]
+"""``fits(stage, first, end)``: whether layers ``first .. end - 1`` may form stage ``stage``
+(e.g. fit in that device's memory)."""
 
-def solve_balance(costs: Sequence[float], partitions: int) -> list[int]:
+
+class NoFit(ValueError):
+    """No contiguous cut keeps every stage within ``fits``."""
+
+
+def solve_balance(costs: Sequence[float], partitions: int, fits: Fits | None = None) -> list[int]:
     """Exact contiguous min-max partition of ``costs`` into ``partitions`` non-empty stages.
 
     Dynamic programming over prefix sums: ``best[k][i]`` is the smallest possible largest stage
-    cost when the first ``i`` layers form ``k`` stages. ``best[k-1][j]`` grows with ``j`` while the
-    last stage's cost ``S[i] - S[j]`` shrinks, so the optimal split is where they cross, found by
-    bisection: O(K L log L), fast enough for thousands of layers.
+    cost when the first ``i`` layers form ``k + 1`` stages, and ``cut[k][i]`` where its last
+    stage starts. Ties go to the earliest cut. ``best[k-1][j]`` grows with ``j`` while the last
+    stage's cost ``S[i] - S[j]`` shrinks, so the optimal split is where they cross, found by
+    bisection: O(K L log L), fast enough for thousands of layers. With ``fits`` (the planner's
+    memory limit per stage) a stage may be ruled out anywhere, so every split is tried:
+    O(K L^2). Raises :class:`NoFit` when no cut fits.
+
+    >>> solve_balance([1, 1, 1, 5, 1, 1], partitions=3)
+    [3, 1, 2]
+    >>> solve_balance([1, 1, 1, 5, 1, 1], 3, fits=lambda stage, first, end: end - first <= 2)
+    [2, 2, 2]
     """
     n = len(costs)
     if partitions < 1:
@@ -49,24 +67,51 @@ def solve_balance(costs: Sequence[float], partitions: int) -> list[int]:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    best = [prefix[:]]  # best[0] = one stage: cost of the first i layers
-    cuts: list[list[int]] = [[0] * (n + 1)]
+    # stage k (0-based) ends at i in [k + 1, n - (partitions - 1 - k)]: later stages need a layer
+    first = [math.inf] * (n + 1)
+    for i in range(1, n - partitions + 2):
+        if fits is None or fits(0, 0, i):
+            first[i] = prefix[i]
+    best, cuts = [first], [[0] * (n + 1)]
     for k in range(1, partitions):
-        row, cut = [float("inf")] * (n + 1), [0] * (n + 1)
-        prev = best[k - 1]
-        for i in range(k + 1, n + 1):
-            row[i], cut[i] = _best_split(prev, prefix, lo=k, hi=i - 1, i=i)
+        row, cut = [math.inf] * (n + 1), [0] * (n + 1)
+        for i in range(k + 1, n - partitions + k + 2):
+            splits = _splits(best[k - 1], prefix, k, i) if fits is None else range(k, i)
+            row[i], cut[i] = _best_split(best[k - 1], prefix, splits, i, _stage_fits(fits, k))
         best.append(row)
         cuts.append(cut)
+    if math.isinf(best[-1][n]):
+        raise NoFit(f"no cut of {n} layers into {partitions} stages fits")
     return _recover(cuts, n, partitions)
 
 
-def _best_split(prev: list[float], prefix: list[float], lo: int, hi: int, i: int) -> tuple:
-    # First j in [lo, hi] where the earlier stages cost at least the last stage.
-    keys = range(lo, hi + 1)
+def _splits(prev: list[float], prefix: list[float], k: int, i: int) -> Sequence[int]:
+    # The last stage starts at j in [k, i - 1]. The first j where the earlier stages cost at
+    # least the last stage, and the one before it: the optimum is one of the two.
+    keys = range(k, i)
     pos = bisect.bisect_left(keys, True, key=lambda j: prev[j] >= prefix[i] - prefix[j])
-    candidates = [keys[p] for p in (pos - 1, pos) if 0 <= p < len(keys)]
-    return min((max(prev[j], prefix[i] - prefix[j]), j) for j in candidates)
+    return [keys[p] for p in (pos - 1, pos) if 0 <= p < len(keys)]
+
+
+def _best_split(
+    prev: list[float],
+    prefix: list[float],
+    splits: Iterable[int],
+    i: int,
+    fits: Callable[[int, int], bool],
+) -> tuple[float, int]:
+    # The earliest of the cheapest splits; ``fits`` is asked only of an improvement (it may be
+    # costly: the planner's sums the memory a stage holds at its worst moment)
+    best, cut = math.inf, 0
+    for j in splits:
+        t = max(prev[j], prefix[i] - prefix[j])
+        if t < best and fits(j, i):
+            best, cut = t, j
+    return best, cut
+
+
+def _stage_fits(fits: Fits | None, stage: int) -> Callable[[int, int], bool]:
+    return (lambda first, end: True) if fits is None else partial(fits, stage)
 
 
 def _recover(cuts: list[list[int]], n: int, partitions: int) -> list[int]:

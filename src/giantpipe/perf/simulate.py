@@ -5,7 +5,7 @@ order; an action starts when its worker is free and its inputs have arrived) and
 step time, the bubble and the peak memory of each worker. The costs come from a profile of the
 real model on the real device (:func:`giantpipe.perf.stage_profile.profile_stages`, or
 ``pipe.predict(x, y, loss_fn)``) or from a FLOP-and-byte model of a device (the planner,
-:mod:`giantpipe.plan`). Where workers share hardware (CPU stand-ins share cores and memory
+:mod:`giantpipe.perf.planner`). Where workers share hardware (CPU stand-ins share cores and memory
 bandwidth), ``contention`` slows the actions down while, and only while, they overlap.
 
 How each action is timed, for stage s of micro-batch m (stage s on worker placement[s])::

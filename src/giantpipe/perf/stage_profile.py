@@ -109,69 +109,85 @@ def _profile_stage(
     loss: Callable[[Any], Any] | None,
     repeats: int,
 ) -> tuple[dict[str, Any], Any]:
-    x = move(x, device)
-    params = list(stage.parameters())
-    saved = [p.grad for p in params]
-    for p in params:
+    probe = _Probe(stage, make_leaves(move(x, device), first), device, loss)
+    saved = [p.grad for p in probe.params]
+    for p in probe.params:
         p.grad = None  # backward accumulates in place: profile on fresh gradients
-    leaves = make_leaves(x, first)
-
-    def run() -> Any:
-        y = stage(leaves)
-        return loss(y) if loss is not None else y
-
-    def grads(y: Any) -> tuple[list[torch.Tensor], list[Any]]:
-        if loss is not None:
-            return [y], [None]
-        return pair_gradients(as_tuple(y), tuple(ones_gradient(t) for t in as_tuple(y)), device)
-
-    def full_backward() -> float:
-        tensors, out_grads = grads(metered())
-        start = time.perf_counter()
-        torch.autograd.backward(tensors, out_grads)
-        return _sync(device, time.perf_counter) - start
-
-    def split_backward() -> tuple[float, float]:
-        tensors, out_grads = grads(metered())
-        start = time.perf_counter()
-        _, weight = backward_input(tensors, out_grads, as_tuple(leaves), params)
-        middle = _sync(device, time.perf_counter)
-        weight.run()
-        return middle - start, _sync(device, time.perf_counter) - middle
-
-    meter = SavedTensorMeter(exclude=params)
-    meter.ignore(as_tuple(leaves))
-
-    def metered() -> Any:
-        # the executor meters every forward it keeps for backward (Python hooks per tensor)
-        with SavedTensorMeter(exclude=params):
-            return run()
-
+    meter = SavedTensorMeter(exclude=probe.params)
+    meter.ignore(as_tuple(probe.leaves))
     try:
         with preserved_state(stage), rng_context(0, 0, device):
             with meter:
-                y = run()  # the loss too, on the last stage: the executor meters it there
-            forward = median_time(metered, repeats, device)
-            with torch.no_grad():
-                forward_no_grad = median_time(run, repeats, device)
-            with recomputing(stage):
-                recompute = median_time(metered, repeats, device)
-            backward = statistics.median([full_backward() for _ in range(repeats + 1)][1:])
-            halves = [split_backward() for _ in range(repeats + 1)][1:]
+                y = probe.run()  # the loss too, on the last stage: the executor meters it there
+            fields = _timings(probe, repeats)
     finally:
-        for p, g in zip(params, saved):
+        for p, g in zip(probe.params, saved):
             p.grad = g
-    fields = {
+    fields.update(input_bytes=nbytes(probe.leaves), activation_bytes=meter.bytes)
+    return fields, _detach(y)
+
+
+def _timings(probe: _Probe, repeats: int) -> dict[str, Any]:
+    """Median seconds of each way the executor runs the stage (after a warm-up each)."""
+    device = probe.device
+    forward = median_time(probe.metered, repeats, device)
+    with torch.no_grad():
+        forward_no_grad = median_time(probe.run, repeats, device)
+    with recomputing(probe.stage):
+        recompute = median_time(probe.metered, repeats, device)
+    backward = statistics.median([probe.full_backward() for _ in range(repeats + 1)][1:])
+    halves = [probe.split_backward() for _ in range(repeats + 1)][1:]
+    return {
         "forward": forward,
         "forward_no_grad": forward_no_grad,
         "recompute": recompute,
         "backward": backward,
         "backward_input": statistics.median(h[0] for h in halves),
         "weight": statistics.median(h[1] for h in halves),
-        "input_bytes": nbytes(leaves),
-        "activation_bytes": meter.bytes,
     }
-    return fields, _detach(y)
+
+
+class _Probe:
+    """One stage on one input (detached leaves), run each way the executor runs it."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        leaves: Any,
+        device: torch.device,
+        loss: Callable[[Any], Any] | None,
+    ) -> None:
+        self.stage, self.leaves, self.device, self.loss = stage, leaves, device, loss
+        self.params = list(stage.parameters())
+
+    def run(self) -> Any:
+        y = self.stage(self.leaves)
+        return self.loss(y) if self.loss is not None else y
+
+    def metered(self) -> Any:
+        # the executor meters every forward it keeps for backward (Python hooks per tensor)
+        with SavedTensorMeter(exclude=self.params):
+            return self.run()
+
+    def full_backward(self) -> float:
+        tensors, out_grads = self._grads(self.metered())
+        start = time.perf_counter()
+        torch.autograd.backward(tensors, out_grads)
+        return _sync(self.device, time.perf_counter) - start
+
+    def split_backward(self) -> tuple[float, float]:
+        tensors, out_grads = self._grads(self.metered())
+        start = time.perf_counter()
+        _, weight = backward_input(tensors, out_grads, as_tuple(self.leaves), self.params)
+        middle = _sync(self.device, time.perf_counter)
+        weight.run()
+        return middle - start, _sync(self.device, time.perf_counter) - middle
+
+    def _grads(self, y: Any) -> tuple[list[torch.Tensor], list[Any]]:
+        if self.loss is not None:
+            return [y], [None]
+        ones = tuple(ones_gradient(t) for t in as_tuple(y))
+        return pair_gradients(as_tuple(y), ones, self.device)
 
 
 def median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:

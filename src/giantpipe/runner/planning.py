@@ -1,16 +1,18 @@
-"""``pipeline.plan=auto``: the planner (:mod:`giantpipe.plan`) on the run's own model and devices.
+"""``pipeline.plan=auto``: the planner (:mod:`giantpipe.perf.planner`) on the run's own model and
+devices.
 
 What goes in, all measured on this run rather than assumed:
 
 - bytes per layer (parameters, saved activations, boundary tensors) from the model copied to
-  the meta device, one sample (:func:`giantpipe.plan.measure_layers`);
+  the meta device, one sample (:func:`giantpipe.perf.costs.measure_layers`);
 - seconds per layer (forward, input gradient, weight gradient) on the first device, at the
   smallest and the largest micro-batch of the search, interpolated linearly in between
   (:class:`LayerTimer`), and the executor's cost per action;
 - the optimizer's state per parameter (``optim.name``, ``optim.momentum``), the batch size of
   the data (M is searched over the divisors of it) and ``pipeline.memory_budget_gib``.
 
-The measurements themselves are in :mod:`giantpipe.runner.plan_measure`.
+The measurements themselves are in :mod:`giantpipe.perf.costs`; this module is the glue from the
+config to them and to the planner.
 
 Not modelled: CPU stand-ins slowing each other down (they share cores), allocator slack.
 
@@ -38,11 +40,17 @@ from torch import nn
 from giantpipe.config import ConfigError, ExperimentConfig, OptimConfig, PipelineConfig
 from giantpipe.data.bundle import Tensors, batch_size
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.perf.costs import (
+    LayerCost,
+    LayerTimer,
+    measure_layers,
+    meta_copy,
+    meta_sample,
+    per_sample,
+)
+from giantpipe.perf.planner import Candidate, DeviceSpec, format_table, plan
 from giantpipe.perf.predict import executor_overhead
-from giantpipe.plan import Candidate, DeviceSpec, measure_layers, plan
-from giantpipe.plan.__main__ import format_table
 from giantpipe.runner.losses import LossFn
-from giantpipe.runner.plan_measure import LayerTimer, meta_copy, meta_sample, per_sample
 from giantpipe.runner.step import autocast
 
 log = logging.getLogger(__name__)
@@ -70,16 +78,7 @@ def plan_pipeline(
     min_micro = 2 if has_batchnorm(model) else 1
     chunks = chunk_options(size, min_micro)
     budget = memory_budget(cfg.pipeline, devices)
-    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
-    with torch.random.fork_rng(devices=cuda), autocast(cfg.pipeline.precision, devices[0]):
-        layers = per_sample(
-            measure_layers(meta_copy(model), meta_sample(inputs, min_micro)), min_micro
-        )
-        threads = threads_per_worker(devices)
-        timer = LayerTimer(model, devices[0], inputs, targets, loss_fn, threads)
-        timer.calibrate([size // max(chunks), size // min(chunks)])
-        schedule = build_schedule("gpipe", k, 4)
-        overhead = executor_overhead(schedule, [torch.device(d) for d in devices], threads, 2)
+    layers, timer, overhead = _measure(cfg, model, devices, inputs, targets, loss_fn, chunks)
     spec = DeviceSpec(
         peak_flops=1.0,  # unused: layer times are measured
         memory_bytes=budget,
@@ -116,6 +115,30 @@ def plan_pipeline(
         virtual_stages=best.virtual_stages,
     )
     return planned, describe(best, budget, len(candidates))
+
+
+def _measure(
+    cfg: ExperimentConfig,
+    model: nn.Sequential,
+    devices: list[str],
+    inputs: Tensors,
+    targets: Tensors,
+    loss_fn: LossFn,
+    chunks: list[int],
+) -> tuple[list[LayerCost], LayerTimer, float]:
+    """Bytes per layer and sample, seconds per layer (at the smallest and largest micro-batch)
+    and the executor's cost per action, the RNG streams left as they were."""
+    size, min_micro = batch_size(inputs), 2 if has_batchnorm(model) else 1
+    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+    with torch.random.fork_rng(devices=cuda), autocast(cfg.pipeline.precision, devices[0]):
+        sample = meta_sample(inputs, min_micro)
+        layers = per_sample(measure_layers(meta_copy(model), sample), min_micro)
+        threads = threads_per_worker(devices)
+        timer = LayerTimer(model, devices[0], inputs, targets, loss_fn, threads)
+        timer.calibrate([size // max(chunks), size // min(chunks)])
+        schedule = build_schedule("gpipe", len(devices), 4)
+        overhead = executor_overhead(schedule, [torch.device(d) for d in devices], threads, 2)
+    return layers, timer, overhead
 
 
 def describe(best: Candidate, budget: float, fitting: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""pipe.replay: the executor's own actions, each worker alone, feeding the simulator. What is
-exact here: which actions ran, which cost fields they replace, and that nothing is left behind.
-Whether the forecast is right is measured in benchmarks/schedules_cpu.py."""
+"""perf.predict.replay: the executor's own actions, each worker alone, feeding the simulator.
+What is exact here: which actions ran, which cost fields they replace, and that nothing is left
+behind. Whether the forecast is right is measured in benchmarks/schedules_cpu.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from giantpipe.engine.microbatch import scatter
 from giantpipe.engine.recompute import checkpoint_stop
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import build_schedule
-from giantpipe.perf.replay import CannedMailbox, replay
+from giantpipe.perf.predict import CannedMailbox, replay
 from giantpipe.perf.simulate import StageCost
 from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 

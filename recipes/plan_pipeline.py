@@ -1,30 +1,40 @@
-"""``python -m giantpipe.plan``: plan a pipeline for a named model and print the best candidates.
+# Command:  python recipes/plan_pipeline.py --model amoebanet-d --layers 18 --filters 256 \
+#               --devices 8 --memory-gib 16 --batch 512 --peak-tflops 125 --bandwidth-gbps 50
+#           python recipes/plan_pipeline.py --model transformer-l --layers 48 --devices 8 \
+#               --memory-gib 16 --batch 32 --plot outputs/plan_transformer48.png
+# Hardware: any CPU, no GPU: the model is built on the meta device, each candidate simulated
+#           (20-60 s for the full-size models on 2 shared cores).
+# Reproduces: results/plan/ (results/README.md, "Planner's choices"): AmoebaNet-D (18, 256),
+#           batch 512 on 8 x 16 GiB: zb-h1, M=32, never, 2374 samples/s, bubble 0.44.
+"""Plan a pipeline for a named model: the best balance, M, re-materialization and schedule.
 
-    python -m giantpipe.plan --model amoebanet-d --layers 18 --filters 256 --devices 8 \\
-        --memory-gib 16 --batch 512
-    python -m giantpipe.plan --model transformer-l --layers 48 --devices 8 --memory-gib 16 \\
-        --batch 32 --plot outputs/plan_transformer48.png
-
-Takes a few seconds (the model is built on the meta device; each candidate is simulated).
+Prints every configuration that fits, fastest first (the planner, :mod:`giantpipe.perf.planner`,
+on per-layer FLOPs and bytes measured on the meta device), and with ``--plot`` draws the best
+candidate's simulated timeline.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from giantpipe.engine.recompute import MODES
-from giantpipe.engine.schedules import SCHEDULE_NAMES
-from giantpipe.plan.costs import measure_layers
-from giantpipe.plan.models import NAMES, build
-from giantpipe.plan.search import Candidate, DeviceSpec, plan
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+from giantpipe.engine.recompute import MODES  # noqa: E402
+from giantpipe.engine.schedules import SCHEDULE_NAMES  # noqa: E402
+from giantpipe.perf.costs import measure_layers  # noqa: E402
+from giantpipe.perf.planner import DeviceSpec, format_table, plan  # noqa: E402
+from recipes.model_sizes import NAMES, build  # noqa: E402
 
 GIB = 2**30
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m giantpipe.plan", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--model", choices=NAMES, required=True)
     p.add_argument(
         "--layers", type=int, help="L: AmoebaNet normal cells (18) / Transformer layers (48)"
@@ -58,20 +68,15 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def format_table(candidates: Sequence[Candidate]) -> str:
-    lines = [
-        "| # | schedule | V | M | checkpoint | balance | samples/s | step s | bubble "
-        "| peak GiB per device |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for rank, c in enumerate(candidates, 1):
-        peaks = " ".join(f"{b / GIB:.1f}" for b in c.peak_memory_bytes)
-        lines.append(
-            f"| {rank} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.checkpoint} "
-            f"| {c.balance} | {c.samples_per_s:.1f} | {c.step_time_s:.3f} | {c.bubble:.3f} "
-            f"| {peaks} |"
-        )
-    return "\n".join(lines)
+def device_spec(args: argparse.Namespace) -> DeviceSpec:
+    """The device model the command line describes."""
+    return DeviceSpec(
+        peak_flops=args.peak_tflops * 1e12,
+        memory_bytes=args.memory_gib * GIB,
+        link_bandwidth=args.bandwidth_gbps * 1e9,
+        efficiency=args.efficiency,
+        layer_overhead=args.layer_overhead_us * 1e-6,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,18 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     model, sample = build(args.model, args.layers, args.filters, args.image_size, args.seq_len)
     layers = measure_layers(model, sample)
-    device = DeviceSpec(
-        peak_flops=args.peak_tflops * 1e12,
-        memory_bytes=args.memory_gib * GIB,
-        link_bandwidth=args.bandwidth_gbps * 1e9,
-        efficiency=args.efficiency,
-        layer_overhead=args.layer_overhead_us * 1e-6,
-    )
     candidates = plan(
         layers,
         args.devices,
         args.batch,
-        device,
+        device_spec(args),
         schedules=args.schedules,
         chunks=args.chunks,
         checkpoints=args.checkpoints,

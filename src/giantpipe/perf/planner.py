@@ -1,32 +1,42 @@
-"""The planner's search: every schedule, M and re-materialization mode, a balance for each,
-judged by the simulator on a FLOP-and-byte model of the device.
+"""The planner: the best balance, micro-batch count, re-materialization mode and schedule for a
+model on K devices, chosen by simulation.
 
-For each (schedule, V, M, checkpoint):
+For each (schedule, V, M, re-materialization mode):
 
 1. balance: the contiguous cut into K*V stages that minimises the slowest stage's time while
-   every stage fits in memory (exact dynamic programme over cut points). A stage's memory is
-   its parameters x (2 + optimizer slots) plus, at the worst moment of the schedule, n_in
-   micro-batches' stage inputs and n_act micro-batches' activations, (n_in, n_act) read off
-   the schedule itself (:func:`pressure`): GPipe holds M, 1F1B K-s, re-materialization only
-   inputs plus the one being recomputed;
+   every stage fits in memory (:func:`~giantpipe.perf.balance.solve_balance` with a memory
+   limit). A stage's memory is its parameters x (2 + optimizer slots) plus, at the worst
+   moment of the schedule, n_in micro-batches' stage inputs and n_act micro-batches'
+   activations, (n_in, n_act) read off the schedule itself (:func:`pressure`): GPipe holds M,
+   1F1B K-s, re-materialization only inputs plus the one being recomputed;
 2. simulate: step time, bubble and exact peak memory per device;
 3. keep it if every device fits in ``memory_bytes x (1 - reserve)``.
 
-Layer times come from the device model, or, given ``layer_times``, from measurements on the
-real device (what ``pipeline.plan=auto`` in the runner passes); ``overhead`` adds the
-executor's measured cost to every action. Candidates come back fastest first. Example::
+What goes in: per-layer FLOPs and bytes measured on the meta device
+(:func:`~giantpipe.perf.costs.measure_layers`), a device model (:class:`DeviceSpec`: peak
+FLOP/s x efficiency + a per-layer overhead, memory, link), the optimizer's state per parameter,
+and each schedule's in-flight activations. Given ``layer_times`` (what ``pipeline.plan=auto``
+in the runner passes, :class:`~giantpipe.perf.costs.LayerTimer`), measured seconds replace
+the device model's, and ``overhead`` adds the executor's measured cost to every action. What
+is left out: the backward's transient workspace and allocator fragmentation
+(``DeviceSpec.reserve`` keeps 10% of memory for them), and kernel efficiency that varies with
+shape. The command line: ``python recipes/plan_pipeline.py``.
 
-    layers = measure_layers(meta_model, meta_sample)
+Example::
+
+    layers = measure_layers(model_on_meta, one_sample_on_meta)  # FLOPs and bytes per layer
     device = DeviceSpec(peak_flops=125e12, memory_bytes=16 * 2**30, link_bandwidth=50e9)
-    best = plan(layers, num_devices=8, batch_size=256, device=device)[0]
-    best.schedule, best.chunks, best.checkpoint, best.balance, best.samples_per_s
+    best = plan(layers, num_devices=8, batch_size=512, device=device)[0]   # fastest first
+    pipe = GPipe(model, best.balance, devices=..., chunks=best.chunks,
+                 checkpoint=best.checkpoint, schedule=best.schedule,
+                 virtual_stages=best.virtual_stages)
+    print(format_table([best]))   # predicted samples/s, bubble, peak memory per device
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,8 +44,11 @@ from giantpipe.engine.microbatch import split_sizes
 from giantpipe.engine.recompute import MODES, checkpoint_stop
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule
+from giantpipe.perf.balance import NoFit, solve_balance
+from giantpipe.perf.costs import LayerCost
 from giantpipe.perf.simulate import Simulation, StageCost, simulate
-from giantpipe.plan.costs import LayerCost
+
+GIB = 2**30
 
 LayerTimes = Callable[[int], Sequence[tuple[float, float, float]]]
 """Measured seconds per layer for a micro-batch of n samples: (forward, input gradient,
@@ -60,12 +73,12 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration and what the simulator predicts for it."""
+    """One configuration, named as ``GPipe`` takes it, and what the simulator predicts for it."""
 
     schedule: str
     virtual_stages: int
     chunks: int
-    checkpoint: str
+    checkpoint: str  # GPipe's re-materialization argument: 'always', 'except_last' or 'never'
     balance: list[int]
     step_time_s: float
     samples_per_s: float
@@ -127,22 +140,14 @@ def _evaluate(
     per_layer = [_layer_cost(c, micro, device, slots, first=i == 0) for i, c in enumerate(layers)]
     if measured is not None:
         per_layer = measured.apply(per_layer, micro)
-    replayed = 0.0 if mode == "never" else 1.0
-    times = [c.forward + c.backward + replayed * c.recompute for c in per_layer]
-    static = list(itertools.accumulate((c.static_bytes for c in per_layer), initial=0))
-    saved = list(itertools.accumulate((c.activation_bytes for c in per_layer), initial=0))
-    inner = list(itertools.accumulate((c.input_saved * micro for c in layers), initial=0))
-    pressures = pressure(schedule, mode)
-
-    def memory(stage: int, j: int, i: int) -> float:
-        act = saved[i] - saved[j] + inner[i] - inner[j + 1]
-        held = max(a * per_layer[j].input_bytes + c * act for a, c in pressures[stage])
-        return static[i] - static[j] + held
-
+    recomputed = 0.0 if mode == "never" else 1.0
+    times = [c.forward + c.backward + recomputed * c.recompute for c in per_layer]
+    memory = _stage_memory(per_layer, layers, micro, pressure(schedule, mode))
     # a worker of an interleaved schedule holds V stages: give each its share of the budget
     share = budget / schedule.virtual_stages
-    balance = min_max_balance(times, schedule.num_stages, memory, share)
-    if balance is None:
+    try:
+        balance = solve_balance(times, schedule.num_stages, lambda *cut: memory(*cut) <= share)
+    except NoFit:
         return None
     bounds = list(itertools.accumulate([0, *balance]))
     costs = [combine(per_layer[a:b], layers[a:b], micro) for a, b in itertools.pairwise(bounds)]
@@ -161,6 +166,26 @@ def _evaluate(
         sim.peak_memory_bytes,
         sim,
     )
+
+
+def _stage_memory(
+    per_layer: Sequence[StageCost],
+    layers: Sequence[LayerCost],
+    micro: int,
+    pressures: list[list[tuple[int, int]]],
+) -> Callable[[int, int, int], float]:
+    """``memory(stage, first, end)``: the bytes stage ``stage`` holds at its worst moment when
+    it is made of layers ``first .. end - 1`` (prefix sums: O(1) per cut)."""
+    static = list(itertools.accumulate((c.static_bytes for c in per_layer), initial=0))
+    saved = list(itertools.accumulate((c.activation_bytes for c in per_layer), initial=0))
+    inner = list(itertools.accumulate((c.input_saved * micro for c in layers), initial=0))
+
+    def memory(stage: int, j: int, i: int) -> float:
+        act = saved[i] - saved[j] + inner[i] - inner[j + 1]
+        held = max(a * per_layer[j].input_bytes + c * act for a, c in pressures[stage])
+        return static[i] - static[j] + held
+
+    return memory
 
 
 class _Measured:
@@ -234,10 +259,10 @@ def pressure(schedule: Schedule, mode: str) -> list[list[tuple[int, int]]]:
         held = {a.stage: (0, 0) for a in worker}
         for a in worker:
             n_in, n_act = held[a.stage]
-            replay = a.microbatch < stop
+            recomputed = a.microbatch < stop
             if a.kind == "F":
-                held[a.stage] = (n_in + 1, n_act + (0 if replay else 1))
-            elif a.kind == "B" and replay:
+                held[a.stage] = (n_in + 1, n_act + (0 if recomputed else 1))
+            elif a.kind == "B" and recomputed:
                 held[a.stage] = (n_in, n_act + 1)
             counts[a.stage].add(held[a.stage])
             if a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
@@ -250,33 +275,23 @@ def _pareto(points: set[tuple[int, int]]) -> list[tuple[int, int]]:
     return [p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)]
 
 
-def min_max_balance(
-    times: Sequence[float],
-    num_stages: int,
-    memory: Callable[[int, int, int], float],
-    budget: float,
-) -> list[int] | None:
-    """Contiguous cut of the layers into ``num_stages`` stages minimising the slowest stage,
-    with ``memory(stage, first, end) <= budget`` for each; None if no cut fits.
+def format_table(candidates: Sequence[Candidate]) -> str:
+    """The candidates as a markdown table, one row each, ranked as given.
 
-    Dynamic programme: best[s][i] is the best bottleneck for the first i layers in s stages.
+    Example::
+
+        print(format_table(plan(layers, 8, 512, device)[:10]))
     """
-    n = len(times)
-    prefix = list(itertools.accumulate(times, initial=0.0))
-    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, i):
-                t = max(best[s - 1][j], prefix[i] - prefix[j])
-                if t < best[s][i] and memory(s - 1, j, i) <= budget:
-                    best[s][i], cut[s][i] = t, j
-    if math.isinf(best[num_stages][n]):
-        return None
-    bounds, i = [n], n
-    for s in range(num_stages, 0, -1):
-        i = cut[s][i]
-        bounds.append(i)
-    bounds.reverse()
-    return [b - a for a, b in itertools.pairwise(bounds)]
+    lines = [
+        "| # | schedule | V | M | checkpoint | balance | samples/s | step s | bubble "
+        "| peak GiB per device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rank, c in enumerate(candidates, 1):
+        peaks = " ".join(f"{b / GIB:.1f}" for b in c.peak_memory_bytes)
+        lines.append(
+            f"| {rank} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.checkpoint} "
+            f"| {c.balance} | {c.samples_per_s:.1f} | {c.step_time_s:.3f} | {c.bubble:.3f} "
+            f"| {peaks} |"
+        )
+    return "\n".join(lines)

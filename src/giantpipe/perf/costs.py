@@ -1,0 +1,248 @@
+"""What each layer of a model costs: FLOPs and bytes per sample, and measured seconds.
+
+Bytes and FLOPs are measured, not guessed: the model runs one sample, layer by layer, on the
+meta device (no memory, no arithmetic: shapes only) under ``torch.utils.flop_counter``'s
+``FlopCounterMode`` for the FLOPs and the engine's saved-bytes meter for what autograd would keep
+(:func:`measure_layers`). Everything scales linearly with the micro-batch size. Uneven layers
+come out as they are: an embedding with many parameters and no FLOPs, a vocabulary head heavier
+than a Transformer layer, AmoebaNet's reduction cells and its wide, low-resolution last cells.
+Seconds come from running each layer on the real device (:class:`LayerTimer`). The planner
+(:mod:`giantpipe.perf.planner`) takes both.
+
+Example::
+
+    >>> with torch.device("meta"):
+    ...     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    >>> costs = measure_layers(model, torch.empty(1, 8, device="meta"))
+    >>> [c.flops for c in costs], [c.params for c in costs]
+    ([256.0, 0.0, 128.0], [144, 0, 68])
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from giantpipe.engine.executor import LossFn
+from giantpipe.engine.memory import SavedTensorMeter
+from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes
+from giantpipe.engine.recompute import recomputing
+from giantpipe.engine.rng import rng_context
+from giantpipe.perf.simulate import StageCost
+from giantpipe.perf.stage_profile import profile_stages
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, one sample."""
+
+    flops: float  # forward FLOPs (2 per multiply-add of matmuls and convolutions)
+    params: int
+    param_bytes: int
+    input_bytes: int  # the layer's input: what a stage starting here receives and keeps
+    saved_bytes: int  # what autograd saves in the forward, beyond the layer's input
+    input_saved: int  # bytes of the input that autograd saves too (kept once per stage)
+    output_bytes: int  # what crosses the boundary after this layer
+
+
+def measure_layers(
+    model: nn.Sequential, sample: Any, loss_saves_output: bool = True
+) -> list[LayerCost]:
+    """Per-layer costs of ``model`` for one sample (a tensor or tuple; batch size 1).
+
+    Best run with the model and sample on the meta device. With ``loss_saves_output`` the last
+    layer also keeps its output, as a cross-entropy loss on logits does (its log-softmax).
+    """
+    params = list(model.parameters())
+    costs, x = [], sample
+    for i, layer in enumerate(model):
+        leaves = _leaves(x, first=i == 0)
+        meter = _StorageMeter(params, inputs=[t for t in as_tuple(leaves) if torch.is_tensor(t)])
+        with FlopCounterMode(display=False) as counter, meter:
+            y = layer(leaves)
+        own = list(layer.parameters())
+        saved = meter.bytes
+        if loss_saves_output and i == len(model) - 1:
+            saved += nbytes(y)
+        costs.append(
+            LayerCost(
+                flops=float(counter.get_total_flops()),
+                params=sum(p.numel() for p in own),
+                param_bytes=sum(p.numel() * p.element_size() for p in own),
+                input_bytes=nbytes(leaves),
+                saved_bytes=saved,
+                input_saved=meter.input_bytes,
+                output_bytes=nbytes(y),
+            )
+        )
+        x = _detach(y)
+    return costs
+
+
+def _key(t: torch.Tensor) -> int:
+    # A storage's identity; meta tensors have no data pointer, but their storages are distinct.
+    return int(t.untyped_storage()._cdata)
+
+
+class _StorageMeter(SavedTensorMeter):
+    """The engine's saved-bytes meter, its storages keyed by identity rather than data pointer
+    (meta tensors have none), the inputs' own storages reported apart (``input_bytes``).
+
+    Only the key differs from :class:`~giantpipe.engine.memory.SavedTensorMeter`; this class
+    goes once that meter keys storages by identity itself.
+    """
+
+    def __init__(self, exclude: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self._exclude = {_key(p) for p in exclude}
+        self._inputs = {_key(t): t.untyped_storage().nbytes() for t in inputs}
+        self.input_bytes = 0
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _key(tensor)
+        if key not in self._exclude and key not in self._seen:
+            self._seen.add(key)
+            if key in self._inputs:
+                self.input_bytes += self._inputs[key]
+            else:
+                self.bytes += tensor.untyped_storage().nbytes()
+        return tensor
+
+
+def per_sample(layers: list[LayerCost], n: int) -> list[LayerCost]:
+    """Costs measured on ``n`` samples (BatchNorm needs 2 in training) as costs of one."""
+    if n == 1:
+        return layers
+    return [
+        replace(
+            c,
+            flops=c.flops / n,
+            input_bytes=c.input_bytes // n,
+            saved_bytes=c.saved_bytes // n,
+            input_saved=c.input_saved // n,
+            output_bytes=c.output_bytes // n,
+        )
+        for c in layers
+    ]
+
+
+def meta_copy(model: nn.Sequential) -> nn.Sequential:
+    """The model on the meta device (shapes only), copied one layer at a time."""
+    return nn.Sequential(*[copy.deepcopy(layer).to("meta") for layer in model]).train()
+
+
+def meta_sample(inputs: TensorOrTensors, n: int = 1) -> TensorOrTensors:
+    """The first ``n`` samples of ``inputs`` on the meta device."""
+    if isinstance(inputs, tuple):
+        return tuple(torch.empty_like(t[:n], device="meta") for t in inputs)
+    return torch.empty_like(inputs[:n], device="meta")
+
+
+class LayerTimer:
+    """Seconds per layer on ``device`` for a micro-batch of n samples: measured at a few sizes
+    (:meth:`calibrate`), linear in n between and beyond them. Each layer runs as the executor
+    runs a stage (:func:`~giantpipe.perf.stage_profile.profile_stages`); a layer not on
+    ``device`` is profiled on a copy. The loss runs after the last layer.
+
+    Example::
+
+        timer = LayerTimer(model, "cpu", inputs, targets, loss_fn, threads=1)
+        timer.calibrate([8, 64])
+        timer(16)   # [(forward_s, input_grad_s, weight_grad_s), ...] per layer
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        device: str,
+        inputs: TensorOrTensors,
+        targets: TensorOrTensors,
+        loss_fn: LossFn,
+        threads: int | None,
+        repeats: int = 2,
+    ) -> None:
+        self.model, self.device = model, torch.device(device)
+        self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
+        self.threads, self.repeats = threads, repeats
+        self.points: dict[int, list[StageCost]] = {}
+
+    def calibrate(self, sizes: Sequence[int]) -> None:
+        for n in sorted(set(sizes)):
+            self.points[n] = self.profile(n)
+
+    def profile(self, n: int) -> list[StageCost]:
+        """Every layer's measured cost on the first ``n`` samples."""
+        x: Any = _to(_head(self.inputs, n), self.device)
+        target = _head(self.targets, n)
+        costs = []
+        for i, layer in enumerate(self.model):
+            on_device = all(p.device == self.device for p in layer.parameters())
+            stage = nn.Sequential(layer if on_device else copy.deepcopy(layer).to(self.device))
+            last = i == len(self.model) - 1
+            stage_in = x if i == 0 else _leaves(x, first=False)  # wants its input gradient
+            costs += profile_stages(
+                [stage],
+                [self.device],
+                stage_in,
+                target if last else None,
+                self.loss_fn if last else None,
+                repeats=self.repeats,
+                threads=self.threads,
+            )
+            if not last:
+                with torch.no_grad(), recomputing(stage), rng_context(0, 0, self.device):
+                    x = stage(x)
+        return costs
+
+    def __call__(self, n: int) -> list[tuple[float, float, float]]:
+        sizes = sorted(self.points)
+        lo, hi = sizes[0], sizes[-1]
+        if lo == hi:
+            return [(c.forward, c.backward_input, c.weight) for c in self.points[lo]]
+        share = (n - lo) / (hi - lo)
+
+        def at(a: float, b: float) -> float:
+            return max(0.0, a + (b - a) * share)
+
+        return [
+            (
+                at(a.forward, b.forward),
+                at(a.backward_input, b.backward_input),
+                at(a.weight, b.weight),
+            )
+            for a, b in zip(self.points[lo], self.points[hi], strict=True)
+        ]
+
+
+def _head(tensors: TensorOrTensors, n: int) -> TensorOrTensors:
+    return tuple(t[:n] for t in tensors) if isinstance(tensors, tuple) else tensors[:n]
+
+
+def _to(tensors: TensorOrTensors, device: torch.device) -> TensorOrTensors:
+    if isinstance(tensors, tuple):
+        return tuple(t.to(device) for t in tensors)
+    return tensors.to(device)
+
+
+def _leaves(x: Any, first: bool) -> Any:
+    # Detached copies of the layer's inputs; floats want a gradient unless the layer is first
+    def leaf(t: Any) -> Any:
+        if not torch.is_tensor(t):
+            return t
+        return t.detach().requires_grad_(t.is_floating_point() and not first)
+
+    return leaf(x) if torch.is_tensor(x) else tuple(leaf(t) for t in x)
+
+
+def _detach(y: Any) -> Any:
+    return (
+        y.detach()
+        if torch.is_tensor(y)
+        else tuple(t.detach() if torch.is_tensor(t) else t for t in y)
+    )
