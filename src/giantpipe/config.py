@@ -104,7 +104,7 @@ class PipelineConfig:
     """V, model chunks per device (``interleaved``): a listed balance then has K*V entries."""
     plan: str | None = None
     """Null: use balance, chunks, checkpoint, schedule and virtual_stages as set. ``auto``: the
-    planner (giantpipe.plan) picks those five by simulating every candidate on layer times
+    planner (giantpipe.perf.planner) picks those five by simulating every candidate on layer times
     measured on these devices, within memory_budget_gib; the other keys stay as set."""
     memory_budget_gib: float | None = None
     """plan=auto: memory per device in GiB (weights, gradients, optimizer state, activations).
