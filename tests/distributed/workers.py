@@ -33,11 +33,9 @@ INIT = 3  # layer initialisation seed
 
 def registered_schedules() -> list[str]:
     """Every schedule the engine knows now (others may be added later)."""
-    from giantpipe.engine import schedule
+    from giantpipe.engine import schedules
 
-    if hasattr(schedule, "schedule_builders"):
-        return sorted(schedule.schedule_builders())
-    return sorted(schedule.SCHEDULES)  # type: ignore[attr-defined]
+    return sorted(schedules.schedule_builders())
 
 
 def virtual_stages_for(name: str, workers: int, chunks: int) -> int | None:
