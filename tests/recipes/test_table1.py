@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from giantpipe.engine.memory import SavedTensorMeter
+from giantpipe.engine.stats import SavedTensorMeter
 from giantpipe.memory_model.layers import profile_layers
 from giantpipe.memory_model.search import AmoebaNetD, TransformerL
 from giantpipe.memory_model.specs import TensorSpec

@@ -37,19 +37,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from giantpipe.engine.base import check_arguments, check_input
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
+from giantpipe.engine.executor import (
+    LossFn,
+    LossSpec,
+    StepConfig,
+    StepRun,
+    autocast_state,
+)
 from giantpipe.engine.front_door import PipelineFunction, out_is_tensor
-from giantpipe.engine.gpipe_args import check_arguments, check_input
-from giantpipe.engine.memory import device_peak, reset_device_peak
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, batch_size, gather, scatter
 from giantpipe.engine.partition import Device, split_module
 from giantpipe.engine.recompute import checkpoint_stop
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks
 from giantpipe.engine.schedule import Schedule, expected_bubble
 from giantpipe.engine.schedules import build_schedule
-from giantpipe.engine.stats import ActionTiming, StepStats
-from giantpipe.engine.step_config import autocast_state
+from giantpipe.engine.stats import ActionTiming, StepStats, device_peak, reset_device_peak
 from giantpipe.engine.workers import WorkerPool
 
 if TYPE_CHECKING:

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from giantpipe.engine.memory import SavedTensorMeter
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, to_device
+from giantpipe.engine.stats import SavedTensorMeter
 
 
 def solve_balance(costs: Sequence[float], partitions: int) -> list[int]:

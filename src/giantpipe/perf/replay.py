@@ -38,13 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from giantpipe.engine.autograd import ones_gradient
 from giantpipe.engine.executor import StepConfig, StepRun
-from giantpipe.engine.leaves import ones_gradient
-from giantpipe.engine.mailbox import Key, Mailbox
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.stats import ActionTiming
-from giantpipe.engine.workers import WorkerPool
+from giantpipe.engine.workers import Key, Mailbox, WorkerPool
 from giantpipe.perf.simulate import StageCost
 from giantpipe.perf.stage_profile import preserved_state, stage_inputs
 

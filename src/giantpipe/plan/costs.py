@@ -3,7 +3,7 @@
 Measured, not guessed: the model runs one sample, layer by layer, on the meta device (no memory,
 no arithmetic: shapes only) under ``torch.utils.flop_counter.FlopCounterMode`` for the FLOPs and
 a saved-tensor hook for the bytes autograd would keep, the way
-:class:`giantpipe.engine.memory.SavedTensorMeter` counts them on real tensors. Everything scales
+:class:`giantpipe.engine.stats.SavedTensorMeter` counts them on real tensors. Everything scales
 linearly with the micro-batch size. Uneven layers come out as they are: an embedding with many
 parameters and no FLOPs, a vocabulary head heavier than a Transformer layer, AmoebaNet's
 reduction cells and its wide, low-resolution last cells.

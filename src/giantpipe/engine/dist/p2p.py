@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from giantpipe.engine.dist.faults import FailureBoard, RankFailure, explain, wait_work
 from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.mailbox import Key, Mailbox
+from giantpipe.engine.workers import Key, Mailbox
 from giantpipe.engine.schedule import Action
 from giantpipe.engine.dist.wire import (
     HEADER_WORDS,

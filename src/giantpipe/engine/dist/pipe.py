@@ -68,7 +68,7 @@ from giantpipe.engine.dist.layout import (
     resolve_device,
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
-from giantpipe.engine.memory import reset_device_peak
+from giantpipe.engine.stats import reset_device_peak
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, gather, scatter
 from giantpipe.engine.dist.p2p import P2PMailbox
 from giantpipe.engine.partition import verify_balance, verify_module

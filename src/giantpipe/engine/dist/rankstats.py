@@ -25,7 +25,7 @@ import torch.distributed as dist
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.dist.faults import FailureBoard, wait_work
 from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.memory import device_peak
+from giantpipe.engine.stats import device_peak
 from giantpipe.engine.schedule import Schedule, expected_bubble
 from giantpipe.engine.stats import StepStats
 
