@@ -83,7 +83,7 @@ class LossSpec:
 class StepConfig:
     """Everything a step needs that the workers only read."""
 
-    stages: Sequence[nn.Sequential]
+    stages: Sequence[nn.Module]
     devices: Sequence[torch.device]
     checkpoint_stop: int
     grad_enabled: bool

@@ -60,10 +60,10 @@ class StepStats:
 
     wall_time_s: float  # as seen by the caller, scatter and gather included
     span_s: float  # first action start to last action end (excludes the user's loss, front door)
-    busy_time_s: list[float]  # per stage: time spent running its actions
+    busy_time_s: list[float]  # per worker: time spent running its actions
     bubble: float  # measured idle fraction: 1 - sum(busy) / (K * span)
-    expected_bubble: float  # (K-1)/(M+K-1)
-    peak_memory_bytes: list[int]  # per stage; see memory_kind
+    expected_bubble: float  # (K-1)/(V*M+K-1)
+    peak_memory_bytes: list[int]  # per worker; see memory_kind
     memory_kind: str  # "cuda_allocator" or "saved_activations" (bytes saved for backward)
     num_microbatches: int
 
@@ -76,7 +76,9 @@ class StepStats:
         peaks: list[int],
         num_microbatches: int,
         memory_kind: str,
+        virtual_stages: int = 1,
     ) -> StepStats:
+        """Statistics of K workers (one entry of ``busy`` and ``peaks`` each) over a step."""
         k = len(busy)
         bubble = 1.0 - sum(busy) / (k * span) if span > 0 else 0.0
         return cls(
@@ -84,10 +86,31 @@ class StepStats:
             span_s=span,
             busy_time_s=list(busy),
             bubble=max(0.0, bubble),
-            expected_bubble=expected_bubble(k, num_microbatches),
+            expected_bubble=expected_bubble(k, num_microbatches, virtual_stages),
             peak_memory_bytes=list(peaks),
             memory_kind=memory_kind,
             num_microbatches=num_microbatches,
+        )
+
+    @classmethod
+    def from_table(
+        cls, table: torch.Tensor, num_microbatches: int, memory_kind: str, virtual_stages: int = 1
+    ) -> StepStats:
+        """Statistics from one row per worker, ``[wall, span, busy, peak bytes]``: what the
+        distributed executor's ranks all-gather (the slowest rank's wall and span count).
+
+        >>> table = torch.tensor([[0.61, 0.60, 0.52, 3e7], [0.61, 0.58, 0.53, 2e7]])
+        >>> StepStats.from_table(table, 4, "saved_activations").peak_memory_bytes
+        [30000000, 20000000]
+        """
+        return cls.from_timings(
+            wall=float(table[:, 0].max()),
+            span=float(table[:, 1].max()),
+            busy=table[:, 2].tolist(),
+            peaks=[int(p) for p in table[:, 3].tolist()],
+            num_microbatches=num_microbatches,
+            memory_kind=memory_kind,
+            virtual_stages=virtual_stages,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Every rank runs this loop over its own stage (see :mod:`giantpipe.runner.dist_bu
 steps, the loss and the statistics are collective. Rank 0 (stage 0 of replica 0) alone writes
 the run directory: config, progress bar, ``metrics.jsonl``, ``summary.json`` and the log; it
 already holds what it logs, because every step all-gathers the loss of the last stage and each
-stage's busy time, bubble and peak memory (:mod:`giantpipe.engine.dist.rankstats`). Checkpoints are
+stage's busy time, bubble and peak memory (:mod:`giantpipe.engine.dist.pipe`). Checkpoints are
 directories of shards (:mod:`giantpipe.runner.dist_checkpoint`); the set-up, all ranks in step,
 is :mod:`giantpipe.runner.dist_setup`.
 
