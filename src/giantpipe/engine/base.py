@@ -42,7 +42,7 @@ from giantpipe.engine.batchnorm import commit_deferred_batch_norm
 from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, autocast_state
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, scatter
 from giantpipe.engine.partition import BalanceError, verify_balance, verify_module
-from giantpipe.engine.recompute import MODES, checkpoint_stop
+from giantpipe.engine.recompute import MODES, recompute_stop
 from giantpipe.engine.rng import draw_step_seed
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import build_schedule
@@ -50,7 +50,7 @@ from giantpipe.engine.stats import StepStats
 
 # One set of defaults for both pipes (torchgpipe's where it has one).
 DEFAULT_CHUNKS = 1
-DEFAULT_CHECKPOINT = "except_last"  # the re-materialization mode
+DEFAULT_RECOMPUTE = "except_last"  # checkpoint=, the re-materialization mode (torchgpipe's name)
 DEFAULT_SCHEDULE = "gpipe"
 DEFAULT_TIMEOUT = 300.0  # seconds any wait for a neighbour (thread or rank) may take
 
@@ -74,7 +74,7 @@ def check_arguments(
     module: nn.Sequential,
     balance: Iterable[int] | None,
     chunks: int,
-    checkpoint: str,
+    recompute: str,
     schedule: str,
     virtual_stages: int | None,
 ) -> Arguments:
@@ -94,7 +94,7 @@ def check_arguments(
     chunks = int(chunks)
     if chunks <= 0:
         raise ValueError("number of chunks must be positive integer")
-    if checkpoint not in MODES:
+    if recompute not in MODES:  # torchgpipe's message names the public argument, checkpoint=
         raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
     verify_module(module)
     balance = list(balance)
@@ -145,12 +145,12 @@ class Pipe(nn.Module):
     placement: list[int]
     threads_per_stage: int | None = None
 
-    def __init__(self, args: Arguments, checkpoint: str, schedule: str, timeout: float) -> None:
+    def __init__(self, args: Arguments, recompute: str, schedule: str, timeout: float) -> None:
         super().__init__()
         self.balance: list[int] = args.balance
         self.chunks = args.chunks
         self.virtual_stages = args.virtual_stages
-        self.checkpoint = checkpoint  # the re-materialization mode (torchgpipe's name)
+        self.checkpoint = recompute  # the re-materialization mode, under torchgpipe's name
         self.schedule = schedule
         self.timeout = timeout
         self.last_stats: StepStats | None = None
@@ -210,7 +210,7 @@ class Pipe(nn.Module):
         return StepConfig(
             stages=self.partitions,
             devices=self.devices,
-            checkpoint_stop=checkpoint_stop(self.checkpoint, self.chunks) if grad else 0,
+            recompute_stop=recompute_stop(self.checkpoint, self.chunks) if grad else 0,
             grad_enabled=grad,
             seed=draw_step_seed() if seed is None else seed,
             autocast=autocast_state(self.devices),

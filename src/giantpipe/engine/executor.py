@@ -85,7 +85,7 @@ class StepConfig:
 
     stages: Sequence[nn.Module]
     devices: Sequence[torch.device]
-    checkpoint_stop: int
+    recompute_stop: int  # micro-batches m < recompute_stop are re-materialized in backward
     grad_enabled: bool
     seed: int
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
@@ -248,7 +248,7 @@ class StepRun:
         x = to_device(self._receive(stage, ("act", stage, m)), device)
         train = cfg.grad_enabled
         leaves = make_leaves(x, first=stage == 0) if train else x
-        recompute_later = train and m < cfg.checkpoint_stop
+        recompute_later = train and m < cfg.recompute_stop
         meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
         meter.ignore(as_tuple(leaves))  # counted once, as held inputs, below
         with rng_context(cfg.seed, m, device), meter:
@@ -285,7 +285,7 @@ class StepRun:
         """B(stage, m): backward of the stage for micro-batch m, gradient to the previous one."""
         cfg = self.cfg
         leaves = self.leaves[stage].pop(m)
-        if m < cfg.checkpoint_stop:
+        if m < cfg.recompute_stop:
             t0 = time.perf_counter()
             meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
             meter.ignore(as_tuple(leaves))

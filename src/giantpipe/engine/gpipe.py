@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from giantpipe.engine.base import (
-    DEFAULT_CHECKPOINT,
     DEFAULT_CHUNKS,
+    DEFAULT_RECOMPUTE,
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
     Normalizer,
@@ -78,7 +78,9 @@ class GPipe(Pipe):
         devices: one per stage; may repeat (``["cpu", "cpu"]`` gives CPU stand-ins). Default:
             every CUDA device, else CPU stand-ins.
         chunks: M, the number of micro-batches per mini-batch.
-        checkpoint: ``'always'``, ``'except_last'`` or ``'never'`` re-materialization.
+        checkpoint: the re-materialization mode (torchgpipe's name for it), ``'always'``,
+            ``'except_last'`` or ``'never'``: which micro-batches drop their activations and
+            recompute them in backward (see :mod:`giantpipe.engine.recompute`). Not a file.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch.
         schedule: the schedule ``train_step`` runs: ``'gpipe'``, ``'1f1b'``, ``'interleaved'``
             or ``'zb-h1'`` (``forward`` always runs fill-drain).
@@ -96,7 +98,7 @@ class GPipe(Pipe):
         *,
         devices: Iterable[Device] | None = None,
         chunks: int = DEFAULT_CHUNKS,
-        checkpoint: str = DEFAULT_CHECKPOINT,
+        checkpoint: str = DEFAULT_RECOMPUTE,  # the re-materialization mode
         deferred_batch_norm: bool = False,
         schedule: str = DEFAULT_SCHEDULE,
         timeout: float = DEFAULT_TIMEOUT,

@@ -42,7 +42,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
-from giantpipe.engine.recompute import checkpoint_stop
+from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.memory_model.specs import Spec, make, make_grads, spec_bytes, spec_of
 from giantpipe.memory_model.tracker import LiveBytes, storage_bytes
@@ -206,7 +206,7 @@ def _run_step(
     config = StepConfig(
         stages=[stage],
         devices=[device],
-        checkpoint_stop=checkpoint_stop(checkpoint, chunks),
+        recompute_stop=recompute_stop(checkpoint, chunks),
         grad_enabled=True,
         seed=0,
         loss=loss_spec,

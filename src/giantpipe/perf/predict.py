@@ -88,7 +88,7 @@ def predict(
     # the executor's own actions, in the schedule's order: their times replace the profile's
     passes = max(1, math.ceil(repeats / pipe.chunks))
     replayed = replay(config, micros, schedule, passes, pipe._worker_pool)
-    costs = replayed.costs(costs, config.checkpoint_stop)
+    costs = replayed.costs(costs, config.recompute_stop)
     overhead = executor_overhead(schedule, devices, threads, repeats, pipe._worker_pool)
     contention = replayed.contention
     sim = simulate(schedule, costs, pipe.checkpoint, overhead, contention)
@@ -121,7 +121,7 @@ def executor_overhead(
     config = StepConfig(
         stages=[nn.Sequential(nn.Identity()) for _ in range(k)],
         devices=devices,
-        checkpoint_stop=0,
+        recompute_stop=0,
         grad_enabled=True,
         seed=0,
         loss=LossSpec(lambda y, t: (y * t).sum(), zeros, [1.0] * m),

@@ -21,7 +21,7 @@ Example::
     costs = profile_stages(pipe.partitions, pipe.devices, x[:8], y[:8], loss_fn, 8 / len(x))
     config = pipe._step_config(True, LossSpec(loss_fn, scatter(y, 4), [0.25] * 4))
     replayed = replay(config, scatter(x, 4), pipe.step_schedule())
-    sim = simulate(pipe.step_schedule(), replayed.costs(costs, config.checkpoint_stop),
+    sim = simulate(pipe.step_schedule(), replayed.costs(costs, config.recompute_stop),
                    contention=replayed.contention)
 """
 

@@ -146,7 +146,7 @@ class P2PMailbox(Mailbox):
         messages = [m.to(self.comm_device) for m in messages]
         messages += [as_bytes(t.to(self.comm_device)) for t in tensors if t.numel()]
         works = [dist.isend(msg, dst=dst, group=self.group) for msg in messages]
-        # The bytes stay alive until sent; those already through are let go (a re-materialised
+        # The bytes stay alive until sent; those already through are let go (a recomputed
         # micro-batch's output would otherwise live until the end of the step).
         self._sends = [s for s in self._sends if not all(w.is_completed() for w in s[1])]
         self._sends.append((key, works, messages))

@@ -1,6 +1,6 @@
 """The distributed executor: one process per pipeline rank (under torchrun), R replicas.
 
-Each rank builds the model with its parameters on the meta device, materialises only the layers
+Each rank builds the model with its parameters on the meta device, allocates only the layers
 of its own stage(s), and runs its own list of actions from the same schedule data as the local
 executor (the very same ``StepRun``; only its mailbox sends to other processes, see
 :mod:`giantpipe.engine.dist.p2p`). Per step::
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from giantpipe.engine.base import (
-    DEFAULT_CHECKPOINT,
+    DEFAULT_RECOMPUTE,
     DEFAULT_CHUNKS,
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
@@ -100,7 +100,8 @@ class DistributedPipe(Pipe):
         module: the model, or a function that builds it (called with parameters on meta).
         balance: layers per stage (K*V stages: K pipeline ranks, V virtual stages each).
         chunks: M, micro-batches per mini-batch (per replica).
-        checkpoint: re-materialization, ``'always'``, ``'except_last'`` or ``'never'``.
+        checkpoint: the re-materialization mode, as GPipe's (``'always'``, ``'except_last'``,
+            ``'never'``); files are ``save_checkpoint`` / ``load_checkpoint``.
         schedule: a name of :func:`giantpipe.engine.schedules.build_schedule`.
         virtual_stages: V (interleaved schedules); default 2 for ``'interleaved'``, else 1.
         device: this rank's device (default ``cuda:LOCAL_RANK`` if CUDA, else CPU).
@@ -121,7 +122,7 @@ class DistributedPipe(Pipe):
         balance: Iterable[int],
         *,
         chunks: int = DEFAULT_CHUNKS,
-        checkpoint: str = DEFAULT_CHECKPOINT,
+        checkpoint: str = DEFAULT_RECOMPUTE,  # the re-materialization mode
         schedule: str = DEFAULT_SCHEDULE,
         virtual_stages: int | None = None,
         device: torch.device | str | None = None,
