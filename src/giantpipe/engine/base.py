@@ -129,7 +129,12 @@ def infer_virtual_stages(schedule: str, virtual_stages: int | None, num_stages: 
 
 @functools.lru_cache(maxsize=64)
 def cached_schedule(name: str, workers: int, chunks: int, virtual_stages: int = 1) -> Schedule:
-    """:func:`~giantpipe.engine.schedules.build_schedule`, validated once per configuration."""
+    """:func:`~giantpipe.engine.schedules.build_schedule`, validated once per configuration
+    (a pipe asks for its schedule every step).
+
+    >>> cached_schedule("1f1b", 2, 4) is cached_schedule("1f1b", 2, 4)
+    True
+    """
     return build_schedule(name, workers, chunks, virtual_stages)
 
 
@@ -235,7 +240,10 @@ class Pipe(nn.Module):
 
 
 def check_batch_sizes(inputs: TensorOrTensors, targets: TensorOrTensors) -> None:
-    """Raises ValueError when targets and inputs disagree on the batch size."""
+    """Raises ValueError when targets and inputs disagree on the batch size.
+
+    >>> check_batch_sizes(torch.zeros(4, 2), torch.zeros(4))
+    """
     if batch_size(targets) != batch_size(inputs):
         raise ValueError(
             f"targets have batch size {batch_size(targets)}, inputs {batch_size(inputs)}"
@@ -243,7 +251,11 @@ def check_batch_sizes(inputs: TensorOrTensors, targets: TensorOrTensors) -> None
 
 
 def check_input(input: Any) -> TensorOrTensors:
-    """A batch as the engine takes it: a tensor, or a tuple holding at least one tensor."""
+    """A batch as the engine takes it: a tensor, or a tuple holding at least one tensor.
+
+    >>> check_input([torch.zeros(2), None])
+    (tensor([0., 0.]), None)
+    """
     if isinstance(input, torch.Tensor):
         return input
     if isinstance(input, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in input):

@@ -19,6 +19,19 @@ concurrently.
 
 A failing action aborts the step: the other workers stop at their next wait, all threads are
 joined, and :class:`PipelineError` names the stage and micro-batch.
+
+What a step is given, :class:`StepConfig` (the stages, their devices, the loss, which
+micro-batches are recomputed, the caller's autocast state), is all the workers read; both pipes
+build it (:mod:`giantpipe.engine.base`), and the distributed executor runs the very same
+:class:`StepRun` with a mailbox that reaches other processes.
+
+Example::
+
+    spec = LossSpec(nn.functional.cross_entropy, micro_targets, scales=[0.25] * 4)
+    config = StepConfig(stages, devices, recompute_stop=3, grad_enabled=True, seed=7, loss=spec)
+    run = StepRun(config, micro_inputs)
+    run.run(build_schedule("1f1b", len(stages), 4))
+    loss = sum(run.losses.values())
 """
 
 from __future__ import annotations
@@ -96,7 +109,14 @@ class StepConfig:
 
 
 def autocast_state(devices: Sequence[torch.device]) -> list[tuple[str, torch.dtype]]:
-    """Autocast settings of the caller, for each device type the pipeline uses."""
+    """Autocast settings of the caller, for each device type the pipeline uses; the workers
+    enter them again (a new thread starts with autocast off).
+
+    Example::
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast_state([torch.device("cpu")])   # [("cpu", torch.bfloat16)]
+    """
     state = []
     for device_type in sorted({d.type for d in devices}):
         if torch.is_autocast_enabled(device_type):

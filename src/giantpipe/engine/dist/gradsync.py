@@ -207,7 +207,12 @@ def all_reduce_(
     tensor: torch.Tensor, group: Any, timeout: float, board: FailureBoard | None, what: str
 ) -> torch.Tensor:
     """Sums ``tensor`` in place over ``group``; a wait over ``timeout`` raises RankFailure
-    naming ``what`` (e.g. "BatchNorm statistics") and the ranks."""
+    naming ``what`` (e.g. "BatchNorm statistics") and the ranks.
+
+    Example::
+
+        all_reduce_(stats, groups.replica, 60.0, board, "BatchNorm statistics")
+    """
     work = dist.all_reduce(tensor, group=group, async_op=True)
     ranks = dist.get_process_group_ranks(group)
     wait_work(work, timeout, f"the all-reduce of {what} over ranks {ranks}", board)
@@ -231,7 +236,12 @@ def all_gather_rows(
     row: torch.Tensor, group: Any, ranks: list[int], timeout: float, board: FailureBoard | None
 ) -> torch.Tensor:
     """Every rank's ``row`` of the step's statistics, stacked in rank order (``ranks`` are
-    the group's; with one rank, no collective)."""
+    the group's; with one rank, no collective).
+
+    Example::
+
+        table = all_gather_rows(row, groups.pipeline, layout.pipeline_ranks, 60.0, board)
+    """
     if len(ranks) == 1:
         return row.unsqueeze(0)
     rows = [torch.empty_like(row) for _ in ranks]

@@ -144,6 +144,18 @@ class DistributedPipe(Pipe):
         )
         self.placement = list(steps.placement)
         self.device = resolve_device(device)
+        self._hold_layers(model, seed, init, deferred_batch_norm)
+        self.groups = build_groups(self.layout, timeout)
+        self.board = FailureBoard(default_store(), self.layout.label())
+        install_sigterm_note(self.board)
+        self._box: P2PMailbox | None = None
+        self._broken: str | None = None
+        self.sync = self._gradient_sync(bucket_mb, overlap_grad_sync)
+
+    def _hold_layers(
+        self, model: nn.Sequential, seed: int, init: LayerInit | None | str, deferred: bool
+    ) -> None:
+        """Allocates this rank's layers (the others stay on meta) and registers them."""
         install_rng_hooks(model)  # numbered over the whole model, as GPipe numbers them
         layer_init = seeded_init(seed) if init == "seeded" else init
         if isinstance(layer_init, str):
@@ -153,27 +165,19 @@ class DistributedPipe(Pipe):
         )
         self.devices = [self.device] * len(self.partitions)
         for part in self.partitions:
-            if deferred_batch_norm:
+            if deferred:
                 convert_deferred_batch_norm(part)
             for name, layer in part.named_children():
                 self.add_module(name, layer)
-        self.groups = build_groups(self.layout, timeout)
-        self.board = FailureBoard(default_store(), self.layout.label())
-        install_sigterm_note(self.board)
-        self._box: P2PMailbox | None = None
-        self._broken: str | None = None
-        self.sync = self._gradient_sync(chunks, timeout, bucket_mb, overlap_grad_sync)
 
-    def _gradient_sync(
-        self, chunks: int, timeout: float, bucket_mb: float, overlap: bool
-    ) -> GradientSync | None:
+    def _gradient_sync(self, bucket_mb: float, overlap: bool) -> GradientSync | None:
         if self.layout.replicas == 1:
-            return None
+            return None  # nothing to all-reduce
         return GradientSync(
             list(self.named_parameters()),
             self.groups.replica,
-            chunks,
-            timeout,
+            self.chunks,
+            self.timeout,
             bucket_bytes=int(bucket_mb * 2**20),
             overlap=overlap,
             board=self.board,
