@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO)]
 
 from giantpipe.engine import GPipe  # noqa: E402
-from giantpipe.engine.memory import SavedTensorMeter  # noqa: E402
+from giantpipe.engine.stats import SavedTensorMeter  # noqa: E402
 from giantpipe.perf.balance import balance_by_time  # noqa: E402
 from models.amoebanet import amoebanetd  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.meta import build_on_meta, init_layers, materialize, seeded_init
+from giantpipe.engine.dist.meta import allocate_layers, build_on_meta, init_layers, seeded_init
 from giantpipe.engine.dist.p2p import expected_receives
 from giantpipe.engine.dist.shards import atomic_save
 from giantpipe.engine.dist.wire import (
@@ -120,13 +120,13 @@ def build() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), Positions(6), nn.Linear(6, 2))
 
 
-def test_meta_build_materialises_only_the_local_layers_with_the_plain_values() -> None:
+def test_meta_build_allocates_only_the_local_layers_with_the_plain_values() -> None:
     plain = build()
     init_layers(plain, seed=11)
     model = build_on_meta(build)
     assert all(p.device.type == "meta" for p in model.parameters())
     assert torch.equal(model[2].table, plain[2].table)  # buffers are real from the start
-    materialize(model, [2, 3], torch.device("cpu"), seeded_init(11))
+    allocate_layers(model, [2, 3], torch.device("cpu"), seeded_init(11))
     assert all(p.device.type == "meta" for p in model[0].parameters())  # never allocated
     assert model[2].proj is model[2].again  # sharing inside a layer survives
     for name, value in model[2:].state_dict().items():
@@ -135,7 +135,7 @@ def test_meta_build_materialises_only_the_local_layers_with_the_plain_values() -
     assert torch.equal(model[2:](x), plain[2:](x))
 
 
-def test_a_model_built_entirely_on_meta_materialises_too() -> None:
+def test_a_model_built_entirely_on_meta_is_allocated_too() -> None:
     def small() -> nn.Sequential:
         return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
 
@@ -143,7 +143,7 @@ def test_a_model_built_entirely_on_meta_materialises_too() -> None:
     init_layers(plain, seed=2)
     with torch.device("meta"):
         model = small()
-    materialize(model, [1, 2], torch.device("cpu"), seeded_init(2))
+    allocate_layers(model, [1, 2], torch.device("cpu"), seeded_init(2))
     for name, value in model[1:].state_dict().items():
         assert torch.equal(value, plain[1:].state_dict()[name]), name
 

@@ -33,11 +33,9 @@ INIT = 3  # layer initialisation seed
 
 def registered_schedules() -> list[str]:
     """Every schedule the engine knows now (others may be added later)."""
-    from giantpipe.engine import schedule
+    from giantpipe.engine import schedules
 
-    if hasattr(schedule, "schedule_builders"):
-        return sorted(schedule.schedule_builders())
-    return sorted(schedule.SCHEDULES)  # type: ignore[attr-defined]
+    return sorted(schedules.schedule_builders())
 
 
 def virtual_stages_for(name: str, workers: int, chunks: int) -> int | None:
@@ -248,6 +246,10 @@ def clipping(tmp: Path, workers: int, max_norm: float = 0.05) -> dict[str, Any]:
     norm = clip_grad_norm_(pipe, max_norm)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=1e-6)
     assert_matches(pipe, plain, "clipped", buffers=False)
+    # The method is the same collective: the norm is now the limit, and nothing moves again.
+    again = pipe.clip_grad_norm_(10 * max_norm)
+    torch.testing.assert_close(again, torch.tensor(max_norm), rtol=1e-4, atol=1e-6)
+    assert_matches(pipe, plain, "clipped, then below the limit", buffers=False)
     return {"norm": float(norm)}
 
 

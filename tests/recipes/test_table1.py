@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from giantpipe.engine.memory import SavedTensorMeter
+from giantpipe.engine.stats import SavedTensorMeter
 from giantpipe.perf.memory import LiveBytesTracker, StageLoss, TensorSpec
 from giantpipe.perf.stage_memory import measure_stage, profile_layer_memory
 from models.amoebanet import amoebanetd

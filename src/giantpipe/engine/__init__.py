@@ -1,10 +1,21 @@
 """The pipeline engine: runs one step of a partitioned ``nn.Sequential``. Imports torch only.
 
-What lives here: schedules as data (:mod:`.schedule`, :mod:`.schedules`), partitioning and
-micro-batching, re-materialization (:mod:`.recompute`), deferred BatchNorm, dropout RNG replay,
-the local executor (:mod:`.executor`, a worker thread per device) behind :class:`GPipe`, and
-the distributed executor (:mod:`.dist`, a process per device). Nothing here imports Hydra, the
-runner, the cost model (:mod:`giantpipe.perf`) or ``models``; anything may import this package.
+What lives here, one concept per module:
+
+- schedules as data (:mod:`.schedule`: Action, Schedule, validation; :mod:`.schedules`: 1F1B,
+  interleaved, zero bubble and the registry by name);
+- cutting the model and the batch (:mod:`.partition`, :mod:`.microbatch`);
+- exact re-materialization (:mod:`.recompute`), dropout replay (:mod:`.rng`), deferred
+  BatchNorm (:mod:`.batchnorm`), where stages' autograd graphs meet and the B/W split
+  (:mod:`.autograd`);
+- the local executor (:mod:`.executor`: a step's actions; :mod:`.workers`: its threads and
+  mailbox) and what it measures (:mod:`.stats`);
+- the two pipes: :class:`GPipe` (:mod:`.gpipe`, a worker thread per device) and
+  ``DistributedPipe`` (:mod:`.dist`, a process per device), which share :mod:`.base`.
+
+Nothing here imports Hydra, the runner, ``models`` or the cost model (:mod:`giantpipe.perf`),
+but for ``GPipe.predict``, which imports ``giantpipe.perf.predict`` when called. Anything may
+import this package; :mod:`.dist` is imported only by who needs torch.distributed.
 
 Example::
 
@@ -18,12 +29,12 @@ Example::
 from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from giantpipe.engine.executor import PipelineError
 from giantpipe.engine.gpipe import GPipe
-from giantpipe.engine.mailbox import PipelineTimeout
 from giantpipe.engine.recompute import is_recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.engine.stats import StepStats
+from giantpipe.engine.workers import PipelineTimeout
 
 __all__ = [
     "Action",

@@ -120,7 +120,7 @@ def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
 
 
 def merge_deferred_batch_norm(
-    module: nn.Module, all_reduce_sum: Callable[[torch.Tensor], None]
+    module: nn.Module, all_reduce_sum: Callable[[torch.Tensor], object]
 ) -> None:
     """Merges each DeferredBatchNorm's pending statistics with its replicas', before commit.
 

@@ -19,32 +19,109 @@ concurrently.
 
 A failing action aborts the step: the other workers stop at their next wait, all threads are
 joined, and :class:`PipelineError` names the stage and micro-batch.
+
+What a step is given, :class:`StepConfig` (the stages, their devices, the loss, which
+micro-batches are recomputed, the caller's autocast state), is all the workers read; both pipes
+build it (:mod:`giantpipe.engine.base`), and the distributed executor runs the very same
+:class:`StepRun` with a mailbox that reaches other processes.
+
+Example::
+
+    spec = LossSpec(nn.functional.cross_entropy, micro_targets, scales=[0.25] * 4)
+    config = StepConfig(stages, devices, recompute_stop=3, grad_enabled=True, seed=7, loss=spec)
+    run = StepRun(config, micro_inputs)
+    run.run(build_schedule("1f1b", len(stages), 4))
+    loss = sum(run.losses.values())
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from giantpipe.engine.leaves import detach, make_leaves, pair_gradients
-from giantpipe.engine.mailbox import Aborted, Mailbox
-from giantpipe.engine.memory import SavedTensorMeter
+from giantpipe.engine.autograd import (
+    WeightGradient,
+    backward_input,
+    detach,
+    make_leaves,
+    pair_gradients,
+)
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes, to_device
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule
-from giantpipe.engine.split_backward import WeightGradient, backward_input
-from giantpipe.engine.stats import ActionTiming
-from giantpipe.engine.step_config import LossFn, LossSpec, PipelineError, StepConfig
-from giantpipe.engine.workers import WorkerPool
+from giantpipe.engine.stats import ActionTiming, SavedTensorMeter
+from giantpipe.engine.workers import Aborted, Mailbox, WorkerPool
 
-__all__ = ["LossFn", "LossSpec", "PipelineError", "StepConfig", "StepRun"]
+__all__ = [
+    "LossFn",
+    "LossSpec",
+    "PipelineError",
+    "StepConfig",
+    "StepRun",
+    "autocast_state",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class PipelineError(RuntimeError):
+    """An action of the pipeline failed; ``stage`` and ``microbatch`` say which."""
+
+    def __init__(self, stage: int, microbatch: int, device: torch.device, cause: BaseException):
+        self.stage, self.microbatch, self.device = stage, microbatch, device
+        super().__init__(
+            f"stage {stage} (device {device}) failed on micro-batch {microbatch}: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+@dataclass
+class LossSpec:
+    """The step API's loss: ``loss_fn(output_m, target_m) * scale[m]`` on the last stage."""
+
+    fn: LossFn
+    targets: list[TensorOrTensors]
+    scales: list[float]
+
+
+@dataclass
+class StepConfig:
+    """Everything a step needs that the workers only read."""
+
+    stages: Sequence[nn.Module]
+    devices: Sequence[torch.device]
+    recompute_stop: int  # micro-batches m < recompute_stop are re-materialized in backward
+    grad_enabled: bool
+    seed: int
+    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    loss: LossSpec | None = None
+    threads_per_worker: int | None = None
+    timeout: float = 300.0
+    placement: Sequence[int] | None = None  # worker of each stage; None: one stage per worker
+
+
+def autocast_state(devices: Sequence[torch.device]) -> list[tuple[str, torch.dtype]]:
+    """Autocast settings of the caller, for each device type the pipeline uses; the workers
+    enter them again (a new thread starts with autocast off).
+
+    Example::
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast_state([torch.device("cpu")])   # [("cpu", torch.bfloat16)]
+    """
+    state = []
+    for device_type in sorted({d.type for d in devices}):
+        if torch.is_autocast_enabled(device_type):
+            state.append((device_type, torch.get_autocast_dtype(device_type)))
+    return state
 
 
 class StepRun:
@@ -191,7 +268,7 @@ class StepRun:
         x = to_device(self._receive(stage, ("act", stage, m)), device)
         train = cfg.grad_enabled
         leaves = make_leaves(x, first=stage == 0) if train else x
-        recompute_later = train and m < cfg.checkpoint_stop
+        recompute_later = train and m < cfg.recompute_stop
         meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
         meter.ignore(as_tuple(leaves))  # counted once, as held inputs, below
         with rng_context(cfg.seed, m, device), meter:
@@ -228,7 +305,7 @@ class StepRun:
         """B(stage, m): backward of the stage for micro-batch m, gradient to the previous one."""
         cfg = self.cfg
         leaves = self.leaves[stage].pop(m)
-        if m < cfg.checkpoint_stop:
+        if m < cfg.recompute_stop:
             t0 = time.perf_counter()
             meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
             meter.ignore(as_tuple(leaves))

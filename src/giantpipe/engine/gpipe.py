@@ -19,8 +19,13 @@ Example::
     >>> pipe.last_stats.expected_bubble
     0.2
 
-The autograd bridge of door 1 is :mod:`giantpipe.engine.front_door`; the checks of the arguments
-are :mod:`giantpipe.engine.gpipe_args`.
+Door 1's autograd bridge is :class:`PipelineFunction`, one autograd node for the whole pipeline::
+
+    forward():   F phase  ->  outputs gathered
+    backward():  output grads scattered -> B phase -> input grads gathered
+
+What GPipe shares with the distributed executor (defaults, checks, loss scaling, the step's
+configuration) is :class:`giantpipe.engine.base.Pipe`.
 
 Parameters keep the names they have in the plain module (``"0.weight"``, ``"2.bias"``), so a
 state dict saved from one partitioning loads into any other, or into the plain model.
@@ -28,28 +33,32 @@ state dict saved from one partitioning loads into any other, or into the plain m
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
-from giantpipe.engine.front_door import PipelineFunction, out_is_tensor
-from giantpipe.engine.gpipe_args import check_arguments, check_input
-from giantpipe.engine.memory import device_peak, reset_device_peak
-from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, batch_size, gather, scatter
-from giantpipe.engine.partition import Device, split_module
-from giantpipe.engine.recompute import checkpoint_stop
-from giantpipe.engine.rng import draw_step_seed, install_rng_hooks
-from giantpipe.engine.schedule import Schedule, expected_bubble
-from giantpipe.engine.schedules import build_schedule
-from giantpipe.engine.stats import ActionTiming, StepStats
-from giantpipe.engine.step_config import autocast_state
+from giantpipe.engine.base import (
+    DEFAULT_CHUNKS,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TIMEOUT,
+    Normalizer,
+    Pipe,
+    cached_schedule,
+    check_arguments,
+    check_batch_sizes,
+    check_input,
+)
+from giantpipe.engine.batchnorm import convert_deferred_batch_norm
+from giantpipe.engine.executor import LossFn, StepRun
+from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, gather, scatter
+from giantpipe.engine.partition import Device, resolve_devices, split_module, verify_balance
+from giantpipe.engine.rng import install_rng_hooks
+from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.stats import ActionTiming, StepStats, device_peak, reset_device_peak
 from giantpipe.engine.workers import WorkerPool
 
 if TYPE_CHECKING:
@@ -60,12 +69,7 @@ MOVING_DENIED = TypeError(
 )
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule(name: str, workers: int, chunks: int, virtual_stages: int = 1) -> Schedule:
-    return build_schedule(name, workers, chunks, virtual_stages)
-
-
-class GPipe(nn.Module):
+class GPipe(Pipe):
     """Wraps a flat ``nn.Sequential`` to train it with pipeline parallelism.
 
     Args:
@@ -74,7 +78,9 @@ class GPipe(nn.Module):
         devices: one per stage; may repeat (``["cpu", "cpu"]`` gives CPU stand-ins). Default:
             every CUDA device, else CPU stand-ins.
         chunks: M, the number of micro-batches per mini-batch.
-        checkpoint: ``'always'``, ``'except_last'`` or ``'never'`` re-materialization.
+        checkpoint: the re-materialization mode (torchgpipe's name for it), ``'always'``,
+            ``'except_last'`` or ``'never'``: which micro-batches drop their activations and
+            recompute them in backward (see :mod:`giantpipe.engine.recompute`). Not a file.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch.
         schedule: the schedule ``train_step`` runs: ``'gpipe'``, ``'1f1b'``, ``'interleaved'``
             or ``'zb-h1'`` (``forward`` always runs fill-drain).
@@ -91,38 +97,29 @@ class GPipe(nn.Module):
         balance: Iterable[int] | None = None,
         *,
         devices: Iterable[Device] | None = None,
-        chunks: int = 1,
-        checkpoint: str = "except_last",
+        chunks: int = DEFAULT_CHUNKS,
+        checkpoint: str = DEFAULT_RECOMPUTE,  # the re-materialization mode
         deferred_batch_norm: bool = False,
-        schedule: str = "gpipe",
-        timeout: float = 300.0,
+        schedule: str = DEFAULT_SCHEDULE,
+        timeout: float = DEFAULT_TIMEOUT,
         threads_per_stage: int | None = None,
         virtual_stages: int | None = None,
     ) -> None:
-        super().__init__()
-        balance, chunks, v, resolved = check_arguments(
-            module, balance, devices, chunks, checkpoint, schedule, virtual_stages
-        )
-        workers = len(balance) // v
-        _schedule(schedule, workers, chunks, v)  # fail early on a bad name or M
+        args = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
+        workers = resolve_devices(devices, args.num_workers)
+        verify_balance(len(module), args.balance, len(workers) * args.virtual_stages)
+        super().__init__(args, checkpoint, schedule, timeout)
         if deferred_batch_norm:
             convert_deferred_batch_norm(module)
         for name, layer in module.named_children():
             if hasattr(self, name) and name not in self._modules:
                 raise ValueError(f"layer name {name!r} clashes with a GPipe attribute")
             self.add_module(name, layer)
-        self.balance: list[int] = balance
-        self.virtual_stages = v
-        self.placement: list[int] = [s % workers for s in range(len(balance))]
-        self.devices: list[torch.device] = [resolved[w] for w in self.placement]  # per stage
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.schedule = schedule
-        self.timeout = timeout
+        self.placement = [s % args.num_workers for s in range(len(args.balance))]
+        self.devices = [workers[w] for w in self.placement]  # per stage
         self.threads_per_stage = threads_per_stage
-        self.partitions: list[nn.Sequential] = split_module(module, balance, self.devices)
+        self.partitions: list[nn.Sequential] = split_module(module, self.balance, self.devices)
         self._rng_hooks = install_rng_hooks(module)
-        self.last_stats: StepStats | None = None
         self.last_in_flight: list[int] = []  # per stage: most micro-batches held at once
         self.last_timings: list[ActionTiming] = []  # every action of the last step, as run
         self._worker_pool = WorkerPool()  # threads kept across steps; see close()
@@ -162,7 +159,7 @@ class GPipe(nn.Module):
         micro = scatter(check_input(input), self.chunks)
         grad = torch.is_grad_enabled()
         run = StepRun(self._step_config(grad, None), micro, pool=self._worker_pool)
-        fill_drain = _schedule("gpipe", self.num_workers, self.chunks, self.virtual_stages)
+        fill_drain = cached_schedule("gpipe", self.num_workers, self.chunks, self.virtual_stages)
         if not grad:
             run.run(fill_drain.phase("F"))
             self._commit_batchnorm()
@@ -171,7 +168,7 @@ class GPipe(nn.Module):
         tensors = as_tuple(input)
         phony = torch.empty(0, requires_grad=True)  # gives the output a grad_fn in any case
         out = PipelineFunction.apply(self, run, fill_drain, started, phony, *tensors)
-        return out[0] if out_is_tensor(run) else out
+        return out[0] if isinstance(run.results[0], torch.Tensor) else out
 
     # ---- front door 2: the step API --------------------------------------------------------
 
@@ -180,7 +177,7 @@ class GPipe(nn.Module):
         inputs: TensorOrTensors,
         targets: TensorOrTensors,
         loss_fn: LossFn,
-        loss_normalizer: Callable[[TensorOrTensors], float] | None = None,
+        loss_normalizer: Normalizer | None = None,
     ) -> torch.Tensor:
         """Forward + backward of one mini-batch under ``self.schedule``; returns the loss.
 
@@ -195,25 +192,13 @@ class GPipe(nn.Module):
         started = time.perf_counter()
         self._reset_peaks()
         micro = scatter(check_input(inputs), self.chunks)
-        if batch_size(targets) != batch_size(inputs):
-            raise ValueError(
-                f"targets have batch size {batch_size(targets)}, inputs {batch_size(inputs)}"
-            )
-        micro_targets = scatter(targets, self.chunks)
-        if loss_normalizer is None:
-            total = batch_size(inputs)
-            scales = [batch_size(t) / total for t in micro_targets]
-        else:
-            norm = float(loss_normalizer(targets))
-            if not norm > 0:
-                raise ValueError(f"loss_normalizer returned {norm}; it must be positive")
-            scales = [1.0 / norm] * self.chunks
-        spec = LossSpec(loss_fn, micro_targets, scales)
+        check_batch_sizes(inputs, targets)
+        spec = self._loss_spec(targets, loss_fn, loss_normalizer)
         run = StepRun(self._step_config(True, spec), micro, pool=self._worker_pool)
         run.run(self.step_schedule())
         self._commit_batchnorm()
         self._finish(run, started)
-        return torch.stack([run.losses[m] for m in range(self.chunks)]).sum()
+        return self._total_loss(run.losses)
 
     def predict(
         self,
@@ -236,6 +221,18 @@ class GPipe(nn.Module):
 
         return predict(self, inputs, targets, loss_fn, repeats)
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clips by the global 2-norm of every stage's gradients, wherever they live: equal to
+        ``torch.nn.utils.clip_grad_norm_`` on the plain model (parameters in the same order).
+
+        Example::
+
+            pipe.train_step(x, y, loss_fn)
+            norm = pipe.clip_grad_norm_(1.0)  # the norm before clipping
+            optimizer.step()
+        """
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+
     def close(self) -> None:
         """Stops the worker threads kept between steps (collecting the pipe does it too); a
         later step starts new ones.
@@ -247,49 +244,22 @@ class GPipe(nn.Module):
         """
         self._worker_pool.close()
 
-    # ---- shared plumbing ------------------------------------------------------------------
-
-    @property
-    def num_workers(self) -> int:
-        """K, the number of devices (workers); ``len(self.partitions)`` is K*V."""
-        return len(self.partitions) // self.virtual_stages
+    # ---- plumbing -------------------------------------------------------------------------
 
     @property
     def worker_devices(self) -> list[torch.device]:
         """The device of each worker."""
         return self.devices[: self.num_workers]
 
-    def step_schedule(self) -> Schedule:
-        """The validated schedule ``train_step`` runs for the current configuration."""
-        return _schedule(self.schedule, self.num_workers, self.chunks, self.virtual_stages)
-
-    def _step_config(self, grad: bool, loss: LossSpec | None) -> StepConfig:
+    def _threads_per_worker(self) -> int | None:
         cpu_workers = sum(d.type == "cpu" for d in self.worker_devices)
-        threads = self.threads_per_stage
-        if threads is None and cpu_workers > 1:  # CPU stand-ins share the cores evenly
-            threads = max(1, torch.get_num_threads() // cpu_workers)
-        return StepConfig(
-            stages=self.partitions,
-            devices=self.devices,
-            checkpoint_stop=checkpoint_stop(self.checkpoint, self.chunks) if grad else 0,
-            grad_enabled=grad,
-            seed=draw_step_seed(),
-            autocast=autocast_state(self.devices),
-            loss=loss,
-            threads_per_worker=threads,
-            timeout=self.timeout,
-            placement=self.placement,
-        )
+        if self.threads_per_stage is None and cpu_workers > 1:
+            return max(1, torch.get_num_threads() // cpu_workers)  # stand-ins share the cores
+        return self.threads_per_stage
 
     def _reset_peaks(self) -> None:
         for device in set(self.devices):
             reset_device_peak(device)
-
-    def _commit_batchnorm(self) -> None:
-        # Deferred BatchNorm moves running statistics once per mini-batch, after all forwards.
-        if self.training:
-            for stage in self.partitions:
-                commit_deferred_batch_norm(stage)
 
     def _finish(self, run: StepRun, started: float) -> None:
         # Statistics are per worker (device); an interleaved worker sums its stages.
@@ -297,17 +267,59 @@ class GPipe(nn.Module):
         busy = [0.0] * self.num_workers
         for stage, seconds in enumerate(run.busy):
             busy[self.placement[stage]] += seconds
-        stats = StepStats.from_timings(
+        self.last_stats = StepStats.from_timings(
             wall=time.perf_counter() - started,
             span=run.span,
             busy=busy,
             peaks=[device_peak(d) for d in self.worker_devices] if on_cuda else run.worker_peaks,
             num_microbatches=self.chunks,
             memory_kind="cuda_allocator" if on_cuda else "saved_activations",
+            virtual_stages=self.virtual_stages,
         )
-        if self.virtual_stages > 1:
-            bubble = expected_bubble(self.num_workers, self.chunks, self.virtual_stages)
-            stats = dataclasses.replace(stats, expected_bubble=bubble)
-        self.last_stats = stats
         self.last_in_flight = list(run.in_flight_peaks)
         self.last_timings = list(run.timings)
+
+
+class PipelineFunction(torch.autograd.Function):
+    """Autograd bridge of the front door: forward phase now, backward phase on ``backward()``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        pipe: GPipe,
+        run: StepRun,
+        schedule: Schedule,
+        started: float,
+        phony: Any,
+        *inputs: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        run.run(schedule.phase("F"))
+        pipe._commit_batchnorm()  # the other half of GPipe.forward
+        ctx.pipe, ctx.run, ctx.schedule, ctx.started = pipe, run, schedule, started
+        ctx.num_inputs = len(inputs)
+        out = as_tuple(gather([run.results[m] for m in range(pipe.chunks)]))
+        ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point()])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+        pipe, run = ctx.pipe, ctx.run
+        chunks = pipe.chunks
+        per_output = [
+            scatter(g, chunks) if g is not None else [None] * chunks for g in grad_outputs
+        ]
+        last = len(pipe.partitions) - 1
+        for m in range(chunks):
+            run.mailbox.put(("grad", last, m), tuple(col[m] for col in per_output))
+        run.run(ctx.schedule.phase("B"))
+        pipe._finish(run, ctx.started)
+        grads = _gather_input_grads(run, chunks, ctx.num_inputs)
+        return (None, None, None, None, None, *grads)
+
+
+def _gather_input_grads(run: StepRun, chunks: int, num_inputs: int) -> list[Any]:
+    grads: list[Any] = []
+    for i in range(num_inputs):
+        parts = [run.input_grads[m][i] for m in range(chunks)]
+        grads.append(None if any(p is None for p in parts) else torch.cat(parts))
+    return grads

@@ -1,6 +1,7 @@
 """Re-materialization: which micro-batches drop their activations, and how recompute stays exact.
 
-Modes (torchgpipe's names), for M micro-batches in training:
+Modes (torchgpipe's names; its argument is ``checkpoint=``, here it never means a saved file),
+for M micro-batches in training:
 
     always       every micro-batch is recomputed in backward     (least memory)
     except_last  all but the last one; the last one's backward follows its forward at once,
@@ -16,7 +17,7 @@ Recomputation must reproduce the forward exactly:
 
 Example::
 
-    >>> checkpoint_stop("except_last", chunks=4)
+    >>> recompute_stop("except_last", chunks=4)
     3
 """
 
@@ -34,8 +35,8 @@ MODES = ("always", "except_last", "never")
 _local = threading.local()
 
 
-def checkpoint_stop(mode: str, chunks: int) -> int:
-    """Micro-batches ``m < checkpoint_stop(...)`` are re-materialized in backward."""
+def recompute_stop(mode: str, chunks: int) -> int:
+    """Micro-batches ``m < recompute_stop(...)`` are re-materialized in backward."""
     if mode not in MODES:
         raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
     return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]

@@ -23,7 +23,7 @@ finds every schedule by name.
 
 Example::
 
-    >>> s = gpipe(num_stages=2, num_microbatches=2)
+    >>> s = gpipe(num_workers=2, num_microbatches=2)
     >>> [str(a) for a in s.actions[0]]
     ['F0@0', 'F1@0', 'B1@0', 'B0@0']
 """
@@ -54,7 +54,7 @@ class Schedule:
     """
 
     name: str
-    num_stages: int
+    num_stages: int  # K*V: the model's stages, over num_workers (K) workers
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...]
@@ -86,7 +86,7 @@ class Schedule:
         return Schedule(self.name, self.num_stages, self.num_microbatches, kept, self.placement)
 
 
-def expected_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+def expected_bubble(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> float:
     """Idle fraction of a fill-drain or 1F1B pipeline with equal stage costs: (K-1)/(M+K-1).
 
     With V virtual stages per worker (interleaved 1F1B) the fill and drain shrink V-fold:
@@ -95,20 +95,20 @@ def expected_bubble(num_stages: int, num_microbatches: int, virtual_stages: int 
     >>> expected_bubble(4, 4)
     0.42857142857142855
     """
-    k, v = num_stages, virtual_stages
+    k, v = num_workers, virtual_stages
     return (k - 1) / (v * num_microbatches + k - 1)
 
 
-def gpipe(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+def gpipe(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """GPipe fill-drain: all forwards in micro-batch order, then all backwards in reverse.
 
     Backwards run last-in first-out, as autograd would for the whole mini-batch, so the last
     micro-batch (whose activations are the freshest) is released first. With ``virtual_stages``
-    V > 1, ``num_stages`` workers hold K*V stages (stage s on worker s % K) and each worker runs
+    V > 1, the ``num_workers`` K hold K*V stages (stage s on worker s % K) and each worker runs
     its stages one after the other, breadth first ("looped" fill-drain).
     """
-    _check_sizes(num_stages, num_microbatches, virtual_stages)
-    k, v = num_stages, virtual_stages
+    _check_sizes(num_workers, num_microbatches, virtual_stages)
+    k, v = num_workers, virtual_stages
     workers = []
     for w in range(k):
         stages = range(w, k * v, k)
@@ -122,7 +122,8 @@ def gpipe(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Sc
 
 
 def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int, int]]]:
-    """Forward clock ticks of fill-drain: at tick t, stage k runs micro-batch t - k.
+    """Forward clock ticks of fill-drain, one stage per worker: at tick t, stage k runs
+    micro-batch t - k.
 
     >>> clock_cycles(2, 3)
     [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
@@ -238,9 +239,9 @@ def in_flight(schedule: Schedule) -> list[int]:
     return peak
 
 
-def _check_sizes(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> None:
-    if num_stages < 1:
-        raise ValueError(f"number of stages must be positive (got {num_stages})")
+def _check_sizes(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+    if num_workers < 1:
+        raise ValueError(f"number of workers must be positive (got {num_workers})")
     if num_microbatches < 1:
         raise ValueError(f"number of chunks must be positive integer (chunks: {num_microbatches})")
     if virtual_stages < 1:

@@ -169,12 +169,12 @@ def schedule_builders() -> dict[str, ScheduleFn]:
 
 
 def build_schedule(
-    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+    name: str, num_workers: int, num_microbatches: int, virtual_stages: int = 1
 ) -> Schedule:
     """Looks up a schedule by name and validates it.
 
-    ``num_stages`` is K, the number of workers; with ``virtual_stages`` V the model is cut into
-    K*V stages (only 'gpipe' and 'interleaved' take V > 1).
+    ``num_workers`` is K; with ``virtual_stages`` V the model is cut into K*V stages
+    (``Schedule.num_stages``; only 'gpipe' and 'interleaved' take V > 1).
 
     >>> build_schedule("gpipe", 2, 4).num_workers
     2
@@ -184,6 +184,6 @@ def build_schedule(
     builders = schedule_builders()
     if name not in builders:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(builders)}")
-    schedule = builders[name](num_stages, num_microbatches, virtual_stages)
+    schedule = builders[name](num_workers, num_microbatches, virtual_stages)
     validate(schedule)
     return schedule

@@ -1,9 +1,13 @@
 """Where the time and memory of a step went, measured on every step.
 
-Each worker times its own actions (busy time) and counts the activation bytes its stage holds;
-the step's span runs from the first action's start to the last action's end. The measured bubble
-is the idle share of the K stage-timelines over that span, to compare with the fill-drain
-bound (K-1)/(M+K-1).
+**Time.** Each worker times its own actions (busy time); the step's span runs from the first
+action's start to the last action's end. The measured bubble is the idle share of the K
+worker-timelines over that span, to compare with the bound (K-1)/(V*M+K-1).
+
+**Memory**, measured, not estimated. On CPU there is no allocator to ask, so the engine counts
+what a forward pass really keeps alive for backward (:class:`SavedTensorMeter`): every tensor
+autograd saves, deduplicated by storage, parameters excluded (they are resident anyway). On
+CUDA the allocator's peak is reported instead (:func:`device_peak`).
 
 Example::
 
@@ -11,12 +15,22 @@ Example::
     ...                            num_microbatches=4, memory_kind="saved_activations")
     >>> round(s.bubble, 2), round(s.expected_bubble, 2)
     (0.3, 0.2)
+    >>> layer = nn.Linear(256, 256)
+    >>> meter = SavedTensorMeter(exclude=layer.parameters())
+    >>> with meter:
+    ...     y = layer(torch.randn(8, 256, requires_grad=True)).relu()
+    >>> meter.bytes  # the input of the matmul and the ReLU result: 2 x 8 x 256 x 4
+    16384
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from types import TracebackType
 from typing import Any
+
+import torch
 
 from giantpipe.engine.schedule import Action, expected_bubble
 
@@ -46,10 +60,10 @@ class StepStats:
 
     wall_time_s: float  # as seen by the caller, scatter and gather included
     span_s: float  # first action start to last action end (excludes the user's loss, front door)
-    busy_time_s: list[float]  # per stage: time spent running its actions
+    busy_time_s: list[float]  # per worker: time spent running its actions
     bubble: float  # measured idle fraction: 1 - sum(busy) / (K * span)
-    expected_bubble: float  # (K-1)/(M+K-1)
-    peak_memory_bytes: list[int]  # per stage; see memory_kind
+    expected_bubble: float  # (K-1)/(V*M+K-1)
+    peak_memory_bytes: list[int]  # per worker; see memory_kind
     memory_kind: str  # "cuda_allocator" or "saved_activations" (bytes saved for backward)
     num_microbatches: int
 
@@ -62,7 +76,9 @@ class StepStats:
         peaks: list[int],
         num_microbatches: int,
         memory_kind: str,
+        virtual_stages: int = 1,
     ) -> StepStats:
+        """Statistics of K workers (one entry of ``busy`` and ``peaks`` each) over a step."""
         k = len(busy)
         bubble = 1.0 - sum(busy) / (k * span) if span > 0 else 0.0
         return cls(
@@ -70,11 +86,96 @@ class StepStats:
             span_s=span,
             busy_time_s=list(busy),
             bubble=max(0.0, bubble),
-            expected_bubble=expected_bubble(k, num_microbatches),
+            expected_bubble=expected_bubble(k, num_microbatches, virtual_stages),
             peak_memory_bytes=list(peaks),
             memory_kind=memory_kind,
             num_microbatches=num_microbatches,
         )
 
+    @classmethod
+    def from_table(
+        cls, table: torch.Tensor, num_microbatches: int, memory_kind: str, virtual_stages: int = 1
+    ) -> StepStats:
+        """Statistics from one row per worker, ``[wall, span, busy, peak bytes]``: what the
+        distributed executor's ranks all-gather (the slowest rank's wall and span count).
+
+        >>> table = torch.tensor([[0.61, 0.60, 0.52, 3e7], [0.61, 0.58, 0.53, 2e7]])
+        >>> StepStats.from_table(table, 4, "saved_activations").peak_memory_bytes
+        [30000000, 20000000]
+        """
+        return cls.from_timings(
+            wall=float(table[:, 0].max()),
+            span=float(table[:, 1].max()),
+            busy=table[:, 2].tolist(),
+            peaks=[int(p) for p in table[:, 3].tolist()],
+            num_microbatches=num_microbatches,
+            memory_kind=memory_kind,
+            virtual_stages=virtual_stages,
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# ---- memory: bytes saved for backward, the allocator's peak --------------------------------
+class SavedTensorMeter:
+    """Context manager that sums the bytes of distinct storages saved for backward.
+
+    Relies on ``torch.autograd.graph.saved_tensors_hooks``, which is thread-local, so each
+    pipeline worker meters only its own stage.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {p.untyped_storage().data_ptr() for p in exclude}
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def ignore(self, tensors: Iterable[object]) -> None:
+        """Treats the storages of ``tensors`` as already counted (e.g. stage inputs)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._seen.add(t.untyped_storage().data_ptr())
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Views share a storage; count each storage once. Meta and fake tensors have no data.
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._exclude and key not in self._seen:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+        # Keep a detached alias (same storage and version counter, no grad_fn), not the tensor:
+        # a saved output held by its own node through a hook is a cycle through C++ that
+        # Python's collector cannot see, so a graph retained for a later weight-gradient (W)
+        # would never be freed. (Double backward through metered code is not supported.)
+        return tensor.detach()
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
+
+
+def _unpack(tensor: Any) -> Any:
+    return tensor
+
+
+def reset_device_peak(device: torch.device) -> None:
+    """Resets the CUDA allocator's peak counter (no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_peak(device: torch.device) -> int:
+    """The CUDA allocator's peak bytes since the last reset (0 on other devices)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return 0

@@ -1,7 +1,9 @@
-"""Worker threads that outlive a step: the local executor's pool, one thread per worker.
+"""The local executor's workers: long-lived threads, and the mailbox through which they hand
+each other activations and gradients.
 
-A fresh thread's first action is slow (cold allocator caches and torch's per-thread state: 103
-against 68 ms for one AmoebaNet stage), so a :class:`~giantpipe.GPipe` keeps its workers::
+**Threads.** A fresh thread's first action is slow (cold allocator caches and torch's
+per-thread state: 103 against 68 ms for one AmoebaNet stage), so a :class:`~giantpipe.GPipe`
+keeps its workers in a :class:`WorkerPool`::
 
     step 1:  start giantpipe-worker-0..K-1  -> run  -> idle (blocked on their queue)
     step 2:                                    run  -> idle
@@ -10,25 +12,91 @@ against 68 ms for one AmoebaNet stage), so a :class:`~giantpipe.GPipe` keeps its
 
 Threads are daemons, named ``giantpipe-worker-<i>``, and at most one per worker of the largest
 schedule run. A thread holds nothing of a finished step: the task and its closure are dropped
-before it waits again. Example::
+before it waits again.
 
-    pool = WorkerPool()
-    pool.run([lambda: print("a"), lambda: print("b")])  # both in parallel, returns when done
-    pool.close()
+**Mailbox.** Keys are ``("act", stage, m)`` (input of ``stage`` for micro-batch ``m``) and
+``("grad", stage, m)`` (gradient of ``stage``'s output). A ``get`` blocks until the item
+arrives, the pipeline is aborted (another worker failed), or the timeout passes; nothing waits
+forever. The distributed executor's mailbox (:mod:`giantpipe.engine.dist.p2p`) keeps this
+interface and reaches other processes.
+
+Example::
+
+    >>> box = Mailbox(timeout=1.0)
+    >>> pool = WorkerPool()
+    >>> pool.run([lambda: box.put(("act", 1, 0), "x"), lambda: print(box.get(("act", 1, 0)))])
+    x
+    >>> pool.close()
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["WorkerPool"]
+__all__ = ["Aborted", "Key", "Mailbox", "PipelineTimeout", "WorkerPool"]
 
+Key = tuple[str, int, int]
 Task = Callable[[], None]
 
+# ---- the mailbox --------------------------------------------------------------------------
 
+
+class Aborted(Exception):
+    """Raised in a waiting worker when another worker has failed."""
+
+
+class PipelineTimeout(RuntimeError):
+    """A worker waited longer than the timeout for an activation or gradient."""
+
+
+class Mailbox:
+    """Thread-safe hand-over of values between workers, with abort and timeout."""
+
+    def __init__(self, timeout: float) -> None:
+        self._items: dict[Key, Any] = {}
+        self._cond = threading.Condition()
+        self._aborted = False
+        self.timeout = timeout
+
+    def put(self, key: Key, value: Any) -> None:
+        with self._cond:
+            self._items[key] = value
+            self._cond.notify_all()
+
+    def get(self, key: Key) -> Any:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while key not in self._items:
+                if self._aborted:
+                    raise Aborted
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    kind, stage, m = key
+                    what = "activation" if kind == "act" else "gradient"
+                    raise PipelineTimeout(
+                        f"waited {self.timeout:.0f}s for the {what} of micro-batch {m} "
+                        f"into stage {stage}"
+                    )
+                self._cond.wait(left)
+            return self._items.pop(key)
+
+    def abort(self) -> None:
+        """Wakes every waiting worker with :class:`Aborted`."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+
+# ---- the worker threads -------------------------------------------------------------------
 class WorkerPool:
     """Runs each of a list of tasks on its own long-lived thread; see the module docstring."""
 

@@ -29,8 +29,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from giantpipe.engine.memory import SavedTensorMeter
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, to_device
+from giantpipe.engine.stats import SavedTensorMeter
 
 Fits = Callable[[int, int, int], bool]
 """``fits(stage, first, end)``: whether layers ``first .. end - 1`` may form stage ``stage``

@@ -30,10 +30,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from giantpipe.engine.executor import LossFn
-from giantpipe.engine.memory import SavedTensorMeter
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
+from giantpipe.engine.stats import SavedTensorMeter
 from giantpipe.perf.simulate import StageCost
 from giantpipe.perf.stage_profile import profile_stages
 
@@ -94,7 +94,7 @@ class _StorageMeter(SavedTensorMeter):
     """The engine's saved-bytes meter, its storages keyed by identity rather than data pointer
     (meta tensors have none), the inputs' own storages reported apart (``input_bytes``).
 
-    Only the key differs from :class:`~giantpipe.engine.memory.SavedTensorMeter`; this class
+    Only the key differs from :class:`~giantpipe.engine.stats.SavedTensorMeter`; this class
     goes once that meter keys storages by identity itself.
     """
 

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from giantpipe.engine.microbatch import split_sizes
-from giantpipe.engine.recompute import MODES, checkpoint_stop
+from giantpipe.engine.recompute import MODES, recompute_stop
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule
 from giantpipe.perf.balance import NoFit, solve_balance
@@ -252,7 +252,7 @@ def combine(parts: Sequence[StageCost], layers: Sequence[LayerCost], micro: int)
 def pressure(schedule: Schedule, mode: str) -> list[list[tuple[int, int]]]:
     """Per stage, the (inputs held, activations held) counts at each moment that may be its
     memory peak under ``schedule`` and ``mode``; the peak is the largest a*input + c*act."""
-    stop = checkpoint_stop(mode, schedule.num_microbatches)
+    stop = recompute_stop(mode, schedule.num_microbatches)
     split = {(a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"}
     counts: list[set[tuple[int, int]]] = [set() for _ in range(schedule.num_stages)]
     for worker in schedule.actions:

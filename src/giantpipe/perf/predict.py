@@ -50,13 +50,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from giantpipe.engine.autograd import ones_gradient
 from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
-from giantpipe.engine.leaves import ones_gradient
-from giantpipe.engine.mailbox import Key, Mailbox
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, batch_size, scatter
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.stats import ActionTiming
-from giantpipe.engine.workers import WorkerPool
+from giantpipe.engine.workers import Key, Mailbox, WorkerPool
 from giantpipe.perf.simulate import Simulation, StageCost, simulate
 from giantpipe.perf.stage_profile import preserved_state, profile_stages, stage_inputs
 
@@ -135,7 +134,7 @@ def predict(
     # the executor's own actions, in the schedule's order: their times replace the profile's
     passes = max(1, math.ceil(repeats / pipe.chunks))
     replayed = replay(config, micros, schedule, passes, pipe._worker_pool)
-    costs = replayed.costs(costs, config.checkpoint_stop)
+    costs = replayed.costs(costs, config.recompute_stop)
     overhead = executor_overhead(schedule, devices, threads, repeats, pipe._worker_pool)
     contention = replayed.contention
     sim = simulate(schedule, costs, pipe.checkpoint, overhead, contention)
@@ -168,7 +167,7 @@ def executor_overhead(
     config = StepConfig(
         stages=[nn.Sequential(nn.Identity()) for _ in range(k)],
         devices=devices,
-        checkpoint_stop=0,
+        recompute_stop=0,
         grad_enabled=True,
         seed=0,
         loss=LossSpec(lambda y, t: (y * t).sum(), zeros, [1.0] * m),
@@ -216,9 +215,9 @@ class Replay:
     timings: list[ActionTiming]
     contention: float
 
-    def costs(self, costs: Sequence[StageCost], checkpoint_stop: int) -> list[StageCost]:
+    def costs(self, costs: Sequence[StageCost], recompute_stop: int) -> list[StageCost]:
         """``costs`` with their times replaced by the medians of the replayed actions."""
-        return [_measured(c, s, self.timings, checkpoint_stop) for s, c in enumerate(costs)]
+        return [_measured(c, s, self.timings, recompute_stop) for s, c in enumerate(costs)]
 
 
 def replay(
@@ -238,7 +237,7 @@ def replay(
         costs = profile_stages(pipe.partitions, pipe.devices, x[:8], y[:8], loss_fn, 8 / len(x))
         config = pipe._step_config(True, LossSpec(loss_fn, scatter(y, 4), [0.25] * 4))
         replayed = replay(config, scatter(x, 4), pipe.step_schedule())
-        sim = simulate(pipe.step_schedule(), replayed.costs(costs, config.checkpoint_stop),
+        sim = simulate(pipe.step_schedule(), replayed.costs(costs, config.recompute_stop),
                        contention=replayed.contention)
     """
     activations, gradients = _boundaries(config, inputs)

@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from giantpipe.engine.recompute import checkpoint_stop
+from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedule import Action, Schedule, dependencies, gpipe
 
 __all__ = ["Simulation", "StageCost", "TimedAction", "gpipe", "simulate"]  # gpipe: for examples
@@ -122,7 +122,7 @@ def simulate(
     """
     if len(costs) != schedule.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {schedule.num_stages} stages")
-    stop = checkpoint_stop(checkpoint, schedule.num_microbatches)
+    stop = recompute_stop(checkpoint, schedule.num_microbatches)
     timeline = _timeline(schedule, costs, stop, overhead, contention)
     span = max(t.end for t in timeline) - min(t.start for t in timeline)
     busy = [0.0] * schedule.num_workers

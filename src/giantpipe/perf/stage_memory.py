@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from giantpipe.engine.executor import LossSpec, StepConfig, StepRun
-from giantpipe.engine.recompute import checkpoint_stop
+from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.perf.memory import (
     AllocatorTracker,
@@ -244,7 +244,7 @@ def _stage_config(
     return StepConfig(
         stages=[stage],
         devices=[device],
-        checkpoint_stop=checkpoint_stop(mode, chunks),
+        recompute_stop=recompute_stop(mode, chunks),
         grad_enabled=True,
         seed=0,
         loss=loss_spec,

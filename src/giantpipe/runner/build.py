@@ -31,8 +31,7 @@ from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
-from giantpipe.engine import GPipe
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.base import Pipe
 from giantpipe.runner.losses import LossFn, build_loss
 from giantpipe.runner.optim import WeightEMA, build_optimizer, lr_multiplier
 from giantpipe.runner.pipeline import (
@@ -48,8 +47,6 @@ from giantpipe.runner.pipeline import (
 from giantpipe.runner.planning import plan_pipeline
 from giantpipe.runner.registry import build_from_target
 from giantpipe.runner.world import World
-
-Pipe = GPipe | DistributedPipe
 
 
 @dataclass

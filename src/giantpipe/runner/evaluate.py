@@ -27,8 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, DataBundle, batch_size
+from giantpipe.engine.base import Pipe
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
-from giantpipe.runner.step import autocast, feeds, replica_slice, to_device
+from giantpipe.runner.step import autocast, replica_slice, to_device
 from giantpipe.runner.world import World
 
 
@@ -97,7 +98,7 @@ def _figures(total: list[float], metric: str) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate(
-    pipe: nn.Module,
+    pipe: Pipe | nn.Module,
     bundle: DataBundle,
     max_batches: int | None,
     precision: str,
@@ -113,7 +114,9 @@ def evaluate(
     tally = Tally()
     summed = bundle.loss_normalizer is not None
     loss_fn = build_loss(bundle.loss, 0.0, bundle.ignore_index, summed=summed)
-    inputs_wanted, targets_wanted, r, replicas = feeds(pipe)
+    inputs_wanted = getattr(pipe, "needs_inputs", True)  # a plain module evaluates too
+    targets_wanted = getattr(pipe, "needs_targets", True)
+    r, replicas = getattr(pipe, "replica", 0), getattr(pipe, "replicas", 1)
     was_training = pipe.training
     pipe.eval()
     try:
@@ -134,7 +137,7 @@ def evaluate(
 
 
 def whole_model_figures(
-    pipe: nn.Module, model: nn.Sequential | None, bundle: DataBundle, world: World
+    pipe: Pipe, model: nn.Sequential | None, bundle: DataBundle, world: World
 ) -> dict[str, float | str]:
     """The data's own evaluation of the whole model (e.g. BLEU), on every process.
 
@@ -145,8 +148,8 @@ def whole_model_figures(
     if hook is None:
         return {}
     if world.size > 1:
-        _, _, replica, _ = feeds(pipe)
-        state = {k: v.detach().cpu() for k, v in pipe.state_dict().items()} if not replica else {}
+        held = pipe.state_dict() if pipe.replica == 0 else {}
+        state = {k: v.detach().cpu() for k, v in held.items()}
         gathered = world.collect(state)
         if gathered is not None:
             assert model is not None, "rank 0 keeps the plain model for whole-model evaluation"

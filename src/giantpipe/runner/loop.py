@@ -41,7 +41,7 @@ from giantpipe.runner.record import (
     run_to_summary,
 )
 from giantpipe.runner.seeding import seed_everything
-from giantpipe.runner.step import accumulate_gradients, clip_grad_norm, feeds
+from giantpipe.runner.step import accumulate_gradients
 from giantpipe.runner.world import World, open_world
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class TrainingLoop:
             raise self._fail("the loss", loss)
         grad_norm = None
         if trainer.grad_clip is not None:
-            grad_norm = clip_grad_norm(parts.pipe, trainer.grad_clip)
+            grad_norm = float(parts.pipe.clip_grad_norm_(trainer.grad_clip))
             if not math.isfinite(grad_norm):
                 raise self._fail("the gradient norm", grad_norm)
         record = self.update(batches, loss, stats, grad_norm, start)
@@ -191,10 +191,10 @@ class TrainingLoop:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        inputs_wanted, targets_wanted, _, _ = feeds(self.parts.pipe)
+        pipe = self.parts.pipe
         stream = (
             self.parts.bundle.train_batches(self.cfg.trainer.seed, self.progress.position)
-            if inputs_wanted or targets_wanted
+            if pipe.needs_inputs or pipe.needs_targets
             else None
         )
         while self.progress.step < self.parts.total_steps:
@@ -217,7 +217,7 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
     pipeline = {
         "pipeline/executor": cfg.pipeline.executor,
         "pipeline/world_size": loop.world.size,
-        "pipeline/replicas": feeds(parts.pipe)[3],
+        "pipeline/replicas": parts.pipe.replicas,
         "pipeline/devices": list(parts.devices),
         "pipeline/balance": list(parts.balance),
     }
@@ -300,7 +300,7 @@ def _open(
         return None
     where: tuple[str, tuple[Any, ...]] = ("", ())
     if world.size > 1:
-        replicas = feeds(parts.pipe)[3]
+        replicas = parts.pipe.replicas
         ranks = (world.size, world.size // replicas, replicas)
         where = ("distributed, %d ranks = K %d x R %d, ", ranks)
     return open_record(

@@ -14,7 +14,7 @@ Example::
 
     loss, stats = accumulate_gradients(pipe, batches, loss_fn, normalizer=None,
                                        precision="fp32", devices=["cpu", "cpu"])
-    norm = clip_grad_norm(pipe, 1.0)
+    norm = pipe.clip_grad_norm_(1.0)
     optimizer.step()
 """
 
@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from giantpipe.data.bundle import Batch, Tensors, batch_size
-from giantpipe.engine.dist.gradsync import clip_grad_norm_
+from giantpipe.engine.base import Pipe
 from giantpipe.runner.losses import LossFn
 
 
@@ -60,16 +60,6 @@ def replica_slice(tensors: Tensors, replica: int, replicas: int) -> Tensors:
     return tuple(cut(t) for t in tensors) if isinstance(tensors, tuple) else cut(tensors)
 
 
-def feeds(pipe: nn.Module) -> tuple[bool, bool, int, int]:
-    """What ``pipe``'s process feeds: (inputs?, targets?, its replica, the replicas)."""
-    return (
-        getattr(pipe, "needs_inputs", True),
-        getattr(pipe, "needs_targets", True),
-        getattr(pipe, "replica", 0),
-        getattr(pipe, "replicas", 1),
-    )
-
-
 def _weighted(loss_fn: LossFn, weight: float) -> LossFn:
     def weighted(output: Tensor, target: Tensor) -> Tensor:
         return loss_fn(output, target.to(output.device)) * weight
@@ -82,7 +72,7 @@ def _fixed(value: float) -> Callable[[Any], float]:
 
 
 def accumulate_gradients(
-    pipe: nn.Module,
+    pipe: Pipe,
     batches: Sequence[Batch | None],
     loss_fn: LossFn,
     normalizer: Callable[[Any], float] | None,
@@ -96,12 +86,12 @@ def accumulate_gradients(
     the step's; summed losses: the engine divides by the step's normalizer (over every batch
     of the step and, under torchrun, every replica).
     """
-    inputs_wanted, targets_wanted, r, replicas = feeds(pipe)
+    r, replicas = pipe.replica, pipe.replicas
     held = [b for b in batches if b is not None]
     sizes = [0 if b is None else batch_size(b[1]) for b in batches]
     share = (
         sum(normalizer(replica_slice(t, r, replicas)) for _, t in held)
-        if normalizer is not None and targets_wanted
+        if normalizer is not None and pipe.needs_targets
         else None
     )
     loss, stats = 0.0, []
@@ -109,9 +99,9 @@ def accumulate_gradients(
         inputs = targets = None
         step_fn, step_norm = _weighted(loss_fn, 1.0), None
         if batch is not None:
-            if inputs_wanted:
+            if pipe.needs_inputs:
                 inputs = to_device(replica_slice(batch[0], r, replicas), devices[0])
-            if targets_wanted:
+            if pipe.needs_targets:
                 targets = to_device(replica_slice(batch[1], r, replicas), devices[-1])
             if normalizer is None:
                 step_fn = _weighted(loss_fn, sizes[index] / sum(sizes))
@@ -122,10 +112,3 @@ def accumulate_gradients(
         loss += float(step_loss)
         stats.append(pipe.last_stats)
     return loss, stats
-
-
-def clip_grad_norm(pipe: nn.Module, max_norm: float) -> float:
-    """Clips the gradients by one norm over every stage (and rank); returns that norm."""
-    if hasattr(pipe, "layout"):  # a torchrun rank: the norm is summed over the pipeline
-        return float(clip_grad_norm_(pipe, max_norm))
-    return float(torch.nn.utils.clip_grad_norm_(pipe.parameters(), max_norm))

@@ -14,8 +14,8 @@ from torch import nn
 
 from giantpipe import GPipe
 from giantpipe.engine import PipelineError, is_recomputing
-from giantpipe.engine.mailbox import Mailbox, PipelineTimeout
-from giantpipe.engine.memory import SavedTensorMeter
+from giantpipe.engine.stats import SavedTensorMeter
+from giantpipe.engine.workers import Mailbox, PipelineTimeout
 from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from giantpipe.engine.executor import LossSpec, StepConfig
 from giantpipe.engine.microbatch import scatter
-from giantpipe.engine.recompute import checkpoint_stop
+from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.perf.predict import CannedMailbox, replay
@@ -48,7 +48,7 @@ def setup(
     config = StepConfig(
         stages=stages,
         devices=[torch.device("cpu")] * blocks,
-        checkpoint_stop=checkpoint_stop(mode, m),
+        recompute_stop=recompute_stop(mode, m),
         grad_enabled=True,
         seed=0,
         loss=LossSpec(nn.functional.mse_loss, targets, [1 / m] * m),
@@ -67,7 +67,7 @@ def test_every_action_is_timed_once_per_pass(schedule: str, v: int, mode: str) -
     replayed = replay(config, micros, plan, passes=2)
     ran = Counter(t.action for t in replayed.timings)
     assert ran == Counter({a: 2 for worker in plan.actions for a in worker})
-    stop = config.checkpoint_stop
+    stop = config.recompute_stop
     for t in replayed.timings:
         a = t.action
         assert t.end >= t.start and 0.0 <= t.waited <= t.end - t.start
@@ -78,7 +78,7 @@ def test_every_action_is_timed_once_per_pass(schedule: str, v: int, mode: str) -
 
 def measured_fields(schedule: str, mode: str) -> set[str]:
     config, micros, plan = setup(schedule, mode)
-    cost = replay(config, micros, plan).costs([SENTINEL] * 2, config.checkpoint_stop)[1]
+    cost = replay(config, micros, plan).costs([SENTINEL] * 2, config.recompute_stop)[1]
     return {
         name
         for name in ("forward", "backward", "backward_input", "weight", "forward_no_grad")
@@ -113,7 +113,7 @@ def test_replay_leaves_gradients_buffers_and_threads_as_they_were() -> None:
     config = StepConfig(
         stages=stages,
         devices=[torch.device("cpu")] * 2,
-        checkpoint_stop=1,
+        recompute_stop=1,
         grad_enabled=True,
         seed=0,
         loss=LossSpec(nn.functional.cross_entropy, scatter(target, m), [0.5, 0.5]),

@@ -29,12 +29,14 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 _KEY, _CLAIM = "giantpipe/failed", "giantpipe/failed_claim"
+T = TypeVar("T")
 
 
 class RankFailure(RuntimeError):
@@ -98,6 +100,29 @@ def failure_message(exc: BaseException, layout: Any, board: FailureBoard | None)
         where = f"{layout.label(exc.stage)} failed on micro-batch {exc.microbatch}"
         return explain(board, f"{where}: {text}")
     return explain(board, f"{layout.label()} failed: {type(exc).__name__}: {exc}")
+
+
+def run_guarded(
+    body: Callable[[], T], layout: Any, board: FailureBoard | None, teardown: Callable[[str], None]
+) -> T:
+    """Runs a step; on any failure: report it, ``teardown(message)``, raise RankFailure.
+
+    Tearing down closes this rank's connections, so every rank waiting on it wakes at once.
+    Interrupts (KeyboardInterrupt, SystemExit) are re-raised as they are, after the teardown.
+
+    Example::
+
+        loss = run_guarded(lambda: pipe._step(...), pipe.layout, pipe.board, pipe._teardown)
+    """
+    try:
+        return body()
+    except BaseException as exc:
+        message = failure_message(exc, layout, board)
+        clear_frames(exc)  # locals of the failed frames hold requests of the groups
+        teardown(message)
+        if not isinstance(exc, Exception) or isinstance(exc, RankFailure):
+            raise
+        raise RankFailure(message) from exc
 
 
 def clear_frames(exc: BaseException) -> None:

@@ -17,6 +17,11 @@ when the step ends.
 **Clipping.** :func:`clip_grad_norm_` takes the norm over every stage: local sums of squares,
 all-reduced over the pipeline (replicas hold identical gradients after the all-reduce).
 
+**The rest of a step.** :func:`all_reduce_sum` sums one number over the replicas (the loss,
+the loss normaliser), :func:`all_reduce_` a tensor (deferred BatchNorm statistics), and
+:func:`all_gather_rows` gives every rank of a pipeline the step's statistics; all wait under the
+pipe's timeout.
+
 Example::
 
     sync = GradientSync(pipe.named_parameters(), groups.replica, microbatches=8, timeout=60.0)
@@ -196,3 +201,50 @@ def clip_grad_norm_(
         for g in grads:
             g.detach().mul_(coef)
     return norm.float()
+
+
+def all_reduce_(
+    tensor: torch.Tensor, group: Any, timeout: float, board: FailureBoard | None, what: str
+) -> torch.Tensor:
+    """Sums ``tensor`` in place over ``group``; a wait over ``timeout`` raises RankFailure
+    naming ``what`` (e.g. "BatchNorm statistics") and the ranks.
+
+    Example::
+
+        all_reduce_(stats, groups.replica, 60.0, board, "BatchNorm statistics")
+    """
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    ranks = dist.get_process_group_ranks(group)
+    wait_work(work, timeout, f"the all-reduce of {what} over ranks {ranks}", board)
+    return tensor
+
+
+def all_reduce_sum(
+    value: float, group: Any, timeout: float, board: FailureBoard | None, what: str
+) -> float:
+    """Sum of ``value`` over ``group`` (float64, so counts and losses stay exact).
+
+    Example::
+
+        tokens = all_reduce_sum(local_tokens, groups.replica, 60.0, board, "the token count")
+    """
+    total = torch.tensor([value], dtype=torch.float64)
+    return float(all_reduce_(total, group, timeout, board, what)[0])
+
+
+def all_gather_rows(
+    row: torch.Tensor, group: Any, ranks: list[int], timeout: float, board: FailureBoard | None
+) -> torch.Tensor:
+    """Every rank's ``row`` of the step's statistics, stacked in rank order (``ranks`` are
+    the group's; with one rank, no collective).
+
+    Example::
+
+        table = all_gather_rows(row, groups.pipeline, layout.pipeline_ranks, 60.0, board)
+    """
+    if len(ranks) == 1:
+        return row.unsqueeze(0)
+    rows = [torch.empty_like(row) for _ in ranks]
+    work = dist.all_gather(rows, row, group=group, async_op=True)
+    wait_work(work, timeout, f"the all-gather of step statistics over ranks {ranks}", board)
+    return torch.stack(rows)

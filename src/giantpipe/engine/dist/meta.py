@@ -4,7 +4,7 @@ A rank of a distributed pipeline must never allocate the other stages' parameter
 point of pipelining a giant model). :func:`build_on_meta` runs the model's builder with every
 *parameter* created on the meta device (no memory), while *buffers* (BatchNorm statistics,
 sinusoidal position tables, masks: small, and often computed in ``__init__``) stay real.
-:func:`materialize` then allocates the local layers' parameters on the rank's device.
+:func:`allocate_layers` then allocates the local layers' parameters on the rank's device.
 
 Their values come from :func:`init_layers`: layer ``i`` is re-initialised by its modules'
 ``reset_parameters()`` under a seed derived from (``seed``, ``i``), so it gets the same weights
@@ -17,7 +17,7 @@ Example::
     >>> model = build_on_meta(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
     >>> model[0].weight.device.type
     'meta'
-    >>> materialize(model, [2], torch.device("cpu"), init=seeded_init(seed=0))
+    >>> allocate_layers(model, [2], torch.device("cpu"), init=seeded_init(seed=0))
     >>> model[2].weight.device.type, model[0].weight.device.type
     ('cpu', 'meta')
 """
@@ -98,7 +98,7 @@ def init_layers(model: nn.Sequential, seed: int, layers: Iterable[int] | None = 
                 init(index, layer)
 
 
-def materialize(
+def allocate_layers(
     model: nn.Sequential, layers: Iterable[int], device: torch.device, init: LayerInit | None
 ) -> None:
     """Gives ``layers`` of ``model`` real parameters on ``device``; others stay as they are.
@@ -158,14 +158,15 @@ def local_stages(
     device: torch.device,
     init: LayerInit | None,
 ) -> list[nn.Module]:
-    """Materialises ``stages`` of ``model`` cut by ``balance``; one module per stage.
+    """Allocates ``stages`` of ``model`` cut by ``balance`` (see :func:`allocate_layers`); one
+    module per stage.
 
     A held stage is a Sequential keeping its layers' names (so parameter names are the plain
     model's); any other stage is an :class:`_Absent` placeholder.
     """
     bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
     layers = [i for s in stages for i in range(bounds[s], bounds[s + 1])]
-    materialize(model, layers, device, init)
+    allocate_layers(model, layers, device, init)
     named = list(model.named_children())
     return [
         nn.Sequential(OrderedDict(named[bounds[s] : bounds[s + 1]])) if s in stages else _Absent(s)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from giantpipe.engine.dist.faults import FailureBoard, RankFailure, explain, wait_work
 from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.mailbox import Key, Mailbox
+from giantpipe.engine.workers import Key, Mailbox
 from giantpipe.engine.schedule import Action
 from giantpipe.engine.dist.wire import (
     HEADER_WORDS,
@@ -146,7 +146,7 @@ class P2PMailbox(Mailbox):
         messages = [m.to(self.comm_device) for m in messages]
         messages += [as_bytes(t.to(self.comm_device)) for t in tensors if t.numel()]
         works = [dist.isend(msg, dst=dst, group=self.group) for msg in messages]
-        # The bytes stay alive until sent; those already through are let go (a re-materialised
+        # The bytes stay alive until sent; those already through are let go (a recomputed
         # micro-batch's output would otherwise live until the end of the step).
         self._sends = [s for s in self._sends if not all(w.is_completed() for w in s[1])]
         self._sends.append((key, works, messages))

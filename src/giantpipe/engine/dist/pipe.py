@@ -1,6 +1,6 @@
 """The distributed executor: one process per pipeline rank (under torchrun), R replicas.
 
-Each rank builds the model with its parameters on the meta device, materialises only the layers
+Each rank builds the model with its parameters on the meta device, allocates only the layers
 of its own stage(s), and runs its own list of actions from the same schedule data as the local
 executor (the very same ``StepRun``; only its mailbox sends to other processes, see
 :mod:`giantpipe.engine.dist.p2p`). Per step::
@@ -10,7 +10,11 @@ executor (the very same ``StepRun``; only its mailbox sends to other processes, 
                  where stage 0 is) riding in their headers; the replica all-reduce of gradient
                  buckets starts inside the last backward (giantpipe.engine.dist.gradsync)
     pipeline:    one all-gather of [loss, wall, span, busy, peak memory]: the loss and the
-                 step's statistics on every rank (giantpipe.engine.dist.rankstats)
+                 step's statistics on every rank
+
+What it shares with GPipe (defaults, checks, loss scaling, the step's configuration) is
+:class:`giantpipe.engine.base.Pipe`; its hooks sum the loss normaliser and merge deferred
+BatchNorm statistics over the replicas.
 
 Any failure is reported on the failure board, this rank's groups are torn down (which wakes
 every rank waiting on it) and :class:`RankFailure` names the rank and stage that failed first.
@@ -23,7 +27,7 @@ Example (``torchrun --nproc_per_node=2 train.py``)::
     x = batch if pipe.needs_inputs else None
     y = target if pipe.needs_targets else None
     loss = pipe.train_step(x, y, nn.functional.cross_entropy)   # same value on every rank
-    clip_grad_norm_(pipe, 1.0)
+    pipe.clip_grad_norm_(1.0)                               # the global norm, every rank
     opt.step(); opt.zero_grad()
     pipe.save_checkpoint("ckpt/", step=100)                 # shards by un-partitioned names
 """
@@ -40,24 +44,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.dist import shards
-from giantpipe.engine.batchnorm import (
-    commit_deferred_batch_norm,
-    convert_deferred_batch_norm,
-    merge_deferred_batch_norm,
+from giantpipe.engine.base import (
+    DEFAULT_RECOMPUTE,
+    DEFAULT_CHUNKS,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TIMEOUT,
+    Normalizer,
+    Pipe,
+    check_arguments,
 )
-from giantpipe.engine.recompute import MODES, checkpoint_stop
-from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
+from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
+from giantpipe.engine.dist import shards
 from giantpipe.engine.dist.faults import (
     FailureBoard,
     RankFailure,
-    clear_frames,
     default_store,
-    failure_message,
     install_sigterm_note,
+    run_guarded,
     wait_work,
 )
-from giantpipe.engine.dist.gradsync import GradientSync, clip_grad_norm_
+from giantpipe.engine.dist.gradsync import (
+    GradientSync,
+    all_gather_rows,
+    all_reduce_,
+    all_reduce_sum,
+    clip_grad_norm_,
+)
 from giantpipe.engine.dist.layout import (
     Groups,
     Layout,
@@ -68,15 +80,12 @@ from giantpipe.engine.dist.layout import (
     resolve_device,
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
-from giantpipe.engine.memory import reset_device_peak
-from giantpipe.engine.microbatch import TensorOrTensors, batch_size, gather, scatter
 from giantpipe.engine.dist.p2p import P2PMailbox
-from giantpipe.engine.partition import verify_balance, verify_module
-from giantpipe.engine.dist.rankstats import all_reduce_sum, gather_step
+from giantpipe.engine.executor import LossFn, LossSpec, StepRun
+from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
 from giantpipe.engine.schedule import Schedule
-from giantpipe.engine.schedules import build_schedule
-from giantpipe.engine.stats import StepStats
+from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
 
 __all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distributed"]
 
@@ -84,16 +93,17 @@ ModelSource = nn.Sequential | Callable[[], nn.Sequential]
 _T = TypeVar("_T")
 
 
-class DistributedPipe(nn.Module):
+class DistributedPipe(Pipe):
     """This rank's share of a pipeline x data-parallel model; a step door like ``GPipe``'s.
 
     Args:
         module: the model, or a function that builds it (called with parameters on meta).
         balance: layers per stage (K*V stages: K pipeline ranks, V virtual stages each).
         chunks: M, micro-batches per mini-batch (per replica).
-        checkpoint: re-materialization, ``'always'``, ``'except_last'`` or ``'never'``.
+        checkpoint: the re-materialization mode, as GPipe's (``'always'``, ``'except_last'``,
+            ``'never'``); files are ``save_checkpoint`` / ``load_checkpoint``.
         schedule: a name of :func:`giantpipe.engine.schedules.build_schedule`.
-        virtual_stages: V (interleaved schedules).
+        virtual_stages: V (interleaved schedules); default 2 for ``'interleaved'``, else 1.
         device: this rank's device (default ``cuda:LOCAL_RANK`` if CUDA, else CPU).
         seed: initialisation seed of the layers (see :mod:`giantpipe.engine.dist.meta`).
         init: ``init(index, layer)`` for meta layers; default: ``seeded_init(seed)``; None to
@@ -111,70 +121,67 @@ class DistributedPipe(nn.Module):
         module: ModelSource,
         balance: Iterable[int],
         *,
-        chunks: int = 1,
-        checkpoint: str = "except_last",
-        schedule: str = "gpipe",
-        virtual_stages: int = 1,
+        chunks: int = DEFAULT_CHUNKS,
+        checkpoint: str = DEFAULT_RECOMPUTE,  # the re-materialization mode
+        schedule: str = DEFAULT_SCHEDULE,
+        virtual_stages: int | None = None,
         device: torch.device | str | None = None,
         deferred_batch_norm: bool = False,
         seed: int = 0,
         init: LayerInit | None | str = "seeded",
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUT,
         bucket_mb: float = 25.0,
         overlap_grad_sync: bool = True,
     ) -> None:
-        super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
-        if checkpoint not in MODES:
-            raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
         model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
-        verify_module(model)
-        balance = list(balance)
-        balance = verify_balance(len(model), balance, len(balance))
-        if len(balance) % virtual_stages:
-            raise ValueError(f"{len(balance)} stages do not split into V={virtual_stages} each")
-        self.plan: Schedule = build_schedule(
-            schedule, len(balance) // virtual_stages, chunks, virtual_stages
-        )
+        args = check_arguments(model, balance, chunks, checkpoint, schedule, virtual_stages)
+        super().__init__(args, checkpoint, schedule, timeout)
+        steps = self.step_schedule()
         self.layout = Layout(
-            dist.get_world_size(), dist.get_rank(), self.plan.num_workers, self.plan.placement
+            dist.get_world_size(), dist.get_rank(), steps.num_workers, steps.placement
         )
-        self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
-        self.schedule, self.timeout = schedule, timeout
+        self.placement = list(steps.placement)
         self.device = resolve_device(device)
-        install_rng_hooks(model)  # numbered over the whole model, as GPipe numbers them
-        layer_init = seeded_init(seed) if init == "seeded" else init
-        if isinstance(layer_init, str):
-            raise ValueError(f"init must be 'seeded', a function or None; got {init!r}")
-        self.partitions = local_stages(
-            model, balance, self.layout.local_stages, self.device, layer_init
-        )
-        if deferred_batch_norm:
-            for part in self.partitions:
-                convert_deferred_batch_norm(part)
-        for part in self.partitions:
-            for name, layer in part.named_children():
-                self.add_module(name, layer)
+        self._hold_layers(model, seed, init, deferred_batch_norm)
         self.groups = build_groups(self.layout, timeout)
         self.board = FailureBoard(default_store(), self.layout.label())
         install_sigterm_note(self.board)
         self._box: P2PMailbox | None = None
         self._broken: str | None = None
-        self.sync = (
-            GradientSync(
-                list(self.named_parameters()),
-                self.groups.replica,
-                chunks,
-                timeout,
-                bucket_bytes=int(bucket_mb * 2**20),
-                overlap=overlap_grad_sync,
-                board=self.board,
-            )
-            if self.layout.replicas > 1
-            else None
+        self.sync = self._gradient_sync(bucket_mb, overlap_grad_sync)
+
+    def _hold_layers(
+        self, model: nn.Sequential, seed: int, init: LayerInit | None | str, deferred: bool
+    ) -> None:
+        """Allocates this rank's layers (the others stay on meta) and registers them."""
+        install_rng_hooks(model)  # numbered over the whole model, as GPipe numbers them
+        layer_init = seeded_init(seed) if init == "seeded" else init
+        if isinstance(layer_init, str):
+            raise ValueError(f"init must be 'seeded', a function or None; got {init!r}")
+        self.partitions = local_stages(
+            model, self.balance, self.layout.local_stages, self.device, layer_init
         )
-        self.last_stats: StepStats | None = None
+        self.devices = [self.device] * len(self.partitions)
+        for part in self.partitions:
+            if deferred:
+                convert_deferred_batch_norm(part)
+            for name, layer in part.named_children():
+                self.add_module(name, layer)
+
+    def _gradient_sync(self, bucket_mb: float, overlap: bool) -> GradientSync | None:
+        if self.layout.replicas == 1:
+            return None  # nothing to all-reduce
+        return GradientSync(
+            list(self.named_parameters()),
+            self.groups.replica,
+            self.chunks,
+            self.timeout,
+            bucket_bytes=int(bucket_mb * 2**20),
+            overlap=overlap,
+            board=self.board,
+        )
 
     # ---- who needs what ------------------------------------------------------------------
 
@@ -195,6 +202,7 @@ class DistributedPipe(nn.Module):
 
     @property
     def replicas(self) -> int:
+        """R, the number of replicas of the pipeline (world size / K)."""
         return self.layout.replicas
 
     # ---- steps -------------------------------------------------------------------------------
@@ -204,7 +212,7 @@ class DistributedPipe(nn.Module):
         inputs: TensorOrTensors | None = None,
         targets: TensorOrTensors | None = None,
         loss_fn: LossFn | None = None,
-        loss_normalizer: Callable[[TensorOrTensors], float] | None = None,
+        loss_normalizer: Normalizer | None = None,
     ) -> torch.Tensor:
         """Forward + backward of this replica's mini-batch; returns the global loss everywhere.
 
@@ -221,7 +229,7 @@ class DistributedPipe(nn.Module):
         inputs: TensorOrTensors | None = None,
         targets: TensorOrTensors | None = None,
         loss_fn: LossFn | None = None,
-        loss_normalizer: Callable[[TensorOrTensors], float] | None = None,
+        loss_normalizer: Normalizer | None = None,
     ) -> torch.Tensor:
         """The loss of a forward without gradients (global over replicas), on every rank."""
         with torch.no_grad():
@@ -236,7 +244,7 @@ class DistributedPipe(nn.Module):
 
     def _forward(self, inputs: TensorOrTensors | None) -> TensorOrTensors | None:
         started = time.perf_counter()
-        run = self._run(False, None, self._scatter(inputs), self.plan.phase("F"))
+        run = self._run(False, None, self._scatter(inputs), self.step_schedule().phase("F"))
         self._finish(run, started, None)
         if not self.needs_targets:
             return None
@@ -248,35 +256,29 @@ class DistributedPipe(nn.Module):
         inputs: TensorOrTensors | None,
         targets: TensorOrTensors | None,
         loss_fn: LossFn | None,
-        loss_normalizer: Callable[[TensorOrTensors], float] | None,
+        loss_normalizer: Normalizer | None,
     ) -> torch.Tensor:
         started = time.perf_counter()
         if loss_fn is None:
             raise ValueError("loss_fn is required (on every rank, though only the last uses it)")
-        spec = self._loss_spec(targets, loss_fn, loss_normalizer)
+        spec = self._rank_loss_spec(targets, loss_fn, loss_normalizer)
         if self.sync is not None and grad:
             self.sync.begin()
-        plan = self.plan if grad else self.plan.phase("F")
-        run = self._run(grad, spec, self._scatter(inputs), plan)
+        steps = self.step_schedule()
+        run = self._run(grad, spec, self._scatter(inputs), steps if grad else steps.phase("F"))
         if self.sync is not None and grad:
             self.sync.finish()
-        if self.training:
-            for part in self.partitions:
-                if self.groups.replica is not None:
-                    merge_deferred_batch_norm(part, self._replica_sum)
-                commit_deferred_batch_norm(part)
-        local = (
-            torch.stack([run.losses[m] for m in range(self.chunks)]).sum() if run.losses else None
-        )
-        return self._finish(run, started, local)
+        self._commit_batchnorm()
+        return self._finish(run, started, self._total_loss(run.losses) if run.losses else None)
 
-    def _replica_sum(self, tensor: torch.Tensor) -> None:
+    def _merge_batchnorm(self, stage: nn.Module) -> None:
         # Deferred BatchNorm statistics of the whole mini-batch, across replicas: every replica
         # then commits the same running statistics as the un-replicated model would.
-        work = dist.all_reduce(tensor, group=self.groups.replica, async_op=True)
-        ranks = dist.get_process_group_ranks(self.groups.replica)
-        what = f"the all-reduce of BatchNorm statistics over ranks {ranks}"
-        wait_work(work, self.timeout, what, self.board)
+        if self.groups.replica is not None:
+            what = "BatchNorm statistics"
+            merge_deferred_batch_norm(
+                stage, lambda t: all_reduce_(t, self.groups.replica, self.timeout, self.board, what)
+            )
 
     def _scatter(self, inputs: TensorOrTensors | None) -> list[TensorOrTensors]:
         if not self.needs_inputs:
@@ -285,48 +287,37 @@ class DistributedPipe(nn.Module):
             raise ValueError(f"{self.layout.label()} holds stage 0 and needs inputs")
         return scatter(inputs if isinstance(inputs, torch.Tensor) else tuple(inputs), self.chunks)
 
-    def _loss_spec(
+    def _rank_loss_spec(
         self,
         targets: TensorOrTensors | None,
         loss_fn: LossFn,
-        normalizer: Callable[[TensorOrTensors], float] | None,
+        normalizer: Normalizer | None,
     ) -> LossSpec:
+        """The loss where this rank holds the last stage; an empty one elsewhere."""
         if not self.needs_targets:
             return LossSpec(loss_fn, [], [])
         if targets is None:
             raise ValueError(f"{self.layout.label()} holds the last stage and needs targets")
-        micro = scatter(targets, self.chunks)
-        norm = float(normalizer(targets)) if normalizer else float(batch_size(targets))
-        if self.groups.replica is not None:
-            norm = all_reduce_sum(
-                norm, self.groups.replica, self.timeout, self.board, "loss normaliser"
-            )
-        if not norm > 0:
-            raise ValueError(f"the loss normaliser is {norm}; it must be positive")
-        if normalizer is None:
-            return LossSpec(loss_fn, micro, [batch_size(t) / norm for t in micro])
-        return LossSpec(loss_fn, micro, [1.0 / norm] * self.chunks)
+        return self._loss_spec(targets, loss_fn, normalizer)
+
+    def _reduce_normalizer(self, norm: float) -> float:
+        # The mean (or the normalizer) is over the batches of all replicas.
+        if self.groups.replica is None:
+            return norm
+        group = self.groups.replica
+        return all_reduce_sum(norm, group, self.timeout, self.board, "the loss normaliser")
 
     def _run(
-        self, grad: bool, spec: LossSpec | None, micro: list[TensorOrTensors], plan: Schedule
+        self, grad: bool, spec: LossSpec | None, micro: list[TensorOrTensors], steps: Schedule
     ) -> StepRun:
-        """Runs this rank's actions of ``plan`` with a mailbox that reaches the other ranks."""
+        """Runs this rank's actions of ``steps`` with a mailbox that reaches the other ranks."""
         reset_device_peak(self.device)
         worker = self.layout.worker
-        mine = tuple(acts if w == worker else () for w, acts in enumerate(plan.actions))
-        local = Schedule(plan.name, plan.num_stages, plan.num_microbatches, mine, plan.placement)
+        mine = tuple(acts if w == worker else () for w, acts in enumerate(steps.actions))
+        local = Schedule(steps.name, steps.num_stages, steps.num_microbatches, mine, steps.placement)
         seed = self._draw_seed() if self.needs_inputs else None
-        config = StepConfig(
-            stages=self.partitions,  # type: ignore[arg-type]
-            devices=[self.device] * len(self.partitions),
-            checkpoint_stop=checkpoint_stop(self.checkpoint, self.chunks) if grad else 0,
-            grad_enabled=grad,
-            seed=seed if seed is not None else 0,  # elsewhere: set by the first activation
-            autocast=_autocast_state(self.device),
-            loss=spec,
-            timeout=self.timeout,
-            placement=plan.placement,
-        )
+        # Elsewhere the seed is 0 until the first activation brings the real one.
+        config = self._step_config(grad, spec, seed=seed if seed is not None else 0)
 
         def learn_seed(value: int) -> None:
             config.seed = value
@@ -356,22 +347,12 @@ class DistributedPipe(nn.Module):
     # ---- failures ----------------------------------------------------------------------------
 
     def _guarded(self, body: Callable[[], _T]) -> _T:
-        """Runs a step; on any failure: report it, tear down the groups, raise RankFailure.
-
-        Tearing down closes this rank's connections, so every rank waiting on it wakes at once
-        (see :mod:`giantpipe.engine.dist.faults`). The pipe is unusable afterwards.
-        """
+        """Runs a step; a failure tears down this rank's groups (waking every rank waiting on
+        it, see :mod:`giantpipe.engine.dist.faults`) and raises RankFailure. The pipe is
+        unusable afterwards."""
         if self._broken is not None:
             raise RankFailure(f"the pipeline failed earlier and cannot run: {self._broken}")
-        try:
-            return body()
-        except BaseException as exc:
-            message = failure_message(exc, self.layout, self.board)
-            clear_frames(exc)  # locals of the failed frames hold requests of the groups
-            self._teardown(message)
-            if not isinstance(exc, Exception) or isinstance(exc, RankFailure):
-                raise
-            raise RankFailure(message) from exc
+        return run_guarded(body, self.layout, self.board, self._teardown)
 
     def _teardown(self, message: str) -> None:
         self._broken = message
@@ -387,13 +368,39 @@ class DistributedPipe(nn.Module):
     def _finish(
         self, run: StepRun, started: float, local_loss: torch.Tensor | None
     ) -> torch.Tensor:
-        """The global loss on every rank; the step's statistics in ``last_stats``."""
-        local = 0.0 if local_loss is None else float(local_loss)
+        """The global loss on every rank; the step's statistics in ``last_stats``.
+
+        Every rank of the pipeline contributes a row, ``[loss, wall, span, busy, peak]``
+        (busy: its stages; peak: saved activations on CPU, the allocator's on CUDA); after one
+        all-gather each holds the whole table, so the loss (the last stage's row) and the
+        statistics are the same on every rank.
+        """
+        layout, on_cuda = self.layout, self.device.type == "cuda"
+        loss = 0.0 if local_loss is None else float(local_loss)
         if local_loss is not None and self.groups.replica is not None:
-            local = all_reduce_sum(local, self.groups.replica, self.timeout, self.board, "loss")
-        where = (self.layout, self.plan, self.device, self.groups.pipeline)
-        loss, self.last_stats = gather_step(run, started, local, *where, self.timeout, self.board)
-        return loss
+            loss = all_reduce_sum(loss, self.groups.replica, self.timeout, self.board, "the loss")
+        peak = device_peak(self.device) if on_cuda else run.worker_peaks[layout.worker]
+        busy = sum(run.busy[s] for s in layout.local_stages)
+        wall = time.perf_counter() - started
+        row = torch.tensor([loss, wall, run.span, busy, peak], dtype=torch.float64)
+        group, ranks = self.groups.pipeline, layout.pipeline_ranks
+        table = all_gather_rows(row, group, ranks, self.timeout, self.board)
+        kind = "cuda_allocator" if on_cuda else "saved_activations"
+        self.last_stats = StepStats.from_table(table[:, 1:], self.chunks, kind, self.virtual_stages)
+        return table[self.placement[-1], 0].to(torch.float32)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Collective. Clips by the global 2-norm over every stage of the pipeline (each
+        replica counted once; their gradients are equal after the all-reduce): equal to
+        ``torch.nn.utils.clip_grad_norm_`` on the plain model. Returns the norm, on every rank.
+
+        Example::
+
+            pipe.train_step(x, y, loss_fn)
+            norm = pipe.clip_grad_norm_(1.0)
+            optimizer.step()
+        """
+        return clip_grad_norm_(self, max_norm)
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -417,8 +424,3 @@ class DistributedPipe(nn.Module):
         self.load_state_dict(shards.load(directory, self.state_dict().keys(), self.device))
         return manifest
 
-
-def _autocast_state(device: torch.device) -> list[tuple[str, torch.dtype]]:
-    if torch.is_autocast_enabled(device.type):
-        return [(device.type, torch.get_autocast_dtype(device.type))]
-    return []

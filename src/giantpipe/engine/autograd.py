@@ -1,9 +1,20 @@
-"""Backward split in two: B (input gradients, now) and W (weight gradients, later).
+"""Where one stage's autograd graph meets the next, and the backward split in B and W.
 
-Zero-bubble schedules send the input gradient on as soon as it exists and compute the weight
-gradient when the worker would otherwise idle. Asking autograd twice (once for the inputs, once
-for the parameters) would run most of the backward twice. Instead, B captures the gradient
-flowing into each node where a parameter's path leaves the input path, and W starts there::
+**Boundaries.** Every stage's graph starts at detached copies of its inputs ("leaves"), so a
+backward never crosses threads, devices or processes by itself: the gradient of each leaf is
+read off and handed to the previous stage, exactly as activations are handed on (see
+:mod:`giantpipe.engine.executor`)::
+
+    leaves = make_leaves(x, first=False)         # float tensors require grad
+    y = stage(leaves)
+    tensors, grads = pair_gradients(as_tuple(y), received, device)
+    torch.autograd.backward(tensors, grads)      # leaves[i].grad goes to the previous stage
+
+**B and W.** Zero-bubble schedules send the input gradient on as soon as it exists and compute
+the weight gradient when the worker would otherwise idle. Asking autograd twice (once for the
+inputs, once for the parameters) would run most of the backward twice. Instead, B captures the
+gradient flowing into each node where a parameter's path leaves the input path, and W starts
+there::
 
     output --> [addmm_2] --> [relu] --> [addmm_1] --> stage input        B walks this path
                   |                        |
@@ -39,6 +50,61 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from giantpipe.engine.microbatch import TensorOrTensors
+
+# ---- boundaries: leaves in, gradients out -------------------------------------------------
+
+
+def make_leaves(x: TensorOrTensors, first: bool) -> TensorOrTensors:
+    """Detached copies of a stage's inputs, in the same structure (tensor or tuple).
+
+    Float leaves require grad so that the gradient for the previous stage can be read off them;
+    on the first stage only where the user's input requires grad (no wasted input gradient).
+    The detach is what keeps each stage's graph to itself (see the module docstring).
+    """
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        wants = t.requires_grad if first else t.is_floating_point()
+        return t.detach().requires_grad_(wants)
+
+    if isinstance(x, torch.Tensor):
+        return leaf(x)
+    return tuple(leaf(t) for t in x)
+
+
+def detach(y: Any) -> Any:
+    if isinstance(y, torch.Tensor):
+        return y.detach()
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in y)
+
+
+def pair_gradients(
+    outputs: tuple[Any, ...], grads: tuple[Any, ...], device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Outputs that need a backward, each with its incoming gradient (None and ints dropped)."""
+    if len(outputs) != len(grads):
+        raise RuntimeError(
+            f"stage returned {len(outputs)} tensors but {len(grads)} gradients came back"
+        )
+    tensors: list[torch.Tensor] = []
+    out_grads: list[torch.Tensor | None] = []
+    for y, g in zip(outputs, grads):
+        if isinstance(y, torch.Tensor) and y.requires_grad and g is not None:
+            tensors.append(y)
+            out_grads.append(g.to(device, non_blocking=True))
+    return tensors, out_grads
+
+
+def ones_gradient(t: Any) -> Any:
+    """A gradient of ones for a floating-point tensor, None for anything else: what a profile
+    feeds a stage's backward in place of its real output gradient."""
+    return torch.ones_like(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+
+
+# ---- the backward split in two: B now, W later ------------------------------------------
 
 
 @dataclass(eq=False)  # groups are compared by identity

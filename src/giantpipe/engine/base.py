@@ -1,0 +1,285 @@
+"""What both pipes share: one set of defaults, the checks of their arguments, the loss scaling,
+the configuration of a step, deferred BatchNorm's commit and the global-norm clip.
+
+:class:`~giantpipe.engine.gpipe.GPipe` (a worker thread per device) and
+:class:`~giantpipe.engine.dist.pipe.DistributedPipe` (a process per device) differ only in
+transport, so everything else lives here once::
+
+    Pipe                          shared                        DistributedPipe's hook
+      check_arguments()           M, mode, module, V, balance
+      step_schedule()             the validated schedule
+      _loss_spec()                per micro-batch loss scales   _reduce_normalizer: sum over
+                                                                replicas (global batch/tokens)
+      _step_config(grad, loss)    StepConfig: recompute, seed,
+                                  autocast, timeout, placement
+      _commit_batchnorm()         deferred BatchNorm, once      _merge_batchnorm: replicas'
+                                                                statistics merged first
+      clip_grad_norm_(max_norm)   global norm over every stage  (each pipe implements it)
+
+Loss scaling makes a pipelined step equal the plain model's: ``loss_fn`` returns the MEAN over a
+micro-batch, weighted by the micro-batch's share of the mini-batch; with ``loss_normalizer``
+(e.g. the number of non-padding tokens) it returns a SUM, divided by the normalizer.
+
+Example::
+
+    class MyPipe(Pipe):                   # what GPipe and DistributedPipe do in __init__
+        def __init__(self, module, balance, chunks=1):
+            args = check_arguments(module, balance, chunks, "except_last", "gpipe", None)
+            super().__init__(args, "except_last", "gpipe", DEFAULT_TIMEOUT)
+            self.partitions = ...; self.devices = ...; self.placement = ...
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from giantpipe.engine.batchnorm import commit_deferred_batch_norm
+from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, autocast_state
+from giantpipe.engine.microbatch import TensorOrTensors, batch_size, scatter
+from giantpipe.engine.partition import BalanceError, verify_balance, verify_module
+from giantpipe.engine.recompute import MODES, recompute_stop
+from giantpipe.engine.rng import draw_step_seed
+from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.stats import StepStats
+
+# One set of defaults for both pipes (torchgpipe's where it has one).
+DEFAULT_CHUNKS = 1
+DEFAULT_RECOMPUTE = "except_last"  # checkpoint=, the re-materialization mode (torchgpipe's name)
+DEFAULT_SCHEDULE = "gpipe"
+DEFAULT_TIMEOUT = 300.0  # seconds any wait for a neighbour (thread or rank) may take
+
+Normalizer = Callable[[TensorOrTensors], float]
+
+
+class Arguments(NamedTuple):
+    """A pipe's layout as checked: layers per stage (K*V stages), M and V."""
+
+    balance: list[int]
+    chunks: int
+    virtual_stages: int
+
+    @property
+    def num_workers(self) -> int:
+        """K: the balance lists K*V stages."""
+        return len(self.balance) // self.virtual_stages
+
+
+def check_arguments(
+    module: nn.Sequential,
+    balance: Iterable[int] | None,
+    chunks: int,
+    recompute: str,
+    schedule: str,
+    virtual_stages: int | None,
+) -> Arguments:
+    """Checks a pipe's arguments in torchgpipe's order; raises ValueError (TypeError for the
+    module) naming the first bad one. ``virtual_stages=None`` means 2 for ``'interleaved'``
+    and 1 otherwise. The schedule itself is checked by :meth:`Pipe.__init__`, the devices by
+    GPipe (a DistributedPipe has one per rank).
+
+    >>> check_arguments(nn.Sequential(nn.ReLU(), nn.ReLU()), [1, 1], 4, "never", "gpipe", None)
+    Arguments(balance=[1, 1], chunks=4, virtual_stages=1)
+    """
+    if balance is None:
+        raise ValueError(
+            "balance is required; compute one with giantpipe.perf.balance (balance_by_time, "
+            "balance_by_size or balance_by_params)"
+        )
+    chunks = int(chunks)
+    if chunks <= 0:
+        raise ValueError("number of chunks must be positive integer")
+    if recompute not in MODES:  # torchgpipe's message names the public argument, checkpoint=
+        raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+    verify_module(module)
+    balance = list(balance)
+    v = infer_virtual_stages(schedule, virtual_stages, len(balance))
+    try:
+        checked = verify_balance(len(module), balance, len(balance))
+    except BalanceError as exc:
+        raise ValueError(str(exc)) from exc
+    return Arguments(checked, chunks, v)
+
+
+def infer_virtual_stages(schedule: str, virtual_stages: int | None, num_stages: int) -> int:
+    """V: as given, else 2 for 'interleaved' and 1 otherwise; K*V must be the balance's length.
+
+    >>> infer_virtual_stages("interleaved", None, 4)
+    2
+    """
+    v = (
+        int(virtual_stages)
+        if virtual_stages is not None
+        else (2 if schedule == "interleaved" else 1)
+    )
+    if v < 1:
+        raise ValueError(f"virtual_stages must be positive (got {v})")
+    if num_stages % v:
+        raise ValueError(
+            f"with virtual_stages={v}, balance must list K*V stages (a multiple of {v}); "
+            f"got {num_stages} entries"
+        )
+    return v
+
+
+@functools.lru_cache(maxsize=64)
+def cached_schedule(name: str, workers: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+    """:func:`~giantpipe.engine.schedules.build_schedule`, validated once per configuration
+    (a pipe asks for its schedule every step).
+
+    >>> cached_schedule("1f1b", 2, 4) is cached_schedule("1f1b", 2, 4)
+    True
+    """
+    return build_schedule(name, workers, chunks, virtual_stages)
+
+
+class Pipe(nn.Module):
+    """The base of both pipes: what a step needs besides its transport.
+
+    Subclasses set ``partitions`` (K*V stages, in order), ``devices`` (one per stage) and
+    ``placement`` (the worker of each stage) before their first step.
+    """
+
+    partitions: Sequence[nn.Module]
+    devices: list[torch.device]
+    placement: list[int]
+    threads_per_stage: int | None = None
+
+    def __init__(self, args: Arguments, recompute: str, schedule: str, timeout: float) -> None:
+        super().__init__()
+        self.balance: list[int] = args.balance
+        self.chunks = args.chunks
+        self.virtual_stages = args.virtual_stages
+        self.checkpoint = recompute  # the re-materialization mode, under torchgpipe's name
+        self.schedule = schedule
+        self.timeout = timeout
+        self.last_stats: StepStats | None = None
+        self.step_schedule()  # fail early on a bad schedule name, M or V
+
+    @property
+    def num_workers(self) -> int:
+        """K, the number of workers (devices or ranks); ``len(self.partitions)`` is K*V."""
+        return len(self.balance) // self.virtual_stages
+
+    def step_schedule(self) -> Schedule:
+        """The validated schedule ``train_step`` runs for the current configuration."""
+        return cached_schedule(self.schedule, self.num_workers, self.chunks, self.virtual_stages)
+
+    # ---- what this process feeds (the local pipe: everything; a rank: its stages' part) -------
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether ``train_step`` here needs ``inputs`` (this process holds stage 0)."""
+        return True
+
+    @property
+    def needs_targets(self) -> bool:
+        """Whether ``train_step`` here needs ``targets`` (this process holds the last stage)."""
+        return True
+
+    @property
+    def replica(self) -> int:
+        """This process's data-parallel replica: its share of each batch (out of ``replicas``)."""
+        return 0
+
+    @property
+    def replicas(self) -> int:
+        """R, the data-parallel copies of the pipeline."""
+        return 1
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scales every stage's gradients so that their global 2-norm is at most ``max_norm``;
+        returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does on the
+        plain model.
+
+        Example::
+
+            loss = pipe.train_step(x, y, loss_fn)
+            norm = pipe.clip_grad_norm_(1.0)
+            optimizer.step()
+        """
+        raise NotImplementedError
+
+    # ---- the loss --------------------------------------------------------------------------
+
+    def _loss_spec(
+        self, targets: TensorOrTensors, loss_fn: LossFn, normalizer: Normalizer | None
+    ) -> LossSpec:
+        """The loss of each micro-batch and its scale (see the module docstring)."""
+        micro = scatter(targets, self.chunks)
+        norm = float(normalizer(targets)) if normalizer else float(batch_size(targets))
+        norm = self._reduce_normalizer(norm)
+        if not norm > 0:
+            raise ValueError(f"the loss normalizer is {norm}; it must be positive")
+        if normalizer is None:
+            return LossSpec(loss_fn, micro, [batch_size(t) / norm for t in micro])
+        return LossSpec(loss_fn, micro, [1.0 / norm] * self.chunks)
+
+    def _reduce_normalizer(self, norm: float) -> float:
+        """The normalizer of the whole step; DistributedPipe sums it over the replicas."""
+        return norm
+
+    def _total_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The step's loss: the sum of the scaled micro-batch losses."""
+        return torch.stack([losses[m] for m in range(self.chunks)]).sum()
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def _step_config(
+        self, grad: bool, loss: LossSpec | None, seed: int | None = None
+    ) -> StepConfig:
+        """What the executor is given; draws the step's dropout seed unless ``seed`` is set."""
+        return StepConfig(
+            stages=self.partitions,
+            devices=self.devices,
+            recompute_stop=recompute_stop(self.checkpoint, self.chunks) if grad else 0,
+            grad_enabled=grad,
+            seed=draw_step_seed() if seed is None else seed,
+            autocast=autocast_state(self.devices),
+            loss=loss,
+            threads_per_worker=self._threads_per_worker(),
+            timeout=self.timeout,
+            placement=self.placement,
+        )
+
+    def _threads_per_worker(self) -> int | None:
+        return self.threads_per_stage
+
+    def _commit_batchnorm(self) -> None:
+        # Deferred BatchNorm moves running statistics once per mini-batch, after all forwards.
+        if self.training:
+            for stage in self.partitions:
+                self._merge_batchnorm(stage)
+                commit_deferred_batch_norm(stage)
+
+    def _merge_batchnorm(self, stage: nn.Module) -> None:
+        """Before a commit; DistributedPipe merges the replicas' statistics here."""
+
+
+def check_batch_sizes(inputs: TensorOrTensors, targets: TensorOrTensors) -> None:
+    """Raises ValueError when targets and inputs disagree on the batch size.
+
+    >>> check_batch_sizes(torch.zeros(4, 2), torch.zeros(4))
+    """
+    if batch_size(targets) != batch_size(inputs):
+        raise ValueError(
+            f"targets have batch size {batch_size(targets)}, inputs {batch_size(inputs)}"
+        )
+
+
+def check_input(input: Any) -> TensorOrTensors:
+    """A batch as the engine takes it: a tensor, or a tuple holding at least one tensor.
+
+    >>> check_input([torch.zeros(2), None])
+    (tensor([0., 0.]), None)
+    """
+    if isinstance(input, torch.Tensor):
+        return input
+    if isinstance(input, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in input):
+        return tuple(input)
+    raise TypeError(f"expected Tensor or Tuple[Tensor, ...], but got {type(input).__name__}")
