@@ -192,6 +192,17 @@ class Pipe(nn.Module):
         """R, the data-parallel copies of the pipeline."""
         return 1
 
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        loss_normalizer: Normalizer | None = None,
+    ) -> torch.Tensor:
+        """Forward + backward of this process's part of one mini-batch under the schedule;
+        returns the loss (see GPipe.train_step and DistributedPipe.train_step)."""
+        raise NotImplementedError
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scales every stage's gradients so that their global 2-norm is at most ``max_norm``;
         returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does on the

@@ -86,7 +86,7 @@ def eval_stream(
         yield next(stream) if stream is not None else None
 
 
-def _figures(total: list[float], metric: str) -> dict[str, float]:
+def _figures(total: list[float], metric: str | None) -> dict[str, float]:
     loss_sum, weight, correct, counted, top5 = total
     figures = {"loss": loss_sum / max(weight, 1e-12)}
     if metric in ("accuracy", "top5"):

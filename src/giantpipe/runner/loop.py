@@ -114,7 +114,8 @@ class TrainingLoop:
             if not math.isfinite(grad_norm):
                 raise self._fail("the gradient norm", grad_norm)
         record = self.update(batches, loss, stats, grad_norm, start)
-        if self.forecast is not None:  # after the record: its step time leaves the profile out
+        if self.forecast is not None and batches[0] is not None:  # after the record: its
+            # step time leaves the profile out
             more = self.progress.step < parts.total_steps
             precision = self.cfg.pipeline.precision
             self.forecast.after_step(parts, precision, batches[0], stats, self.progress.step, more)
