@@ -46,7 +46,7 @@ from giantpipe.engine.recompute import MODES, recompute_stop
 from giantpipe.engine.rng import draw_step_seed
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import build_schedule
-from giantpipe.engine.stats import StepStats
+from giantpipe.engine.stats import ActionTiming, StepStats
 
 # One set of defaults for both pipes (torchgpipe's where it has one).
 DEFAULT_CHUNKS = 1
@@ -159,6 +159,7 @@ class Pipe(nn.Module):
         self.schedule = schedule
         self.timeout = timeout
         self.last_stats: StepStats | None = None
+        self.last_timings: list[ActionTiming] = []  # this process's actions of the last step
         self.step_schedule()  # fail early on a bad schedule name, M or V
 
     @property

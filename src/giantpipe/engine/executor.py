@@ -154,6 +154,8 @@ class StepRun:
         self.busy = [0.0] * k
         self.waited = [0.0] * k  # time inside actions spent waiting for a neighbour
         self.recomputed = [0.0] * k  # time inside B actions spent re-materializing
+        self.received = [0] * k  # bytes taken from the mailbox (activations, gradients)
+        self.kept = [0] * k  # bytes added to what the stage holds for backward
         self.timings: list[ActionTiming] = []  # every action run, in the order they ended
         self.span = 0.0
         self.live = [0] * k
@@ -219,6 +221,7 @@ class StepRun:
                 for action in actions:
                     stage = action.stage
                     waited, replayed = self.waited[stage], self.recomputed[stage]
+                    received, kept = self.received[stage], self.kept[stage]
                     t0 = time.perf_counter()
                     if action.kind == "F":
                         self.forward(action.stage, action.microbatch)
@@ -237,6 +240,8 @@ class StepRun:
                             t1,
                             self.waited[stage] - waited,
                             self.recomputed[stage] - replayed,
+                            self.received[stage] - received,
+                            self.kept[stage] - kept,
                         )
                     )
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
@@ -353,9 +358,11 @@ class StepRun:
         # Waiting is idle time, not work: keep it out of the stage's busy time.
         t0 = time.perf_counter()
         try:
-            return self.mailbox.get(key)
+            value = self.mailbox.get(key)
         finally:
             self.waited[stage] += time.perf_counter() - t0
+        self.received[stage] += nbytes(value)
+        return value
 
     # ---- memory accounting -------------------------------------------------------------
 
@@ -364,6 +371,7 @@ class StepRun:
             self.in_flight[stage] += 1
             self.in_flight_peaks[stage] = max(self.in_flight_peaks[stage], self.in_flight[stage])
         self.held[stage][m] = self.held[stage].get(m, 0) + added
+        self.kept[stage] += added
         self.live[stage] += added
         self.peaks[stage] = max(self.peaks[stage], self.live[stage])
         w = self.worker_of[stage]

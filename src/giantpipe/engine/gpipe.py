@@ -58,7 +58,7 @@ from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, gather, scatt
 from giantpipe.engine.partition import Device, resolve_devices, split_module, verify_balance
 from giantpipe.engine.rng import install_rng_hooks
 from giantpipe.engine.schedule import Schedule
-from giantpipe.engine.stats import ActionTiming, StepStats, device_peak, reset_device_peak
+from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
 from giantpipe.engine.workers import WorkerPool
 
 if TYPE_CHECKING:
@@ -121,7 +121,6 @@ class GPipe(Pipe):
         self.partitions: list[nn.Sequential] = split_module(module, self.balance, self.devices)
         self._rng_hooks = install_rng_hooks(module)
         self.last_in_flight: list[int] = []  # per stage: most micro-batches held at once
-        self.last_timings: list[ActionTiming] = []  # every action of the last step, as run
         self._worker_pool = WorkerPool()  # threads kept across steps; see close()
 
     # ---- Sequential-like access ------------------------------------------------------------

@@ -40,13 +40,19 @@ class ActionTiming:
     """One action as the executor ran it: ``start`` and ``end`` on ``time.perf_counter``'s
     clock, ``waited`` of it spent waiting for a neighbour's activation or gradient, and
     ``recompute`` of it spent re-materializing the forward (a B of a re-materialized
-    micro-batch)."""
+    micro-batch); ``received`` bytes it took from its neighbour (the activation of an F, the
+    gradient of a B) and ``kept`` bytes it added to what the stage holds for backward (an F:
+    its input and, unless re-materialized, the activations autograd saves; a recompute: those
+    activations again). A distributed forecast is built from them
+    (:func:`giantpipe.perf.predict.costs_from_timings`)."""
 
     action: Action
     start: float
     end: float
     waited: float = 0.0
     recompute: float = 0.0
+    received: int = 0
+    kept: int = 0
 
     @property
     def work(self) -> float:

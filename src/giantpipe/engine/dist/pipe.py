@@ -387,6 +387,7 @@ class DistributedPipe(Pipe):
         table = all_gather_rows(row, group, ranks, self.timeout, self.board)
         kind = "cuda_allocator" if on_cuda else "saved_activations"
         self.last_stats = StepStats.from_table(table[:, 1:], self.chunks, kind, self.virtual_stages)
+        self.last_timings = list(run.timings)  # this rank's actions
         return table[self.placement[-1], 0].to(torch.float32)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
