@@ -209,7 +209,7 @@ def stand_in(model: Model) -> tuple[nn.Sequential, Any, Any, Any, str]:
     inputs, targets = next(bundle.train_batches(cfg.trainer.seed, 0))
     summed = bundle.loss_normalizer is not None
     loss = build_loss(bundle.loss, cfg.trainer.label_smoothing, bundle.ignore_index, summed)
-    return net, inputs, targets, loss, cfg.pipeline.checkpoint
+    return net, inputs, targets, loss, cfg.pipeline.recompute
 
 
 def profile_layers(net: nn.Sequential, x: Any, y: Any, loss: Any, repeats: int) -> list[StageCost]:

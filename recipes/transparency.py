@@ -222,7 +222,7 @@ def build(cfg: Any, bundle: DataBundle, config: Config, loss_fn: Any) -> tuple[n
         balance_by_params(config.k * v, model),
         devices=["cpu"] * config.k,
         chunks=config.m,
-        checkpoint=cfg.pipeline.checkpoint,
+        checkpoint=cfg.pipeline.recompute,
         deferred_batch_norm=cfg.pipeline.deferred_batch_norm,
         schedule=config.schedule,
         virtual_stages=v,
@@ -239,7 +239,7 @@ def train(cfg: Any, bundle: DataBundle, config: Config, steps: int) -> Run:
     module, step = build(cfg, bundle, config, loss_fn)
     params = list(module.parameters())  # one order for both: clipping sums norms in order
     optimizer = build_optimizer(params, cfg.optim)
-    factor = lr_multiplier(cfg.optim.schedule, bundle.batches_per_epoch, steps)
+    factor = lr_multiplier(cfg.optim.lr_schedule, bundle.batches_per_epoch, steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     stream = bundle.train_batches(cfg.trainer.seed, 0)
     run = Run(config)

@@ -45,7 +45,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from giantpipe.config import ConfigError, ExperimentConfig
+from giantpipe.config import RENAMED_KEYS, ConfigError, ExperimentConfig
 
 log = logging.getLogger("giantpipe")
 
@@ -53,8 +53,24 @@ FAILURES: list[str] = []
 """One line per failed job of this process; :func:`guarded` reports them and exits non-zero."""
 
 
+def renamed(key: str) -> str | None:
+    """The new name of a renamed key or of a key under one; None for any other key.
+
+    Example::
+
+        renamed("optim.schedule.name")   # "optim.lr_schedule.name"
+    """
+    for old, new in RENAMED_KEYS.items():
+        if key == old or key.startswith(old + "."):
+            return new + key[len(old) :]
+    return None
+
+
 def to_experiment(cfg: DictConfig) -> ExperimentConfig:
     """The composed config as dataclasses (resolving interpolations, running every check)."""
+    for old, new in RENAMED_KEYS.items():  # added with +KEY=..., which the schemas let through
+        if OmegaConf.select(cfg, old, default=None) is not None:
+            raise ConfigError(old, f"renamed to {new}")
     experiment = OmegaConf.to_object(cfg)
     assert isinstance(experiment, ExperimentConfig), "conf/config.yaml must start with base_config"
     return experiment
@@ -147,6 +163,8 @@ def one_line(err: BaseException) -> str:
     cause = err.__cause__ if isinstance(err, ConfigCompositionException) else err
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None) or ""
+        if renamed(key):
+            return f"{key}: renamed to {renamed(key)}"
         problem = _first_line(str(cause))
         if "not in" in problem and key:
             return f"{key}: unknown key ({problem})"

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+RECOMPUTE_MODES = ("always", "except_last", "never")
 BALANCE_POLICIES = ("time", "memory", "params")
 PRECISIONS = ("fp32", "bf16")
 DEVICE_KEYWORDS = ("auto", "cpu", "cuda")
@@ -33,6 +33,13 @@ PROGRESS_STYLES = ("auto", "tqdm", "none")
 WANDB_MODES = ("offline", "online", "disabled")
 DIRECTIONS = ("minimize", "maximize")
 PLAN_MODES = ("auto",)
+
+RENAMED_KEYS = {
+    "pipeline.checkpoint": "pipeline.recompute",
+    "optim.schedule": "optim.lr_schedule",
+}
+"""Old key -> new key: one word, one meaning (a checkpoint is a saved run; a schedule without
+``lr_`` is the pipeline's). The entry point answers an old key with the new one."""
 
 
 class ConfigError(ValueError):
@@ -91,8 +98,9 @@ class PipelineConfig:
     """Layers per stage (a list summing to the model's length) or ``time``/``memory``/``params``."""
     chunks: int = 4
     """M, micro-batches per mini-batch."""
-    checkpoint: str = "except_last"
-    """Re-materialization: ``always``, ``except_last`` or ``never``."""
+    recompute: str = "except_last"
+    """Re-materialization mode: ``always``, ``except_last`` or ``never``; passed to the engine's
+    torchgpipe-compatible ``checkpoint=`` argument (saving runs: ``trainer.checkpoint_every``)."""
     deferred_batch_norm: bool = False
     """Accumulate BatchNorm running statistics once per mini-batch instead of per micro-batch."""
     precision: str = "fp32"
@@ -102,7 +110,7 @@ class PipelineConfig:
     virtual_stages: int = 1
     """V, model chunks per device (``interleaved``): a listed balance then has K*V entries."""
     plan: str | None = None
-    """Null: use balance, chunks, checkpoint, schedule and virtual_stages as set. ``auto``: the
+    """Null: use balance, chunks, recompute, schedule and virtual_stages as set. ``auto``: the
     planner (giantpipe.plan) picks those five by simulating every candidate on layer times
     measured on these devices, within memory_budget_gib; the other keys stay as set."""
     memory_budget_gib: float | None = None
@@ -121,7 +129,7 @@ class PipelineConfig:
             self.plan is None or self.executor == "local",
             "pipeline.plan",
             "auto plans the local executor only; with pipeline.executor=distributed set "
-            "balance, chunks, checkpoint and schedule by hand",
+            "balance, chunks, recompute and schedule by hand",
         )
         if self.memory_budget_gib is not None:
             _check(
@@ -129,7 +137,7 @@ class PipelineConfig:
                 "pipeline.memory_budget_gib",
                 f"must be > 0 (GiB per device) or null, got {self.memory_budget_gib}",
             )
-        _check_choice(self.checkpoint, CHECKPOINT_MODES, "pipeline.checkpoint")
+        _check_choice(self.recompute, RECOMPUTE_MODES, "pipeline.recompute")
         _check_choice(self.precision, PRECISIONS, "pipeline.precision")
         _check(bool(self.schedule), "pipeline.schedule", "must be a non-empty schedule name")
         if self.num_devices is not None:
@@ -172,7 +180,7 @@ class PipelineConfig:
 
 
 @dataclass
-class ScheduleConfig:
+class LRScheduleConfig:
     """Learning-rate schedule: linear warm-up, then a decay rule (multiplies ``optim.lr``)."""
 
     name: str = "constant"
@@ -193,30 +201,30 @@ class ScheduleConfig:
     """cosine: final lr as a fraction of optim.lr."""
 
     def __post_init__(self) -> None:
-        _check_choice(self.name, LR_SCHEDULES, "optim.schedule.name")
-        _check_min(self.warmup_steps, 0, "optim.schedule.warmup_steps")
-        _check_min(self.warmup_epochs, 0.0, "optim.schedule.warmup_epochs")
+        _check_choice(self.name, LR_SCHEDULES, "optim.lr_schedule.name")
+        _check_min(self.warmup_steps, 0, "optim.lr_schedule.warmup_steps")
+        _check_min(self.warmup_epochs, 0.0, "optim.lr_schedule.warmup_epochs")
         _check(
             not (self.warmup_steps and self.warmup_epochs),
-            "optim.schedule.warmup_epochs",
+            "optim.lr_schedule.warmup_epochs",
             "set warmup_steps or warmup_epochs, not both",
         )
         _check(
             0.0 < self.decay_rate <= 1.0,
-            "optim.schedule.decay_rate",
+            "optim.lr_schedule.decay_rate",
             f"must be in (0, 1], got {self.decay_rate}",
         )
-        _check_min(self.decay_steps, 0, "optim.schedule.decay_steps")
-        _check_min(self.decay_epochs, 0.0, "optim.schedule.decay_epochs")
+        _check_min(self.decay_steps, 0, "optim.lr_schedule.decay_steps")
+        _check_min(self.decay_epochs, 0.0, "optim.lr_schedule.decay_epochs")
         if self.name == "exponential":
             _check(
                 bool(self.decay_steps) != bool(self.decay_epochs),
-                "optim.schedule.decay_steps",
+                "optim.lr_schedule.decay_steps",
                 "exponential decay needs exactly one of decay_steps or decay_epochs",
             )
         _check(
             0.0 <= self.min_ratio <= 1.0,
-            "optim.schedule.min_ratio",
+            "optim.lr_schedule.min_ratio",
             f"must be in [0, 1], got {self.min_ratio}",
         )
 
@@ -241,8 +249,8 @@ class OptimConfig:
     """Denominator epsilon (TF-style rmsprop uses 1.0)."""
     alpha: float = 0.99
     """rmsprop: decay of the squared-gradient average (TF calls it ``decay``; TF uses 0.9)."""
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    """Learning-rate schedule."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Learning-rate schedule (``pipeline.schedule`` is the pipeline's order of actions)."""
 
     def __post_init__(self) -> None:
         _check_choice(self.name, OPTIMIZERS, "optim.name")

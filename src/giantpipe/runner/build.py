@@ -122,7 +122,7 @@ def build_experiment(cfg: ExperimentConfig, run_dir: Path | None = None) -> Expe
     optimizer = build_optimizer(names.values(), cfg.optim)
     steps_per_epoch = bundle.batches_per_epoch / cfg.trainer.accumulate
     total = total_steps(cfg, steps_per_epoch)
-    factor = lr_multiplier(cfg.optim.schedule, steps_per_epoch, total)
+    factor = lr_multiplier(cfg.optim.lr_schedule, steps_per_epoch, total)
     return Experiment(
         bundle=bundle,
         model=model,

@@ -149,7 +149,7 @@ def build_parts(
         model,
         balance,
         chunks=cfg.pipeline.chunks,
-        checkpoint=cfg.pipeline.checkpoint,
+        checkpoint=cfg.pipeline.recompute,
         schedule=cfg.pipeline.schedule,
         virtual_stages=virtual_stages(cfg.pipeline),
         device=device,
@@ -175,7 +175,7 @@ def build_parts(
         names=names,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_multiplier(cfg.optim.schedule, steps_per_epoch, total)
+            optimizer, lr_multiplier(cfg.optim.lr_schedule, steps_per_epoch, total)
         ),
         loss_fn=build_loss(
             bundle.loss,

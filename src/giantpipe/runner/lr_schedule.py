@@ -6,7 +6,7 @@ with the data's steps per epoch.
 
 Example::
 
-    factor = lr_multiplier(ScheduleConfig(name="cosine", warmup_steps=10), 0, 100)
+    factor = lr_multiplier(LRScheduleConfig(name="cosine", warmup_steps=10), 0, 100)
     [round(factor(s), 3) for s in (0, 9, 10, 55, 99)]   # [0.1, 1.0, 1.0, 0.5, 0.0...]
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from giantpipe.config import ScheduleConfig
+from giantpipe.config import LRScheduleConfig
 
 
 def epochs_to_steps(epochs: float, steps_per_epoch: float) -> int:
@@ -24,7 +24,7 @@ def epochs_to_steps(epochs: float, steps_per_epoch: float) -> int:
 
 
 def _decay(
-    cfg: ScheduleConfig, warmup: int, decay_steps: int, total: int
+    cfg: LRScheduleConfig, warmup: int, decay_steps: int, total: int
 ) -> Callable[[int], float]:
     """The rule after warm-up, as a function of the optimizer step."""
     if cfg.name == "cosine":
@@ -47,7 +47,7 @@ def _decay(
 
 
 def lr_multiplier(
-    cfg: ScheduleConfig, steps_per_epoch: float, total_steps: int
+    cfg: LRScheduleConfig, steps_per_epoch: float, total_steps: int
 ) -> Callable[[int], float]:
     """``step -> lr multiplier`` for a run of ``total_steps`` optimizer steps.
 
@@ -55,8 +55,8 @@ def lr_multiplier(
 
     Example::
 
-        f = lr_multiplier(ScheduleConfig(name="exponential", decay_rate=0.5, decay_steps=10,
-                                         staircase=True), steps_per_epoch=100, total_steps=50)
+        f = lr_multiplier(LRScheduleConfig(name="exponential", decay_rate=0.5, decay_steps=10,
+                                           staircase=True), steps_per_epoch=100, total_steps=50)
         f(9), f(10), f(25)    # 1.0, 0.5, 0.25
     """
     warmup = cfg.warmup_steps or epochs_to_steps(cfg.warmup_epochs, steps_per_epoch)

@@ -163,7 +163,7 @@ def build_pipe(
         balance=balance,
         devices=devices[:workers],
         chunks=cfg.chunks,
-        checkpoint=cfg.checkpoint,
+        checkpoint=cfg.recompute,
         deferred_batch_norm=cfg.deferred_batch_norm,
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages,
