@@ -419,9 +419,9 @@ class MlpModelConfig:
 
 @dataclass
 class SyntheticDataConfig:
-    """``giantpipe.data.synthetic.classification``: generated, learnable classification data."""
+    """``giantpipe.data.tensors.classification``: generated, learnable classification data."""
 
-    _target_: str = "giantpipe.data.synthetic.classification"
+    _target_: str = "giantpipe.data.tensors.classification"
     """Builder called with the other fields."""
     features: int = 16
     """Input width."""
@@ -648,9 +648,9 @@ class TranslationDataConfig:
 
 @dataclass
 class LMTokensDataConfig:
-    """``giantpipe.data.lm_tokens.lm_tokens``: generated token sequences for Transformer-L."""
+    """``giantpipe.data.tensors.lm_tokens``: generated token sequences for Transformer-L."""
 
-    _target_: str = "giantpipe.data.lm_tokens.lm_tokens"
+    _target_: str = "giantpipe.data.tensors.lm_tokens"
     """Builder called with the other fields."""
     vocab_size: int = 32000
     """Token ids are drawn below this."""

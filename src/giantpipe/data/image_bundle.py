@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from giantpipe.config import ConfigError
 from giantpipe.data.bundle import Batch, DataBundle
 from giantpipe.data.images import GeneratedImages, build_image_datasets
-from giantpipe.data.synthetic import epoch_order, sequential_batches, shuffled_batches
+from giantpipe.data.tensors import epoch_order, sequential_batches, shuffled_batches
 
 __all__ = [
     "EpochBatches",
@@ -155,7 +155,7 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
     """Endless batches of ``(sample seed, image index)`` from batch ``position`` on.
 
     Batch ``p`` holds images ``p % per_epoch`` of epoch ``p // per_epoch``'s permutation (the
-    one :func:`giantpipe.data.synthetic.epoch_order` gives), the last partial batch dropped.
+    one :func:`giantpipe.data.tensors.epoch_order` gives), the last partial batch dropped.
 
     Example::
 

@@ -8,7 +8,6 @@ BELOW_THE_ENTRY = [
     "runner",
     "metrics",
     "data/bundle.py",
-    "data/synthetic.py",
     "data/tensors.py",
     "config.py",
 ]

@@ -18,7 +18,7 @@ from giantpipe.config import (
     TrainerConfig,
 )
 from giantpipe.data.bundle import DataBundle
-from giantpipe.data.synthetic import classification
+from giantpipe.data.tensors import classification
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.loop import NonFiniteLossError
