@@ -15,15 +15,19 @@ child 0 together with the source so that a shared source/target table lives in o
 target states ride unchanged through the encoder layers. The first decoder layer applies the
 encoder's final LayerNorm to ``src_x`` (pre-norm stacks need one).
 
-The decoder-only Transformer-L lives in ``models.transformer_lm`` (re-exported here); the shared
-blocks and the two stabilizers (``ffn_init_scale``, ``logit_clip``) in
-``models.transformer_layers``.
+The Sequential is an :class:`EncoderDecoder`, which also offers what decoding needs without the
+engine (``encode``, ``decode_logits``, ``max_len``), so BLEU evaluation reaches the model only
+through the model object. The decoder-only Transformer-L lives in ``models.transformer_lm``
+(re-exported here); the shared blocks and the two stabilizers (``ffn_init_scale``,
+``logit_clip``) in ``models.transformer_layers``.
 
 Example::
 
     model = transformer_t(2, 64, 4, d_model=32, head_dim=8, vocab_size=100, max_len=64)
     logits = model((src_tokens, tgt_in_tokens))                   # [B, T, 100]
     total, ntokens = label_smoothed_cross_entropy(logits, tgt_out_tokens)
+    src_x, src_pad = model.encode(src_tokens)                     # once per batch, then per step:
+    next_logits = model.decode_logits(src_x, src_pad, prefix)[:, -1]
 """
 
 from __future__ import annotations
@@ -48,12 +52,11 @@ from models.transformer_layers import (
 from models.transformer_lm import transformer_lm
 
 __all__ = [
+    "EncoderDecoder",
     "transformer_t",
     "transformer_lm",
     "tied_parameter_layers",
     "split_points",
-    "encode",
-    "decode_logits",
     "label_smoothed_cross_entropy",
     "count_parameters",
 ]
@@ -154,6 +157,53 @@ class SourceTargetEmbedding(nn.Module):
         return (*self.embed_source(src_tokens), *self.embed_target(tgt_tokens))
 
 
+class EncoderDecoder(nn.Sequential):
+    """The flat T(L, H, A) Sequential (what the engine partitions), plus what decoding needs
+    without the engine: the encoder run once per batch (:meth:`encode`), the decoder and head on
+    a target prefix (:meth:`decode_logits`; no key/value cache), and :attr:`max_len`.
+
+    Both work on the plain model and on one whose children a pipeline spread over devices.
+
+    Example::
+
+        model = transformer_t(2, 64, 4, d_model=32, head_dim=8, vocab_size=100, max_len=64)
+        src_x, src_pad = model.encode(src_tokens)
+        logits = model.decode_logits(src_x, src_pad, prefix)     # == model((src_tokens, prefix))
+    """
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence the position table covers (source or target prefix)."""
+        return int(_embedding(self).positions.shape[0])
+
+    def encode(self, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Run the embedding and encoder once: (source states [B, S, D], source padding [B, S]),
+        on the last encoder layer's device."""
+        first, _ = split_points(self)
+        embedding = _embedding(self)
+        src_tokens = src_tokens.to(_device_of(embedding, src_tokens.device))
+        src_x, src_pad = embedding.embed_source(src_tokens)
+        empty_x = src_x.new_zeros(src_x.shape[0], 0, src_x.shape[2])
+        empty_pad = src_pad.new_zeros(src_pad.shape[0], 0)
+        state: Batch4 = (src_x, src_pad, empty_x, empty_pad)
+        for layer in list(self)[1:first]:
+            state = layer(_moved(state, layer))
+        return state[0], state[1]
+
+    def decode_logits(self, src_x: Tensor, src_pad: Tensor, prefix: Tensor) -> Tensor:
+        """Logits [B, T, V] for target prefixes [B, T] given :meth:`encode`'s output, on the
+        output head's device."""
+        first, _ = split_points(self)
+        embedding = _embedding(self)
+        tgt_x, tgt_pad = embedding.embed_target(prefix.to(_device_of(embedding, prefix.device)))
+        state: Batch4 | Tensor = (src_x, src_pad, tgt_x, tgt_pad)
+        for layer in list(self)[first:]:
+            assert isinstance(state, tuple)
+            state = layer(_moved(state, layer))
+        assert isinstance(state, Tensor)
+        return state
+
+
 def transformer_t(
     num_layers: int,
     ffn_dim: int,
@@ -171,7 +221,7 @@ def transformer_t(
     logit_clip: float | None = None,
     logit_clip_mode: str = "tanh",
     pad_id: int = 0,
-) -> nn.Sequential:
+) -> EncoderDecoder:
     """The paper's T(L, H, A): L encoder + L decoder layers, FFN width H, A heads of ``head_dim``.
 
     ``share_embeddings`` shares the source and target tables (both live in child 0);
@@ -197,7 +247,7 @@ def transformer_t(
     head = OutputHead(d_model, vocab_size, logit_clip, logit_clip_mode)
     if tie_embeddings:
         head.proj.weight = embedding.tgt_tokens.weight
-    model = nn.Sequential(embedding, *encoder, *decoder, head)
+    model = EncoderDecoder(embedding, *encoder, *decoder, head)
     init_weights(model, d_model, ffn_factor(ffn_init_scale, num_layers), pad_id)
     return model
 
@@ -255,39 +305,6 @@ def _moved(state: Batch4, layer: nn.Module) -> Batch4:
         return state
     src_x, src_pad, tgt_x, tgt_pad = (t.to(device) for t in state)
     return src_x, src_pad, tgt_x, tgt_pad
-
-
-def encode(model: nn.Sequential, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """Run the embedding and encoder once: (source states [B, S, D], source padding [B, S]).
-
-    Works on the plain model and on one whose children a pipeline spread over devices; the
-    result lives on the last encoder layer's device.
-    """
-    first, _ = split_points(model)
-    embedding = _embedding(model)
-    src_x, src_pad = embedding.embed_source(src_tokens.to(_device_of(embedding, src_tokens.device)))
-    empty_x = src_x.new_zeros(src_x.shape[0], 0, src_x.shape[2])
-    empty_pad = src_pad.new_zeros(src_pad.shape[0], 0)
-    state: Batch4 = (src_x, src_pad, empty_x, empty_pad)
-    for layer in model[1:first]:
-        state = layer(_moved(state, layer))
-    return state[0], state[1]
-
-
-def decode_logits(model: nn.Sequential, src_x: Tensor, src_pad: Tensor, prefix: Tensor) -> Tensor:
-    """Logits [B, T, V] for target prefixes [B, T] given ``encode``'s output (no engine needed).
-
-    The logits live on the output head's device.
-    """
-    first, _ = split_points(model)
-    embedding = _embedding(model)
-    tgt_x, tgt_pad = embedding.embed_target(prefix.to(_device_of(embedding, prefix.device)))
-    state: Batch4 | Tensor = (src_x, src_pad, tgt_x, tgt_pad)
-    for layer in model[first:]:
-        assert isinstance(state, tuple)
-        state = layer(_moved(state, layer))
-    assert isinstance(state, Tensor)
-    return state
 
 
 def label_smoothed_cross_entropy(

@@ -30,12 +30,13 @@ from __future__ import annotations
 import itertools
 import logging
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from giantpipe.config import ConfigError
+from giantpipe.data.bleu import HeldOutBleu
 from giantpipe.data.bundle import Batch, DataBundle
 from giantpipe.data.synthetic_corpus import write_synthetic_corpus
 from giantpipe.data.translation import (
@@ -48,7 +49,6 @@ from giantpipe.data.translation import (
     example_size,
     load_parallel_corpus,
 )
-from giantpipe.eval.translate import copy_baseline_bleu, evaluate_bleu
 
 log = logging.getLogger(__name__)
 
@@ -171,52 +171,6 @@ def training_stream(
     stream.skip(position)
     for batch in stream:
         yield batch.inputs(), batch.tgt_out
-
-
-class HeldOutBleu:
-    """``evaluate_model`` of the bundle: decode held-out sentences, score them with sacreBLEU.
-
-    Returns ``bleu`` (unweighted mean over pairs), ``bleu/<pair>``, ``bleu_copy`` (BLEU of
-    echoing the source: a floor to beat), ``decode_tokens_per_s`` and ``bleu_signature``.
-
-    Example::
-
-        scorer = HeldOutBleu(vocab, {"en-xa": [("the dog .", "hanu .")]}, beam_size=1)
-        scorer(model)["bleu/en-xa"]
-    """
-
-    def __init__(
-        self,
-        vocab: SharedVocabulary,
-        corpus: Mapping[str, Sequence[tuple[str, str]]],
-        beam_size: int,
-        length_penalty: float = 0.6,
-        max_tokens: int = 4096,
-        force: bool = False,
-    ) -> None:
-        self.vocab, self.corpus, self.force = vocab, dict(corpus), force
-        self.beam_size, self.length_penalty, self.max_tokens = beam_size, length_penalty, max_tokens
-        copy = copy_baseline_bleu(self.corpus, force)
-        self.copy_bleu = copy.average
-        shown = ", ".join(f"{p} {b:.1f}" for p, b in copy.per_pair.items())
-        log.info("copy-the-source baseline BLEU %.2f (%s)", copy.average, shown)
-
-    def __call__(self, model: nn.Sequential) -> dict[str, float | str]:
-        report = evaluate_bleu(
-            model,
-            self.vocab,
-            self.corpus,
-            beam_size=self.beam_size,
-            max_tokens=self.max_tokens,
-            length_penalty=self.length_penalty,
-            force=self.force,
-        )
-        figures: dict[str, float | str] = {"bleu": report.average}
-        figures.update({f"bleu/{pair}": score for pair, score in report.per_pair.items()})
-        figures["bleu_copy"] = self.copy_bleu
-        figures["decode_tokens_per_s"] = report.tokens_per_second or 0.0
-        figures["bleu_signature"] = report.signature
-        return figures
 
 
 def _non_pad(targets: Tensor, pad_id: int) -> int:
