@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from giantpipe.cli import to_experiment
 from giantpipe.config import ExperimentConfig, register_configs
 from giantpipe.engine.dist.shards import consolidate
-from giantpipe.metrics.jsonl import read_jsonl
+from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model
 from tests.distributed.launch import REPO, finish, free_port, torchrun

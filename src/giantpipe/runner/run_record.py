@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from giantpipe.config import ExperimentConfig
-from giantpipe.metrics.jsonl import truncate_after_step
 from giantpipe.metrics.logger import MetricsLogger
-from giantpipe.metrics.summary import format_table, write_summary
+from giantpipe.metrics.sinks import format_table, truncate_after_step, write_summary
 from giantpipe.runner.run_dir import save_config
 
 TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")

@@ -17,7 +17,7 @@ from giantpipe.config import (
     SyntheticDataConfig,
     TrainerConfig,
 )
-from giantpipe.metrics.jsonl import read_jsonl
+from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.forecast import Forecast
 

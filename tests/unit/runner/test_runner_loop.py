@@ -19,7 +19,7 @@ from giantpipe.config import (
 )
 from giantpipe.data.bundle import DataBundle
 from giantpipe.data.tensors import classification
-from giantpipe.metrics.jsonl import read_jsonl
+from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.loop import NonFiniteLossError
 
