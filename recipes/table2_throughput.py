@@ -187,10 +187,9 @@ def compose(recipe: str, overrides: Sequence[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from giantpipe.cli import to_experiment
-    from giantpipe.config import register_configs
+    from giantpipe.cli import register_configs, to_experiment
 
-    register_configs()
+    register_configs(ROOT / "conf")
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         return to_experiment(hydra_compose("config", [f"recipe={recipe}", *overrides]))
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import to_experiment
-from giantpipe.config import ExperimentConfig, register_configs
+from giantpipe.cli import register_configs, to_experiment
+from giantpipe.config import ExperimentConfig
 from giantpipe.engine.dist.shards import consolidate
 from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
@@ -37,7 +37,7 @@ OVERRIDES = [
 
 
 def local_config() -> ExperimentConfig:
-    register_configs()
+    register_configs(REPO / "conf")
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return to_experiment(compose("config", OVERRIDES))
 

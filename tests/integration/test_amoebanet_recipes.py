@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import to_experiment
-from giantpipe.config import ExperimentConfig, register_configs
+from giantpipe.cli import register_configs, to_experiment
+from giantpipe.config import ExperimentConfig
 from giantpipe.data.images import write_image_folder
 
 REPO = Path(__file__).resolve().parents[2]
-register_configs()
+register_configs(REPO / "conf")
 
 # The ImageNet recipe scaled down to seconds: everything else (RMSProp TF-style, EMA, label
 # smoothing, clipping, deferred BN, the ImageFolder pipeline) stays as the recipe sets it.

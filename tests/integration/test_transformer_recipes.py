@@ -12,8 +12,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import to_experiment
-from giantpipe.config import ConfigError, ExperimentConfig, register_configs
+from giantpipe.cli import register_configs, to_experiment
+from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.engine.microbatch import scatter
 from giantpipe.engine.rng import install_rng_hooks, rng_context
 from giantpipe.runner import train as train_in_process
@@ -24,7 +24,7 @@ from tests.integration.test_train_cli import REPO, ok
 from tests.unit.engine.engine_helpers import step_seed
 
 CONF = REPO / "conf"
-register_configs()
+register_configs(CONF)
 
 # The quick start shrunk to seconds: a T(1, 32, 2) on two small generated languages.
 TINY = [

@@ -30,12 +30,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from giantpipe.config import ConfigError
+from giantpipe.config import ConfigError, check, check_choice, check_min
 from giantpipe.data.bundle import Batch, DataBundle
 
 # --------------------------------------------------------------------------- batch order
@@ -135,6 +136,39 @@ def classification(
     )
 
 
+@dataclass
+class SyntheticDataConfig:
+    """``data=synthetic``: the arguments of :func:`classification`, checked up front."""
+
+    _target_: str = "giantpipe.data.tensors.classification"
+    """Builder called with the other fields."""
+    features: int = 16
+    """Input width."""
+    classes: int = 8
+    """Number of classes."""
+    train_size: int = 16384
+    """Training samples."""
+    eval_size: int = 512
+    """Evaluation samples."""
+    batch_size: int = 64
+    """Mini-batch size N (the engine splits it into pipeline.chunks micro-batches)."""
+    noise: float = 0.1
+    """Standard deviation of the noise added to the teacher's logits (higher: harder)."""
+    seed: int = 1234
+    """Seed of the generated data set (the batch order follows trainer.seed)."""
+
+    def __post_init__(self) -> None:
+        for key in ("features", "classes", "train_size", "eval_size", "batch_size"):
+            check_min(getattr(self, key), 1, f"data.{key}")
+        check(self.classes >= 2, "data.classes", f"must be >= 2, got {self.classes}")
+        check(
+            self.batch_size <= self.train_size,
+            "data.batch_size",
+            f"must be <= data.train_size ({self.train_size}), got {self.batch_size}",
+        )
+        check_min(self.noise, 0.0, "data.noise")
+
+
 # --------------------------------------------------------------------------- data=tensors
 
 
@@ -178,6 +212,29 @@ def tensor_files(
         loss=loss,
         metric="accuracy" if loss == "cross_entropy" else None,
     )
+
+
+@dataclass
+class TensorDataConfig:
+    """``data=tensors``: the arguments of :func:`tensor_files`, checked up front."""
+
+    _target_: str = "giantpipe.data.tensors.tensor_files"
+    """Builder called with the other fields."""
+    root: str = "???"
+    """Directory holding train.pt and eval.pt, each a tuple (inputs, targets)."""
+    features: int = "???"  # type: ignore[assignment]
+    """Width of an input (last dimension); checked against the files; the model reads it."""
+    classes: int = "???"  # type: ignore[assignment]
+    """Output width: classes for cross_entropy, target width for mse; the model reads it."""
+    batch_size: int = 64
+    """Mini-batch size N."""
+    loss: str = "cross_entropy"
+    """``cross_entropy`` (integer targets) or ``mse``."""
+
+    def __post_init__(self) -> None:
+        for key in ("features", "classes", "batch_size"):
+            check_min(getattr(self, key), 1, f"data.{key}")
+        check_choice(self.loss, ("cross_entropy", "mse"), "data.loss")
 
 
 # --------------------------------------------------------------------------- data=lm_tokens
@@ -250,3 +307,36 @@ def lm_tokens(
         metric="accuracy",
         tokens_per_batch=lambda batch: batch[1].numel(),  # type: ignore[union-attr]
     )
+
+
+@dataclass
+class LMTokensDataConfig:
+    """``data=lm_tokens``: the arguments of :func:`lm_tokens`, checked up front."""
+
+    _target_: str = "giantpipe.data.tensors.lm_tokens"
+    """Builder called with the other fields."""
+    vocab_size: int = 32000
+    """Token ids are drawn below this."""
+    seq_len: int = 1024
+    """Tokens per sequence (the paper's Transformer-L uses 1024)."""
+    batch_size: int = 32
+    """Sequences per mini-batch N."""
+    batches_per_epoch: int = 1000
+    """Nominal epoch length (the stream is endless)."""
+    eval_batches: int = 2
+    """Held-out batches for the eval loss."""
+    branching: int = 4
+    """Each token has this many possible successors, so the loss can fall to ln(branching)."""
+    seed: int = 1234
+    """Seed of the successor table and the held-out batches."""
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "batches_per_epoch", "eval_batches", "branching"):
+            check_min(getattr(self, key), 1, f"data.{key}")
+        check_min(self.seq_len, 2, "data.seq_len")
+        check_min(self.batch_size, 1, "data.batch_size")
+        check(
+            self.branching <= self.vocab_size,
+            "data.branching",
+            f"must be <= data.vocab_size ({self.vocab_size}), got {self.branching}",
+        )

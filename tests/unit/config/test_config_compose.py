@@ -7,15 +7,15 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from giantpipe.cli import one_line, to_experiment
-from giantpipe.config import SCHEMAS, ExperimentConfig, register_configs
+from giantpipe.cli import one_line, register_configs, to_experiment
+from giantpipe.config import SCHEMAS, ExperimentConfig
 from giantpipe.data.bundle import DataBundle, batch_size
 from giantpipe.data.images import write_image_folder
 from giantpipe.runner.build import build_model
 from giantpipe.runner.registry import build_from_target
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
-register_configs()
+register_configs(CONF)
 
 
 def options(group: str) -> list[str]:

@@ -7,14 +7,13 @@ from giantpipe.config import (
     ExperimentConfig,
     LoggerConfig,
     LRScheduleConfig,
-    MlpModelConfig,
     OptimConfig,
     PipelineConfig,
     SweepConfig,
-    SyntheticDataConfig,
-    TensorDataConfig,
     TrainerConfig,
 )
+from giantpipe.data.tensors import SyntheticDataConfig, TensorDataConfig
+from models.mlp import MlpModelConfig
 
 
 @pytest.mark.parametrize(
@@ -59,8 +58,6 @@ from giantpipe.config import (
         (lambda: LoggerConfig(progress="rich"), "logger.progress"),
         (lambda: LoggerConfig(wandb_mode="cloud"), "logger.wandb_mode"),
         (lambda: SweepConfig(direction="up"), "sweep.direction"),
-        (lambda: MlpModelConfig(depth=0), "model.depth"),
-        (lambda: MlpModelConfig(norm="group"), "model.norm"),
         (lambda: SyntheticDataConfig(classes=1), "data.classes"),
         (lambda: SyntheticDataConfig(batch_size=100, train_size=10), "data.batch_size"),
         (lambda: TensorDataConfig(root="x", features=4, classes=2, loss="l1"), "data.loss"),

@@ -9,26 +9,25 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import rank_overrides, to_experiment
+from giantpipe.cli import rank_overrides, register_configs, to_experiment
 from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
     LoggerConfig,
-    MlpModelConfig,
     PipelineConfig,
-    SyntheticDataConfig,
     TrainerConfig,
-    register_configs,
 )
+from giantpipe.data.tensors import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.dist_build import check_supported, pipeline_ranks, replica_slice
 from giantpipe.runner.dist_checkpoint import resume_directory
+from models.mlp import MlpModelConfig
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 def composed(*overrides: str) -> ExperimentConfig:
-    register_configs()
+    register_configs(CONF)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return to_experiment(compose("config", overrides=["recipe=mlp_quickstart", *overrides]))
 

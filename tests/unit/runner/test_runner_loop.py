@@ -12,16 +12,15 @@ from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
     LoggerConfig,
-    MlpModelConfig,
     PipelineConfig,
-    SyntheticDataConfig,
     TrainerConfig,
 )
 from giantpipe.data.bundle import DataBundle
-from giantpipe.data.tensors import classification
+from giantpipe.data.tensors import SyntheticDataConfig, classification
 from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.loop import NonFiniteLossError
+from models.mlp import MlpModelConfig
 
 NAN_FROM = 3  # the training batch from which nan_data returns NaN inputs
 

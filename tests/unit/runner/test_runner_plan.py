@@ -12,14 +12,14 @@ from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
     LoggerConfig,
-    MlpModelConfig,
     OptimConfig,
     PipelineConfig,
-    SyntheticDataConfig,
     TrainerConfig,
 )
+from giantpipe.data.tensors import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.planning import chunk_options, optimizer_slots, plan_pipeline
+from models.mlp import MlpModelConfig
 
 
 def tiny(**pipeline) -> ExperimentConfig:
