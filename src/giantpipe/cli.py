@@ -95,7 +95,10 @@ def option_schemas(path: Path) -> dict[str, type]:
     if not isinstance(target, str) or "." not in target:
         raise ConfigError(str(path), f"names a schema ({wanted[0]}) but no _target_ builder")
     module_name = target.rpartition(".")[0]
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(str(path), f"cannot import {module_name!r} ({err})") from err
     schemas: dict[str, type] = {}
     for name in wanted:
         schema = getattr(module, name, None)
@@ -112,7 +115,9 @@ def option_schemas(path: Path) -> dict[str, type]:
 def register_configs(conf_dir: Path) -> None:
     """Store the schemas in Hydra's ConfigStore, before ``@hydra.main`` or ``compose``:
     ``base_config`` (the experiment) and every schema the ``model`` / ``data`` options of
-    ``conf_dir`` name (see the module docstring). Calling it again is harmless.
+    ``conf_dir`` name (see the module docstring). It imports the builder module of every option
+    that names a schema, so an option that cannot be imported stops every run with one line
+    naming its file. Calling it again is harmless.
 
     Example::
 

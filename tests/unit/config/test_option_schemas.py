@@ -112,6 +112,8 @@ def test_a_new_option_is_one_yaml_and_edits_no_list(tmp_path: Path):
         ("defaults:\n  - AmoebaNetModelConfig\n  - _self_\n_target_: models.amoebanet.amoebanetd\n",
          "AmoebaNetModelConfig describes models.amoebanet.amoebanet, not _target_ "
          "models.amoebanet.amoebanetd"),
+        ("defaults:\n  - MlpModelConfig\n  - _self_\n_target_: models.nothing.mlp\n",
+         "cannot import 'models.nothing'"),
         ("defaults:\n  - MlpModelConfig\n  - _self_\n",
          "names a schema (MlpModelConfig) but no _target_ builder"),
     ],
