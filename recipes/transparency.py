@@ -205,8 +205,10 @@ def pipe_step(pipe: GPipe, bundle: DataBundle, loss_fn: Any) -> StepFn:
     return step
 
 
-def build(cfg: Any, bundle: DataBundle, config: Config, loss_fn: Any) -> tuple[nn.Module, StepFn]:
-    """The model (seeded as the runner seeds it) wrapped for ``config``."""
+def build(
+    cfg: Any, bundle: DataBundle, config: Config, loss_fn: Any
+) -> tuple[nn.Sequential, nn.Module, StepFn]:
+    """The model (seeded as the runner seeds it) and it wrapped for ``config`` (same layers)."""
     seed_everything(cfg.trainer.seed)
     model = build_model(cfg)
     if config.k == 1:
@@ -214,7 +216,7 @@ def build(cfg: Any, bundle: DataBundle, config: Config, loss_fn: Any) -> tuple[n
             convert_deferred_batch_norm(model)
         install_rng_hooks(model)
         fill_drain = config.schedule == "plain fill-drain"
-        return model, plain_step(model, bundle, loss_fn, config.m, fill_drain)
+        return model, model, plain_step(model, bundle, loss_fn, config.m, fill_drain)
     v = 2 if config.schedule == "interleaved" else 1
     pipe = GPipe(
         model,
@@ -227,7 +229,7 @@ def build(cfg: Any, bundle: DataBundle, config: Config, loss_fn: Any) -> tuple[n
         virtual_stages=v,
         threads_per_stage=1,
     )
-    return pipe, pipe_step(pipe, bundle, loss_fn)
+    return model, pipe, pipe_step(pipe, bundle, loss_fn)
 
 
 def train(cfg: Any, bundle: DataBundle, config: Config, steps: int) -> Run:
@@ -235,7 +237,7 @@ def train(cfg: Any, bundle: DataBundle, config: Config, steps: int) -> Run:
     started = time.perf_counter()
     summed = bundle.loss_normalizer is not None
     loss_fn = build_loss(bundle.loss, cfg.trainer.label_smoothing, bundle.ignore_index, summed)
-    module, step = build(cfg, bundle, config, loss_fn)
+    model, module, step = build(cfg, bundle, config, loss_fn)
     params = list(module.parameters())  # one order for both: clipping sums norms in order
     optimizer = build_optimizer(params, cfg.optim)
     factor = lr_multiplier(cfg.optim.lr_schedule, bundle.batches_per_epoch, steps)
@@ -251,9 +253,8 @@ def train(cfg: Any, bundle: DataBundle, config: Config, steps: int) -> Run:
         optimizer.step()
         scheduler.step()
     run.figures = evaluate(module, bundle, cfg.trainer.eval_batches, "fp32", ["cpu"])
-    if bundle.evaluate_model is not None:  # BLEU: greedy decoding on the plain layers
-        layers = nn.Sequential(*module.children()) if config.k > 1 else module
-        extra = bundle.evaluate_model(layers)
+    if bundle.evaluate_model is not None:  # BLEU: greedy decoding on the plain model, whose
+        extra = bundle.evaluate_model(model)  # layers the pipeline trained (in place on CPU)
         run.figures.update({k: float(v) for k, v in extra.items() if not isinstance(v, str)})
     run.params = {n: p.detach().clone() for n, p in module.named_parameters()}
     run.seconds = time.perf_counter() - started
