@@ -5,16 +5,18 @@
     python train.py -m pipeline.chunks=1,4,8      # a sweep: one job per value
 
 Runs land in outputs/DATE/TIME (multiruns in outputs/multirun/DATE/TIME/N). See conf/ and
-src/giantpipe/cli.py.
+src/giantpipe/cli.py (which also finds the schemas of conf/'s model and data options beside
+their builders, in models/ and giantpipe.data).
 """
+
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from giantpipe.cli import guarded, run_job
-from giantpipe.config import register_configs
 
-register_configs()
+CONF = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -24,4 +26,4 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    guarded(main)
+    guarded(main, CONF)

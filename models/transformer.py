@@ -15,31 +15,40 @@ child 0 together with the source so that a shared source/target table lives in o
 target states ride unchanged through the encoder layers. The first decoder layer applies the
 encoder's final LayerNorm to ``src_x`` (pre-norm stacks need one).
 
-The decoder-only Transformer-L lives in ``models.transformer_lm`` (re-exported here); the shared
-blocks and the two stabilizers (``ffn_init_scale``, ``logit_clip``) in
-``models.transformer_layers``.
+The Sequential is an :class:`EncoderDecoder`, which also offers what decoding needs without the
+engine (``encode``, ``decode_logits``, ``max_len``), so BLEU evaluation reaches the model only
+through the model object. The decoder-only Transformer-L lives in ``models.transformer_lm``
+(re-exported here); the shared blocks and the two stabilizers (``ffn_init_scale``,
+``logit_clip``) in ``models.transformer_layers``.
 
 Example::
 
     model = transformer_t(2, 64, 4, d_model=32, head_dim=8, vocab_size=100, max_len=64)
     logits = model((src_tokens, tgt_in_tokens))                   # [B, T, 100]
     total, ntokens = label_smoothed_cross_entropy(logits, tgt_out_tokens)
+    src_x, src_pad = model.encode(src_tokens)                     # once per batch, then per step:
+    next_logits = model.decode_logits(src_x, src_pad, prefix)[:, -1]
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.checks import check, check_min
 from models.transformer_layers import (
     FeedForward,
     MultiHeadAttention,
     OutputHead,
     SelfAttentionLayer,
     attention_mask,
+    check_dropouts,
+    check_stabilizers,
     count_parameters,
     ffn_factor,
     init_weights,
@@ -48,12 +57,12 @@ from models.transformer_layers import (
 from models.transformer_lm import transformer_lm
 
 __all__ = [
+    "EncoderDecoder",
+    "TransformerTModelConfig",
     "transformer_t",
     "transformer_lm",
     "tied_parameter_layers",
     "split_points",
-    "encode",
-    "decode_logits",
     "label_smoothed_cross_entropy",
     "count_parameters",
 ]
@@ -154,6 +163,53 @@ class SourceTargetEmbedding(nn.Module):
         return (*self.embed_source(src_tokens), *self.embed_target(tgt_tokens))
 
 
+class EncoderDecoder(nn.Sequential):
+    """The flat T(L, H, A) Sequential (what the engine partitions), plus what decoding needs
+    without the engine: the encoder run once per batch (:meth:`encode`), the decoder and head on
+    a target prefix (:meth:`decode_logits`; no key/value cache), and :attr:`max_len`.
+
+    Both work on the plain model and on one whose children a pipeline spread over devices.
+
+    Example::
+
+        model = transformer_t(2, 64, 4, d_model=32, head_dim=8, vocab_size=100, max_len=64)
+        src_x, src_pad = model.encode(src_tokens)
+        logits = model.decode_logits(src_x, src_pad, prefix)     # == model((src_tokens, prefix))
+    """
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence the position table covers (source or target prefix)."""
+        return int(_embedding(self).positions.shape[0])
+
+    def encode(self, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Run the embedding and encoder once: (source states [B, S, D], source padding [B, S]),
+        on the last encoder layer's device."""
+        first, _ = split_points(self)
+        embedding = _embedding(self)
+        src_tokens = src_tokens.to(_device_of(embedding, src_tokens.device))
+        src_x, src_pad = embedding.embed_source(src_tokens)
+        empty_x = src_x.new_zeros(src_x.shape[0], 0, src_x.shape[2])
+        empty_pad = src_pad.new_zeros(src_pad.shape[0], 0)
+        state: Batch4 = (src_x, src_pad, empty_x, empty_pad)
+        for layer in list(self)[1:first]:
+            state = layer(_moved(state, layer))
+        return state[0], state[1]
+
+    def decode_logits(self, src_x: Tensor, src_pad: Tensor, prefix: Tensor) -> Tensor:
+        """Logits [B, T, V] for target prefixes [B, T] given :meth:`encode`'s output, on the
+        output head's device."""
+        first, _ = split_points(self)
+        embedding = _embedding(self)
+        tgt_x, tgt_pad = embedding.embed_target(prefix.to(_device_of(embedding, prefix.device)))
+        state: Batch4 | Tensor = (src_x, src_pad, tgt_x, tgt_pad)
+        for layer in list(self)[first:]:
+            assert isinstance(state, tuple)
+            state = layer(_moved(state, layer))
+        assert isinstance(state, Tensor)
+        return state
+
+
 def transformer_t(
     num_layers: int,
     ffn_dim: int,
@@ -171,7 +227,7 @@ def transformer_t(
     logit_clip: float | None = None,
     logit_clip_mode: str = "tanh",
     pad_id: int = 0,
-) -> nn.Sequential:
+) -> EncoderDecoder:
     """The paper's T(L, H, A): L encoder + L decoder layers, FFN width H, A heads of ``head_dim``.
 
     ``share_embeddings`` shares the source and target tables (both live in child 0);
@@ -197,9 +253,61 @@ def transformer_t(
     head = OutputHead(d_model, vocab_size, logit_clip, logit_clip_mode)
     if tie_embeddings:
         head.proj.weight = embedding.tgt_tokens.weight
-    model = nn.Sequential(embedding, *encoder, *decoder, head)
+    model = EncoderDecoder(embedding, *encoder, *decoder, head)
     init_weights(model, d_model, ffn_factor(ffn_init_scale, num_layers), pad_id)
     return model
+
+
+@dataclass
+class TransformerTModelConfig:
+    """``model=transformer_t``: the arguments of :func:`transformer_t`, checked up front."""
+
+    _target_: str = "models.transformer.transformer_t"
+    """Builder called with the other fields."""
+    num_layers: int = 6
+    """L: encoder layers, and as many decoder layers (the Sequential has 2L + 2 children)."""
+    ffn_dim: int = 8192
+    """H: feed-forward width."""
+    num_heads: int = 16
+    """A: attention heads (attention width A * head_dim)."""
+    d_model: int = 1024
+    """Model dimension (1024 in the paper's multilingual models)."""
+    head_dim: int = 64
+    """Width of one attention head."""
+    vocab_size: int = 64000
+    """Output classes; the data's shared SentencePiece vocabulary must fit (data.vocab_size)."""
+    max_len: int = 1024
+    """Longest sequence (size of the position table)."""
+    dropout: float = 0.1
+    """Dropout on embeddings, residual branches and inside the feed-forward blocks."""
+    attn_dropout: float = 0.0
+    """Dropout on attention weights."""
+    share_embeddings: bool = True
+    """One token table for source and target."""
+    tie_embeddings: bool = False
+    """Reuse the token table as the softmax weight: one parameter in the first and the last
+    child, which the engine does not support, so the runner rejects it (plain-model use only)."""
+    ffn_init_scale: Any = None
+    """Stabilizer 1: multiply feed-forward init by 1/L (``linear``), 1/sqrt(2L) (``sqrt``), a
+    number, or null (off)."""
+    logit_clip: float | None = None
+    """Stabilizer 2: bound |logits| by this threshold (null: off)."""
+    logit_clip_mode: str = "tanh"
+    """``clamp`` (hard clip) or ``tanh`` (soft cap c * tanh(x / c))."""
+    pad_id: int = 0
+    """Padding token id (the data's SentencePiece uses 0)."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "ffn_dim", "num_heads", "d_model", "head_dim", "vocab_size"):
+            check_min(getattr(self, key), 1, f"model.{key}")
+        check_min(self.max_len, 2, "model.max_len")
+        check_dropouts(self.dropout, self.attn_dropout)
+        check(
+            self.share_embeddings or not self.tie_embeddings,
+            "model.tie_embeddings",
+            "needs model.share_embeddings=true",
+        )
+        check_stabilizers(self.ffn_init_scale, self.logit_clip, self.logit_clip_mode)
 
 
 def tied_parameter_layers(model: nn.Sequential) -> list[set[int]]:
@@ -255,39 +363,6 @@ def _moved(state: Batch4, layer: nn.Module) -> Batch4:
         return state
     src_x, src_pad, tgt_x, tgt_pad = (t.to(device) for t in state)
     return src_x, src_pad, tgt_x, tgt_pad
-
-
-def encode(model: nn.Sequential, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """Run the embedding and encoder once: (source states [B, S, D], source padding [B, S]).
-
-    Works on the plain model and on one whose children a pipeline spread over devices; the
-    result lives on the last encoder layer's device.
-    """
-    first, _ = split_points(model)
-    embedding = _embedding(model)
-    src_x, src_pad = embedding.embed_source(src_tokens.to(_device_of(embedding, src_tokens.device)))
-    empty_x = src_x.new_zeros(src_x.shape[0], 0, src_x.shape[2])
-    empty_pad = src_pad.new_zeros(src_pad.shape[0], 0)
-    state: Batch4 = (src_x, src_pad, empty_x, empty_pad)
-    for layer in model[1:first]:
-        state = layer(_moved(state, layer))
-    return state[0], state[1]
-
-
-def decode_logits(model: nn.Sequential, src_x: Tensor, src_pad: Tensor, prefix: Tensor) -> Tensor:
-    """Logits [B, T, V] for target prefixes [B, T] given ``encode``'s output (no engine needed).
-
-    The logits live on the output head's device.
-    """
-    first, _ = split_points(model)
-    embedding = _embedding(model)
-    tgt_x, tgt_pad = embedding.embed_target(prefix.to(_device_of(embedding, prefix.device)))
-    state: Batch4 | Tensor = (src_x, src_pad, tgt_x, tgt_pad)
-    for layer in model[first:]:
-        assert isinstance(state, tuple)
-        state = layer(_moved(state, layer))
-    assert isinstance(state, Tensor)
-    return state
 
 
 def label_smoothed_cross_entropy(

@@ -188,10 +188,9 @@ def compose(recipe: str, overrides: Sequence[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from giantpipe.cli import to_experiment
-    from giantpipe.config import register_configs
+    from giantpipe.cli import register_configs, to_experiment
 
-    register_configs()
+    register_configs(ROOT / "conf")
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         return to_experiment(hydra_compose("config", [f"recipe={recipe}", *overrides]))
 
@@ -210,7 +209,7 @@ def stand_in(model: Model) -> tuple[nn.Sequential, Any, Any, Any, str]:
     inputs, targets = next(bundle.train_batches(cfg.trainer.seed, 0))
     summed = bundle.loss_normalizer is not None
     loss = build_loss(bundle.loss, cfg.trainer.label_smoothing, bundle.ignore_index, summed)
-    return net, inputs, targets, loss, cfg.pipeline.checkpoint
+    return net, inputs, targets, loss, cfg.pipeline.recompute
 
 
 def profile_layers(net: nn.Sequential, x: Any, y: Any, loss: Any, repeats: int) -> list[StageCost]:

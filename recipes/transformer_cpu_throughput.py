@@ -25,20 +25,25 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from giantpipe import GPipe
-from giantpipe.data.bundle import Batch
-from giantpipe.data.translation_bundle import translation
-from giantpipe.perf.balance import balance_by_params
-from giantpipe.runner.losses import build_loss
-from models.transformer import transformer_t
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+from giantpipe import GPipe  # noqa: E402
+from giantpipe.data.bundle import Batch  # noqa: E402
+from giantpipe.data.translation_bundle import translation  # noqa: E402
+from giantpipe.perf.balance import balance_by_params  # noqa: E402
+from giantpipe.runner.losses import build_loss  # noqa: E402
+from models.transformer import transformer_t  # noqa: E402
 
 Step = Callable[[Batch], None]
 

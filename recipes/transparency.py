@@ -136,10 +136,9 @@ def compose(recipe: str, overrides: Sequence[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from giantpipe.cli import to_experiment
-    from giantpipe.config import register_configs
+    from giantpipe.cli import register_configs, to_experiment
 
-    register_configs()
+    register_configs(ROOT / "conf")
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         return to_experiment(hydra_compose("config", [f"recipe={recipe}", *overrides]))
 
@@ -205,8 +204,10 @@ def pipe_step(pipe: GPipe, bundle: DataBundle, loss_fn: Any) -> StepFn:
     return step
 
 
-def build(cfg: Any, bundle: DataBundle, config: Config, loss_fn: Any) -> tuple[nn.Module, StepFn]:
-    """The model (seeded as the runner seeds it) wrapped for ``config``."""
+def build(
+    cfg: Any, bundle: DataBundle, config: Config, loss_fn: Any
+) -> tuple[nn.Sequential, nn.Module, StepFn]:
+    """The model (seeded as the runner seeds it) and it wrapped for ``config`` (same layers)."""
     seed_everything(cfg.trainer.seed)
     model = build_model(cfg)
     if config.k == 1:
@@ -214,20 +215,20 @@ def build(cfg: Any, bundle: DataBundle, config: Config, loss_fn: Any) -> tuple[n
             convert_deferred_batch_norm(model)
         install_rng_hooks(model)
         fill_drain = config.schedule == "plain fill-drain"
-        return model, plain_step(model, bundle, loss_fn, config.m, fill_drain)
+        return model, model, plain_step(model, bundle, loss_fn, config.m, fill_drain)
     v = 2 if config.schedule == "interleaved" else 1
     pipe = GPipe(
         model,
         balance_by_params(config.k * v, model),
         devices=["cpu"] * config.k,
         chunks=config.m,
-        checkpoint=cfg.pipeline.checkpoint,
+        checkpoint=cfg.pipeline.recompute,
         deferred_batch_norm=cfg.pipeline.deferred_batch_norm,
         schedule=config.schedule,
         virtual_stages=v,
         threads_per_stage=1,
     )
-    return pipe, pipe_step(pipe, bundle, loss_fn)
+    return model, pipe, pipe_step(pipe, bundle, loss_fn)
 
 
 def train(cfg: Any, bundle: DataBundle, config: Config, steps: int) -> Run:
@@ -235,10 +236,10 @@ def train(cfg: Any, bundle: DataBundle, config: Config, steps: int) -> Run:
     started = time.perf_counter()
     summed = bundle.loss_normalizer is not None
     loss_fn = build_loss(bundle.loss, cfg.trainer.label_smoothing, bundle.ignore_index, summed)
-    module, step = build(cfg, bundle, config, loss_fn)
+    model, module, step = build(cfg, bundle, config, loss_fn)
     params = list(module.parameters())  # one order for both: clipping sums norms in order
     optimizer = build_optimizer(params, cfg.optim)
-    factor = lr_multiplier(cfg.optim.schedule, bundle.batches_per_epoch, steps)
+    factor = lr_multiplier(cfg.optim.lr_schedule, bundle.batches_per_epoch, steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     stream = bundle.train_batches(cfg.trainer.seed, 0)
     run = Run(config)
@@ -251,9 +252,8 @@ def train(cfg: Any, bundle: DataBundle, config: Config, steps: int) -> Run:
         optimizer.step()
         scheduler.step()
     run.figures = evaluate(module, bundle, cfg.trainer.eval_batches, "fp32", ["cpu"])
-    if bundle.evaluate_model is not None:  # BLEU: greedy decoding on the plain layers
-        layers = nn.Sequential(*module.children()) if config.k > 1 else module
-        extra = bundle.evaluate_model(layers)
+    if bundle.evaluate_model is not None:  # BLEU: greedy decoding on the plain model, whose
+        extra = bundle.evaluate_model(model)  # layers the pipeline trained (in place on CPU)
         run.figures.update({k: float(v) for k, v in extra.items() if not isinstance(v, str)})
     run.params = {n: p.detach().clone() for n, p in module.named_parameters()}
     run.seconds = time.perf_counter() - started

@@ -1,8 +1,23 @@
-"""The entry point's side of Hydra: convert the config once, run a job, condense errors.
+"""The entry point's side of Hydra: register the schemas, convert the config once, run a job,
+condense errors.
 
-``train.py`` is a thin ``@hydra.main``; this module is the only one that touches OmegaConf. It
-turns the composed config into :class:`giantpipe.config.ExperimentConfig` (validating every group
-in ``__post_init__``), runs the training, and hands Hydra the sweep objective.
+``train.py`` is a thin ``@hydra.main``; this module is the only one that touches Hydra and
+OmegaConf. :func:`register_configs` stores the schemas in Hydra's ConfigStore: the core groups'
+(``giantpipe.config``) and, found from ``conf/``, those of the ``model`` and ``data`` options,
+which live beside their builders. :func:`to_experiment` turns the composed config into
+:class:`giantpipe.config.ExperimentConfig` (validating every group in ``__post_init__``); the job
+runs the training and hands Hydra the sweep objective.
+
+How an option finds its schema (adding a model or a data set edits no list): an option file
+``conf/GROUP/NAME.yaml`` names its builder by ``_target_`` and, first in its defaults, a
+dataclass of the builder's module::
+
+    # conf/model/mlp.yaml                      # models/mlp.py
+    defaults:                                  def mlp(in_features=16, ...) -> nn.Sequential
+      - MlpModelConfig                         @dataclass
+      - _self_                                 class MlpModelConfig:
+    _target_: models.mlp.mlp                       _target_: str = "models.mlp.mlp"
+    hidden: 64                                     in_features: int = 16 ...
 
 Errors become ONE line on stderr that names the key or path, and a non-zero exit:
 
@@ -18,18 +33,18 @@ learn the run directory from rank 0 (see :func:`rank_overrides`).
 
 Example (train.py)::
 
-    register_configs()
-
     @hydra.main(config_path="conf", config_name="config", version_base="1.3")
     def main(cfg: DictConfig) -> float:
         return run_job(cfg)
 
     if __name__ == "__main__":
-        guarded(main)
+        guarded(main, conf_dir=Path(__file__).parent / "conf")   # registers, then runs
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import logging
 import math
 import os
@@ -39,25 +54,129 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from giantpipe.config import ConfigError, ExperimentConfig
+from giantpipe.config import RENAMED_KEYS, ConfigError, ExperimentConfig
 
 log = logging.getLogger("giantpipe")
 
 FAILURES: list[str] = []
 """One line per failed job of this process; :func:`guarded` reports them and exits non-zero."""
 
+OPTION_GROUPS = ("model", "data")
+"""Groups whose options name a builder by ``_target_`` and may be typed by its schema."""
+
+OPTION_SCHEMAS: dict[str, type] = {}
+"""Schema name -> class, as registered (left out of the options a mistyped ``GROUP=`` lists)."""
+
+
+def option_schemas(path: Path) -> dict[str, type]:
+    """The schemas an option file names in its defaults list: dataclasses of its builder's module.
+
+    Other defaults entries (another option of the group, to extend it) are left to Hydra.
+
+    Example::
+
+        option_schemas(Path("conf/model/mlp.yaml"))    # {"MlpModelConfig": MlpModelConfig}
+    """
+    option = OmegaConf.load(path)
+    assert isinstance(option, DictConfig), f"{path} must hold a mapping"
+    target = option.get("_target_")
+    names = [n for n in option.get("defaults", []) if isinstance(n, str) and n != "_self_"]
+    siblings = {p.stem for p in path.parent.glob("*.yaml")}
+    wanted = [n for n in names if n not in siblings]
+    if not wanted:
+        return {}
+    if not isinstance(target, str) or "." not in target:
+        raise ConfigError(str(path), f"names a schema ({wanted[0]}) but no _target_ builder")
+    module_name = target.rpartition(".")[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(str(path), f"cannot import {module_name!r} ({err})") from err
+    schemas: dict[str, type] = {}
+    for name in wanted:
+        schema = getattr(module, name, None)
+        if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+            problem = f"defaults name {name}, which is neither an option of {path.parent.name}"
+            raise ConfigError(str(path), f"{problem} nor a dataclass in {module_name}")
+        builds = getattr(schema, "_target_", target)
+        if builds != target:
+            raise ConfigError(str(path), f"{name} describes {builds}, not _target_ {target}")
+        schemas[name] = schema
+    return schemas
+
+
+def register_configs(conf_dir: Path) -> None:
+    """Store the schemas in Hydra's ConfigStore, before ``@hydra.main`` or ``compose``:
+    ``base_config`` (the experiment) and every schema the ``model`` / ``data`` options of
+    ``conf_dir`` name (see the module docstring). It imports the builder module of every option
+    that names a schema, so an option that cannot be imported stops every run with one line
+    naming its file. Calling it again is harmless.
+
+    Example::
+
+        register_configs(Path("conf"))
+        with initialize_config_dir(str(Path("conf").resolve()), version_base="1.3"):
+            cfg = to_experiment(compose("config", ["recipe=mlp_quickstart"]))
+    """
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=ExperimentConfig)
+    for group in OPTION_GROUPS:
+        for path in sorted(Path(conf_dir, group).glob("*.yaml")):
+            for name, schema in option_schemas(path).items():
+                if OPTION_SCHEMAS.get(name, schema) is not schema:
+                    raise ConfigError(str(path), f"a second schema named {name}")
+                OPTION_SCHEMAS[name] = schema
+                store.store(group=group, name=name, node=schema)
+
+
+def renamed(key: str) -> str | None:
+    """The new name of a renamed key or of a key under one; None for any other key.
+
+    Example::
+
+        renamed("optim.schedule.name")   # "optim.lr_schedule.name"
+    """
+    for old, new in RENAMED_KEYS.items():
+        if key == old or key.startswith(old + "."):
+            return new + key[len(old) :]
+    return None
+
 
 def to_experiment(cfg: DictConfig) -> ExperimentConfig:
     """The composed config as dataclasses (resolving interpolations, running every check)."""
-    experiment = OmegaConf.to_object(cfg)
+    for old, new in RENAMED_KEYS.items():  # added with +KEY=..., which the schemas let through
+        if OmegaConf.select(cfg, old, default=None) is not None:
+            raise ConfigError(old, f"renamed to {new}")
+    try:
+        experiment = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except ValueError as err:  # a schema beside its builder: models/ raise "model.KEY: problem"
+        raise as_config_error(err) from err
     assert isinstance(experiment, ExperimentConfig), "conf/config.yaml must start with base_config"
     return experiment
+
+
+def as_config_error(err: ValueError) -> ValueError:
+    """``ValueError("model.depth: must be >= 1, got 0")`` as the ConfigError it means; any other
+    ValueError unchanged.
+
+    Example::
+
+        as_config_error(ValueError("model.depth: must be >= 1, got 0")).key   # "model.depth"
+    """
+    key, sep, problem = str(err).partition(": ")
+    group = key.partition(".")[0]
+    if sep and group in OPTION_GROUPS and re.fullmatch(r"[\w.]+", key):
+        return ConfigError(key, problem)
+    return err
 
 
 def objective(summary: dict[str, object], key: str) -> float:
@@ -147,6 +266,8 @@ def one_line(err: BaseException) -> str:
     cause = err.__cause__ if isinstance(err, ConfigCompositionException) else err
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None) or ""
+        if renamed(key):
+            return f"{key}: renamed to {renamed(key)}"
         problem = _first_line(str(cause))
         if "not in" in problem and key:
             return f"{key}: unknown key ({problem})"
@@ -167,18 +288,20 @@ def _missing_option(err: MissingConfigException) -> str:
     # Hydra lists the options as tab-indented lines after "Available options in 'GROUP':".
     listing = str(err).partition("Available options")[2].split("Config search path")[0]
     options = [s.strip() for s in listing.splitlines()[1:] if s.startswith("\t")]
-    shown = ", ".join(o for o in options if not o.startswith("base_"))
+    shown = ", ".join(o for o in options if o not in OPTION_SCHEMAS)
     return f"{group}={option}: no such option" + (f" (available: {shown})" if shown else "")
 
 
-def guarded(main: Callable[[], None]) -> None:
-    """Run a ``@hydra.main`` function; report failures as one line each and exit non-zero."""
+def guarded(main: Callable[[], None], conf_dir: Path) -> None:
+    """Register the schemas of ``conf_dir`` and run a ``@hydra.main`` function; report failures
+    as one line each and exit non-zero."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         os.environ["GIANTPIPE_FULL_ERROR"] = "1"  # the user wants tracebacks: keep them
     else:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so the error reaches us whole
     sys.argv = rank_overrides(sys.argv, torchrun_rank())
     try:
+        register_configs(conf_dir)
         main()
     except Exception as err:  # noqa: BLE001 - composition and launch errors
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.metrics.jsonl import read_jsonl
+from giantpipe.metrics.sinks import read_jsonl
 from tests.distributed.launch import REPO, finish, free_port, torchrun
 
 pytestmark = pytest.mark.distributed

@@ -16,10 +16,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import to_experiment
-from giantpipe.config import ExperimentConfig, register_configs
+from giantpipe.cli import register_configs, to_experiment
+from giantpipe.config import ExperimentConfig
 from giantpipe.engine.dist.shards import consolidate
-from giantpipe.metrics.jsonl import read_jsonl
+from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model
 from giantpipe.runner.checkpoint import read_checkpoint
@@ -41,7 +41,7 @@ OVERRIDES = [
 
 
 def local_config() -> ExperimentConfig:
-    register_configs()
+    register_configs(REPO / "conf")
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         return to_experiment(compose("config", OVERRIDES))
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import to_experiment
-from giantpipe.config import ExperimentConfig, register_configs
+from giantpipe.cli import register_configs, to_experiment
+from giantpipe.config import ExperimentConfig
 from giantpipe.data.images import write_image_folder
 
 REPO = Path(__file__).resolve().parents[2]
-register_configs()
+register_configs(REPO / "conf")
 
 # The ImageNet recipe scaled down to seconds: everything else (RMSProp TF-style, EMA, label
 # smoothing, clipping, deferred BN, the ImageFolder pipeline) stays as the recipe sets it.
@@ -87,7 +87,7 @@ def test_imagenet_recipe_has_the_paper_and_tf_reference_settings():
     assert (optim.name, optim.alpha, optim.momentum, optim.eps) == ("rmsprop", 0.9, 0.9, 1.0)
     assert optim.lr == pytest.approx(0.015 * data.batch_size / 32)  # TF: 0.015 per 32 images
     assert optim.weight_decay == 4e-5
-    schedule = optim.schedule
+    schedule = optim.lr_schedule
     assert (schedule.name, schedule.decay_rate, schedule.decay_epochs) == ("exponential", 0.97, 2.4)
     assert schedule.warmup_epochs == 3
     assert (trainer.label_smoothing, trainer.grad_clip, trainer.ema_decay) == (0.1, 10.0, 0.9999)

@@ -144,6 +144,10 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
         ),
         (["trainer.max_steps=ten"], "error: trainer.max_steps: Value 'ten' of type 'str'"),
         (
+            ["pipeline.checkpoint=always"],
+            "error: pipeline.checkpoint: renamed to pipeline.recompute",
+        ),
+        (
             ["data=tensors", "data.root=/no/such/dir", "data.features=4", "data.classes=2"],
             "error: data.root: directory not found: /no/such/dir",
         ),

@@ -12,8 +12,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import to_experiment
-from giantpipe.config import ConfigError, ExperimentConfig, register_configs
+from giantpipe.cli import register_configs, to_experiment
+from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.engine.microbatch import scatter
 from giantpipe.engine.rng import install_rng_hooks, rng_context
 from giantpipe.runner import train as train_in_process
@@ -24,7 +24,7 @@ from tests.integration.test_train_cli import REPO, ok
 from tests.unit.engine.engine_helpers import step_seed
 
 CONF = REPO / "conf"
-register_configs()
+register_configs(CONF)
 
 # The quick start shrunk to seconds: a T(1, 32, 2) on two small generated languages.
 TINY = [
@@ -94,7 +94,7 @@ def test_every_transformer_recipe_composes_with_its_paper_setting() -> None:
     paper = composed("recipe=transformer_translation")
     m = paper.model
     assert (m.num_layers, m.ffn_dim, m.num_heads, m.d_model) == (24, 8192, 16, 1024)
-    assert paper.pipeline.num_devices == 4 and paper.optim.schedule.name == "inverse_sqrt"
+    assert paper.pipeline.num_devices == 4 and paper.optim.lr_schedule.name == "inverse_sqrt"
     assert (m.ffn_init_scale, m.logit_clip) == ("linear", 20.0)
     assert paper.data.min_sentences == paper.pipeline.chunks
     lm = composed("recipe=transformer_lm_scaling", "model.num_layers=48", "pipeline.num_devices=8")
@@ -150,7 +150,7 @@ def test_tied_embeddings_are_rejected_naming_both_keys(devices: int, where: str)
 
 def test_pipelined_k3_m4_always_dropout_matches_plain_on_real_batches(tmp_path: Path) -> None:
     cfg = composed(
-        *TINY, "pipeline.num_devices=3", "pipeline.checkpoint=always", "model.dropout=0.2"
+        *TINY, "pipeline.num_devices=3", "pipeline.recompute=always", "model.dropout=0.2"
     )
     torch.manual_seed(0)
     parts = build_experiment(cfg, run_dir=tmp_path)

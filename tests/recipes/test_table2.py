@@ -14,7 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from giantpipe.config import register_configs
+from giantpipe.cli import register_configs
 from giantpipe.perf.costs import measure_layers
 from giantpipe.perf.planner import DeviceSpec
 from giantpipe.perf.simulate import StageCost
@@ -34,7 +34,7 @@ def recipe() -> ModuleType:
      ("table2_pcie", {"pipeline.num_devices": "2,4,8", "pipeline.chunks": "32"})],
 )  # fmt: skip
 def test_sweep_files_hold_the_papers_grid(sweep: str, grid: dict) -> None:
-    register_configs()
+    register_configs(ROOT / "conf")
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", [f"sweep={sweep}"], return_hydra_config=True)
     assert dict(cfg.hydra.sweeper.params) == grid

@@ -1,5 +1,16 @@
-"""Data pipelines: image classification (``giantpipe.data.images``) and others.
+"""Data: the ``data=`` options, each a builder returning a ``DataBundle`` (the runner's contract,
+in ``bundle``) with its schema dataclass beside it.
 
-Import from the submodules, e.g. ``from giantpipe.data.images import GeneratedImages``; this
-package stays empty so each pipeline loads only what it needs.
+- ``tensors``: data held as tensors: generated classification (``data=synthetic``), your own
+  ``train.pt`` / ``eval.pt`` (``data=tensors``), generated LM tokens (``data=lm_tokens``);
+- ``images`` (data sets, transforms, loaders) and ``image_bundle`` (``data=images_generated``,
+  ``images_random``, ``images_folder``);
+- ``translation`` (parallel corpora, shared vocabulary, token batches), ``synthetic_corpus`` (the
+  generated multilingual corpus), ``bleu`` (decoding and BLEU) and ``translation_bundle``
+  (``data=translation``).
+
+Imported by the runner (``bundle``) and, through a config's ``_target_``, by the entry point.
+Imports ``giantpipe.config`` and nothing else of giantpipe: never the engine, the runner or
+``models/`` (decoding reaches a model through the methods the model object offers). Import from
+the submodules; this package stays empty so each pipeline loads only what it needs.
 """

@@ -24,9 +24,10 @@ then the loss is summed and the engine divides by that number), ``ignore_index``
 and ``tokens_per_batch`` ((inputs, targets) -> tokens, so metrics report tokens/s).
 
 Figures that need more than the engine's forward (BLEU from decoding held-out sentences) come
-from ``evaluate_model``: at every evaluation the runner calls it with the un-partitioned model
-(the same modules the pipeline trains, EMA weights swapped in when configured) and logs what it
-returns under ``eval/``.
+from ``evaluate_model``: at every evaluation the runner calls it with the un-partitioned model,
+the very object the model's builder returned (the same modules the pipeline trains, EMA weights
+swapped in when configured), so what that object offers besides ``forward`` (an encoder-decoder's
+``encode`` and ``decode_logits``) is there; it logs what the hook returns under ``eval/``.
 """
 
 from __future__ import annotations

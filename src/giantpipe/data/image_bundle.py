@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from giantpipe.config import ConfigError
+from giantpipe.config import ConfigError, check, check_choice, check_min, check_optional_path
 from giantpipe.data.bundle import Batch, DataBundle
 from giantpipe.data.images import GeneratedImages, build_image_datasets
-from giantpipe.data.synthetic import epoch_order, sequential_batches, shuffled_batches
+from giantpipe.data.tensors import epoch_order, sequential_batches, shuffled_batches
 
 __all__ = [
     "EpochBatches",
@@ -71,6 +72,12 @@ def render_all(data: GeneratedImages) -> tuple[Tensor, Tensor]:
     for index in range(len(data)):
         images[index], labels[index] = data[index]
     return images, labels
+
+
+def _check_image_batches(image_size: int, batch_size: int, num_classes: int) -> None:
+    check_min(image_size, 8, "data.image_size")
+    check_min(batch_size, 1, "data.batch_size")
+    check_min(num_classes, 2, "data.num_classes")
 
 
 def generated_images(
@@ -106,6 +113,38 @@ def generated_images(
     )
 
 
+@dataclass
+class GeneratedImagesDataConfig:
+    """``data=images_generated``: the arguments of :func:`generated_images`, checked up front."""
+
+    _target_: str = "giantpipe.data.image_bundle.generated_images"
+    """Builder called with the other fields."""
+    image_size: int = 32
+    """Height and width in pixels."""
+    num_classes: int = 10
+    """Classes (each a pattern family, orientation and colour pair)."""
+    train_size: int = 4096
+    """Training images (rendered once at start-up, about 1 ms each at 32 px)."""
+    eval_size: int = 512
+    """Held-out images (rendered from seed + 1, so never training images)."""
+    batch_size: int = 64
+    """Mini-batch size N."""
+    noise: float = 0.08
+    """Pixel noise (higher: harder)."""
+    seed: int = 0
+    """Seed of the images (the batch order follows trainer.seed)."""
+
+    def __post_init__(self) -> None:
+        _check_image_batches(self.image_size, self.batch_size, self.num_classes)
+        check(
+            self.batch_size <= self.train_size,
+            "data.batch_size",
+            f"must be <= data.train_size ({self.train_size}), got {self.batch_size}",
+        )
+        check_min(self.eval_size, 1, "data.eval_size")
+        check_min(self.noise, 0.0, "data.noise")
+
+
 def random_images(
     image_size: int = 224,
     num_classes: int = 1000,
@@ -135,6 +174,32 @@ def random_images(
     )
 
 
+@dataclass
+class RandomImagesDataConfig:
+    """``data=images_random``: the arguments of :func:`random_images`, checked up front."""
+
+    _target_: str = "giantpipe.data.image_bundle.random_images"
+    """Builder called with the other fields."""
+    image_size: int = 224
+    """Height and width in pixels."""
+    num_classes: int = 1000
+    """Label range."""
+    batch_size: int = 128
+    """Mini-batch size N."""
+    epoch_size: int = 1281167
+    """Images per "epoch" (ImageNet's), so epoch-valued schedules mean what they would there."""
+    seed: int = 0
+    """Seed of the pixels and labels."""
+
+    def __post_init__(self) -> None:
+        _check_image_batches(self.image_size, self.batch_size, self.num_classes)
+        check(
+            self.epoch_size >= self.batch_size,
+            "data.epoch_size",
+            f"must be >= data.batch_size ({self.batch_size}), got {self.epoch_size}",
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # ImageNet-style folders: resumable, seeded augmentation through worker processes.
 # --------------------------------------------------------------------------------------------
@@ -155,7 +220,7 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
     """Endless batches of ``(sample seed, image index)`` from batch ``position`` on.
 
     Batch ``p`` holds images ``p % per_epoch`` of epoch ``p // per_epoch``'s permutation (the
-    one :func:`giantpipe.data.synthetic.epoch_order` gives), the last partial batch dropped.
+    one :func:`giantpipe.data.tensors.epoch_order` gives), the last partial batch dropped.
 
     Example::
 
@@ -326,3 +391,48 @@ def image_folder(
         loss="cross_entropy",
         metric=METRIC,
     )
+
+
+@dataclass
+class ImageFolderDataConfig:
+    """``data=images_folder``: the arguments of :func:`image_folder`, checked up front."""
+
+    _target_: str = "giantpipe.data.image_bundle.image_folder"
+    """Builder called with the other fields."""
+    root: str = "data/imagenet"
+    """Directory with train/<class>/* and val/<class>/* (or parquet files, with source=hf)."""
+    num_classes: int = 1000
+    """Class folders expected (checked against the data; the model reads it)."""
+    image_size: int = 224
+    """Training crop and evaluation crop size in pixels."""
+    batch_size: int = 256
+    """Mini-batch size N."""
+    eval_batch_size: int | None = None
+    """Evaluation batch size (null: data.batch_size)."""
+    source: str = "imagefolder"
+    """``imagefolder`` (torchvision) or ``hf`` (HuggingFace datasets: folders or parquet)."""
+    min_scale: float = 0.08
+    """Smallest area fraction of a random-resized training crop."""
+    hflip: bool = True
+    """Random horizontal flips in training."""
+    cutout: int = 0
+    """Side of the Cutout square in pixels (0: none)."""
+    num_workers: int = 8
+    """Loader worker processes (0: load in the training process)."""
+    cache_dir: str | None = None
+    """HuggingFace datasets cache (source=hf)."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.root), "data.root", "must name a directory")
+        _check_image_batches(self.image_size, self.batch_size, self.num_classes)
+        if self.eval_batch_size is not None:
+            check_min(self.eval_batch_size, 1, "data.eval_batch_size")
+        check_choice(self.source, ("imagefolder", "hf"), "data.source")
+        check(
+            0.0 < self.min_scale <= 1.0,
+            "data.min_scale",
+            f"must be in (0, 1], got {self.min_scale}",
+        )
+        check_min(self.cutout, 0, "data.cutout")
+        check_min(self.num_workers, 0, "data.num_workers")
+        check_optional_path(self.cache_dir, "data.cache_dir")

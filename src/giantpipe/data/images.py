@@ -20,12 +20,14 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-from torchvision.transforms import v2
+
+if TYPE_CHECKING:
+    from torchvision.transforms import v2
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -243,6 +245,8 @@ class Cutout:
 
 
 def _to_normalized_tensor(mean: Sequence[float], std: Sequence[float]) -> list[Any]:
+    from torchvision.transforms import v2  # heavy (about as long as torch): only when used
+
     return [
         v2.ToImage(),
         v2.ToDtype(torch.float32, scale=True),
@@ -265,6 +269,8 @@ def train_transforms(
         tf = train_transforms(224, cutout=56)
         tensor = tf(pil_image)                   # (3, 224, 224)
     """
+    from torchvision.transforms import v2
+
     steps: list[Any] = [v2.RandomResizedCrop(image_size, scale=scale, antialias=True)]
     if hflip:
         steps.append(v2.RandomHorizontalFlip())
@@ -285,6 +291,8 @@ def eval_transforms(
 
         tensor = eval_transforms(224)(pil_image)  # (3, 224, 224)
     """
+    from torchvision.transforms import v2
+
     resize = int(round(image_size * 256 / 224))
     return v2.Compose(
         [v2.Resize(resize, antialias=True), v2.CenterCrop(image_size)]

@@ -1,9 +1,26 @@
-"""Data you already have as tensors: ``ROOT/train.pt`` and ``ROOT/eval.pt``.
+"""Data sets held in memory as tensors: generated ones for quick starts, tests and throughput
+tables, and your own ``train.pt`` / ``eval.pt``; three ``data=`` options and the seeded batch
+order they share.
 
-Each file holds a tuple ``(inputs, targets)`` of tensors saved with ``torch.save``; inputs are
-``(N, ..., features)``. Training batches are shuffled by (seed, epoch) like the generated data.
+- ``data=synthetic`` (:func:`classification`): standard normal vectors labelled by a fixed random
+  "teacher" network (tanh hidden layer, argmax of noisy logits), so a small MLP learns them and
+  the loss clearly falls from ln(classes);
+- ``data=tensors`` (:func:`tensor_files`): ``ROOT/train.pt`` and ``ROOT/eval.pt``, each a tuple
+  ``(inputs, targets)`` saved with ``torch.save``, inputs ``(N, ..., features)``;
+- ``data=lm_tokens`` (:func:`lm_tokens`): token walks through a fixed random successor table (each
+  token may be followed by ``branching`` tokens), batches of the shape the paper's Tables 1 and 2
+  need for the decoder-only Transformer-L; the loss falls from ln V towards ln(branching).
+
+Training batches are a pure function of (seed, position), so a resumed run sees the batches an
+uninterrupted one would have seen.
 
 Example::
+
+    from giantpipe.data.tensors import classification, lm_tokens
+
+    bundle = classification(features=16, classes=8, train_size=4096, batch_size=64)
+    inputs, targets = next(bundle.train_batches(seed=0, position=0))   # (64, 16), (64,)
+    tokens, next_tokens = next(lm_tokens(vocab_size=1000, seq_len=64).train_batches(0, 0))
 
     torch.save((x_train, y_train), "mydata/train.pt")
     torch.save((x_eval, y_eval), "mydata/eval.pt")
@@ -12,13 +29,147 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from giantpipe.config import ConfigError
-from giantpipe.data.bundle import DataBundle
-from giantpipe.data.synthetic import sequential_batches, shuffled_batches
+from giantpipe.config import ConfigError, check, check_choice, check_min
+from giantpipe.data.bundle import Batch, DataBundle
+
+# --------------------------------------------------------------------------- batch order
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> Tensor:
+    """The shuffled sample order of one epoch: a function of (seed, epoch) only.
+
+    Example::
+
+        epoch_order(10, seed=0, epoch=3)   # the same permutation every time
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(size, generator=generator)
+
+
+def shuffled_batches(
+    inputs: Tensor, targets: Tensor, batch_size: int, seed: int, position: int
+) -> Iterator[Batch]:
+    """Endless shuffled batches (last partial batch of an epoch dropped), from batch ``position``.
+
+    Batch ``p`` is batch ``p % per_epoch`` of epoch ``p // per_epoch``, so a resumed stream equals
+    the uninterrupted one, and two consecutive batches of size B equal one batch of size 2B.
+
+    Example::
+
+        stream = shuffled_batches(x, y, batch_size=64, seed=0, position=10)
+    """
+    per_epoch = len(inputs) // batch_size
+    while True:
+        epoch, index = divmod(position, per_epoch)
+        order = epoch_order(len(inputs), seed, epoch)
+        while index < per_epoch:
+            take = order[index * batch_size : (index + 1) * batch_size]
+            yield inputs[take], targets[take]
+            index += 1
+            position += 1
+
+
+def sequential_batches(inputs: Tensor, targets: Tensor, batch_size: int) -> list[Batch]:
+    """The data in order, in batches of ``batch_size`` (the last one may be smaller)."""
+    return [
+        (inputs[i : i + batch_size], targets[i : i + batch_size])
+        for i in range(0, len(inputs), batch_size)
+    ]
+
+
+# --------------------------------------------------------------------------- data=synthetic
+
+
+def make_classification(
+    size: int, features: int, classes: int, noise: float, seed: int, split: int = 0
+) -> tuple[Tensor, Tensor]:
+    """``size`` samples of split ``split`` (0 train, 1 eval) labelled by the teacher of ``seed``.
+
+    Example::
+
+        x, y = make_classification(100, features=4, classes=3, noise=0.1, seed=0, split=1)
+    """
+    teacher = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(features, features, generator=teacher) / features**0.5
+    head = torch.randn(features, classes, generator=teacher)
+    # Each split draws its inputs from its own stream: train and eval share the teacher only.
+    samples = torch.Generator().manual_seed(seed * 1_000_003 + split + 1)
+    x = torch.randn(size, features, generator=samples)
+    logits = torch.tanh(x @ hidden) @ head + noise * torch.randn(size, classes, generator=samples)
+    return x, logits.argmax(dim=1)
+
+
+def classification(
+    features: int = 16,
+    classes: int = 8,
+    train_size: int = 16384,
+    eval_size: int = 512,
+    batch_size: int = 64,
+    noise: float = 0.1,
+    seed: int = 1234,
+) -> DataBundle:
+    """A DataBundle of generated classification data (the ``data=synthetic`` option).
+
+    Example::
+
+        bundle = classification(batch_size=32)
+        loss_name, metric = bundle.loss, bundle.metric   # "cross_entropy", "accuracy"
+    """
+    train_x, train_y = make_classification(train_size, features, classes, noise, seed)
+    eval_x, eval_y = make_classification(eval_size, features, classes, noise, seed, split=1)
+    eval_set = sequential_batches(eval_x, eval_y, batch_size)
+    return DataBundle(
+        train_batches=lambda order_seed, position: shuffled_batches(
+            train_x, train_y, batch_size, order_seed, position
+        ),
+        eval_batches=lambda: eval_set,
+        batches_per_epoch=train_size // batch_size,
+        loss="cross_entropy",
+        metric="accuracy",
+    )
+
+
+@dataclass
+class SyntheticDataConfig:
+    """``data=synthetic``: the arguments of :func:`classification`, checked up front."""
+
+    _target_: str = "giantpipe.data.tensors.classification"
+    """Builder called with the other fields."""
+    features: int = 16
+    """Input width."""
+    classes: int = 8
+    """Number of classes."""
+    train_size: int = 16384
+    """Training samples."""
+    eval_size: int = 512
+    """Evaluation samples."""
+    batch_size: int = 64
+    """Mini-batch size N (the engine splits it into pipeline.chunks micro-batches)."""
+    noise: float = 0.1
+    """Standard deviation of the noise added to the teacher's logits (higher: harder)."""
+    seed: int = 1234
+    """Seed of the generated data set (the batch order follows trainer.seed)."""
+
+    def __post_init__(self) -> None:
+        for key in ("features", "classes", "train_size", "eval_size", "batch_size"):
+            check_min(getattr(self, key), 1, f"data.{key}")
+        check(self.classes >= 2, "data.classes", f"must be >= 2, got {self.classes}")
+        check(
+            self.batch_size <= self.train_size,
+            "data.batch_size",
+            f"must be <= data.train_size ({self.train_size}), got {self.batch_size}",
+        )
+        check_min(self.noise, 0.0, "data.noise")
+
+
+# --------------------------------------------------------------------------- data=tensors
 
 
 def load_split(root: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,3 +212,131 @@ def tensor_files(
         loss=loss,
         metric="accuracy" if loss == "cross_entropy" else None,
     )
+
+
+@dataclass
+class TensorDataConfig:
+    """``data=tensors``: the arguments of :func:`tensor_files`, checked up front."""
+
+    _target_: str = "giantpipe.data.tensors.tensor_files"
+    """Builder called with the other fields."""
+    root: str = "???"
+    """Directory holding train.pt and eval.pt, each a tuple (inputs, targets)."""
+    features: int = "???"  # type: ignore[assignment]
+    """Width of an input (last dimension); checked against the files; the model reads it."""
+    classes: int = "???"  # type: ignore[assignment]
+    """Output width: classes for cross_entropy, target width for mse; the model reads it."""
+    batch_size: int = 64
+    """Mini-batch size N."""
+    loss: str = "cross_entropy"
+    """``cross_entropy`` (integer targets) or ``mse``."""
+
+    def __post_init__(self) -> None:
+        for key in ("features", "classes", "batch_size"):
+            check_min(getattr(self, key), 1, f"data.{key}")
+        check_choice(self.loss, ("cross_entropy", "mse"), "data.loss")
+
+
+# --------------------------------------------------------------------------- data=lm_tokens
+
+HELD_OUT_INDEX = 1 << 20  # eval batches are drawn as if far past any training position
+
+
+def successor_table(vocab_size: int, branching: int, seed: int) -> Tensor:
+    """[vocab_size, branching] int64: the tokens allowed to follow each token."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (vocab_size, branching), generator=generator)
+
+
+def token_walks(table: Tensor, batch_size: int, length: int, generator: torch.Generator) -> Tensor:
+    """[batch_size, length] token walks through ``table`` from uniformly drawn first tokens."""
+    vocab_size, branching = table.shape
+    tokens = torch.empty(batch_size, length, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab_size, (batch_size,), generator=generator)
+    choices = torch.randint(0, branching, (batch_size, length), generator=generator)
+    for t in range(1, length):
+        tokens[:, t] = table[tokens[:, t - 1], choices[:, t]]
+    return tokens
+
+
+def token_batch(table: Tensor, batch_size: int, seq_len: int, seed: int, index: int) -> Batch:
+    """Batch number ``index`` of the stream ``seed``: (tokens, next tokens), [B, seq_len] each."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    walk = token_walks(table, batch_size, seq_len + 1, generator)
+    return walk[:, :-1].contiguous(), walk[:, 1:].contiguous()
+
+
+def token_stream(
+    table: Tensor, batch_size: int, seq_len: int, seed: int, position: int
+) -> Iterator[Batch]:
+    """Endless batches from ``position`` on; each depends only on (seed, its index)."""
+    index = position
+    while True:
+        yield token_batch(table, batch_size, seq_len, seed, index)
+        index += 1
+
+
+def lm_tokens(
+    vocab_size: int = 32000,
+    seq_len: int = 1024,
+    batch_size: int = 32,
+    batches_per_epoch: int = 1000,
+    eval_batches: int = 2,
+    branching: int = 4,
+    seed: int = 1234,
+) -> DataBundle:
+    """Generated language-model batches (fields: ``LMTokensDataConfig``).
+
+    Example::
+
+        bundle = lm_tokens(vocab_size=1000, seq_len=64, batch_size=8)
+        bundle.tokens_per_batch(next(bundle.train_batches(0, 0)))      # 512
+    """
+    table = successor_table(vocab_size, branching, seed)
+    held_out = [
+        token_batch(table, batch_size, seq_len, seed, HELD_OUT_INDEX + i)
+        for i in range(eval_batches)
+    ]
+    return DataBundle(
+        train_batches=lambda run_seed, position: token_stream(
+            table, batch_size, seq_len, run_seed, position
+        ),
+        eval_batches=lambda: held_out,
+        batches_per_epoch=batches_per_epoch,
+        loss="cross_entropy",
+        metric="accuracy",
+        tokens_per_batch=lambda batch: batch[1].numel(),  # type: ignore[union-attr]
+    )
+
+
+@dataclass
+class LMTokensDataConfig:
+    """``data=lm_tokens``: the arguments of :func:`lm_tokens`, checked up front."""
+
+    _target_: str = "giantpipe.data.tensors.lm_tokens"
+    """Builder called with the other fields."""
+    vocab_size: int = 32000
+    """Token ids are drawn below this."""
+    seq_len: int = 1024
+    """Tokens per sequence (the paper's Transformer-L uses 1024)."""
+    batch_size: int = 32
+    """Sequences per mini-batch N."""
+    batches_per_epoch: int = 1000
+    """Nominal epoch length (the stream is endless)."""
+    eval_batches: int = 2
+    """Held-out batches for the eval loss."""
+    branching: int = 4
+    """Each token has this many possible successors, so the loss can fall to ln(branching)."""
+    seed: int = 1234
+    """Seed of the successor table and the held-out batches."""
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "batches_per_epoch", "eval_batches", "branching"):
+            check_min(getattr(self, key), 1, f"data.{key}")
+        check_min(self.seq_len, 2, "data.seq_len")
+        check_min(self.batch_size, 1, "data.batch_size")
+        check(
+            self.branching <= self.vocab_size,
+            "data.branching",
+            f"must be <= data.vocab_size ({self.vocab_size}), got {self.branching}",
+        )

@@ -30,12 +30,14 @@ from __future__ import annotations
 import itertools
 import logging
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from giantpipe.config import ConfigError
+from giantpipe.config import ConfigError, check, check_min
+from giantpipe.data.bleu import HeldOutBleu
 from giantpipe.data.bundle import Batch, DataBundle
 from giantpipe.data.synthetic_corpus import write_synthetic_corpus
 from giantpipe.data.translation import (
@@ -48,7 +50,6 @@ from giantpipe.data.translation import (
     example_size,
     load_parallel_corpus,
 )
-from giantpipe.eval.translate import copy_baseline_bleu, evaluate_bleu
 
 log = logging.getLogger(__name__)
 
@@ -173,52 +174,6 @@ def training_stream(
         yield batch.inputs(), batch.tgt_out
 
 
-class HeldOutBleu:
-    """``evaluate_model`` of the bundle: decode held-out sentences, score them with sacreBLEU.
-
-    Returns ``bleu`` (unweighted mean over pairs), ``bleu/<pair>``, ``bleu_copy`` (BLEU of
-    echoing the source: a floor to beat), ``decode_tokens_per_s`` and ``bleu_signature``.
-
-    Example::
-
-        scorer = HeldOutBleu(vocab, {"en-xa": [("the dog .", "hanu .")]}, beam_size=1)
-        scorer(model)["bleu/en-xa"]
-    """
-
-    def __init__(
-        self,
-        vocab: SharedVocabulary,
-        corpus: Mapping[str, Sequence[tuple[str, str]]],
-        beam_size: int,
-        length_penalty: float = 0.6,
-        max_tokens: int = 4096,
-        force: bool = False,
-    ) -> None:
-        self.vocab, self.corpus, self.force = vocab, dict(corpus), force
-        self.beam_size, self.length_penalty, self.max_tokens = beam_size, length_penalty, max_tokens
-        copy = copy_baseline_bleu(self.corpus, force)
-        self.copy_bleu = copy.average
-        shown = ", ".join(f"{p} {b:.1f}" for p, b in copy.per_pair.items())
-        log.info("copy-the-source baseline BLEU %.2f (%s)", copy.average, shown)
-
-    def __call__(self, model: nn.Sequential) -> dict[str, float | str]:
-        report = evaluate_bleu(
-            model,
-            self.vocab,
-            self.corpus,
-            beam_size=self.beam_size,
-            max_tokens=self.max_tokens,
-            length_penalty=self.length_penalty,
-            force=self.force,
-        )
-        figures: dict[str, float | str] = {"bleu": report.average}
-        figures.update({f"bleu/{pair}": score for pair, score in report.per_pair.items()})
-        figures["bleu_copy"] = self.copy_bleu
-        figures["decode_tokens_per_s"] = report.tokens_per_second or 0.0
-        figures["bleu_signature"] = report.signature
-        return figures
-
-
 def _non_pad(targets: Tensor, pad_id: int) -> int:
     return int(targets.ne(pad_id).sum())
 
@@ -303,3 +258,62 @@ def translation(
         tokens_per_batch=lambda batch: _non_pad(batch[1], pad),  # type: ignore[arg-type]
         evaluate_model=scorer,
     )
+
+
+@dataclass
+class TranslationDataConfig:
+    """``data=translation``: the arguments of :func:`translation`, checked up front."""
+
+    _target_: str = "giantpipe.data.translation_bundle.translation"
+    """Builder called with the other fields (and the run directory)."""
+    train_files: list[str] | None = None
+    """TSV (header row), JSONL or parquet files of (source, target, pair) rows; null: write the
+    generated multilingual corpus into the run directory and train on it."""
+    valid_files: list[str] | None = None
+    """Held-out files for the eval loss and BLEU (needed with train_files)."""
+    source_field: str = "source"
+    """Column of the source sentence."""
+    target_field: str = "target"
+    """Column of the target sentence."""
+    pair_field: str = "pair"
+    """Column naming the language pair, e.g. ``en-de``."""
+    vocab_size: int = 8000
+    """Shared SentencePiece vocabulary size (an upper bound; the model's output size)."""
+    vocab_dir: str | None = None
+    """Where spm.model is trained or reused; null: the run directory (reused on resume)."""
+    max_len: int = 128
+    """Drop training pairs longer than this many tokens (with markers)."""
+    max_tokens: int = 4096
+    """Batch size in tokens: sentences x padded length <= max_tokens."""
+    min_sentences: int = 1
+    """Fewest sentences in a batch (the recipes set it to pipeline.chunks)."""
+    temperature: float = 5.0
+    """Sampling temperature over language pairs: p ~ (n_pair / N)^(1/T)."""
+    generated_languages: int = 3
+    """Generated corpus: languages besides English (pairs en-xx and xx-en)."""
+    generated_train_sizes: list[int] | None = None
+    """Generated corpus: training sentences per language (null: 8000, 2000, 500, ...)."""
+    generated_eval_size: int = 100
+    """Generated corpus: held-out sentences per direction."""
+    generated_seed: int = 0
+    """Generated corpus: seed of the languages and sentences."""
+    bleu_sentences: int | None = 100
+    """Held-out sentences per pair decoded for BLEU at each evaluation (null: all; 0: none)."""
+    beam_size: int = 1
+    """1: greedy decoding; more: beam search with a GNMT length penalty."""
+    length_penalty: float = 0.6
+    """Beam search length penalty alpha."""
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "max_len", "max_tokens", "min_sentences", "beam_size"):
+            check_min(getattr(self, key), 1, f"data.{key}")
+        check(self.temperature > 0, "data.temperature", f"must be > 0, got {self.temperature}")
+        check_min(self.generated_languages, 1, "data.generated_languages")
+        check_min(self.generated_eval_size, 1, "data.generated_eval_size")
+        if self.bleu_sentences is not None:
+            check_min(self.bleu_sentences, 0, "data.bleu_sentences")
+        check(
+            self.max_tokens >= self.min_sentences * 4,
+            "data.max_tokens",
+            f"{self.max_tokens} leaves no room for {self.min_sentences} sentences per batch",
+        )

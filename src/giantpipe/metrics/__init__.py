@@ -1,4 +1,9 @@
-"""Metrics: per-step records, windows over them, and sinks (progress bar, JSONL, W&B, summary).
+"""Metrics: what an optimizer step reports and where it goes.
 
-The training loop talks to :class:`giantpipe.metrics.logger.MetricsLogger` only.
+- ``record``: :class:`StepRecord` (one step's figures) and :class:`Window` (their averages);
+- ``sinks``: the progress bar, ``metrics.jsonl``, W&B, ``summary.json`` and its table;
+- ``logger``: :class:`MetricsLogger`, the training loop's one door to them.
+
+Imported by the runner (and scripts reading ``metrics.jsonl``); imports nothing of giantpipe
+but ``giantpipe.config`` (the engine's step statistics are duck-typed, see ``record``).
 """

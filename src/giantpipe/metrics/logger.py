@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from giantpipe.config import LoggerConfig
-from giantpipe.metrics.jsonl import JsonlSink
-from giantpipe.metrics.progress import ProgressBar
 from giantpipe.metrics.record import StepRecord, Window
-from giantpipe.metrics.wandb_sink import WandbSink
+from giantpipe.metrics.sinks import JsonlSink, ProgressBar, WandbSink
 
 log = logging.getLogger(__name__)
 

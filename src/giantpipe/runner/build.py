@@ -244,7 +244,7 @@ def _training_parts(
     optimizer = build_optimizer(names.values(), cfg.optim)
     steps_per_epoch = bundle.batches_per_epoch / cfg.trainer.accumulate
     total = total_steps(cfg, steps_per_epoch)
-    factor = lr_multiplier(cfg.optim.schedule, steps_per_epoch, total)
+    factor = lr_multiplier(cfg.optim.lr_schedule, steps_per_epoch, total)
     return Experiment(
         bundle=bundle,
         model=model,

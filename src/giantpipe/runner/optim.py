@@ -10,7 +10,7 @@ parameter names, so it checkpoints and resumes like the model does, under any ba
 Example::
 
     optimizer = build_optimizer(pipe.parameters(), OptimConfig(name="sgd", lr=0.1, momentum=0.9))
-    factor = lr_multiplier(ScheduleConfig(name="cosine", warmup_steps=10), 0, 100)
+    factor = lr_multiplier(LRScheduleConfig(name="cosine", warmup_steps=10), 0, 100)
     [round(factor(s), 3) for s in (0, 9, 10, 55, 99)]   # [0.1, 1.0, 1.0, 0.5, 0.0...]
     ema = WeightEMA(named_params, decay=0.9999)
     ...; optimizer.step(); ema.update()
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from giantpipe.config import OptimConfig, ScheduleConfig
+from giantpipe.config import LRScheduleConfig, OptimConfig
 
 # --------------------------------------------------------------------------- optimizer
 
@@ -72,7 +72,7 @@ def epochs_to_steps(epochs: float, steps_per_epoch: float) -> int:
 
 
 def _decay(
-    cfg: ScheduleConfig, warmup: int, decay_steps: int, total: int
+    cfg: LRScheduleConfig, warmup: int, decay_steps: int, total: int
 ) -> Callable[[int], float]:
     """The rule after warm-up, as a function of the optimizer step."""
     if cfg.name == "cosine":
@@ -95,7 +95,7 @@ def _decay(
 
 
 def lr_multiplier(
-    cfg: ScheduleConfig, steps_per_epoch: float, total_steps: int
+    cfg: LRScheduleConfig, steps_per_epoch: float, total_steps: int
 ) -> Callable[[int], float]:
     """``step -> lr multiplier`` for a run of ``total_steps`` optimizer steps.
 
@@ -103,7 +103,7 @@ def lr_multiplier(
 
     Example::
 
-        f = lr_multiplier(ScheduleConfig(name="exponential", decay_rate=0.5, decay_steps=10,
+        f = lr_multiplier(LRScheduleConfig(name="exponential", decay_rate=0.5, decay_steps=10,
                                          staircase=True), steps_per_epoch=100, total_steps=50)
         f(9), f(10), f(25)    # 1.0, 0.5, 0.25
     """

@@ -19,7 +19,7 @@ Not modelled: CPU stand-ins slowing each other down (they share cores), allocato
 Example::
 
     pipeline, choice = plan_pipeline(cfg, model, ["cpu", "cpu"], inputs, targets, loss_fn)
-    pipeline.balance, pipeline.chunks, pipeline.checkpoint, pipeline.schedule
+    pipeline.balance, pipeline.chunks, pipeline.recompute, pipeline.schedule
     choice["predicted_samples_per_s"]
 """
 
@@ -68,7 +68,7 @@ def plan_pipeline(
     targets: Tensors,
     loss_fn: LossFn,
 ) -> tuple[PipelineConfig, dict[str, Any]]:
-    """The pipeline config with the planner's balance, chunks, checkpoint, schedule and V, and
+    """The pipeline config with the planner's balance, chunks, recompute, schedule and V, and
     the choice as a dict for summary.json. ``inputs`` and ``targets`` are one training batch.
 
     Leaves the model's parameters, gradients, buffers and the RNG streams as they were.
@@ -110,7 +110,7 @@ def plan_pipeline(
         cfg.pipeline,
         balance=list(best.balance),
         chunks=best.chunks,
-        checkpoint=best.checkpoint,
+        recompute=best.checkpoint,
         schedule=best.schedule,
         virtual_stages=best.virtual_stages,
     )

@@ -29,9 +29,8 @@ from typing import Any, Protocol
 
 from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.engine.dist.shards import MANIFEST
-from giantpipe.metrics.jsonl import truncate_after_step
 from giantpipe.metrics.logger import MetricsLogger
-from giantpipe.metrics.summary import format_table, write_summary
+from giantpipe.metrics.sinks import format_table, truncate_after_step, write_summary
 
 LAST = "last"
 """The checkpoint directory refreshed at every evaluation and at the end."""

@@ -7,15 +7,15 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from giantpipe.cli import to_experiment
-from giantpipe.config import SCHEMAS, ExperimentConfig, register_configs
+from giantpipe.cli import one_line, register_configs, to_experiment
+from giantpipe.config import SCHEMAS, ExperimentConfig
 from giantpipe.data.bundle import DataBundle, batch_size
 from giantpipe.data.images import write_image_folder
 from giantpipe.runner.build import build_model
 from giantpipe.runner.registry import build_from_target
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
-register_configs()
+register_configs(CONF)
 
 
 def options(group: str) -> list[str]:
@@ -104,3 +104,18 @@ def test_default_job_is_the_quickstart_on_two_cpu_stand_ins():
 
 def test_command_line_override_beats_recipe():
     assert composed("trainer.max_steps=7").trainer.max_steps == 7
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("pipeline.checkpoint=always", "pipeline.checkpoint: renamed to pipeline.recompute"),
+        ("+pipeline.checkpoint=always", "pipeline.checkpoint: renamed to pipeline.recompute"),
+        ("optim.schedule.name=cosine", "optim.schedule: renamed to optim.lr_schedule"),
+        ("+optim.schedule.name=cosine", "optim.schedule: renamed to optim.lr_schedule"),
+    ],
+)
+def test_a_renamed_key_is_one_line_naming_the_new_key(override, line):
+    with pytest.raises(Exception) as info:
+        composed(override)
+    assert one_line(info.value) == line

@@ -8,7 +8,6 @@ BELOW_THE_ENTRY = [
     "runner",
     "metrics",
     "data/bundle.py",
-    "data/synthetic.py",
     "data/tensors.py",
     "config.py",
 ]
@@ -40,3 +39,11 @@ def test_only_register_configs_touches_hydra_in_config_py():
     tree = ast.parse((SRC / "config.py").read_text())
     top_level = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
     assert not any(m and m.startswith("hydra") for m in top_level)
+
+
+def test_models_know_nothing_of_giantpipe_hydra_or_omegaconf():
+    files = sorted((SRC.parents[1] / "models").glob("*.py"))
+    assert len(files) > 3
+    forbidden = {"giantpipe", "hydra", "omegaconf"}
+    offenders = [f.name for f in files if imported_modules(f) & forbidden]
+    assert offenders == []

@@ -6,22 +6,21 @@ from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
     LoggerConfig,
-    MlpModelConfig,
+    LRScheduleConfig,
     OptimConfig,
     PipelineConfig,
-    ScheduleConfig,
     SweepConfig,
-    SyntheticDataConfig,
-    TensorDataConfig,
     TrainerConfig,
 )
+from giantpipe.data.tensors import SyntheticDataConfig, TensorDataConfig
+from models.mlp import MlpModelConfig
 
 
 @pytest.mark.parametrize(
     ("build", "key"),
     [
         (lambda: PipelineConfig(chunks=0), "pipeline.chunks"),
-        (lambda: PipelineConfig(checkpoint="sometimes"), "pipeline.checkpoint"),
+        (lambda: PipelineConfig(recompute="sometimes"), "pipeline.recompute"),
         (lambda: PipelineConfig(precision="fp8"), "pipeline.precision"),
         (lambda: PipelineConfig(schedule=""), "pipeline.schedule"),
         (lambda: PipelineConfig(devices="tpu"), "pipeline.devices"),
@@ -33,11 +32,14 @@ from giantpipe.config import (
         (lambda: PipelineConfig(balance=[]), "pipeline.balance"),
         (lambda: PipelineConfig(executor="mpi"), "pipeline.executor"),
         (lambda: PipelineConfig(executor="distributed", timeout=0), "pipeline.timeout"),
-        (lambda: ScheduleConfig(name="step"), "optim.schedule.name"),
-        (lambda: ScheduleConfig(warmup_steps=5, warmup_epochs=1.0), "optim.schedule.warmup_epochs"),
-        (lambda: ScheduleConfig(decay_rate=1.5), "optim.schedule.decay_rate"),
-        (lambda: ScheduleConfig(name="exponential"), "optim.schedule.decay_steps"),
-        (lambda: ScheduleConfig(min_ratio=2.0), "optim.schedule.min_ratio"),
+        (lambda: LRScheduleConfig(name="step"), "optim.lr_schedule.name"),
+        (
+            lambda: LRScheduleConfig(warmup_steps=5, warmup_epochs=1.0),
+            "optim.lr_schedule.warmup_epochs",
+        ),
+        (lambda: LRScheduleConfig(decay_rate=1.5), "optim.lr_schedule.decay_rate"),
+        (lambda: LRScheduleConfig(name="exponential"), "optim.lr_schedule.decay_steps"),
+        (lambda: LRScheduleConfig(min_ratio=2.0), "optim.lr_schedule.min_ratio"),
         (lambda: OptimConfig(name="lamb"), "optim.name"),
         (lambda: OptimConfig(lr=0.0), "optim.lr"),
         (lambda: OptimConfig(name="sgd", nesterov=True), "optim.nesterov"),
@@ -56,8 +58,6 @@ from giantpipe.config import (
         (lambda: LoggerConfig(progress="rich"), "logger.progress"),
         (lambda: LoggerConfig(wandb_mode="cloud"), "logger.wandb_mode"),
         (lambda: SweepConfig(direction="up"), "sweep.direction"),
-        (lambda: MlpModelConfig(depth=0), "model.depth"),
-        (lambda: MlpModelConfig(norm="group"), "model.norm"),
         (lambda: SyntheticDataConfig(classes=1), "data.classes"),
         (lambda: SyntheticDataConfig(batch_size=100, train_size=10), "data.batch_size"),
         (lambda: TensorDataConfig(root="x", features=4, classes=2, loss="l1"), "data.loss"),

@@ -2,7 +2,7 @@
 
 import torch
 
-from giantpipe.data.synthetic import classification, shuffled_batches
+from giantpipe.data.tensors import classification, shuffled_batches
 
 
 def test_batches_are_a_function_of_seed_and_position():

@@ -11,7 +11,7 @@ import torch
 
 from giantpipe.config import ConfigError
 from giantpipe.data.bundle import DataBundle
-from giantpipe.data.lm_tokens import lm_tokens
+from giantpipe.data.tensors import lm_tokens
 from giantpipe.data.translation_bundle import eval_groups, translation
 from models.transformer import transformer_t
 

@@ -6,11 +6,16 @@ from types import SimpleNamespace
 import pytest
 
 from giantpipe.config import LoggerConfig
-from giantpipe.metrics.jsonl import JsonlSink, read_jsonl, truncate_after_step
 from giantpipe.metrics.logger import MetricsLogger
-from giantpipe.metrics.progress import wants_bar
 from giantpipe.metrics.record import StepRecord, Window
-from giantpipe.metrics.summary import format_table, write_summary
+from giantpipe.metrics.sinks import (
+    JsonlSink,
+    format_table,
+    read_jsonl,
+    truncate_after_step,
+    wants_bar,
+    write_summary,
+)
 
 
 def stats(busy, peak, bubble=0.25):

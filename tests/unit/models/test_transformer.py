@@ -10,8 +10,6 @@ from torch import nn
 from models.transformer import (
     DecoderLayer,
     EncoderLayer,
-    decode_logits,
-    encode,
     label_smoothed_cross_entropy,
     split_points,
     tied_parameter_layers,
@@ -124,8 +122,8 @@ def test_encode_and_decode_logits_match_the_full_forward() -> None:
     first, head = split_points(model)
     assert isinstance(model[first], DecoderLayer) and isinstance(model[first - 1], EncoderLayer)
     assert head == len(model) - 1
-    src_x, src_pad = encode(model, src)
-    torch.testing.assert_close(decode_logits(model, src_x, src_pad, tgt), model((src, tgt)))
+    src_x, src_pad = model.encode(src)
+    torch.testing.assert_close(model.decode_logits(src_x, src_pad, tgt), model((src, tgt)))
 
 
 @pytest.mark.parametrize("mode", ["tanh", "clamp"])

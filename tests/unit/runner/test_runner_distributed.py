@@ -10,27 +10,26 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import rank_overrides, to_experiment
+from giantpipe.cli import rank_overrides, register_configs, to_experiment
 from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
     LoggerConfig,
-    MlpModelConfig,
     PipelineConfig,
-    SyntheticDataConfig,
     TrainerConfig,
-    register_configs,
 )
+from giantpipe.data.tensors import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.pipeline import pipeline_ranks, rank_device
 from giantpipe.runner.record import resume_point
 from giantpipe.runner.step import replica_slice
+from models.mlp import MlpModelConfig
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 def composed(*overrides: str) -> ExperimentConfig:
-    register_configs()
+    register_configs(CONF)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return to_experiment(compose("config", overrides=["recipe=mlp_quickstart", *overrides]))
 

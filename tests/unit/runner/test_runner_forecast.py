@@ -9,18 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from giantpipe.config import (
-    ExperimentConfig,
-    LoggerConfig,
-    MlpModelConfig,
-    PipelineConfig,
-    SyntheticDataConfig,
-    TrainerConfig,
-)
-from giantpipe.metrics.jsonl import read_jsonl
+from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
+from giantpipe.data.tensors import SyntheticDataConfig
+from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.checkpoint import read_checkpoint
 from giantpipe.runner.forecast import Forecast
+from models.mlp import MlpModelConfig
 
 PREDICTED = (
     "pipeline/predicted_step_time_s",

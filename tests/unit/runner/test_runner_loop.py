@@ -13,20 +13,19 @@ from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
     LoggerConfig,
-    MlpModelConfig,
     PipelineConfig,
-    SyntheticDataConfig,
     TrainerConfig,
 )
 from giantpipe.data.bundle import DataBundle
-from giantpipe.data.synthetic import classification
-from giantpipe.metrics.jsonl import read_jsonl
+from giantpipe.data.tensors import SyntheticDataConfig, classification
+from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
 from giantpipe.runner.checkpoint import Progress, read_checkpoint
 from giantpipe.runner.loop import NonFiniteLossError, TrainingLoop
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
+from models.mlp import MlpModelConfig
 
 NAN_FROM = 3  # the training batch from which nan_data returns NaN inputs
 

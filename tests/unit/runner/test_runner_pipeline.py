@@ -69,7 +69,7 @@ def test_more_stages_than_layers_is_rejected():
 
 
 def test_build_pipe_passes_the_settings_through():
-    cfg = PipelineConfig(devices="cpu", num_devices=3, chunks=3, checkpoint="always")
+    cfg = PipelineConfig(devices="cpu", num_devices=3, chunks=3, recompute="always")
     pipe = build_pipe(seq(4), cfg, [2, 2], ["cpu"] * 3)
     assert (pipe.balance, pipe.chunks, pipe.checkpoint, len(pipe.devices)) == (
         [2, 2],

@@ -12,14 +12,14 @@ from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
     LoggerConfig,
-    MlpModelConfig,
     OptimConfig,
     PipelineConfig,
-    SyntheticDataConfig,
     TrainerConfig,
 )
+from giantpipe.data.tensors import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.planning import chunk_options, optimizer_slots, plan_pipeline
+from models.mlp import MlpModelConfig
 
 
 def tiny(**pipeline) -> ExperimentConfig:
@@ -38,7 +38,7 @@ def tiny(**pipeline) -> ExperimentConfig:
 def test_plan_auto_runs_the_planned_balance_chunks_checkpoint_and_schedule(tmp_path: Path):
     # chunks=5 does not divide the batch of 12: the planner never picks it, so it shows whether
     # the run took the planned M
-    cfg = tiny(plan="auto", memory_budget_gib=1.0, chunks=5, checkpoint="always")
+    cfg = tiny(plan="auto", memory_budget_gib=1.0, chunks=5, recompute="always")
     summary = train(cfg, tmp_path, "name: tiny\n")
     choice = summary["pipeline/plan_choice"]
     assert summary["status"] == "completed"

@@ -9,19 +9,19 @@ import pytest
 import torch
 from torch import nn
 
+from giantpipe.data.bleu import (
+    beam_search,
+    copy_baseline_bleu,
+    corpus_bleu,
+    evaluate_bleu,
+    greedy_decode,
+)
 from giantpipe.data.synthetic_corpus import write_synthetic_corpus
 from giantpipe.data.translation import (
     MultilingualBatches,
     SharedVocabulary,
     encode_corpus,
     load_parallel_corpus,
-)
-from giantpipe.eval.translate import (
-    beam_search,
-    copy_baseline_bleu,
-    corpus_bleu,
-    evaluate_bleu,
-    greedy_decode,
 )
 from models.transformer import label_smoothed_cross_entropy, transformer_t
 

@@ -1,8 +1,10 @@
-"""Decoding and BLEU for the flat encoder-decoder ``nn.Sequential`` of ``models.transformer``.
+"""Held-out BLEU for the translation data: greedy and beam decoding, sacreBLEU per language pair.
 
-No engine is needed: the encoder children run once per batch (``encode``), the decoder children
-and the head run once per generated position on the whole prefix (``decode_logits``; no key/value
-cache, which keeps decoding exact and simple at O(T^2) cost).
+Decoding needs no engine and no import of the model's code: it reaches the model only through
+what the model object offers (:class:`Seq2Seq`: ``encode`` once per batch, ``decode_logits`` once
+per generated position on the whole prefix, ``max_len``), as ``models.transformer``'s
+``EncoderDecoder`` does. No key/value cache: decoding stays exact and simple at O(T^2) cost.
+:class:`HeldOutBleu` is the translation bundle's ``evaluate_model``.
 
 Example::
 
@@ -13,32 +15,65 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 from sacrebleu.metrics import BLEU
 from torch import Tensor, nn
 
 from giantpipe.data.translation import SharedVocabulary, eval_batches, split_pair
-from models.transformer import decode_logits, encode
 
 __all__ = [
+    "Seq2Seq",
     "greedy_decode",
     "beam_search",
     "corpus_bleu",
     "BleuReport",
     "evaluate_bleu",
     "copy_baseline_bleu",
+    "HeldOutBleu",
 ]
+
+log = logging.getLogger(__name__)
 
 Corpus = Mapping[str, Sequence[tuple[str, str]]]  # {pair: [(source, reference)]}
 
 
-def _max_steps(model: nn.Sequential, src_tokens: Tensor, max_len: int | None) -> int:
-    positions = int(model[0].get_buffer("positions").shape[0])
+class Seq2Seq(Protocol):
+    """What decoding needs from a model (``models.transformer.EncoderDecoder`` offers it)."""
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence the model takes (its position table)."""
+        ...
+
+    def encode(self, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """(source states [B, S, D], source padding mask [B, S]), once per batch."""
+        ...
+
+    def decode_logits(self, src_x: Tensor, src_pad: Tensor, prefix: Tensor) -> Tensor:
+        """Logits [B, T, V] for target prefixes [B, T] given :meth:`encode`'s output."""
+        ...
+
+
+def seq2seq(model: nn.Module) -> Seq2Seq:
+    """``model`` as a :class:`Seq2Seq`; a TypeError names what it lacks."""
+    missing = [a for a in ("encode", "decode_logits", "max_len") if not hasattr(model, a)]
+    if missing:
+        raise TypeError(
+            f"decoding needs a model offering encode, decode_logits and max_len (e.g. "
+            f"models.transformer.transformer_t); {type(model).__name__} lacks {missing}"
+        )
+    return cast(Seq2Seq, model)
+
+
+def _max_steps(model: Seq2Seq, src_tokens: Tensor, max_len: int | None) -> int:
+    positions = model.max_len
     wanted = max_len if max_len is not None else int(1.5 * src_tokens.shape[1]) + 10
     return max(1, min(wanted, positions - 1))
 
@@ -73,12 +108,13 @@ def greedy_decode(
     """
     was_training = model.training
     model.eval()
-    src_x, src_pad = encode(model, src_tokens)
+    decoder = seq2seq(model)
+    src_x, src_pad = decoder.encode(src_tokens)
     prefix = torch.full((src_tokens.shape[0], 1), bos_id, dtype=torch.long)
     prefix = prefix.to(src_tokens.device)
     finished = torch.zeros(src_tokens.shape[0], dtype=torch.bool, device=src_tokens.device)
-    for _ in range(_max_steps(model, src_tokens, max_len)):
-        logits = decode_logits(model, src_x, src_pad, prefix)[:, -1]
+    for _ in range(_max_steps(decoder, src_tokens, max_len)):
+        logits = decoder.decode_logits(src_x, src_pad, prefix)[:, -1]
         step = logits.argmax(dim=-1).to(prefix.device)  # the head may sit on another device
         step = step.masked_fill(finished, pad_id)
         prefix = torch.cat([prefix, step[:, None]], dim=1)
@@ -145,15 +181,16 @@ def beam_search(
     """
     was_training = model.training
     model.eval()
-    src_x, src_pad = encode(model, src_tokens)
+    decoder = seq2seq(model)
+    src_x, src_pad = decoder.encode(src_tokens)
     beams = [_Beams([(0.0, [bos_id])]) for _ in range(src_tokens.shape[0])]
-    for _ in range(_max_steps(model, src_tokens, max_len)):
+    for _ in range(_max_steps(decoder, src_tokens, max_len)):
         active = [i for i, b in enumerate(beams) if len(b.done) < beam_size and b.live]
         if not active:
             break
         rows = [i for i in active for _ in beams[i].live]
         prefix = torch.tensor([t for i in active for _, t in beams[i].live], device=src_x.device)
-        logits = decode_logits(model, src_x[rows], src_pad[rows], prefix)[:, -1]
+        logits = decoder.decode_logits(src_x[rows], src_pad[rows], prefix)[:, -1]
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
         start = 0
         for i in active:
@@ -276,3 +313,49 @@ def copy_baseline_bleu(corpus: Corpus, force: bool = False) -> BleuReport:
     hypotheses = {pair: [s for s, _ in examples] for pair, examples in corpus.items()}
     per_pair, average, signature = _score(hypotheses, corpus, force)
     return BleuReport(per_pair, average, signature, hypotheses)
+
+
+class HeldOutBleu:
+    """``evaluate_model`` of the bundle: decode held-out sentences, score them with sacreBLEU.
+
+    Returns ``bleu`` (unweighted mean over pairs), ``bleu/<pair>``, ``bleu_copy`` (BLEU of
+    echoing the source: a floor to beat), ``decode_tokens_per_s`` and ``bleu_signature``.
+
+    Example::
+
+        scorer = HeldOutBleu(vocab, {"en-xa": [("the dog .", "hanu .")]}, beam_size=1)
+        scorer(model)["bleu/en-xa"]
+    """
+
+    def __init__(
+        self,
+        vocab: SharedVocabulary,
+        corpus: Mapping[str, Sequence[tuple[str, str]]],
+        beam_size: int,
+        length_penalty: float = 0.6,
+        max_tokens: int = 4096,
+        force: bool = False,
+    ) -> None:
+        self.vocab, self.corpus, self.force = vocab, dict(corpus), force
+        self.beam_size, self.length_penalty, self.max_tokens = beam_size, length_penalty, max_tokens
+        copy = copy_baseline_bleu(self.corpus, force)
+        self.copy_bleu = copy.average
+        shown = ", ".join(f"{p} {b:.1f}" for p, b in copy.per_pair.items())
+        log.info("copy-the-source baseline BLEU %.2f (%s)", copy.average, shown)
+
+    def __call__(self, model: nn.Sequential) -> dict[str, float | str]:
+        report = evaluate_bleu(
+            model,
+            self.vocab,
+            self.corpus,
+            beam_size=self.beam_size,
+            max_tokens=self.max_tokens,
+            length_penalty=self.length_penalty,
+            force=self.force,
+        )
+        figures: dict[str, float | str] = {"bleu": report.average}
+        figures.update({f"bleu/{pair}": score for pair, score in report.per_pair.items()})
+        figures["bleu_copy"] = self.copy_bleu
+        figures["decode_tokens_per_s"] = report.tokens_per_second or 0.0
+        figures["bleu_signature"] = report.signature
+        return figures
