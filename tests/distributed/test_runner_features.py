@@ -1,5 +1,5 @@
 """What reached torchrun with the one runner: BLEU (whole-model evaluation), the planner, device
-lists, and checkpoints shared with the local executor in both directions."""
+lists, the simulator's forecast, and checkpoints shared with the local executor both ways."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_bleu_under_torchrun_equals_the_local_runs(tmp_path: Path) -> None:
     assert any(k.startswith("eval/bleu_") for k in there)  # per pair, as the local run
 
 
-def test_planner_and_device_list_under_torchrun(tmp_path: Path) -> None:
+def test_planner_device_list_and_forecast_under_torchrun(tmp_path: Path) -> None:
     run = tmp_path / "run"
     devices = "pipeline.devices=[cpu,cpu]"
     output = launch(run, *MLP, "trainer.max_steps=3", "pipeline.plan=auto", devices)
@@ -107,6 +107,13 @@ def test_planner_and_device_list_under_torchrun(tmp_path: Path) -> None:
     assert result["pipeline/chunks"] == choice["chunks"]
     assert result["pipeline/devices"] == ["cpu", "cpu"]
     assert output.count("pipeline.plan=auto") >= 1  # rank 0 alone plans and logs the table
+    # trainer.predict: forecast from every rank's timings of step 2, measured on step 3
+    assert 0 < result["pipeline/predicted_step_time_s"] < 10
+    assert 0 <= result["pipeline/predicted_bubble"] < 1
+    assert result["pipeline/step_time_vs_predicted"] == pytest.approx(
+        result["pipeline/step_time_s"] / result["pipeline/predicted_step_time_s"] - 1
+    )
+    assert (run / "timeline_predicted.png").exists()
 
 
 def test_checkpoints_move_between_the_executors(tmp_path: Path) -> None:

@@ -14,10 +14,17 @@ two steps are drawn side by side in the run directory: ``timeline_predicted.png`
 simulation) and ``timeline_measured.png`` (the run's last engine step, as the executor timed
 each action).
 
+Under torchrun a rank holds only its own stages, so nothing can be replayed in one process: the
+forecast is made after the second step (the first opens the connections) from the executor's
+own timings of that step on every rank, gathered on rank 0, and each boundary between two ranks
+probed for the time its values take to cross (:mod:`giantpipe.perf.measured`); the measured
+steps it is set against are those after it. Only the predicted timeline is drawn (the ranks'
+clocks are not one clock).
+
 Example::
 
-    forecast = Forecast()
-    forecast.after_step(parts, "fp32", batches[0], stats, more=True)   # every optimizer step
+    forecast = Forecast(world)
+    forecast.after_step(parts, "fp32", batches[0], stats, step, more=True)  # every step
     forecast.report()                                                  # logs the line above
     summary.update(forecast.figures())                                 # pipeline/predicted_*
 """
@@ -28,13 +35,18 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from giantpipe.data.bundle import Batch
+from giantpipe.data.bundle import Batch, batch_size
+from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.recompute import recompute_stop
+from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.stats import ActionTiming
 from giantpipe.metrics.record import EngineStats
 from giantpipe.runner.step import autocast, to_device
+from giantpipe.runner.world import World
 
 if TYPE_CHECKING:
     from giantpipe.perf.predict import Prediction
@@ -49,10 +61,12 @@ WARN_ABOVE = 0.25
 class Forecast:
     """One prediction per run, and the measured engine steps that follow it."""
 
-    def __init__(self) -> None:
+    def __init__(self, world: World | None = None) -> None:
+        self.world = world or World()
         self.prediction: Prediction | None = None
         self.predict_time_s = 0.0
         self._done = False
+        self._seen = 0  # optimizer steps seen before the prediction
         self._time = self._bubble = 0.0
         self._count = 0
 
@@ -60,20 +74,27 @@ class Forecast:
         self,
         parts: Experiment,
         precision: str,
-        batch: Batch,
+        batch: Batch | None,
         stats: Sequence[EngineStats],
         step: int,
         more: bool,
     ) -> None:
-        """Predict after the first step (when steps remain to compare with); then measure."""
+        """Predict after the first step (under torchrun the second), when steps remain to
+        compare with; then measure. Collective under torchrun (every rank calls it)."""
         if self._done:
             if self.prediction is not None:
                 self._time += sum(s.wall_time_s for s in stats)
                 self._bubble += sum(s.bubble for s in stats)
                 self._count += len(stats)
             return
+        self._seen += 1
+        distributed = self.world.size > 1
+        if distributed and self._seen < 2 and more:
+            return
         self._done = True
-        if more:
+        if more and distributed:
+            self._predict_distributed(parts, batch, step)
+        elif more and batch is not None:
             self._predict(parts, precision, batch, step)
 
     def _predict(self, parts: Experiment, precision: str, batch: Batch, step: int) -> None:
@@ -102,6 +123,45 @@ class Forecast:
             self.predict_time_s,
             self.prediction.step_time_s,
             self.prediction.bubble,
+        )
+
+    def _predict_distributed(self, parts: Experiment, batch: Batch | None, step: int) -> None:
+        """Every rank: its timings and parameter bytes to rank 0, its boundaries probed; rank 0
+        simulates the schedule on the costs they make."""
+        from giantpipe.perf.measured import probe_link, stage_costs
+        from giantpipe.perf.predict import Prediction
+        from giantpipe.perf.simulate import simulate
+
+        pipe, world, started = cast(DistributedPipe, parts.pipe), self.world, time.perf_counter()
+        schedule, leader = pipe.step_schedule(), pipe.replica == 0
+        held = {s: _static_bytes(pipe.partitions[s]) for s in pipe.layout.local_stages}
+        gathered = world.gather((pipe.last_timings, held) if leader else ([], {}))
+        timings = [t for part, _ in gathered for t in part]
+        static = {s: n for _, part in gathered for s, n in part.items()}
+        crossings = world.from_rank0(_crossings(schedule, timings) if world.rank == 0 else [])
+        group = pipe.groups.p2p
+        probed = world.gather([probe_link(group, *c[1:], world.rank) for c in crossings])
+        if world.rank != 0 or batch is None:
+            return
+        sends = [0.0] * schedule.num_stages
+        for i, (stage, sender, _, _) in enumerate(crossings):
+            sends[stage] = probed[sender][i]
+        stop = recompute_stop(pipe.checkpoint, pipe.chunks)
+        bytes_of = [static.get(s, 0) for s in range(schedule.num_stages)]
+        costs = stage_costs(timings, schedule.num_stages, stop, sends, bytes_of)
+        sim = simulate(schedule, costs, pipe.checkpoint)
+        rate = sim.samples_per_second(batch_size(batch[0]))
+        self.prediction = Prediction(
+            sim.step_time, rate, sim.bubble, sim.peak_memory_bytes, sim, costs, 0.0, 1.0
+        )
+        self.predict_time_s = time.perf_counter() - started
+        log.info(
+            "simulator (every rank's actions as timed in step %d, boundaries probed, %.1fs): "
+            "predicted step %.3g s, bubble %.2f",
+            step,
+            self.predict_time_s,
+            sim.step_time,
+            sim.bubble,
         )
 
     def measured(self) -> tuple[float, float] | None:
@@ -151,7 +211,7 @@ class Forecast:
         try:
             paths = [plot_timeline(self.prediction.simulation, run_dir / "timeline_predicted.png")]
             timings = getattr(pipe, "last_timings", None)
-            if timings:
+            if timings and self.world.size == 1:  # one process, one clock
                 schedule = pipe.step_schedule()
                 paths.append(plot_measured(timings, schedule, run_dir / "timeline_measured.png"))
         except Exception as err:  # a diagnostic: say so, and finish the run
@@ -175,3 +235,26 @@ class Forecast:
             figures["pipeline/step_time_s"] = measured[0]
             figures["pipeline/step_time_vs_predicted"] = measured[0] / p.step_time_s - 1
         return figures
+
+
+def _static_bytes(stage: torch.nn.Module) -> int:
+    """Weights and their gradients: what a stage holds whatever the step does."""
+    return 2 * sum(p.numel() * p.element_size() for p in stage.parameters())
+
+
+def _crossings(
+    schedule: Schedule, timings: Sequence[ActionTiming]
+) -> list[tuple[int, int, int, int]]:
+    """(stage, sending rank, receiving rank, bytes) of every boundary between two ranks of
+    replica 0, the bytes those the next stage's forwards received."""
+    found = []
+    for stage in range(schedule.num_stages - 1):
+        sender, receiver = schedule.placement[stage], schedule.placement[stage + 1]
+        if sender == receiver:
+            continue
+        received = [
+            t.received for t in timings if t.action.kind == "F" and t.action.stage == stage + 1
+        ]
+        nbytes = sorted(received)[len(received) // 2] if received else 0
+        found.append((stage, sender, receiver, nbytes))
+    return found

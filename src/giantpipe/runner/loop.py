@@ -71,7 +71,7 @@ class TrainingLoop:
         """Text figures of the latest evaluation (e.g. the BLEU signature), for the summary."""
         self.last_line: dict[str, Any] | None = None
         """The latest metrics line written; its loss is the run's final train loss."""
-        self.forecast = Forecast() if cfg.trainer.predict else None
+        self.forecast = Forecast(world) if cfg.trainer.predict else None
         """trainer.predict: the simulator's forecast after the first step, and the measurements."""
 
     # -- one step ---------------------------------------------------------------------------
@@ -114,8 +114,7 @@ class TrainingLoop:
             if not math.isfinite(grad_norm):
                 raise self._fail("the gradient norm", grad_norm)
         record = self.update(batches, loss, stats, grad_norm, start)
-        if self.forecast is not None and batches[0] is not None:  # after the record: its
-            # step time leaves the profile out
+        if self.forecast is not None:  # after the record: its step time leaves the profile out
             more = self.progress.step < parts.total_steps
             precision = self.cfg.pipeline.precision
             self.forecast.after_step(parts, precision, batches[0], stats, self.progress.step, more)

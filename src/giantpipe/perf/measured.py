@@ -1,0 +1,156 @@
+"""The forecast of a distributed step, from the executor's own timings of one real step.
+
+The local forecast (:mod:`giantpipe.perf.predict`) replays each worker's actions in one process.
+A torchrun rank holds only its own stages, so the distributed forecast takes its action costs
+from a real step instead: every rank's executor timed each of its actions
+(:class:`~giantpipe.engine.stats.ActionTiming`: the work, waits left out; the recompute inside a
+B; the bytes it received from a neighbour and kept for backward), the ranks send those timings
+to rank 0, and each boundary between two ranks is probed for the time a value of its size takes
+to cross (:func:`probe_link`, the transport's two messages, header and bytes). The simulator
+then runs the schedule on these costs: what it adds is the waiting, which is exactly what the
+measured step time contains and the action costs do not::
+
+    per stage s:  forward, forward_no_grad  median work of F(s, m), kept / re-materialized m
+                  backward(_input), weight   median work of B(s, m) (recompute left out), W(s, m)
+                  recompute                  median recompute inside B(s, m)
+                  input_bytes                bytes F(s, m) received (stage 0: kept, re-mat. m)
+                  activation_bytes           what F(s, m) kept beyond its input, or a recompute
+                  send                       probed crossing time of stage s's output
+                  static_bytes               parameters x (2 + optimizer slots)
+
+Example (rank 0, after a step on every rank)::
+
+    costs = stage_costs(all_timings, schedule.num_stages, stop, sends, static)
+    sim = simulate(schedule, costs, "except_last")
+    sim.step_time, sim.bubble
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from giantpipe.engine.stats import ActionTiming
+from giantpipe.perf.simulate import StageCost
+
+HEADER_BYTES = 64
+"""Size of the header message that precedes a value's bytes on the wire (about eight words)."""
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def stage_cost(
+    timings: Sequence[ActionTiming], stop: int, send: float, static_bytes: int, first: bool
+) -> StageCost:
+    """One stage's cost from the timings of its actions in one step (see the module's table).
+
+    Example::
+
+        stage_cost(pipe.last_timings, stop=3, send=0.002, static_bytes=4096, first=True)
+    """
+    split = {t.action.microbatch for t in timings if t.action.kind == "W"}
+
+    def pick(kind: str, keep: Callable[[int], bool], value: Callable[[ActionTiming], float]):
+        return _median(
+            [value(t) for t in timings if t.action.kind == kind and keep(t.action.microbatch)]
+        )
+
+    work = lambda t: t.work  # noqa: E731
+    forward = pick("F", lambda m: m >= stop, work)
+    no_grad = pick("F", lambda m: m < stop, work)
+    fields: dict[str, Any] = {
+        "forward": forward if forward is not None else no_grad or 0.0,
+        "backward": pick("B", lambda m: m not in split, lambda t: t.work - t.recompute) or 0.0,
+    }
+    optional = {
+        "forward_no_grad": no_grad,
+        "backward_input": pick("B", lambda m: m in split, lambda t: t.work - t.recompute),
+        "weight": pick("W", lambda m: True, work),
+        "recompute": pick("B", lambda m: m < stop, lambda t: t.recompute),
+    }
+    fields.update({k: v for k, v in optional.items() if v is not None})
+    if "backward_input" in fields and not any(
+        t.action.kind == "B" and t.action.microbatch not in split for t in timings
+    ):
+        fields["backward"] = fields["backward_input"] + fields.get("weight", 0.0)
+    inputs, activations = _bytes(timings, stop, first)
+    return StageCost(
+        **fields,
+        send=send,
+        input_bytes=inputs,
+        activation_bytes=activations,
+        static_bytes=static_bytes,
+    )
+
+
+def _bytes(timings: Sequence[ActionTiming], stop: int, first: bool) -> tuple[int, int]:
+    """(input bytes, activation bytes) of one micro-batch of the stage."""
+    forwards = [t for t in timings if t.action.kind == "F"]
+    received = _median([t.received for t in forwards])
+    inputs = int(received or 0)
+    if first:  # stage 0 receives nothing: its input is what a re-materialized F kept
+        inputs = int(_median([t.kept for t in forwards if t.action.microbatch < stop]) or 0)
+    recomputed = _median([t.kept for t in timings if t.action.kind == "B" and t.kept])
+    kept = _median([t.kept for t in forwards if t.action.microbatch >= stop])
+    if recomputed is not None:
+        return inputs, int(recomputed)
+    return inputs, max(0, int(kept or 0) - inputs)
+
+
+def stage_costs(
+    timings: Sequence[ActionTiming],
+    num_stages: int,
+    stop: int,
+    sends: Sequence[float],
+    static_bytes: Sequence[int],
+) -> list[StageCost]:
+    """Every stage's cost from the timings of every rank's actions in one step."""
+    return [
+        stage_cost(
+            [t for t in timings if t.action.stage == s], stop, sends[s], static_bytes[s], s == 0
+        )
+        for s in range(num_stages)
+    ]
+
+
+def probe_link(
+    group: Any, sender: int, receiver: int, nbytes: int, rank: int, repeats: int = 5
+) -> float:
+    """Collective over ``group`` (every rank calls it; only ``sender`` and ``receiver`` work):
+    seconds for a value of ``nbytes`` to go from ``sender`` to ``receiver`` as the transport
+    sends it (a header message, then the bytes), half the median of ``repeats`` round trips.
+
+    Example::
+
+        seconds = probe_link(pipe.groups.p2p, 0, 1, nbytes=4 * 64 * 1024, rank=dist.get_rank())
+    """
+    if rank not in (sender, receiver) or sender == receiver:
+        return 0.0
+    peer = receiver if rank == sender else sender
+    head = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
+    body = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    trips = []
+    for _ in range(repeats + 1):  # the first round trip opens the connection
+        start = time.perf_counter()
+        if rank == sender:
+            _exchange(group, peer, head, body, send_first=True)
+        else:
+            _exchange(group, peer, head, body, send_first=False)
+        trips.append(time.perf_counter() - start)
+    return statistics.median(trips[1:]) / 2
+
+
+def _exchange(
+    group: Any, peer: int, head: torch.Tensor, body: torch.Tensor, send_first: bool
+) -> None:
+    order = (dist.send, dist.recv) if send_first else (dist.recv, dist.send)
+    for op in order:
+        op(head, peer, group=group)
+        op(body, peer, group=group)
