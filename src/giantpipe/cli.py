@@ -287,7 +287,7 @@ def _failure_line(err: Exception, run_dir: Path, hydra_cfg: Any, multirun: bool)
         line = f"rank {torchrun_rank()}: {line}"
     elif isinstance(err, ConfigError | OmegaConfBaseException):
         _leave_as_found(run_dir)
-    else:  # a crash rather than bad input: keep the traceback for debugging, if it fits
+    elif not isinstance(err, OSError):  # a crash, not the disk: keep the traceback, if it fits
         trace = run_dir / "error.txt"
         try:
             trace.write_text("".join(traceback.format_exception(err)))

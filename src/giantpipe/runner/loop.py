@@ -231,7 +231,11 @@ class TrainingLoop:
 
     def run(self) -> None:
         with StopSignals(self.cfg.trainer.save_signal, on_term=self._dying) as signals:
-            self._steps(signals)
+            try:
+                self._steps(signals)
+            except KeyboardInterrupt:  # the second Ctrl-C: no save, say where the run stands
+                step = self.progress.step + 1
+                raise KeyboardInterrupt(f"stopped at once in step {step}; {self.kept()}") from None
         if self.stopped is not None:
             return
         if self.forecast is not None and self.world.writes:
@@ -322,16 +326,18 @@ def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, A
 def _train(
     cfg: ExperimentConfig, run_dir: Path, config_yaml: str, world: World, start: float
 ) -> dict[str, Any]:
-    def checks() -> Path | None:
-        resume_from = resume_point(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
+    lock = RunLock(run_dir)
+
+    def claim() -> None:  # one run per directory, whatever else it holds
         if world.writes:
             check_writable(run_dir)
-        return resume_from
+            lock.acquire()
 
-    resume_from = world.agree(checks)
-    lock = RunLock(run_dir)
-    world.agree(lambda: lock.acquire() if world.writes else None)  # one run per directory
+    world.agree(claim)
     try:
+        resume_from = world.agree(
+            lambda: resume_point(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
+        )
         if world.writes:
             clean_interrupted_saves(run_dir)
         return _checked(cfg, run_dir, config_yaml, world, start, resume_from)

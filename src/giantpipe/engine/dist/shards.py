@@ -55,10 +55,11 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
         with os.fdopen(fd, "wb") as handle:
             try:
                 torch.save(obj, handle)
-            except RuntimeError as err:  # torch's writer reports a full disk this way
-                if "write" not in str(err).lower():
-                    raise
-                raise _write_error(path) from err
+            except RuntimeError as err:  # torch's zip writer reports a full disk this way
+                failure = _write_error(path, str(err))
+                if failure is None:
+                    raise  # not the disk: e.g. an object that cannot be pickled
+                raise failure from err
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; every file of a run gets one mode
@@ -69,10 +70,14 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _write_error(path: Path) -> OSError:
-    """Why a write into ``path``'s folder failed, as an OSError naming it."""
-    free = shutil.disk_usage(path.parent).free
-    code = errno.ENOSPC if free < 2**20 else errno.EIO
+def _write_error(path: Path, message: str) -> OSError | None:
+    """The OSError naming ``path`` that torch's writer meant, or None if it was not the disk."""
+    if shutil.disk_usage(path.parent).free < 2**20:
+        code = errno.ENOSPC
+    elif "inline_container" in message or "write" in message.lower():
+        code = errno.EIO
+    else:
+        return None
     return OSError(code, os.strerror(code), str(path))
 
 
