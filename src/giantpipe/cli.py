@@ -25,7 +25,12 @@ Errors become ONE line on stderr that names the key or path, and a non-zero exit
     error: trainer.foo: unknown key (Key 'foo' not in 'TrainerConfig')
 
 Set HYDRA_FULL_ERROR=1 for the full traceback. In a multirun a failing job is logged, returns
-NaN (sweepers such as Optuna mark the trial failed) and the other jobs go on.
+NaN (sweepers such as Optuna mark the trial failed) and the other jobs go on. A refused config
+leaves the disk as it was: the run directory Hydra made for the job (and its empty log) goes.
+
+A run stopped by a signal exits with a documented status after saving: SIGTERM (a cluster
+preempting the job) 143, Ctrl-C 130 (a second Ctrl-C stops at once, also 130); the remaining
+jobs of a multirun are not started.
 
 Under torchrun (``pipeline.executor=distributed``) every rank composes the config, but only
 rank 0 keeps Hydra's run directory and log file: the other ranks log warnings to stderr and
@@ -44,16 +49,20 @@ Example (train.py)::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import logging
 import math
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, MissingConfigException
@@ -66,6 +75,14 @@ from giantpipe.config import RENAMED_KEYS, ConfigError, ExperimentConfig
 log = logging.getLogger("giantpipe")
 
 FAILURES: list[str] = []
+PREEMPTED_EXIT = 143
+"""Exit status of a run SIGTERM stopped after saving (128 + 15, what shells report for it)."""
+INTERRUPTED_EXIT = 130
+"""Exit status of a run Ctrl-C stopped (128 + 2)."""
+STOPPED: list[tuple[int, str]] = []
+"""(exit status, line) of a run a signal stopped; :func:`guarded` exits with it."""
+STARTED = time.time()
+"""When this process started: a run directory made after it, and left empty, is ours."""
 """One line per failed job of this process; :func:`guarded` reports them and exits non-zero."""
 
 OPTION_GROUPS = ("model", "data")
@@ -218,8 +235,13 @@ def run_job(cfg: DictConfig) -> float:
 
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if STOPPED:  # a signal stopped an earlier job of this multirun: start no other
+        _leave_as_found(run_dir)
+        return math.nan
     try:
         experiment = to_experiment(cfg)
+        check_known_keys(cfg, experiment)
         if multirun and experiment.pipeline.executor == "distributed":
             raise ConfigError(
                 "pipeline.executor", "distributed runs one job per torchrun launch, not sweeps"
@@ -227,30 +249,103 @@ def run_job(cfg: DictConfig) -> float:
         overrides = " ".join(hydra_cfg.overrides.task) or "(none)"
         # The resolved config, headed by the command line that produced it.
         config_yaml = f"# overrides: {overrides}\n" + OmegaConf.to_yaml(cfg, resolve=True)
-        summary = train(experiment, Path(hydra_cfg.runtime.output_dir), config_yaml)
-        if experiment.pipeline.executor == "distributed" and (
-            experiment.sweep.objective not in summary
-        ):
-            # No sweeper reads it (one job per launch), and it may be a whole-model figure
-            # (eval/bleu) that the distributed runner skips.
+        summary = train(experiment, run_dir, config_yaml)
+        if _stopped(summary, run_dir):
+            return math.nan
+        if experiment.sweep.objective not in summary:  # a distributed run's rank > 0
             return math.nan
         return objective(summary, experiment.sweep.objective)
+    except KeyboardInterrupt as err:  # the second Ctrl-C
+        STOPPED.append((INTERRUPTED_EXIT, f"interrupted: {err or 'stopped at once by Ctrl-C'}"))
+        return math.nan
     except Exception as err:  # noqa: BLE001 - every failure becomes one reported line
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
             raise
-        line = one_line(err)
-        if torchrun_rank() > 0:
-            line = f"rank {torchrun_rank()}: {line}"
-        elif not isinstance(err, ConfigError | OmegaConfBaseException):
-            # A crash rather than bad input: keep the traceback beside the run for debugging.
-            trace = Path(hydra_cfg.runtime.output_dir) / "error.txt"
+        FAILURES.append(_failure_line(err, run_dir, hydra_cfg, multirun))
+        return math.nan
+
+
+def _stopped(summary: dict[str, object], run_dir: Path) -> bool:
+    """Records a run a signal stopped (after it saved), for :func:`guarded`'s exit status."""
+    status = summary.get("status")
+    if status not in ("preempted", "interrupted"):
+        return False
+    code = PREEMPTED_EXIT if status == "preempted" else INTERRUPTED_EXIT
+    line = (
+        f"{status} at step {summary.get('steps')}: saved {run_dir / 'last'}; continue with "
+        f"trainer.resume=true hydra.run.dir={run_dir}"
+    )
+    STOPPED.append((code, line))
+    return True
+
+
+def _failure_line(err: Exception, run_dir: Path, hydra_cfg: Any, multirun: bool) -> str:
+    """The one line of a failed job; a crash keeps its traceback beside the run, a refused
+    config leaves the disk as it was."""
+    line = one_line(err)
+    if torchrun_rank() > 0:
+        line = f"rank {torchrun_rank()}: {line}"
+    elif isinstance(err, ConfigError | OmegaConfBaseException):
+        _leave_as_found(run_dir)
+    elif not isinstance(err, OSError):  # a crash, not the disk: keep the traceback, if it fits
+        trace = run_dir / "error.txt"
+        try:
             trace.write_text("".join(traceback.format_exception(err)))
             line = f"{line} (traceback: {trace})"
-        if multirun:
-            line = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {line}"
-            log.error(line)
-        FAILURES.append(line)
-        return math.nan
+        except OSError:
+            pass
+    if multirun:
+        line = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {line}"
+        log.error(line)
+    return line
+
+
+def _leave_as_found(run_dir: Path) -> None:
+    """Removes what Hydra made for a job this process refused: its empty log file and, when
+    nothing else is in them, the run directory (and its date folder) made since we started."""
+    log_file = run_dir / f"{HydraConfig.get().job.name}.log"
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) == log_file:
+            handler.close()
+    if log_file.is_file() and log_file.stat().st_size == 0:
+        log_file.unlink()
+    folder = run_dir
+    while folder != folder.parent and folder != Path.cwd():
+        try:
+            if folder.stat().st_mtime < STARTED - 1 or any(folder.iterdir()):
+                return
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
+def check_known_keys(cfg: DictConfig, experiment: ExperimentConfig) -> None:
+    """Every key the composed config holds is a field of its schema: ``+KEY=VALUE`` may add a
+    key no schema has (a typo), which Hydra lets through and the dataclasses would ignore."""
+    for key in _extra_keys(cfg, experiment, ""):
+        group, _, field = key.rpartition(".")
+        node = experiment
+        for part in group.split(".") if group else []:
+            node = getattr(node, part)
+        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+        close = difflib.get_close_matches(field, names, n=1)
+        hint = f"; did you mean {group}.{close[0]}?" if close else ""
+        raise ConfigError(key, f"unknown key (not a field of {type(node).__name__}){hint}")
+
+
+def _extra_keys(node: Any, obj: Any, prefix: str) -> list[str]:
+    if not (isinstance(node, DictConfig) and dataclasses.is_dataclass(obj)):
+        return []
+    fields = {f.name for f in dataclasses.fields(obj)}
+    found = []
+    for key in map(str, node.keys()):
+        name = f"{prefix}{key}"
+        if key not in fields:
+            found.append(name)
+        else:
+            found += _extra_keys(node._get_node(key), getattr(obj, key), f"{name}.")
+    return found
 
 
 def _first_line(text: str) -> str:
@@ -258,25 +353,49 @@ def _first_line(text: str) -> str:
 
 
 def one_line(err: BaseException) -> str:
-    """A one-line description of ``err`` naming the config key or the path involved."""
+    """A one-line description of ``err`` naming the config key or the path involved, and the
+    reason (never only the first line of a message whose reason is on the next)."""
     if isinstance(err, ConfigError):
         return str(err)
     if isinstance(err, MissingConfigException):
         return _missing_option(err)
     cause = err.__cause__ if isinstance(err, ConfigCompositionException) else err
     if isinstance(cause, OmegaConfBaseException):
-        key = getattr(cause, "full_key", None) or ""
-        if renamed(key):
-            return f"{key}: renamed to {renamed(key)}"
-        problem = _first_line(str(cause))
-        if "not in" in problem and key:
-            return f"{key}: unknown key ({problem})"
-        return f"{key}: {problem}" if key else problem
+        return _omegaconf_line(cause)
+    if isinstance(cause, yaml.MarkedYAMLError):
+        return _yaml_line(cause)
     if isinstance(err, OSError) and err.filename:
         return f"{err.filename}: {err.strerror or err}"
+    if isinstance(err.__cause__, OSError) and "configure handler" in str(err):
+        # Hydra could not open the log file: the run directory is not writable
+        io = err.__cause__
+        return f"hydra.run.dir: cannot write {io.filename} ({io.strerror or io})"
     if isinstance(err, ConfigCompositionException):
-        return _first_line(str(err))
-    return f"{type(err).__name__}: {_first_line(str(err))}"
+        return _joined(str(err))
+    return f"{type(err).__name__}: {_joined(str(err))}"
+
+
+def _joined(text: str) -> str:
+    """A message's lines on one line (its reason is often on the second)."""
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip()) or text.strip()
+
+
+def _omegaconf_line(cause: OmegaConfBaseException) -> str:
+    key = getattr(cause, "full_key", None) or ""
+    if renamed(key):
+        return f"{key}: renamed to {renamed(key)}"
+    problem = _first_line(str(cause))
+    if "not in" in problem and key:
+        return f"{key}: unknown key ({problem})"
+    return f"{key}: {problem}" if key else _joined(str(cause))
+
+
+def _yaml_line(err: yaml.MarkedYAMLError) -> str:
+    """``conf/optim/adamw.yaml:10: while parsing a flow sequence: expected ',' or ']'``."""
+    mark = err.problem_mark or err.context_mark
+    where = f"{mark.name}:{mark.line + 1}" if mark is not None else "a config file"
+    reason = ": ".join(part for part in (err.context, err.problem) if part)
+    return f"{where}: {reason or type(err).__name__}"
 
 
 def _missing_option(err: MissingConfigException) -> str:
@@ -294,21 +413,29 @@ def _missing_option(err: MissingConfigException) -> str:
 
 def guarded(main: Callable[[], None], conf_dir: Path) -> None:
     """Register the schemas of ``conf_dir`` and run a ``@hydra.main`` function; report failures
-    as one line each and exit non-zero."""
+    as one line each and exit non-zero (143 / 130 for a run a signal stopped)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         os.environ["GIANTPIPE_FULL_ERROR"] = "1"  # the user wants tracebacks: keep them
     else:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so the error reaches us whole
+    logging.raiseExceptions = False  # a log line lost to a full disk must not end the run
     sys.argv = rank_overrides(sys.argv, torchrun_rank())
     try:
         register_configs(conf_dir)
         main()
+    except KeyboardInterrupt:
+        print("error: interrupted before training started; nothing was written", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
     except Exception as err:  # noqa: BLE001 - composition and launch errors
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
             raise
         print(f"error: {one_line(err)}", file=sys.stderr)
         sys.exit(2)
+    for line in FAILURES:
+        print(f"error: {line}", file=sys.stderr)
+    if STOPPED:
+        code, line = STOPPED[0]
+        print(line, file=sys.stderr)
+        sys.exit(code)
     if FAILURES:
-        for line in FAILURES:
-            print(f"error: {line}", file=sys.stderr)
         sys.exit(1)

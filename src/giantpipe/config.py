@@ -36,6 +36,10 @@ PROGRESS_STYLES = ("auto", "tqdm", "none")
 WANDB_MODES = ("offline", "online", "disabled")
 DIRECTIONS = ("minimize", "maximize")
 PLAN_MODES = ("auto",)
+SAVE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGCONT")
+MAX_CHUNKS = 2**20
+"""More micro-batches than this is a typo, not a plan: refused before a schedule is built."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 RENAMED_KEYS = {
     "pipeline.checkpoint": "pipeline.recompute",
@@ -73,6 +77,18 @@ def check_choice(value: object, choices: tuple[str, ...], key: str) -> None:
 def check_min(value: float, low: float, key: str) -> None:
     """``value >= low``."""
     check(value >= low, key, f"must be >= {low}, got {value}")
+
+
+FP32_MAX = 3.4028234663852886e38
+
+
+def check_fp32(value: float, key: str) -> None:
+    """``value`` fits a float32, the type of the weights it is applied to."""
+    check(
+        abs(value) <= FP32_MAX,
+        key,
+        f"{value} overflows float32, the weights' type (at most {FP32_MAX:.3g})",
+    )
 
 
 def check_optional_path(value: Any, key: str) -> None:
@@ -126,6 +142,11 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check_min(self.chunks, 1, "pipeline.chunks")
+        check(
+            self.chunks <= MAX_CHUNKS,
+            "pipeline.chunks",
+            f"must be at most {MAX_CHUNKS} micro-batches per mini-batch, got {self.chunks}",
+        )
         check_min(self.virtual_stages, 1, "pipeline.virtual_stages")
         check(
             self.plan is None or self.plan in PLAN_MODES,
@@ -175,6 +196,12 @@ class PipelineConfig:
     def _check_executor(self) -> None:
         check_choice(self.executor, EXECUTORS, "pipeline.executor")
         check(self.timeout > 0, "pipeline.timeout", f"must be > 0 seconds, got {self.timeout}")
+        check(
+            self.executor == "local" or self.timeout <= MAX_TIMEOUT_S,
+            "pipeline.timeout",
+            f"must be at most {MAX_TIMEOUT_S:.0f} s (a week) under pipeline.executor=distributed, "
+            f"where a rank silent that long is named; got {self.timeout}",
+        )
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -256,6 +283,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check_choice(self.name, OPTIMIZERS, "optim.name")
         check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        for key in ("lr", "weight_decay", "momentum", "eps"):
+            check_fp32(getattr(self, key), f"optim.{key}")
         check_min(self.weight_decay, 0.0, "optim.weight_decay")
         check_min(self.momentum, 0.0, "optim.momentum")
         check(
@@ -296,7 +325,8 @@ class TrainerConfig:
     save_last: bool = True
     """Write ``last.pt`` at every evaluation and at the end."""
     resume: Any = False
-    """false; true (``last.pt`` in the run directory); or a path to a checkpoint file."""
+    """false; true (``last/`` in the run directory); or a path to a checkpoint (a directory, or
+    a ``.pt`` file of the earlier format)."""
     seed: int = 0
     """Seeds python, numpy (if present) and torch, and the order of training batches."""
     grad_clip: float | None = None
@@ -313,7 +343,14 @@ class TrainerConfig:
     predict: bool = True
     """After the first step, profile the stages once and log the simulator's predicted step
     time, bubble and peak memory beside the measured ones (summary: pipeline/predicted_*).
-    Local executor only (pipeline.executor=distributed runs no forecast)."""
+    Under torchrun: after the second step, from every rank's timings of it."""
+    save_signal: str | None = None
+    """A signal that saves a checkpoint at the next step boundary and goes on, e.g. ``SIGUSR1``
+    (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), Ctrl-C stops
+    (exit 130)."""
+    overwrite: bool = False
+    """A fresh run into a directory holding another run's record (metrics, summary) but no
+    checkpoint: true moves that record aside (``replaced-N/``) and starts over; false refuses."""
 
     def __post_init__(self) -> None:
         check_optional_path(self.init_from, "trainer.init_from")
@@ -350,6 +387,13 @@ class TrainerConfig:
                 "trainer.ema_decay",
                 f"must be in (0, 1), got {self.ema_decay}",
             )
+        check(
+            isinstance(self.seed, int) and 0 <= self.seed < 2**64,
+            "trainer.seed",
+            f"must be an integer in [0, 2**64), got {self.seed}",
+        )
+        if self.save_signal is not None:
+            check_choice(self.save_signal, SAVE_SIGNALS, "trainer.save_signal")
 
 
 # --------------------------------------------------------------------------- logger, sweep

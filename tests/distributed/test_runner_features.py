@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,39 @@ def test_checkpoints_move_between_the_executors(tmp_path: Path) -> None:
     local(back, *steps, "pipeline.num_devices=3", f"trainer.resume={tmp_path / 'dist' / 'step_6'}")
     assert losses(back) == pytest.approx(expected[6:], rel=1e-4)
     assert len(summary(back)["pipeline/balance"]) == 3
+
+
+def test_sigterm_under_torchrun_saves_every_shard(tmp_path: Path) -> None:
+    """SIGTERM to torchrun (what SLURM sends): it passes it on, every rank finishes the same
+    step and saves its shard of it, rank 0 marks the run preempted; the resume continues."""
+    run = tmp_path / "run"
+    proc = torchrun(
+        [
+            "--nproc_per_node=2",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "--max_restarts=0",
+            str(REPO / "train.py"),
+            *MLP,
+            "trainer.max_steps=5000",
+            "trainer.predict=false",
+            "pipeline.executor=distributed",
+            "pipeline.timeout=60",
+            f"hydra.run.dir={run}",
+        ]
+    )
+    deadline = time.monotonic() + 180
+    while len(losses(run) if (run / "metrics.jsonl").exists() else []) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 1)[1][-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    finish(proc, timeout=90)
+    stopped = summary(run)
+    assert stopped["status"] == "preempted", stopped
+    manifest = json.loads((run / "last" / "manifest.json").read_text())
+    assert manifest["step"] == stopped["steps"] >= 3
+    assert len(manifest["shards"]) == 2 and len(manifest["extra"]["state_files"]) == 2
+    launch(run, *MLP, f"trainer.max_steps={stopped['steps'] + 2}", "trainer.resume=true")
+    assert summary(run)["status"] == "completed"
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(1, stopped["steps"] + 3))

@@ -75,21 +75,32 @@ def json_safe(value: Any) -> Any:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """All records of a JSONL file (an absent file has none)."""
+    """All records of a JSONL file (an absent file has none). A line that is not JSON is left
+    out: a write cut short by a full disk or a killed process leaves one at the end."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in records if isinstance(r, dict)]
 
 
-def truncate_after_step(path: Path, step: int) -> None:
-    """Drop lines past ``step``: a resumed run rewrites them, so the file holds one trajectory."""
-    records = read_jsonl(path)
-    kept = [r for r in records if int(r.get("step", 0)) <= step]
-    if len(kept) == len(records):
-        return
+def truncate_after_step(path: Path, step: int) -> int:
+    """Cuts ``path`` back to the records up to ``step`` (a torn last line goes too): a resumed
+    run writes the rest again, so every step appears once. Returns how many lines went."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+    if len(kept) == len(lines):
+        return 0
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 class JsonlSink:
@@ -100,8 +111,11 @@ class JsonlSink:
         self._handle = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
-        self._handle.flush()
+        try:
+            self._handle.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
+            self._handle.flush()
+        except OSError as err:  # a full disk: name the file
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
 
     def close(self) -> None:
         self._handle.close()

@@ -23,12 +23,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 
 from giantpipe.config import ConfigError
 from giantpipe.engine.dist import shards
-from giantpipe.runner.checkpoint import RUN_FORMAT, read_checkpoint
+from giantpipe.runner.checkpoint import RUN_FORMAT, read_checkpoint, safe_load
 
 if TYPE_CHECKING:
     from giantpipe.runner.build import Experiment
@@ -55,10 +54,7 @@ def read_weights(path: Path) -> dict[str, Tensor]:
         return shards.load(path)
     if not path.is_file():
         raise ConfigError(INIT, f"no checkpoint at {path}")
-    try:
-        loaded: Any = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # a truncated or foreign file: say which one
-        raise ConfigError(INIT, f"{path} is not a readable checkpoint ({err})") from err
+    loaded: Any = safe_load(path, INIT)
     if isinstance(loaded, Mapping) and isinstance(loaded.get("model"), Mapping):
         weights = dict(loaded["model"])
         if isinstance(loaded.get("ema"), Mapping):

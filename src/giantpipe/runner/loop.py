@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, batch_size
@@ -32,23 +37,34 @@ from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.finetune import load_initial_weights
 from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.record import (
-    LAST,
     after_step,
     base_summary,
-    check_writable,
+    check_objective,
     open_record,
-    resume_point,
+    read_summary,
     run_to_summary,
+)
+from giantpipe.runner.rundir import (
+    LAST,
+    RunLock,
+    check_writable,
+    clean_interrupted_saves,
+    move_record_aside,
+    resume_point,
 )
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.step import accumulate_gradients
-from giantpipe.runner.world import World, open_world
+from giantpipe.runner.world import Request, StopSignals, World, open_world
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradient norm became NaN or infinite; the bad state is not saved."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full or unwritable disk); the last good one stays."""
 
 
 class TrainingLoop:
@@ -73,18 +89,21 @@ class TrainingLoop:
         """The latest metrics line written; its loss is the run's final train loss."""
         self.forecast = Forecast(world) if cfg.trainer.predict else None
         """trainer.predict: the simulator's forecast after the first step, and the measurements."""
+        self.stopped: str | None = None
+        """Why the loop stopped early: ``preempted`` (SIGTERM) or ``interrupted`` (Ctrl-C)."""
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _fail(self, what: str, value: float) -> NonFiniteLossError:
-        kept = (
-            f"last good checkpoint: {self.last_good[0]} (step {self.last_good[1]})"
-            if self.last_good
-            else "no checkpoint was written"
-        )
-        step = self.progress.step + 1
+    def kept(self) -> str:
+        """Which checkpoint holds the run's last good state, for error lines."""
+        if self.last_good is None:
+            return "no checkpoint was written"
+        return f"last good checkpoint: {self.last_good[0]} (step {self.last_good[1]})"
+
+    def _fail(self, what: str, value: float, step: int | None = None) -> NonFiniteLossError:
+        step = self.progress.step + 1 if step is None else step
         return NonFiniteLossError(
-            f"step {step}: {what} is {value}; stopped without saving ({kept})"
+            f"step {step}: {what} is {value}; stopped without saving ({self.kept()})"
         )
 
     def _batches(self, stream: Iterator[Batch] | None) -> list[Batch | None]:
@@ -178,12 +197,32 @@ class TrainingLoop:
             self.last_eval = self._figures()
         if self.metrics is not None:
             self.metrics.evaluation(self.progress.step, self.last_eval)
+        loss = self.last_eval.get("loss", 0.0)
+        if not math.isfinite(loss):  # the state that gave it is not saved as good
+            raise self._fail("the evaluation loss", loss, self.progress.step)
 
     def save(self, name: str) -> None:
+        """Saves the run as ``name`` (collective): only finite weights, and a write that fails
+        (a full disk) is one line naming the path, the cause and the last good checkpoint."""
+        if not self._finite():
+            raise self._fail("a weight", math.nan, self.progress.step)
         directory = self.run_dir / name
-        save_run(self.parts, self.progress, directory, self.world)
+        try:
+            save_run(self.parts, self.progress, directory, self.world)
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise CheckpointWriteError(
+                f"{err.filename or directory}: cannot save the checkpoint of step "
+                f"{self.progress.step} ({reason}); {self.kept()}: free the space and resume "
+                "with trainer.resume=true"
+            ) from err
         if name == LAST:
             self.last_good = (directory, self.progress.step)
+
+    def _finite(self) -> bool:
+        """Whether every weight of this process is finite, agreed by every process."""
+        bad = sum(int(not torch.isfinite(p).all()) for p in self.parts.names.values())
+        return self.world.sum([float(bad)])[0] == 0
 
     def after_step(self) -> None:
         after_step(self, LAST, lambda step: f"step_{step}")
@@ -191,6 +230,22 @@ class TrainingLoop:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
+        with StopSignals(self.cfg.trainer.save_signal, on_term=self._dying) as signals:
+            try:
+                self._steps(signals)
+            except KeyboardInterrupt:  # the second Ctrl-C: no save, say where the run stands
+                step = self.progress.step + 1
+                raise KeyboardInterrupt(f"stopped at once in step {step}; {self.kept()}") from None
+        if self.stopped is not None:
+            return
+        if self.forecast is not None and self.world.writes:
+            self.forecast.report(self.run_dir, self.parts.pipe)
+        self.evaluate()
+        if self.cfg.trainer.save_last:
+            self.save(LAST)
+
+    def _steps(self, signals: StopSignals) -> None:
+        """Optimizer steps to the end, or to the step boundary where a signal asks to stop."""
         pipe = self.parts.pipe
         stream = (
             self.parts.bundle.train_batches(self.cfg.trainer.seed, self.progress.position)
@@ -202,13 +257,31 @@ class TrainingLoop:
             if self.metrics is not None:
                 self.last_line = self.metrics.train_step(record) or self.last_line
             self.after_step()
+            if self._honour(self.world.agree_stop(signals.take())):
+                break
         if self.metrics is not None:
             self.last_line = self.metrics.flush() or self.last_line
-        if self.forecast is not None and self.world.writes:
-            self.forecast.report(self.run_dir, self.parts.pipe)
-        self.evaluate()
-        if self.cfg.trainer.save_last:
+
+    def _honour(self, request: Request) -> bool:
+        """Saves on the save signal; on a stop, saves and says so. True: stop now."""
+        if request.save or request.stop:
             self.save(LAST)
+            why = request.stop or f"{self.cfg.trainer.save_signal} received"
+            log.info("step %d: saved %s (%s)", self.progress.step, self.run_dir / LAST, why)
+        self.stopped = request.stop
+        return request.stop is not None
+
+    def _dying(self) -> None:
+        """SIGTERM after a peer rank failed (torchrun stopping the survivors): say the first
+        failure and die of the signal, as the launcher expects, instead of saving."""
+        board = getattr(self.parts.pipe, "board", None)
+        first = board.read() if board is not None else None
+        if board is None or first is None:
+            return
+        label = board.label
+        print(f"giantpipe {label}: stopped by SIGTERM; first failure: {first}", file=sys.stderr)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> dict[str, Any]:
@@ -226,6 +299,8 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
     summary = base_summary(
         cfg, loop.progress.step, wall_time_s, loop.last_line, evaluation, figures, pipeline
     )
+    if loop.stopped is not None:
+        summary["status"] = loop.stopped  # preempted / interrupted: resumable from last/
     if loop.forecast is not None:
         summary.update(loop.forecast.figures())
     if parts.plan_choice is not None:
@@ -251,13 +326,35 @@ def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, A
 def _train(
     cfg: ExperimentConfig, run_dir: Path, config_yaml: str, world: World, start: float
 ) -> dict[str, Any]:
-    def checks() -> Path | None:
-        resume_from = resume_point(cfg.trainer.resume, run_dir)
+    lock = RunLock(run_dir)
+
+    def claim() -> None:  # one run per directory, whatever else it holds
         if world.writes:
             check_writable(run_dir)
-        return resume_from
+            lock.acquire()
 
-    resume_from = world.agree(checks)
+    world.agree(claim)
+    try:
+        resume_from = world.agree(
+            lambda: resume_point(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
+        )
+        if world.writes:
+            clean_interrupted_saves(run_dir)
+        return _checked(cfg, run_dir, config_yaml, world, start, resume_from)
+    finally:
+        if world.writes:
+            lock.release()
+
+
+def _checked(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    config_yaml: str,
+    world: World,
+    start: float,
+    resume_from: Path | None,
+) -> dict[str, Any]:
+    """Builds, restores, checks what is left to check, then runs and records the run."""
     seed_everything(cfg.trainer.seed)  # then data, then model: every rank in the same order
     parts = build_experiment(cfg, run_dir, world)
     cfg = replace(cfg, pipeline=parts.pipeline)  # as run: the planner's knobs under plan=auto
@@ -270,7 +367,12 @@ def _train(
         return Progress()
 
     progress = world.agree(restore_or_start)
+    if resume_from is not None and progress.step >= parts.total_steps:
+        return _complete(run_dir, progress.step, parts.total_steps)
+    world.agree(lambda: check_objective(cfg, parts))
     # -- checked: from here on the run writes into run_dir -----------------------------------
+    if world.writes and resume_from is None and cfg.trainer.overwrite:
+        move_record_aside(run_dir)
     metrics = _open(cfg, run_dir, config_yaml, parts, progress, resume_from is not None, world)
     last_good = (resume_from, progress.step) if resume_from is not None else None
     loop = TrainingLoop(cfg, parts, run_dir, metrics, progress, last_good, world)
@@ -284,6 +386,19 @@ def _train(
     )
     shared: dict[str, Any] = world.from_rank0(summary)
     return shared
+
+
+def _complete(run_dir: Path, step: int, total: int) -> dict[str, Any]:
+    """A resume of a run that already reached trainer.max_steps: say so, change nothing."""
+    log.info(
+        "the run in %s is complete at step %d (trainer.max_steps gives %d steps): nothing to do; "
+        "raise trainer.max_steps to continue it",
+        run_dir,
+        step,
+        total,
+    )
+    print(f"{run_dir}: the run is complete at step {step}; nothing was changed", flush=True)
+    return read_summary(run_dir) or {"status": "completed", "steps": step}
 
 
 def _open(

@@ -1,16 +1,14 @@
-"""The run directory and the run's record in it, one rule for every executor.
+"""The run's record in its directory, one rule for every executor.
 
-Where a run starts or resumes, decided before anything is written: a fresh run refuses a
-directory that already holds a checkpoint (it would overwrite it); a resume needs one
-(``last/``, or a ``last.pt`` of the earlier format). Then the record: opening cuts
-``metrics.jsonl`` back to the resumed step, saves ``config.yaml`` and writes one start line in
-the log; closing writes the summary (the figures on success; the error and the steps done on
-failure, which is re-raised) to ``summary.json`` and the sinks, and on success prints the
-table. Under torchrun only rank 0 holds a record (``metrics`` is None elsewhere).
+Opening cuts ``metrics.jsonl`` back to the resumed step (a torn last line goes too), saves
+``config.yaml`` and writes one start line in the log; closing writes the summary (the figures on
+success; the error and the steps done on failure, which is re-raised; ``interrupted`` on a second
+Ctrl-C) to ``summary.json`` and the sinks, and on success prints the table. Under torchrun only
+rank 0 holds a record (``metrics`` is None elsewhere). Where the record goes, and when a run may
+write there, is :mod:`giantpipe.runner.rundir`.
 
 Example::
 
-    checkpoint = resume_point(cfg.trainer.resume, run_dir)   # None for a fresh run
     metrics = open_record(cfg, run_dir, config_yaml, progress.step, resumed, parts.total_steps,
                           parts.devices, parts.balance, log)
     summary = run_to_summary(
@@ -20,92 +18,18 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
-import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
 from giantpipe.config import ConfigError, ExperimentConfig
-from giantpipe.engine.dist.shards import MANIFEST
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.sinks import format_table, truncate_after_step, write_summary
-
-LAST = "last"
-"""The checkpoint directory refreshed at every evaluation and at the end."""
-LEGACY_LAST = "last.pt"
-"""The same, as the earlier one-file format wrote it."""
-KEY = "trainer.resume"
-
-
-def held_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint ``run_dir`` holds, if any: ``last/`` or a legacy ``last.pt``."""
-    if (run_dir / LAST / MANIFEST).is_file():
-        return run_dir / LAST
-    if (run_dir / LEGACY_LAST).exists():
-        return run_dir / LEGACY_LAST
-    return None
-
-
-def _shown(path: Path, run_dir: Path) -> str:
-    name = path.relative_to(run_dir)
-    return f"{name}/{MANIFEST}" if path.is_dir() else str(name)
-
-
-def resume_point(resume: bool | str, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from (a directory, or a ``.pt`` of the earlier format), or None
-    for a fresh run; ConfigError when the request cannot be met.
-
-    Example::
-
-        resume_point(True, Path("outputs/2024-05-01/10-00-00"))   # .../last
-    """
-    held = held_checkpoint(run_dir)
-    if resume is False:
-        if held is not None:
-            raise ConfigError(
-                KEY,
-                f"{run_dir} already holds a run ({_shown(held, run_dir)}); pass "
-                "trainer.resume=true to continue it, or choose another hydra.run.dir",
-            )
-        return None
-    if resume is True:
-        if held is None:
-            raise ConfigError(KEY, f"no checkpoint at {run_dir / LAST}")
-        return held
-    path = Path(str(resume)).expanduser()
-    if path.name == MANIFEST:
-        path = path.parent
-    if not (path.is_file() or (path / MANIFEST).is_file()):
-        raise ConfigError(KEY, f"no checkpoint at {path}")
-    if held is not None and not held.samefile(path):
-        raise ConfigError(
-            KEY,
-            f"{run_dir} holds another run's {_shown(held, run_dir)}; resume from a checkpoint "
-            "into a new directory",
-        )
-    return path
-
-
-def check_writable(run_dir: Path) -> None:
-    """Create ``run_dir`` if needed; ConfigError naming it unless the run can write there."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError("hydra.run.dir", f"cannot create {run_dir} ({err.strerror})") from err
-    if not os.access(run_dir, os.W_OK):
-        raise ConfigError("hydra.run.dir", f"cannot write to {run_dir}")
-
-
-def save_config(run_dir: Path, config_yaml: str, resumed_at: int | None) -> Path:
-    """Write the resolved config: ``config.yaml``, or ``config.resume_<step>.yaml`` on a resume
-    (the original stays as it was)."""
-    name = "config.yaml" if resumed_at is None else f"config.resume_{resumed_at}.yaml"
-    path = run_dir / name
-    path.write_text(config_yaml)
-    return path
-
+from giantpipe.runner.rundir import save_config
 
 TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")
 PIPELINE_FIGURES = ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind")
@@ -129,7 +53,9 @@ def open_record(
     line carries before the devices (the distributed runner's ranks).
     """
     if resumed:
-        truncate_after_step(run_dir / "metrics.jsonl", step)
+        cut = truncate_after_step(run_dir / "metrics.jsonl", step)
+        if cut:
+            log.info("metrics.jsonl cut back to step %d (%d lines after it, or torn)", step, cut)
     save_config(run_dir, config_yaml, step if resumed else None)
     log.info(
         "%s: " + where[0] + "devices %s, balance %s, M=%d, steps %d..%d, run dir %s",
@@ -197,16 +123,28 @@ def run_to_summary(
     try:
         run()
         summary = summarize()
+    except KeyboardInterrupt:
+        summary.update(status="interrupted", steps=steps(), error="stopped by a second Ctrl-C")
+        raise
     except Exception as err:
         summary.update(steps=steps(), error=f"{type(err).__name__}: {err}")
         raise
     finally:
         if metrics is not None:
-            write_summary(run_dir / "summary.json", summary)
-            metrics.close(summary)
+            _close(run_dir, metrics, summary)
     if metrics is not None:
         print(format_table(summary), flush=True)
     return summary
+
+
+def _close(run_dir: Path, metrics: MetricsLogger, summary: dict[str, Any]) -> None:
+    """Writes the summary and closes the sinks; on a full disk says so on stderr instead of
+    hiding the error that ended the run."""
+    try:
+        write_summary(run_dir / "summary.json", summary)
+        metrics.close(summary)
+    except OSError as err:
+        print(f"warning: {run_dir / 'summary.json'}: not written ({err.strerror})", file=sys.stderr)
 
 
 class Checkpointing(Protocol):
@@ -240,3 +178,50 @@ def after_step(loop: Checkpointing, last: str, numbered: Callable[[int], str]) -
     if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
         loop.save(numbered(step))
         loop.save(last)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The summary.json a run wrote (None when there is none, or it is unreadable)."""
+    try:
+        summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary
+
+
+def figures_of(cfg: ExperimentConfig, parts: Any) -> set[str]:
+    """The numeric keys a completed run of ``parts`` puts in summary.json."""
+    keys = {"steps", "wall_time_s", "train/loss", "eval/loss"}
+    keys |= {f"train/{k}" for k in TRAIN_FIGURES if k != "tokens_per_s"}
+    keys |= {f"pipeline/{k}" for k in ("bubble", "expected_bubble", "chunks", "world_size")}
+    bundle = parts.bundle
+    if bundle.metric in ("accuracy", "top5"):
+        keys.add("eval/accuracy")
+    if bundle.metric == "top5":
+        keys.add("eval/top5")
+    if bundle.tokens_per_batch is not None:
+        keys.add("train/tokens_per_s")
+    if cfg.trainer.predict:
+        keys |= {f"pipeline/{k}" for k in PREDICTED}
+    return keys
+
+
+PREDICTED = (
+    "predicted_step_time_s",
+    "predicted_bubble",
+    "step_time_s",
+    "step_time_vs_predicted",
+    "predict_time_s",
+)
+
+
+def check_objective(cfg: ExperimentConfig, parts: Any) -> None:
+    """sweep.objective names a figure this run will report (checked before it trains); the data's
+    own evaluation (e.g. BLEU) may add ``eval/`` figures of its own."""
+    key, known = cfg.sweep.objective, figures_of(cfg, parts)
+    if key in known or (key.startswith("eval/") and parts.bundle.evaluate_model is not None):
+        return
+    raise ConfigError(
+        "sweep.objective",
+        f"{key!r} is not a figure this run reports; choose one of {', '.join(sorted(known))}",
+    )

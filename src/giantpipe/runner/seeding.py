@@ -32,7 +32,9 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
+        # As plain values (its key array as a list), so checkpoints load with weights_only.
+        kind, keys, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state()
+        state["numpy"] = (kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss))
     return state
 
 
@@ -43,4 +45,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state and "numpy" in sys.modules:
-        sys.modules["numpy"].random.set_state(state["numpy"])
+        np = sys.modules["numpy"]
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))

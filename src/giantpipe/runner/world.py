@@ -14,6 +14,10 @@ Before the pipeline exists, collectives run on the world group with a long timeo
 prepare data or profile layers for minutes); :meth:`World.bind` then moves them onto the pipe's
 own group and timeout, which a failing rank tears down, so no rank is left waiting on a dead one.
 
+Stopping is agreed too. :class:`StopSignals` catches SIGTERM (a cluster preempting the job),
+Ctrl-C and ``trainer.save_signal`` between steps; :meth:`World.agree_stop` makes every rank see
+what any rank caught, so all stop (or save) after the same step. A second Ctrl-C stops at once.
+
 Example::
 
     world = open_world(cfg.pipeline)        # LocalWorld() or TorchrunWorld(), from the config
@@ -24,7 +28,11 @@ Example::
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -73,6 +81,10 @@ class World:
 
     def barrier(self) -> None:
         """Returns once every rank has called it."""
+
+    def agree_stop(self, caught: Request) -> Request:
+        """What any rank caught since the last step, on every rank (collective)."""
+        return caught
 
     def bind(self, pipe: Any) -> None:
         """From now on collectives run on ``pipe``'s group and under its timeout."""
@@ -135,6 +147,12 @@ class TorchrunWorld(World):
     def barrier(self) -> None:
         dist.barrier(group=self._group)
 
+    def agree_stop(self, caught: Request) -> Request:
+        flags = [caught.stop == "preempted", caught.stop == "interrupted", caught.save]
+        preempted, interrupted, save = self.sum([float(f) for f in flags])
+        kind = "preempted" if preempted else "interrupted" if interrupted else None
+        return Request(kind, bool(save))
+
     def bind(self, pipe: Any) -> None:
         self._pipe, self._group = pipe, pipe.groups.p2p
 
@@ -168,3 +186,67 @@ def open_world(cfg: PipelineConfig) -> World:
             "pipeline.executor=distributed",
         )
     return World()
+
+
+# -- signals -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the signals caught ask for at the next step boundary."""
+
+    stop: str | None = None
+    """``preempted`` (SIGTERM), ``interrupted`` (Ctrl-C) or None."""
+    save: bool = False
+    """``trainer.save_signal``: save a checkpoint and go on."""
+
+
+class StopSignals:
+    """Catches SIGTERM, SIGINT and the save signal while installed (main thread only), so the
+    loop can finish its step, save and stop (or save and go on); a second Ctrl-C stops at once.
+
+    Example::
+
+        with StopSignals("SIGUSR1") as signals:
+            while training:
+                step()
+                request = world.agree_stop(signals.take())
+    """
+
+    def __init__(self, save_signal: str | None = None, on_term: Callable[[], None] | None = None):
+        self.save_signal = getattr(signal, save_signal) if save_signal else None
+        self.on_term = on_term
+        """Called first on SIGTERM (e.g. to die at once when a peer rank already failed)."""
+        self._stop: str | None = None
+        self._save = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            wanted = [signal.SIGTERM, signal.SIGINT]
+            wanted += [self.save_signal] if self.save_signal is not None else []
+            for signum in wanted:
+                self._previous[signum] = signal.signal(signum, self._catch)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _catch(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM:
+            if self.on_term is not None:
+                self.on_term()
+            self._stop = "preempted"
+        elif signum == signal.SIGINT:
+            if self._stop == "interrupted":  # the second Ctrl-C: at once
+                raise KeyboardInterrupt
+            self._stop = self._stop or "interrupted"
+        else:
+            self._save = True
+
+    def take(self) -> Request:
+        """What was caught since the last call (the stop stays: it is not undone)."""
+        request, self._save = Request(self._stop, self._save), False
+        return request

@@ -21,7 +21,7 @@ from giantpipe.config import (
 from giantpipe.data.tensors import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.pipeline import pipeline_ranks, rank_device
-from giantpipe.runner.record import resume_point
+from giantpipe.runner.rundir import resume_point
 from giantpipe.runner.step import replica_slice
 from models.mlp import MlpModelConfig
 

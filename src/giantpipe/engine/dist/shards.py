@@ -26,9 +26,11 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,14 +53,42 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
+            try:
+                torch.save(obj, handle)
+            except RuntimeError as err:  # torch's zip writer reports a full disk this way
+                failure = _write_error(path, str(err))
+                if failure is None:
+                    raise  # not the disk: e.g. an object that cannot be pickled
+                raise failure from err
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; every file of a run gets one mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _write_error(path: Path, message: str) -> OSError | None:
+    """The OSError naming ``path`` that torch's writer meant, or None if it was not the disk."""
+    if shutil.disk_usage(path.parent).free < 2**20:
+        code = errno.ENOSPC
+    elif "inline_container" in message or "write" in message.lower():
+        code = errno.EIO
+    else:
+        return None
+    return OSError(code, os.strerror(code), str(path))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()
+"""The mode ``open()`` gives a new file here (0644 under the usual umask)."""
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
@@ -68,6 +98,7 @@ def _atomic_write_text(text: str, path: Path) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

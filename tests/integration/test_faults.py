@@ -1,0 +1,354 @@
+"""The fault suite: what a hostile, careless or unlucky user does to ``python train.py``, and
+that each time the user sees one clear line and nothing is lost.
+
+kill -9 at random moments (saves included), SIGTERM and resume, Ctrl-C once and twice, a full
+file system (a small tmpfs when the tests run as root, an injected write failure always), two
+runs into one directory, a lock left by a dead run, NaN in training and in evaluation, a fresh
+run into another run's record, resuming a finished run, a bad override on resume, a torn
+metrics line, and a checkpoint that would run code when loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from giantpipe.config import ConfigError
+from giantpipe.runner.checkpoint import read_checkpoint, safe_load
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = [
+    "recipe=mlp_quickstart",
+    "data.train_size=512",
+    "data.eval_size=64",
+    "model.depth=3",
+    "model.hidden=16",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.predict=false",
+    "logger.progress=none",
+]
+STEPS = 12
+
+pytestmark = pytest.mark.slow
+
+
+def env() -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    base["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), base.get("PYTHONPATH", "")])
+    return base
+
+
+def start(run_dir: Path, *args: str) -> subprocess.Popen:
+    command = [sys.executable, str(REPO / "train.py"), *TINY, f"hydra.run.dir={run_dir}", *args]
+    return subprocess.Popen(
+        command,
+        cwd=next(folder for folder in run_dir.parents if folder.exists()),
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run(run_dir: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    proc = start(run_dir, *args)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def errors(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and sum(1 for _ in path.open()) >= step:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def fingerprint(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != "train.log"
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float]]:
+    """The uninterrupted run's loss at every step."""
+    run_dir = tmp_path_factory.mktemp("faults") / "reference"
+    result = run(run_dir, f"trainer.max_steps={STEPS}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return losses(run_dir)
+
+
+def test_kill_9_at_random_moments_never_loses_a_checkpoint(tmp_path: Path, reference) -> None:
+    run_dir, rng = tmp_path / "run", random.Random(13)
+    args = [f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=1"]
+    for attempt in range(3):  # saves every step, so some kills land inside a save
+        proc = start(run_dir, *args, *(["trainer.resume=true"] if attempt else []))
+        wait_for_step(run_dir, 3 * attempt + 2, proc)
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.kill()
+        proc.wait()
+        if (run_dir / "last" / "manifest.json").exists():  # the committed one is whole
+            assert read_checkpoint(run_dir / "last")["step"] >= 1
+    result = run(run_dir, *args, "trainer.resume=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert losses(run_dir) == reference  # every step once, the same trajectory
+    assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_sigterm_saves_marks_preempted_and_resumes_exactly(tmp_path: Path, reference) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, f"trainer.max_steps={STEPS}")
+    wait_for_step(run_dir, 5, proc)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == 143, err[-2000:]
+    stopped = summary(run_dir)
+    assert stopped["status"] == "preempted"
+    assert read_checkpoint(run_dir / "last")["step"] == stopped["steps"]
+    assert f"preempted at step {stopped['steps']}: saved" in err
+    result = run(run_dir, f"trainer.max_steps={STEPS}", "trainer.resume=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert losses(run_dir) == reference
+    assert summary(run_dir)["status"] == "completed"
+
+
+def test_save_signal_saves_and_goes_on(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, f"trainer.max_steps={STEPS}", "trainer.save_signal=SIGUSR1")
+    wait_for_step(run_dir, 3, proc)
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "last" / "manifest.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    saved_at = read_checkpoint(run_dir / "last")["step"]
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert 3 <= saved_at < STEPS and summary(run_dir)["status"] == "completed"
+
+
+def test_ctrl_c_stops_at_the_step_boundary_and_twice_at_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "once"
+    proc = start(run_dir, "trainer.max_steps=2000")
+    wait_for_step(run_dir, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2
+    assert summary(run_dir)["status"] == "interrupted"
+    assert read_checkpoint(run_dir / "last")["step"] == summary(run_dir)["steps"]
+
+    run_dir = tmp_path / "twice"
+    proc = start(run_dir, "trainer.max_steps=2000", "model.hidden=512", "model.depth=8")
+    wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert summary(run_dir)["status"] in ("interrupted",)
+
+
+def test_two_runs_into_one_directory_and_a_dead_runs_lock(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = start(run_dir, "trainer.max_steps=2000")
+    wait_for_step(run_dir, 2, first)
+    second = run(run_dir, "trainer.max_steps=5", "trainer.resume=true")
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=60)
+    (line,) = errors(second)
+    assert line.startswith(f"error: hydra.run.dir: {run_dir} is in use by PID {first.pid}")
+    # the first run was not disturbed: one trajectory, each step once
+    steps = [step for step, _ in losses(run_dir)]
+    assert steps == sorted(set(steps))
+
+    # A lock left by a process that is gone is taken over, and the log says so.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    lock = {"pid": int(dead.stdout), "host": os.uname().nodename, "started": None, "since": "?"}
+    (run_dir / ".giantpipe.lock").write_text(json.dumps(lock))
+    more = f"trainer.max_steps={summary(run_dir)['steps'] + 2}"
+    result = run(run_dir, more, "trainer.resume=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "which is gone" in (run_dir / "train.log").read_text()
+    assert not (run_dir / ".giantpipe.lock").exists()
+
+
+def test_nan_in_training_or_evaluation_is_never_saved_as_good(tmp_path: Path) -> None:
+    run_dir = tmp_path / "train"
+    result = run(
+        run_dir, "optim.lr=1e30", "optim.name=sgd", "model.norm=none", "trainer.max_steps=3"
+    )
+    (line,) = errors(result)
+    assert result.returncode == 1 and "NonFiniteLossError" in line
+    assert summary(run_dir)["status"] == "failed"
+    assert not (run_dir / "last" / "manifest.json").exists()
+
+    run_dir = tmp_path / "eval"
+    result = run(
+        run_dir, "optim.lr=1e30", "optim.name=sgd", "model.norm=none", "trainer.max_steps=1"
+    )
+    (line,) = errors(result)
+    assert "is nan; stopped without saving (no checkpoint was written)" in line
+    assert summary(run_dir)["status"] == "failed"
+    assert not (run_dir / "last" / "manifest.json").exists()
+
+
+def test_a_run_directory_is_never_mixed_or_silently_rewritten(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert run(run_dir, "trainer.max_steps=4").returncode == 0
+    before = fingerprint(run_dir)
+
+    # Resuming a finished run says so and changes nothing.
+    result = run(run_dir, "trainer.max_steps=4", "trainer.resume=true")
+    assert result.returncode == 0 and "the run is complete at step 4" in result.stdout
+    assert fingerprint(run_dir) == before
+
+    # A bad override on resume is one line, and the completed run stays as it was.
+    result = run(run_dir, "trainer.max_steps=8", "trainer.resume=true", "model.hidden=32")
+    (line,) = errors(result)
+    assert line.startswith("error: trainer.resume:") and "does not fit" in line
+    assert fingerprint(run_dir) == before and summary(run_dir)["status"] == "completed"
+
+    # A fresh run into a directory holding a record but no checkpoint is refused ...
+    shutil.rmtree(run_dir / "last")
+    result = run(run_dir, "trainer.max_steps=4")
+    (line,) = errors(result)
+    assert "holds another run's record (metrics.jsonl, summary.json)" in line
+    # ... or, asked to, moves that record aside and starts over.
+    result = run(run_dir, "trainer.max_steps=4", "trainer.overwrite=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (run_dir / "replaced-1" / "metrics.jsonl").exists()
+    assert [step for step, _ in losses(run_dir)] == [1, 2, 3, 4]
+
+
+def test_a_refused_fresh_config_leaves_no_run_directory(tmp_path: Path) -> None:
+    result = run(tmp_path / "outputs" / "x" / "run", "pipeline.chunks=0")
+    (line,) = errors(result)
+    assert line == "error: pipeline.chunks: must be >= 1, got 0"
+    assert not (tmp_path / "outputs").exists()
+    result = run(tmp_path / "run2", "sweep.objective=eval/acc")
+    assert errors(result)[0].startswith("error: sweep.objective: 'eval/acc' is not a figure")
+    assert not (tmp_path / "run2").exists()
+
+
+def test_a_torn_metrics_line_never_blocks_a_resume(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert run(run_dir, "trainer.max_steps=4", "trainer.checkpoint_every=2").returncode == 0
+    shutil.rmtree(run_dir / "last")
+    shutil.copytree(run_dir / "step_2", run_dir / "last")
+    with (run_dir / "metrics.jsonl").open("a") as handle:
+        handle.write('{"kind": "train", "step": 5, "lo')  # a full disk cut this line short
+    result = run(run_dir, "trainer.max_steps=6", "trainer.resume=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [step for step, _ in losses(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+def full_disk(tmp_path: Path) -> Path | None:
+    """A 12 MiB tmpfs (root only); None where it cannot be mounted."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return None
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(where)])
+    return where if done.returncode == 0 else None
+
+
+def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_survives(tmp_path: Path) -> None:
+    small = full_disk(tmp_path)
+    if small is None:
+        pytest.skip("needs root to mount a small tmpfs (the injected failure test covers it)")
+    try:
+        run_dir = small / "run"
+        result = run(
+            run_dir, "trainer.max_steps=400", "trainer.checkpoint_every=1", "model.hidden=256"
+        )
+        (line,) = errors(result)
+        assert "cannot save the checkpoint of step" in line and "No space left" in line
+        assert "last good checkpoint" in line and "Traceback" not in result.stderr
+        good = read_checkpoint(run_dir / "last")["step"]
+        spare = tmp_path / "big" / "run"
+        shutil.copytree(run_dir, spare)  # space freed: the run goes on from there
+    finally:
+        subprocess.run(["umount", str(small)])
+    result = run(spare, f"trainer.max_steps={good + 2}", "model.hidden=256", "trainer.resume=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert good >= 1 and summary(spare)["steps"] == good + 2
+
+
+def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> None:
+    from giantpipe.engine.dist import shards
+    from giantpipe.runner import train
+    from giantpipe.runner.loop import CheckpointWriteError
+    from tests.unit.runner.test_runner_loop import tiny
+
+    saves = {"n": 0}
+    real = torch.save
+
+    def failing_save(obj, handle, *args, **kwargs):
+        saves["n"] += 1
+        if saves["n"] > 4:  # the third checkpoint (two files each) hits a full disk
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
+                "failed writing file data/0: file write failed"
+            )
+        return real(obj, handle, *args, **kwargs)
+
+    monkeypatch.setattr(shards.torch, "save", failing_save)
+    monkeypatch.setattr(shards.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 0))
+    with pytest.raises(CheckpointWriteError) as info:
+        train(tiny(max_steps=6, checkpoint_every=1, eval_every=0), tmp_path, "")
+    message = str(info.value)
+    assert "\n" not in message and "No space left on device" in message
+    assert f"last good checkpoint: {tmp_path / 'last'} (step 1)" in message
+    assert read_checkpoint(tmp_path / "last")["step"] == 1
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"model": {}, "step": 1, "payload": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(ConfigError, match=r"holds posix.system, which giantpipe never saves"):
+        safe_load(tmp_path / "evil.pt")
+    result = run(tmp_path / "run", f"trainer.init_from={tmp_path / 'evil.pt'}")
+    (line,) = errors(result)
+    assert line.startswith("error: trainer.init_from:") and "never saves" in line
+    assert not marker.exists()
