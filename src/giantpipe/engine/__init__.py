@@ -27,14 +27,13 @@ Example::
 """
 
 from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-from giantpipe.engine.executor import PipelineError
 from giantpipe.engine.gpipe import GPipe
 from giantpipe.engine.recompute import is_recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.engine.stats import StepStats
-from giantpipe.engine.workers import PipelineTimeout
+from giantpipe.engine.workers import PipelineError, PipelineTimeout
 
 __all__ = [
     "Action",

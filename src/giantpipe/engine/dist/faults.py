@@ -35,12 +35,19 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from giantpipe.engine.executor import failed_action
+from giantpipe.engine.workers import PipelineError
+
 _KEY, _CLAIM = "giantpipe/failed", "giantpipe/failed_claim"
 T = TypeVar("T")
 
 
-class RankFailure(RuntimeError):
-    """A rank of the distributed pipeline failed; the message names the first rank and stage."""
+class RankFailure(PipelineError):
+    """A rank of the distributed pipeline failed; the message names the first rank and stage.
+
+    Every rank raises it (the failing rank too, with its own exception as ``__cause__``): all
+    take the same path, and the pipe cannot run again (its groups are torn down).
+    """
 
 
 class FailureBoard:
@@ -85,21 +92,17 @@ def explain(board: FailureBoard | None, local: str) -> str:
 def failure_message(exc: BaseException, layout: Any, board: FailureBoard | None) -> str:
     """The one line a failed step raises: the first failure of the run, named by rank and stage.
 
-    ``exc`` is what this rank caught: a :class:`RankFailure` (already explained), a
-    ``PipelineError`` of one of its own actions, or anything else raised during the step.
+    ``exc`` is what this rank caught: a :class:`RankFailure` (already explained), an exception
+    of one of its own actions (the executor noted which), or anything else raised in the step.
     """
-    from giantpipe.engine.executor import PipelineError  # the executor does not import this
-
     if isinstance(exc, RankFailure):
         return str(exc)
-    if isinstance(exc, PipelineError):
-        cause = exc.__cause__
-        if isinstance(cause, RankFailure):
-            return str(cause)
-        text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-        where = f"{layout.label(exc.stage)} failed on micro-batch {exc.microbatch}"
+    action = failed_action(exc)
+    text = f"{type(exc).__name__}: {exc}"
+    if action is not None:
+        where = f"{layout.label(action.stage)} failed on micro-batch {action.microbatch}"
         return explain(board, f"{where}: {text}")
-    return explain(board, f"{layout.label()} failed: {type(exc).__name__}: {exc}")
+    return explain(board, f"{layout.label()} failed: {text}")
 
 
 def run_guarded(
