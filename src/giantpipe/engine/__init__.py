@@ -28,6 +28,7 @@ Example::
 
 from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from giantpipe.engine.gpipe import GPipe
+from giantpipe.engine.partition import verify_module
 from giantpipe.engine.recompute import is_recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe
@@ -49,4 +50,5 @@ __all__ = [
     "gpipe",
     "is_recomputing",
     "rng_context",
+    "verify_module",
 ]

@@ -314,7 +314,7 @@ class StepRun:
         self._hand_on(stage, m, y)
 
     def _run_stage(self, stage: int, x: Any, m: int) -> Any:
-        y = self.cfg.stages[stage](x)
+        y = _checked_output(stage, self.cfg.stages[stage](x))
         loss = self.cfg.loss
         if loss is not None and stage == len(self.cfg.stages) - 1:
             target = to_device(loss.targets[m], self.cfg.devices[stage])
@@ -408,6 +408,18 @@ class StepRun:
         released = self.held[stage].pop(m, 0)
         self.live[stage] -= released
         self.worker_live[self.worker_of[stage]] -= released
+
+
+def _checked_output(stage: int, y: Any) -> Any:
+    # torchgpipe's rule at a stage boundary: a tensor or a tuple of tensors (masks, ints or None
+    # may ride along); anything else fails here, a TypeError, not somewhere downstream.
+    if isinstance(y, torch.Tensor):
+        return y
+    if isinstance(y, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in y):
+        return y
+    raise TypeError(
+        f"expected Tensor or Tuple[Tensor, ...] from stage {stage}, but got {type(y).__name__}"
+    )
 
 
 def _backward_input(

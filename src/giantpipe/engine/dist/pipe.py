@@ -137,6 +137,8 @@ class DistributedPipe(Pipe):
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
         model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
         args = check_arguments(model, balance, chunks, checkpoint, schedule, virtual_stages)
+        if not args.balance:
+            raise ValueError("a DistributedPipe needs at least one layer (GPipe pipes none)")
         super().__init__(args, checkpoint, schedule, timeout)
         steps = self.step_schedule()
         self.layout = Layout(
