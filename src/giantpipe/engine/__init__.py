@@ -34,7 +34,7 @@ from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.engine.stats import StepStats
-from giantpipe.engine.workers import PipelineError, PipelineTimeout
+from giantpipe.engine.workers import PipelineError, PipelineTimeout, failed_action
 
 __all__ = [
     "Action",
@@ -47,6 +47,7 @@ __all__ = [
     "build_schedule",
     "convert_deferred_batch_norm",
     "expected_bubble",
+    "failed_action",
     "gpipe",
     "is_recomputing",
     "rng_context",

@@ -1,8 +1,8 @@
 """The local executor: one process, one worker thread per pipeline worker, any schedule.
 
 The threads belong to the pipe's :class:`~giantpipe.engine.workers.WorkerPool` and serve step
-after step (a fresh thread's first action is slow); a failed phase, ``pipe.close()`` or the
-pipe's collection joins them all.
+after step (a fresh thread's first action is slow); ``pipe.close()`` or the pipe's collection
+joins them all, and those of a failed phase are joined by the next one.
 
 Each worker runs its list of actions in order. An action waits only for what it consumes::
 
@@ -66,7 +66,14 @@ from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule
 from giantpipe.engine.stats import ActionTiming, SavedTensorMeter
-from giantpipe.engine.workers import Aborted, Mailbox, PipelineError, WorkerPool
+from giantpipe.engine.workers import (
+    Aborted,
+    Mailbox,
+    PipelineError,
+    WorkerPool,
+    failed_action,
+    note_failure,
+)
 
 __all__ = [
     "LossFn",
@@ -79,34 +86,6 @@ __all__ = [
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-_KINDS = {"F": "forward", "B": "backward", "W": "weight gradient"}
-
-
-def failed_action(exc: BaseException) -> Action | None:
-    """The action whose run raised ``exc`` (the note says the same to people), else None.
-
-    Example::
-
-        try:
-            pipe.train_step(x, y, loss_fn)
-        except ValueError as exc:
-            failed_action(exc)   # Action(kind='B', stage=1, microbatch=0)
-    """
-    return getattr(exc, "_giantpipe_action", None)
-
-
-def _note_failure(exc: BaseException, action: Action, device: torch.device) -> None:
-    # The exception stays what the stage raised; where it happened rides along as a note.
-    verb = "failed" if isinstance(exc, Exception) else "was stopped"  # Ctrl-C, SystemExit
-    note = (
-        f"giantpipe: stage {action.stage} (device {device}) {verb} on micro-batch "
-        f"{action.microbatch} ({_KINDS.get(action.kind, action.kind)})"
-    )
-    if note not in getattr(exc, "__notes__", ()):  # an exception object raised again
-        exc.add_note(note)
-    exc._giantpipe_action = action  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -242,7 +221,7 @@ class StepRun:
             return  # woken by another worker's failure, which that worker reports
         except BaseException as exc:
             box.abort()
-            _note_failure(exc, action, self.cfg.devices[action.stage])
+            note_failure(exc, action, self.cfg.devices[action.stage])
             raise
         finally:
             times.append((start, time.perf_counter()))

@@ -97,7 +97,8 @@ class GPipe(Pipe):
             or ``'zb-h1'`` (``forward`` always runs fill-drain).
         virtual_stages: V, stages per worker for ``'interleaved'`` (and looped ``'gpipe'``);
             ``balance`` then has K*V entries and ``devices`` K.
-        timeout: seconds a worker may wait for a neighbour before the step fails.
+        timeout: seconds a worker may wait for a neighbour before the step fails
+            (PipelineTimeout); also how long a step waits for the threads of a failed one.
         threads_per_stage: intra-op threads of each worker; default: for CPU stand-ins, the
             caller's threads shared evenly among the stages, else unchanged.
     """

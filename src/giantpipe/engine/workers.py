@@ -25,8 +25,9 @@ forever. The distributed executor's mailbox (:mod:`giantpipe.engine.dist.p2p`) k
 interface and reaches other processes.
 
 **Failures.** An exception raised by a stage's own code reaches the caller as it was raised
-(the executor adds a note). :class:`PipelineError` is for the engine's own failures: a wait that
-timed out (:class:`PipelineTimeout`), a lost rank (``RankFailure``).
+(with the note of :func:`note_failure`; :func:`failed_action` reads where). :class:`PipelineError`
+is for the engine's own failures: a wait that timed out (:class:`PipelineTimeout`), a lost rank
+(``RankFailure``).
 
 Example::
 
@@ -46,7 +47,18 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Aborted", "Key", "Mailbox", "PipelineError", "PipelineTimeout", "WorkerPool"]
+from giantpipe.engine.schedule import Action
+
+__all__ = [
+    "Aborted",
+    "Key",
+    "Mailbox",
+    "PipelineError",
+    "PipelineTimeout",
+    "WorkerPool",
+    "failed_action",
+    "note_failure",
+]
 
 Key = tuple[str, int, int]
 Task = Callable[[], None]
@@ -70,6 +82,35 @@ class PipelineTimeout(PipelineError):
 
 class Aborted(Exception):
     """Raised in a waiting worker when another worker has failed (never reaches the caller)."""
+
+
+_KINDS = {"F": "forward", "B": "backward", "W": "weight gradient"}
+
+
+def failed_action(exc: BaseException) -> Action | None:
+    """The action whose run raised ``exc`` (the note says the same to people), else None.
+
+    Example::
+
+        try:
+            pipe.train_step(x, y, loss_fn)
+        except ValueError as exc:
+            failed_action(exc)   # Action(kind='B', stage=1, microbatch=0)
+    """
+    return getattr(exc, "_giantpipe_action", None)
+
+
+def note_failure(exc: BaseException, action: Action, device: Any) -> None:
+    """Adds to ``exc`` the note that names where it was raised (see :func:`failed_action`);
+    the exception stays what the stage raised."""
+    verb = "failed" if isinstance(exc, Exception) else "was stopped"  # Ctrl-C, SystemExit
+    note = (
+        f"giantpipe: stage {action.stage} (device {device}) {verb} on micro-batch "
+        f"{action.microbatch} ({_KINDS.get(action.kind, action.kind)})"
+    )
+    if note not in getattr(exc, "__notes__", ()):  # an exception object raised again
+        exc.add_note(note)
+    exc._giantpipe_action = action  # type: ignore[attr-defined]
 
 
 # ---- the mailbox --------------------------------------------------------------------------

@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe, PipelineError
-from giantpipe.engine import PipelineTimeout
-from giantpipe.engine.executor import failed_action
+from giantpipe.engine import PipelineTimeout, failed_action
 from giantpipe.engine.schedule import Action
 from giantpipe.engine.workers import Mailbox
 
