@@ -149,6 +149,8 @@ class DistributedPipe(Pipe):
         self._hold_layers(model, seed, init, deferred_batch_norm)
         self.groups = build_groups(self.layout, timeout)
         self.board = FailureBoard(default_store(), self.layout.label())
+        peers = self.layout.pipeline_ranks + self.layout.replica_ranks
+        self.board.watch(self.layout.rank, peers, self.layout.rank_label)
         install_sigterm_note(self.board)
         self._box: P2PMailbox | None = None
         self._broken: str | None = None
