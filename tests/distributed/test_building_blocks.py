@@ -4,6 +4,11 @@ building on meta with a local slice, atomic shard files. (No ``distributed`` mar
 from __future__ import annotations
 
 import math
+import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -169,3 +174,93 @@ def test_atomic_save_leaves_the_old_file_when_writing_fails(tmp_path) -> None:
         atomic_save({"a": Unpicklable()}, path)
     assert torch.equal(torch.load(path)["a"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["shard.pt"]
+
+
+# ---- the failure board: who failed first ------------------------------------------------------
+
+
+class DictStore:
+    """The four calls of a c10d store the failure board makes."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def add(self, key: str, n: int) -> int:
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+
+def board_of(rank: int, store: DictStore, layout: Layout, pid: int | None = None):
+    from giantpipe.engine.dist.faults import FailureBoard
+
+    board = FailureBoard(store, layout.rank_label(rank))
+    board.watch(rank, layout.pipeline_ranks + layout.replica_ranks, layout.rank_label)
+    if pid is not None:  # another process plays this rank
+        key = f"giantpipe/process/{rank}"
+        store.data[key] = store.data[key].replace(str(os.getpid()).encode(), str(pid).encode())
+    return board
+
+
+def test_a_dead_peer_is_named_first_by_what_a_survivor_reports() -> None:
+    from giantpipe.engine.dist.faults import explain, failure_message, is_consequence
+    from giantpipe.engine.schedule import Action
+    from giantpipe.engine.workers import note_failure
+
+    layout = Layout(world_size=3, rank=0, workers=3, placement=(0, 1, 2))
+    store = DictStore()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: no /proc entry
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    zombie.kill()  # not waited for: a zombie until reaped, yet its process ended
+    time.sleep(0.5)
+    try:
+        board_of(1, store, layout, pid=zombie.pid)
+        board_of(2, store, layout)  # alive: this process
+        board = board_of(0, store, layout)
+        assert board.gone() == f"rank 1 (stage 1) is gone (process {zombie.pid} ended)"
+        # A transport error in one of this rank's actions is blamed on the dead peer.
+        error = RuntimeError("[gloo/pair.cc:598] Connection reset by peer")
+        note_failure(error, Action("F", 0, 3), torch.device("cpu"))
+        assert is_consequence(error) and not is_consequence(ValueError("connection"))
+        first = failure_message(error, layout, board)
+        assert first == (
+            f"rank 1 (stage 1) is gone (process {zombie.pid} ended); then rank 0 (stage 0) "
+            "failed on micro-batch 3: RuntimeError: [gloo/pair.cc:598] Connection reset by peer"
+        )
+        # Every later report leads with it; a message naming the dead rank is left as it is.
+        later = explain(board_of(2, store, layout), "rank 2 (stage 2): a peer is gone")
+        assert later == f"{first} [then rank 2 (stage 2): a peer is gone]"
+        named = "rank 1 (stage 1) is gone (connection closed); rank 0 (stage 0) waited"
+        assert board_of(0, DictStore(), layout).blame(named, grace=0) == named
+    finally:
+        zombie.wait()
+    store.data["giantpipe/process/1"] = f"{socket.gethostname()} {dead.pid}".encode()
+    assert (
+        board_of(0, store, layout).gone() == f"rank 1 (stage 1) is gone (process {dead.pid} ended)"
+    )
+
+
+def test_an_own_failure_is_reported_at_once_and_alive_peers_are_not_blamed() -> None:
+    from giantpipe.engine.dist.faults import explain
+
+    layout = Layout(world_size=2, rank=0, workers=2, placement=(0, 1))
+    store = DictStore()
+    board_of(1, store, layout)
+    board = board_of(0, store, layout)
+    assert board.gone() is None
+    start = time.monotonic()
+    own = "rank 0 (stage 0) failed on micro-batch 1: ValueError: boom"
+    assert explain(board, own, consequence=False) == own
+    assert time.monotonic() - start < 0.5  # no grace for its own failure
+    later = explain(board_of(1, store, layout), "rank 1 (stage 1) timed out")
+    assert later == f"{own} [then rank 1 (stage 1) timed out]"

@@ -27,14 +27,14 @@ Example::
 """
 
 from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-from giantpipe.engine.executor import PipelineError
 from giantpipe.engine.gpipe import GPipe
+from giantpipe.engine.partition import verify_module
 from giantpipe.engine.recompute import is_recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.engine.stats import StepStats
-from giantpipe.engine.workers import PipelineTimeout
+from giantpipe.engine.workers import PipelineError, PipelineTimeout, failed_action
 
 __all__ = [
     "Action",
@@ -47,7 +47,9 @@ __all__ = [
     "build_schedule",
     "convert_deferred_batch_norm",
     "expected_bubble",
+    "failed_action",
     "gpipe",
     "is_recomputing",
     "rng_context",
+    "verify_module",
 ]

@@ -45,7 +45,7 @@ from giantpipe.engine.partition import BalanceError, verify_balance, verify_modu
 from giantpipe.engine.recompute import MODES, recompute_stop
 from giantpipe.engine.rng import draw_step_seed
 from giantpipe.engine.schedule import Schedule
-from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.schedules import build_schedule, schedule_builders
 from giantpipe.engine.stats import ActionTiming, StepStats
 
 # One set of defaults for both pipes (torchgpipe's where it has one).
@@ -91,10 +91,13 @@ def check_arguments(
             "balance is required; compute one with giantpipe.perf.balance (balance_by_time, "
             "balance_by_size or balance_by_params)"
         )
+    if isinstance(chunks, float) and not float.is_integer(chunks):  # 4.0 is fine, 4.5 not
+        raise ValueError(f"number of chunks must be positive integer (chunks: {chunks})")
     chunks = int(chunks)
     if chunks <= 0:
         raise ValueError("number of chunks must be positive integer")
-    if recompute not in MODES:  # torchgpipe's message names the public argument, checkpoint=
+    # A str-like mode (an enum, a config node) is fine; the message names the public argument.
+    if str(recompute) not in MODES:
         raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
     verify_module(module)
     balance = list(balance)
@@ -155,12 +158,15 @@ class Pipe(nn.Module):
         self.balance: list[int] = args.balance
         self.chunks = args.chunks
         self.virtual_stages = args.virtual_stages
-        self.checkpoint = recompute  # the re-materialization mode, under torchgpipe's name
+        self.checkpoint = str(recompute)  # the re-materialization mode, torchgpipe's name
         self.schedule = schedule
         self.timeout = timeout
         self.last_stats: StepStats | None = None
         self.last_timings: list[ActionTiming] = []  # this process's actions of the last step
-        self.step_schedule()  # fail early on a bad schedule name, M or V
+        if self.balance:
+            self.step_schedule()  # fail early on a bad schedule name, M or V
+        elif schedule not in schedule_builders():  # an empty pipe (the identity) runs none
+            build_schedule(schedule, 1, 1)  # raises, naming the schedules there are
 
     @property
     def num_workers(self) -> int:

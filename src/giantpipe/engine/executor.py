@@ -1,8 +1,8 @@
 """The local executor: one process, one worker thread per pipeline worker, any schedule.
 
 The threads belong to the pipe's :class:`~giantpipe.engine.workers.WorkerPool` and serve step
-after step (a fresh thread's first action is slow); a failed phase, ``pipe.close()`` or the
-pipe's collection joins them all.
+after step (a fresh thread's first action is slow); ``pipe.close()`` or the pipe's collection
+joins them all, and those of a failed phase are joined by the next one.
 
 Each worker runs its list of actions in order. An action waits only for what it consumes::
 
@@ -17,8 +17,16 @@ never crosses threads or devices by itself: gradients cross the boundary through
 exactly as activations do. Torch kernels release the GIL, so workers on CPU stand-ins really run
 concurrently.
 
-A failing action aborts the step: the other workers stop at their next wait, all threads are
-joined, and :class:`PipelineError` names the stage and micro-batch.
+A failing action aborts the step: the caller hears at once, and the other workers stop at their
+next action (or wait). The exception is the one the stage raised (``except ValueError`` and
+``except torch.OutOfMemoryError`` catch it, as with torchgpipe), with a note naming the stage,
+device and micro-batch; :func:`failed_action` gives the action to code::
+
+    ValueError: bad gradient
+    giantpipe: stage 1 (device cpu) failed on micro-batch 0 (backward)
+
+The engine's own failures (a wait over the timeout) are :class:`PipelineError`; KeyboardInterrupt
+and SystemExit stay what they are.
 
 What a step is given, :class:`StepConfig` (the stages, their devices, the loss, which
 micro-batches are recomputed, the caller's autocast state), is all the workers read; both pipes
@@ -58,7 +66,14 @@ from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule
 from giantpipe.engine.stats import ActionTiming, SavedTensorMeter
-from giantpipe.engine.workers import Aborted, Mailbox, WorkerPool
+from giantpipe.engine.workers import (
+    Aborted,
+    Mailbox,
+    PipelineError,
+    WorkerPool,
+    failed_action,
+    note_failure,
+)
 
 __all__ = [
     "LossFn",
@@ -67,20 +82,10 @@ __all__ = [
     "StepConfig",
     "StepRun",
     "autocast_state",
+    "failed_action",
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-class PipelineError(RuntimeError):
-    """An action of the pipeline failed; ``stage`` and ``microbatch`` say which."""
-
-    def __init__(self, stage: int, microbatch: int, device: torch.device, cause: BaseException):
-        self.stage, self.microbatch, self.device = stage, microbatch, device
-        super().__init__(
-            f"stage {stage} (device {device}) failed on micro-batch {microbatch}: "
-            f"{type(cause).__name__}: {cause}"
-        )
 
 
 @dataclass
@@ -175,80 +180,78 @@ class StepRun:
     # ---- running a phase -------------------------------------------------------------------
 
     def run(self, schedule: Schedule) -> None:
-        """Runs every worker's actions of ``schedule``; raises PipelineError on failure."""
+        """Runs every worker's actions of ``schedule``; the first failure is raised as it is,
+        at once (see the module docstring)."""
         self.mailbox = _reopen(self.mailbox)
         self.split |= {
             (a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"
         }
-        errors: list[tuple[Action, BaseException]] = []
         times: list[tuple[float, float]] = []
         workers = [w for w in schedule.actions if w]
-        if len(workers) == 1:
-            self._work(workers[0], errors, times, own_thread=False)
-        else:
-            pool = self.pool if self.pool is not None else WorkerPool()
-            tasks = [partial(self._work, w, errors, times, True) for w in workers]
-            try:
-                pool.run(tasks)
-            except BaseException:  # interrupted while waiting: stop the workers too
-                self.mailbox.abort()
-                pool.close()
-                raise
-            finally:
-                if errors or pool is not self.pool:
-                    pool.close()  # a failed phase, or a one-off pool, leaves no thread behind
+        try:
+            if len(workers) == 1:
+                self._work(workers[0], times, own_thread=False)
+            else:
+                pool = self.pool if self.pool is not None else WorkerPool()
+                pool.run([partial(self._work, w, times, True) for w in workers], self.cfg.timeout)
+                if pool is not self.pool:
+                    pool.close()  # a one-off pool leaves no thread behind
+        except BaseException:
+            self.mailbox.abort()  # failed, or the caller was interrupted: the others stop too
+            raise
         if times:
             self.span += max(e for _, e in times) - min(s for s, _ in times)
         for stage, waited in enumerate(self.waited):
             self.busy[stage] -= waited
             self.waited[stage] = 0.0
-        if errors:
-            action, exc = min(errors, key=lambda e: isinstance(e[1], Aborted))
-            stage = action.stage
-            raise PipelineError(stage, action.microbatch, self.cfg.devices[stage], exc) from exc
 
     def _work(
-        self,
-        actions: Sequence[Action],
-        errors: list[tuple[Action, BaseException]],
-        times: list[tuple[float, float]],
-        own_thread: bool,
+        self, actions: Sequence[Action], times: list[tuple[float, float]], own_thread: bool
     ) -> None:
         start = time.perf_counter()
+        box = self.mailbox
         action = actions[0]
         try:
             with self._worker_context(own_thread):
                 for action in actions:
-                    stage = action.stage
-                    waited, replayed = self.waited[stage], self.recomputed[stage]
-                    received, kept = self.received[stage], self.kept[stage]
-                    t0 = time.perf_counter()
-                    if action.kind == "F":
-                        self.forward(action.stage, action.microbatch)
-                    elif action.kind == "B":
-                        self.backward(action.stage, action.microbatch)
-                    elif action.kind == "W":
-                        self.weight(action.stage, action.microbatch)
-                    else:
-                        raise ValueError(f"the local executor cannot run action {action}")
-                    t1 = time.perf_counter()
-                    self.busy[stage] += t1 - t0
-                    self.timings.append(
-                        ActionTiming(
-                            action,
-                            t0,
-                            t1,
-                            self.waited[stage] - waited,
-                            self.recomputed[stage] - replayed,
-                            self.received[stage] - received,
-                            self.kept[stage] - kept,
-                        )
-                    )
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
-            errors.append((action, exc))
-            self.mailbox.abort()
+                    if box.aborted:  # another worker failed: stop before the next action
+                        return
+                    self._act(action)
+        except Aborted:
+            return  # woken by another worker's failure, which that worker reports
+        except BaseException as exc:
+            box.abort()
+            note_failure(exc, action, self.cfg.devices[action.stage])
+            raise
         finally:
             times.append((start, time.perf_counter()))
+
+    def _act(self, action: Action) -> None:
+        stage = action.stage
+        waited, replayed = self.waited[stage], self.recomputed[stage]
+        received, kept = self.received[stage], self.kept[stage]
+        t0 = time.perf_counter()
+        if action.kind == "F":
+            self.forward(stage, action.microbatch)
+        elif action.kind == "B":
+            self.backward(stage, action.microbatch)
+        elif action.kind == "W":
+            self.weight(stage, action.microbatch)
+        else:
+            raise ValueError(f"the local executor cannot run action {action}")
+        t1 = time.perf_counter()
+        self.busy[stage] += t1 - t0
+        self.timings.append(
+            ActionTiming(
+                action,
+                t0,
+                t1,
+                self.waited[stage] - waited,
+                self.recomputed[stage] - replayed,
+                self.received[stage] - received,
+                self.kept[stage] - kept,
+            )
+        )
 
     @contextmanager
     def _worker_context(self, own_thread: bool) -> Iterator[None]:
@@ -290,7 +293,7 @@ class StepRun:
         self._hand_on(stage, m, y)
 
     def _run_stage(self, stage: int, x: Any, m: int) -> Any:
-        y = self.cfg.stages[stage](x)
+        y = _checked_output(stage, self.cfg.stages[stage](x))
         loss = self.cfg.loss
         if loss is not None and stage == len(self.cfg.stages) - 1:
             target = to_device(loss.targets[m], self.cfg.devices[stage])
@@ -384,6 +387,18 @@ class StepRun:
         released = self.held[stage].pop(m, 0)
         self.live[stage] -= released
         self.worker_live[self.worker_of[stage]] -= released
+
+
+def _checked_output(stage: int, y: Any) -> Any:
+    # torchgpipe's rule at a stage boundary: a tensor or a tuple of tensors (masks, ints or None
+    # may ride along); anything else fails here, a TypeError, not somewhere downstream.
+    if isinstance(y, torch.Tensor):
+        return y
+    if isinstance(y, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in y):
+        return y
+    raise TypeError(
+        f"expected Tensor or Tuple[Tensor, ...] from stage {stage}, but got {type(y).__name__}"
+    )
 
 
 def _backward_input(

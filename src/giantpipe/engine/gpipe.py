@@ -28,7 +28,9 @@ What GPipe shares with the distributed executor (defaults, checks, loss scaling,
 configuration) is :class:`giantpipe.engine.base.Pipe`.
 
 Parameters keep the names they have in the plain module (``"0.weight"``, ``"2.bias"``), so a
-state dict saved from one partitioning loads into any other, or into the plain model.
+state dict saved from one partitioning loads into any other, or into the plain model; one saved by
+torchgpipe (``"partitions.0.0.weight"``) loads too. An empty ``nn.Sequential`` (``balance=[]``)
+pipes as the identity, as torchgpipe's does.
 """
 
 from __future__ import annotations
@@ -53,9 +55,16 @@ from giantpipe.engine.base import (
     check_input,
 )
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm
-from giantpipe.engine.executor import LossFn, StepRun
+from giantpipe.engine.executor import LossFn, LossSpec, StepRun
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, gather, scatter
-from giantpipe.engine.partition import Device, resolve_devices, split_module, verify_balance
+from giantpipe.engine.partition import (
+    Device,
+    plain_names,
+    resolve_devices,
+    split_module,
+    verify_balance,
+    verify_module,
+)
 from giantpipe.engine.rng import install_rng_hooks
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
@@ -63,6 +72,8 @@ from giantpipe.engine.workers import WorkerPool
 
 if TYPE_CHECKING:
     from giantpipe.perf.predict import Prediction
+
+__all__ = ["GPipe", "PipelineFunction", "verify_module"]
 
 MOVING_DENIED = TypeError(
     "denied to move parameters and buffers, because GPipe should manage device placement"
@@ -86,7 +97,8 @@ class GPipe(Pipe):
             or ``'zb-h1'`` (``forward`` always runs fill-drain).
         virtual_stages: V, stages per worker for ``'interleaved'`` (and looped ``'gpipe'``);
             ``balance`` then has K*V entries and ``devices`` K.
-        timeout: seconds a worker may wait for a neighbour before the step fails.
+        timeout: seconds a worker may wait for a neighbour before the step fails
+            (PipelineTimeout); also how long a step waits for the threads of a failed one.
         threads_per_stage: intra-op threads of each worker; default: for CPU stand-ins, the
             caller's threads shared evenly among the stages, else unchanged.
     """
@@ -122,6 +134,7 @@ class GPipe(Pipe):
         self._rng_hooks = install_rng_hooks(module)
         self.last_in_flight: list[int] = []  # per stage: most micro-batches held at once
         self._worker_pool = WorkerPool()  # threads kept across steps; see close()
+        self.register_load_state_dict_pre_hook(_read_torchgpipe_names)
 
     # ---- Sequential-like access ------------------------------------------------------------
 
@@ -153,9 +166,12 @@ class GPipe(Pipe):
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Pipelines the forward pass; with grad enabled, ``backward`` is pipelined too."""
+        batch = check_input(input)
+        if not self.partitions:
+            return input  # an empty Sequential is the identity
         started = time.perf_counter()
         self._reset_peaks()
-        micro = scatter(check_input(input), self.chunks)
+        micro = scatter(batch, self.chunks)
         grad = torch.is_grad_enabled()
         run = StepRun(self._step_config(grad, None), micro, pool=self._worker_pool)
         fill_drain = cached_schedule("gpipe", self.num_workers, self.chunks, self.virtual_stages)
@@ -193,6 +209,8 @@ class GPipe(Pipe):
         micro = scatter(check_input(inputs), self.chunks)
         check_batch_sizes(inputs, targets)
         spec = self._loss_spec(targets, loss_fn, loss_normalizer)
+        if not self.partitions:
+            return _identity_step(micro, spec)
         run = StepRun(self._step_config(True, spec), micro, pool=self._worker_pool)
         run.run(self.step_schedule())
         self._commit_batchnorm()
@@ -297,7 +315,9 @@ class PipelineFunction(torch.autograd.Function):
         ctx.pipe, ctx.run, ctx.schedule, ctx.started = pipe, run, schedule, started
         ctx.num_inputs = len(inputs)
         out = as_tuple(gather([run.results[m] for m in range(pipe.chunks)]))
-        ctx.mark_non_differentiable(*[t for t in out if not t.is_floating_point()])
+        ctx.mark_non_differentiable(
+            *[t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+        )
         return out
 
     @staticmethod
@@ -322,3 +342,19 @@ def _gather_input_grads(run: StepRun, chunks: int, num_inputs: int) -> list[Any]
         parts = [run.input_grads[m][i] for m in range(chunks)]
         grads.append(None if any(p is None for p in parts) else torch.cat(parts))
     return grads
+
+
+def _identity_step(micro: list[TensorOrTensors], spec: LossSpec) -> torch.Tensor:
+    # train_step of an empty pipe: the loss of the inputs themselves, weighted as in a step.
+    loss = sum(
+        (spec.fn(x, t) * scale for x, t, scale in zip(micro, spec.targets, spec.scales)),
+        torch.zeros(()),
+    )
+    if loss.requires_grad:
+        loss.backward()
+    return loss.detach()
+
+
+def _read_torchgpipe_names(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
+    # load_state_dict's pre-hook: a state dict saved from torchgpipe's GPipe loads as it is.
+    plain_names(state_dict, prefix)

@@ -8,13 +8,17 @@ Example::
     [2, 1]
 
 The stages hold the very same layer objects as ``model`` (no copy), each moved to its device, and
-each keeps the layer's original name so that parameter names do not depend on the cut.
+each keeps the layer's original name so that parameter names do not depend on the cut:
+``"0.weight"`` where torchgpipe says ``"partitions.0.0.weight"`` (:func:`plain_names` reads
+torchgpipe's state dicts).
 """
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,9 +58,7 @@ def verify_balance(num_layers: int, balance: Sequence[int], num_devices: int) ->
     >>> verify_balance(5, [2, 3], 2)
     [2, 3]
     """
-    balance = [int(b) for b in balance]
-    if not balance:
-        raise BalanceError("balance must have at least one partition")
+    balance = [int(b) for b in balance]  # empty for an empty module: the identity, as torchgpipe
     if num_layers != sum(balance):
         raise BalanceError(
             "module and sum of balance have different length "
@@ -99,3 +101,23 @@ def split_module(
         stage.to(device)
         stages.append(stage)
     return stages
+
+
+_PARTITIONED = re.compile(r"partitions\.\d+\.")
+
+
+def plain_names(state_dict: dict[str, Any], prefix: str = "") -> None:
+    """Renames, in place, torchgpipe's keys under ``prefix`` (``partitions.K.NAME...``: a
+    partition K holding the layer NAME) to the plain model's (``NAME...``), metadata too.
+
+    >>> sd = {"partitions.1.2.weight": 0}
+    >>> plain_names(sd)
+    >>> sd
+    {'2.weight': 0}
+    """
+    metadata = getattr(state_dict, "_metadata", None)
+    for table in (state_dict, metadata or {}):
+        for key in [k for k in table if k.startswith(prefix)]:
+            match = _PARTITIONED.match(key, len(prefix))
+            if match is not None:
+                table[prefix + key[match.end() :]] = table.pop(key)

@@ -1,5 +1,5 @@
-"""The local executor's workers: long-lived threads, and the mailbox through which they hand
-each other activations and gradients.
+"""The local executor's workers: long-lived threads, the mailbox through which they hand each
+other activations and gradients, and the engine's own failures.
 
 **Threads.** A fresh thread's first action is slow (cold allocator caches and torch's
 per-thread state: 103 against 68 ms for one AmoebaNet stage), so a :class:`~giantpipe.GPipe`
@@ -7,18 +7,27 @@ keeps its workers in a :class:`WorkerPool`::
 
     step 1:  start giantpipe-worker-0..K-1  -> run  -> idle (blocked on their queue)
     step 2:                                    run  -> idle
-    failure:                                   run  -> all joined: a failed step leaves none
+    failure: the caller hears at once;         run  -> retired: each ends after its current
+             the next step joins the retired           action, the others' stop at their next
     pipe.close() or the pipe collected:                all joined
 
-Threads are daemons, named ``giantpipe-worker-<i>``, and at most one per worker of the largest
-schedule run. A thread holds nothing of a finished step: the task and its closure are dropped
-before it waits again.
+A run returns as soon as one task fails (or the caller is interrupted): nobody waits for a slow
+stage to finish what it is computing. Its threads are retired, and the next run (or ``close``)
+joins them before it starts, so a thread of a failed step never overlaps the next one (think of
+``except torch.OutOfMemoryError``: retry with a smaller batch on the same pipe). Threads are
+daemons, named ``giantpipe-worker-<i>``, at most one per worker of the largest schedule run. A
+thread holds nothing of a finished step: the task and its closure are dropped before it waits.
 
 **Mailbox.** Keys are ``("act", stage, m)`` (input of ``stage`` for micro-batch ``m``) and
 ``("grad", stage, m)`` (gradient of ``stage``'s output). A ``get`` blocks until the item
 arrives, the pipeline is aborted (another worker failed), or the timeout passes; nothing waits
 forever. The distributed executor's mailbox (:mod:`giantpipe.engine.dist.p2p`) keeps this
 interface and reaches other processes.
+
+**Failures.** An exception raised by a stage's own code reaches the caller as it was raised
+(with the note of :func:`note_failure`; :func:`failed_action` reads where). :class:`PipelineError`
+is for the engine's own failures: a wait that timed out (:class:`PipelineTimeout`), a lost rank
+(``RankFailure``).
 
 Example::
 
@@ -38,20 +47,73 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Aborted", "Key", "Mailbox", "PipelineTimeout", "WorkerPool"]
+from giantpipe.engine.schedule import Action
+
+__all__ = [
+    "Aborted",
+    "Key",
+    "Mailbox",
+    "PipelineError",
+    "PipelineTimeout",
+    "WorkerPool",
+    "failed_action",
+    "note_failure",
+]
 
 Key = tuple[str, int, int]
 Task = Callable[[], None]
+Worker = tuple[threading.Thread, "queue.SimpleQueue[Task | None]"]
 
-# ---- the mailbox --------------------------------------------------------------------------
+# ---- failures -----------------------------------------------------------------------------
+
+
+class PipelineError(RuntimeError):
+    """A failure of the pipeline engine itself, not of a stage's code: a timeout, a lost rank.
+
+    An exception raised inside a stage is re-raised as it is (``except ValueError`` catches
+    it), with a note naming the stage, device and micro-batch.
+    """
+
+
+class PipelineTimeout(PipelineError):
+    """A worker waited longer than the timeout for an activation or gradient, or for a thread
+    of a failed step to finish its action."""
 
 
 class Aborted(Exception):
-    """Raised in a waiting worker when another worker has failed."""
+    """Raised in a waiting worker when another worker has failed (never reaches the caller)."""
 
 
-class PipelineTimeout(RuntimeError):
-    """A worker waited longer than the timeout for an activation or gradient."""
+_KINDS = {"F": "forward", "B": "backward", "W": "weight gradient"}
+
+
+def failed_action(exc: BaseException) -> Action | None:
+    """The action whose run raised ``exc`` (the note says the same to people), else None.
+
+    Example::
+
+        try:
+            pipe.train_step(x, y, loss_fn)
+        except ValueError as exc:
+            failed_action(exc)   # Action(kind='B', stage=1, microbatch=0)
+    """
+    return getattr(exc, "_giantpipe_action", None)
+
+
+def note_failure(exc: BaseException, action: Action, device: Any) -> None:
+    """Adds to ``exc`` the note that names where it was raised (see :func:`failed_action`);
+    the exception stays what the stage raised."""
+    verb = "failed" if isinstance(exc, Exception) else "was stopped"  # Ctrl-C, SystemExit
+    note = (
+        f"giantpipe: stage {action.stage} (device {device}) {verb} on micro-batch "
+        f"{action.microbatch} ({_KINDS.get(action.kind, action.kind)})"
+    )
+    if note not in getattr(exc, "__notes__", ()):  # an exception object raised again
+        exc.add_note(note)
+    exc._giantpipe_action = action  # type: ignore[attr-defined]
+
+
+# ---- the mailbox --------------------------------------------------------------------------
 
 
 class Mailbox:
@@ -79,14 +141,15 @@ class Mailbox:
                     kind, stage, m = key
                     what = "activation" if kind == "act" else "gradient"
                     raise PipelineTimeout(
-                        f"waited {self.timeout:.0f}s for the {what} of micro-batch {m} "
+                        f"waited {self.timeout:g}s for the {what} of micro-batch {m} "
                         f"into stage {stage}"
                     )
                 self._cond.wait(left)
             return self._items.pop(key)
 
     def abort(self) -> None:
-        """Wakes every waiting worker with :class:`Aborted`."""
+        """Wakes every waiting worker with :class:`Aborted`; the others see :attr:`aborted`
+        before their next action."""
         with self._cond:
             self._aborted = True
             self._cond.notify_all()
@@ -102,31 +165,53 @@ class WorkerPool:
 
     def __init__(self) -> None:
         # The threads see only this list (never the pool), so dropping the pool stops them.
-        self._workers: list[tuple[threading.Thread, queue.SimpleQueue[Task | None]]] = []
+        self._workers: list[Worker] = []
+        self._retired: list[threading.Thread] = []  # of a failed run, maybe still in a task
+        self._timeout = 300.0  # the last run's, for close()
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _stop, self._workers)
         self._finalizer.atexit = False  # daemons die with the interpreter; never wait on one
 
-    def run(self, tasks: Sequence[Task]) -> None:
+    def run(self, tasks: Sequence[Task], timeout: float = 300.0) -> None:
         """Runs ``tasks[i]`` on thread i, all at once; returns when every task has returned.
 
-        Tasks must not raise (the executor's catch everything and report through the mailbox);
-        one that does is re-raised here after the others finished, and the pool is closed.
+        The first task to raise (or an interrupt of the caller) ends the run at once: that
+        exception is raised here while the other tasks may still be running; the run's threads
+        are retired. A run first joins the threads an earlier failed run retired, for at most
+        ``timeout`` seconds (then PipelineTimeout names them, and they are left to end alone).
+
+        Example::
+
+            pool.run([stage_0_actions, stage_1_actions], timeout=60.0)
         """
         with self._lock:  # one run at a time: a pipe's steps do not overlap
+            self._timeout = timeout
+            self._join_retired(timeout)
             self._grow(len(tasks))
             done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
             for (_, inbox), task in zip(self._workers, tasks):
                 inbox.put(_reporting(task, done))
-            failures = [e for e in (done.get() for _ in tasks) if e is not None]
-        if failures:
-            self.close()
-            raise failures[0]
+            try:
+                for _ in tasks:
+                    failure = done.get()
+                    if failure is not None:
+                        try:
+                            raise failure
+                        finally:
+                            failure = None  # no cycle through this frame: frees the step
+            except BaseException:
+                self._retire()
+                raise
 
     def close(self) -> None:
-        """Stops and joins every thread; a later :meth:`run` starts fresh ones."""
+        """Stops and joins every thread (those of a failed run for at most the last run's
+        timeout); a later :meth:`run` starts fresh ones."""
         with self._lock:
             _stop(self._workers)
+            try:
+                self._join_retired(self._timeout)
+            except PipelineTimeout:
+                pass  # stuck in a failed step's action: a daemon, left to end by itself
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -142,6 +227,26 @@ class WorkerPool:
             thread = threading.Thread(target=_serve, args=(inbox,), daemon=True, name=name)
             thread.start()
             self._workers.append((thread, inbox))
+
+    def _retire(self) -> None:
+        # Each thread ends once its current task returns (the executor's tasks stop at their
+        # next action); joined by the next run, so none overlaps it.
+        for thread, inbox in self._workers:
+            inbox.put(None)
+            self._retired.append(thread)
+        self._workers.clear()
+
+    def _join_retired(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self._retired:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._retired if t.is_alive()]
+        self._retired.clear()
+        if stuck:
+            raise PipelineTimeout(
+                f"{', '.join(stuck)} still ran an action of a failed step after {timeout:g}s; "
+                "it is left to end by itself (a daemon) and the next step starts fresh threads"
+            )
 
 
 def _reporting(task: Task, done: queue.SimpleQueue[BaseException | None]) -> Task:
@@ -162,7 +267,7 @@ def _serve(inbox: queue.SimpleQueue[Task | None]) -> None:
         del task  # don't keep the finished step (its activations) alive while idle
 
 
-def _stop(workers: list[tuple[threading.Thread, queue.SimpleQueue[Task | None]]]) -> None:
+def _stop(workers: list[Worker]) -> None:
     for _, inbox in workers:
         inbox.put(None)
     for thread, _ in workers:

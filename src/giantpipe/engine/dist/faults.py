@@ -13,6 +13,14 @@ connections: every rank waiting on it wakes at once with "connection closed", fa
 the failure ripples through the pipeline and the replicas in milliseconds. A peer that is alive
 but silent is caught by the timeout. Each rank raises :class:`RankFailure` with the first report.
 
+A rank that dies (SIGKILL, a crash, an exception outside a step) reports nothing, so what its
+peers see (a closed or reset connection, a timeout) is only its consequence. Every rank writes
+its host and pid on the board when its pipe is built, and a rank whose failure is such a
+consequence first looks for a peer whose process ended (on its host), waiting up to
+``GRACE_S`` for one, or for a report, to show: the board then leads with the rank that died::
+
+    rank 1 (stage 1) is gone (process 4242 ended); then rank 3 (stage 1): a peer is gone ...
+
 Example::
 
     board = FailureBoard(dist.distributed_c10d._get_default_store(), label="rank 0 (stage 0)")
@@ -24,23 +32,34 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-_KEY, _CLAIM = "giantpipe/failed", "giantpipe/failed_claim"
+from giantpipe.engine.workers import PipelineError, failed_action
+
+_KEY, _CLAIM, _PROCESS = "giantpipe/failed", "giantpipe/failed_claim", "giantpipe/process"
+GRACE_S = 1.0  # how long a consequence waits for its cause to show (a report, a dead peer)
+# What a transport error says (gloo, NCCL, sockets): a consequence of a peer's failure.
+_TRANSPORT = re.compile(r"connection|by peer|broken pipe|socket|gloo|nccl|timed out", re.I)
 T = TypeVar("T")
 
 
-class RankFailure(RuntimeError):
-    """A rank of the distributed pipeline failed; the message names the first rank and stage."""
+class RankFailure(PipelineError):
+    """A rank of the distributed pipeline failed; the message names the first rank and stage.
+
+    Every rank raises it (the failing rank too, with its own exception as ``__cause__``): all
+    take the same path, and the pipe cannot run again (its groups are torn down).
+    """
 
 
 class FailureBoard:
@@ -49,6 +68,53 @@ class FailureBoard:
     def __init__(self, store: Any, label: str) -> None:
         self.store = store
         self.label = label  # "rank r (stage s)", to prefix what this rank reports
+        self.peers: list[int] = []
+        self.label_of: Callable[[int], str] = lambda rank: f"rank {rank}"
+
+    def watch(self, rank: int, peers: Iterable[int], label_of: Callable[[int], str]) -> None:
+        """Writes this process's host and pid on the board, and remembers the ``peers`` whose
+        death would stop this rank (those it exchanges data with).
+
+        Example::
+
+            board.watch(layout.rank, layout.pipeline_ranks + layout.replica_ranks, layout.rank_label)
+        """
+        self.peers, self.label_of = sorted(set(peers) - {rank}), label_of
+        try:
+            self.store.set(f"{_PROCESS}/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        except Exception:  # noqa: BLE001, S110 - without it, a death is named by its neighbours
+            pass
+
+    def gone(self) -> str | None:
+        """``"rank 1 (stage 1) is gone (process 4242 ended)"`` for the first watched peer on
+        this host whose process ended, else None."""
+        host = socket.gethostname()
+        for rank in self.peers:
+            try:
+                key = f"{_PROCESS}/{rank}"
+                if not self.store.check([key]):
+                    continue
+                peer_host, pid = bytes(self.store.get(key)).decode().split()
+            except Exception:  # noqa: BLE001 - an unreachable store: nothing to tell
+                return None
+            if peer_host == host and _process_ended(int(pid)):
+                return f"{self.label_of(rank)} is gone (process {pid} ended)"
+        return None
+
+    def blame(self, local: str, grace: float = GRACE_S) -> str:
+        """``local``, led by the peer whose process ended if one did (waiting up to ``grace``
+        seconds for a death or a report to show: a dying process closes its connections just
+        before it ends, and a report comes before the teardown that wakes this rank)."""
+        deadline = time.monotonic() + grace
+        while self.read() is None:
+            dead = self.gone()
+            if dead is not None:
+                named = dead.split(" (process")[0]  # "rank 1 (stage 1) is gone"
+                return local if named in local else f"{dead}; then {local}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return local
 
     def report(self, message: str) -> str:
         """Records ``message`` unless another rank was first; returns the first failure."""
@@ -76,30 +142,68 @@ class FailureBoard:
         return None
 
 
-def explain(board: FailureBoard | None, local: str) -> str:
-    """The message to raise: the first failure, plus what this rank saw if that differs."""
-    first = board.report(local) if board is not None else local
-    return first if first == local else f"{first} [then on {board.label}: {local}]"  # type: ignore[union-attr]
+def explain(board: FailureBoard | None, local: str, consequence: bool = True) -> str:
+    """The message to raise: the first failure, plus what this rank saw if that differs.
+
+    ``consequence``: what this rank saw may have been caused by another rank (a closed
+    connection, a timeout); the board then names a dead peer first (:meth:`FailureBoard.blame`).
+    """
+    if board is None:
+        return local
+    if consequence:
+        local = board.blame(local)
+    first = board.report(local)
+    if first == local:
+        return first
+    seen = local if local.startswith(board.label) else f"on {board.label}: {local}"
+    return f"{first} [then {seen}]"
 
 
 def failure_message(exc: BaseException, layout: Any, board: FailureBoard | None) -> str:
     """The one line a failed step raises: the first failure of the run, named by rank and stage.
 
-    ``exc`` is what this rank caught: a :class:`RankFailure` (already explained), a
-    ``PipelineError`` of one of its own actions, or anything else raised during the step.
+    ``exc`` is what this rank caught: a :class:`RankFailure` (already explained), an exception
+    of one of its own actions (the executor noted which), or anything else raised in the step.
+    A transport error (a peer's connection reset) or a timeout is blamed on its cause, not on
+    this rank, when that cause can be found (see :func:`explain`).
     """
-    from giantpipe.engine.executor import PipelineError  # the executor does not import this
-
     if isinstance(exc, RankFailure):
         return str(exc)
-    if isinstance(exc, PipelineError):
-        cause = exc.__cause__
-        if isinstance(cause, RankFailure):
-            return str(cause)
-        text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-        where = f"{layout.label(exc.stage)} failed on micro-batch {exc.microbatch}"
-        return explain(board, f"{where}: {text}")
-    return explain(board, f"{layout.label()} failed: {type(exc).__name__}: {exc}")
+    action = failed_action(exc)
+    line = str(exc).splitlines()[0] if str(exc) else ""  # the board holds one line
+    text = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    if action is not None:
+        local = f"{layout.label(action.stage)} failed on micro-batch {action.microbatch}: {text}"
+    else:
+        local = f"{layout.label()} failed: {text}"
+    return explain(board, local, consequence=is_consequence(exc))
+
+
+def is_consequence(exc: BaseException) -> bool:
+    """Whether ``exc`` may come from another rank's failure: an error of torch.distributed or
+    of its transport, or the engine's own (a wait that timed out)."""
+    if isinstance(exc, (dist.DistError, PipelineError)):
+        return True
+    return isinstance(exc, RuntimeError) and _TRANSPORT.search(str(exc)) is not None
+
+
+def _process_ended(pid: int) -> bool:
+    # A killed process stays a zombie until its parent reaps it: "Z" (or "X") in /proc counts.
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def run_guarded(
@@ -172,7 +276,7 @@ def install_sigterm_note(board: FailureBoard) -> None:
         return
 
     def note(signum: int, frame: FrameType | None) -> None:
-        first = board.read() or "no failure was reported on the failure board"
+        first = board.read() or board.gone() or "no failure was reported on the failure board"
         print(
             f"giantpipe {board.label}: stopped by SIGTERM; first failure: {first}",
             file=sys.stderr,

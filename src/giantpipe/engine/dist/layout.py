@@ -91,11 +91,12 @@ class Layout:
     def label(self, stage: int | None = None) -> str:
         """``"rank 3 (stage 1)"``: how messages name this rank (or the holder of ``stage``)."""
         if stage is None:
-            stages = self.local_stages
-            rank = self.rank
-        else:
-            stages = [stage]
-            rank = self.rank_of_stage(stage)
+            return self.rank_label(self.rank)
+        return f"rank {self.rank_of_stage(stage)} (stage {stage})"
+
+    def rank_label(self, rank: int) -> str:
+        """``"rank 3 (stage 1)"`` for any rank of the world (``"(stages 1, 3)"`` with V > 1)."""
+        stages = [s for s, w in enumerate(self.placement) if w == rank % self.workers]
         word = "stage" if len(stages) == 1 else "stages"
         return f"rank {rank} ({word} {', '.join(map(str, stages))})"
 

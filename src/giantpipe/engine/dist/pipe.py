@@ -137,6 +137,8 @@ class DistributedPipe(Pipe):
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
         model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
         args = check_arguments(model, balance, chunks, checkpoint, schedule, virtual_stages)
+        if not args.balance:
+            raise ValueError("a DistributedPipe needs at least one layer (GPipe pipes none)")
         super().__init__(args, checkpoint, schedule, timeout)
         steps = self.step_schedule()
         self.layout = Layout(
@@ -147,6 +149,8 @@ class DistributedPipe(Pipe):
         self._hold_layers(model, seed, init, deferred_batch_norm)
         self.groups = build_groups(self.layout, timeout)
         self.board = FailureBoard(default_store(), self.layout.label())
+        peers = self.layout.pipeline_ranks + self.layout.replica_ranks
+        self.board.watch(self.layout.rank, peers, self.layout.rank_label)
         install_sigterm_note(self.board)
         self._box: P2PMailbox | None = None
         self._broken: str | None = None
