@@ -78,7 +78,8 @@ def test_a_failing_killed_or_silent_rank_is_named_by_every_rank(
     try:
         for r in survivors:
             procs[r].join(max(0.0, deadline - time.monotonic()))
-        assert not any(procs[r].is_alive() for r in survivors), "survivors still running"
+        running = [r for r in survivors if procs[r].is_alive()]
+        assert not running, f"ranks {running} still running; results: {results(tmp_path, world)}"
         procs[1].join(30 if how == "raise" else 0)
     finally:
         for p in procs:
