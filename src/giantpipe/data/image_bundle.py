@@ -7,7 +7,7 @@ Three builders, one per ``data=`` option:
 - :func:`random_images` (``data=images_random``): random pixels and labels, one fixed batch, for
   throughput measurements (what torchgpipe's benchmarks call fake data);
 - :func:`image_folder` (``data=images_folder``): ImageNet laid out as ``train/<class>/*`` and
-  ``val/<class>/*`` (or parquet files through HuggingFace ``datasets``), with the paper's
+  ``val/<class>/*`` (or parquet / arrow files through HuggingFace ``datasets``), with the paper's
   training transforms (random-resized crop, flip, optional cutout) and evaluation transforms
   (resize + center crop), loaded by worker processes into pinned memory when a GPU is present.
 
@@ -47,6 +47,7 @@ from giantpipe.data.images import (
     build_image_datasets,
     collate_readable,
     shows_progress,
+    table_files,
 )
 from giantpipe.data.tensors import epoch_order, sequential_batches, shuffled_batches
 
@@ -381,11 +382,11 @@ def missing_data(path: Path) -> ConfigError:
 
 
 def check_image_root(root: Path, source: str) -> None:
-    """Raise :func:`missing_data` unless ``root`` has train/ and val/ (or, for ``hf``, parquet
-    files, whose paths say train / val)."""
+    """Raise :func:`missing_data` unless ``root`` has train/ and val/ (or, for ``hf``, parquet or
+    arrow files, whose paths say train / val)."""
     if not root.is_dir():
         raise missing_data(root)
-    if source == "hf" and any(root.rglob("*.parquet")):
+    if source == "hf" and table_files(root)[1]:
         return
     for split in ("train", "val"):
         if not (root / split).is_dir():
@@ -420,7 +421,7 @@ def image_folder(
 ) -> DataBundle:
     """ImageNet-style data from ``root``: ``train/`` and ``val/`` class folders read by
     torchvision's ImageFolder (``source="imagefolder"``) or by HuggingFace ``datasets``
-    (``source="hf"``: the same folders, or parquet files). Training batches are augmented
+    (``source="hf"``: the same folders, or parquet / arrow files). Training batches are augmented
     (random-resized crop to ``image_size`` with area fraction >= ``min_scale``, flip, cutout),
     evaluation batches resized by 256/224 and center-cropped. Grey or colour images of any size
     become RGB at ``image_size``. ``num_classes`` and the class folders are checked; an
@@ -482,7 +483,8 @@ class ImageFolderDataConfig:
     _target_: str = "giantpipe.data.image_bundle.image_folder"
     """Builder called with the other fields."""
     root: str = "data/imagenet"
-    """Directory with train/<class>/* and val/<class>/* (or parquet files, with source=hf)."""
+    """Directory with train/<class>/* and val/<class>/* (or parquet / arrow files whose paths say
+    train and val, with source=hf)."""
     num_classes: int = 1000
     """Class folders expected (checked against the data; the model reads it)."""
     image_size: int = 224
@@ -492,7 +494,7 @@ class ImageFolderDataConfig:
     eval_batch_size: int | None = None
     """Evaluation batch size (null: data.batch_size)."""
     source: str = "imagefolder"
-    """``imagefolder`` (torchvision) or ``hf`` (HuggingFace datasets: folders or parquet)."""
+    """``imagefolder`` (torchvision) or ``hf`` (HuggingFace datasets: folders, parquet, arrow)."""
     min_scale: float = 0.08
     """Smallest area fraction of a random-resized training crop."""
     hflip: bool = True

@@ -52,6 +52,7 @@ __all__ = [
     "generated_datasets",
     "read_image",
     "shows_progress",
+    "table_files",
     "train_transforms",
     "write_image_folder",
 ]
@@ -453,7 +454,10 @@ class HFImageDataset(Dataset[tuple[Any, int]]):
             data = data.cast_column(image_key, type(feature)(decode=False))
         self.data, self.transform, self.name = data, transform, name
         self.image_key, self.label_key = image_key, label_key
-        self.classes: list[str] = list(data.features[label_key].names)
+        names = getattr(data.features[label_key], "names", None)  # a ClassLabel's
+        if names is None:  # plain integer labels: classes 0..max
+            names = [str(c) for c in range(max(data[label_key], default=-1) + 1)]
+        self.classes: list[str] = list(names)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -509,18 +513,28 @@ def _missing(path: Path) -> FileNotFoundError:
     )
 
 
+def table_files(root: Path) -> tuple[str, list[Path]]:
+    """(``"parquet"`` or ``"arrow"``, the files under ``root``): tables ``datasets`` reads as they
+    are; ``("", [])`` when there are none (then ``root`` holds class folders)."""
+    for kind in ("parquet", "arrow"):
+        files = sorted(root.rglob(f"*.{kind}"))
+        if files:
+            return kind, files
+    return "", []
+
+
 def _hf_splits(root: Path, cache_dir: str | None, progress: bool) -> tuple[Any, Any]:
     import datasets  # heavy import, only when asked for
 
-    parquet = sorted(root.rglob("*.parquet"))
+    kind, tables = table_files(root)
     with datasets_progress(progress):
-        if parquet:
-            train = [str(p) for p in parquet if "train" in p.relative_to(root).as_posix()]
-            val = [str(p) for p in parquet if "val" in p.relative_to(root).as_posix()]
+        if tables:
+            train = [str(p) for p in tables if "train" in p.relative_to(root).as_posix()]
+            val = [str(p) for p in tables if "val" in p.relative_to(root).as_posix()]
             if not train or not val:
                 raise _missing(root / ("train" if not train else "val"))
             files = {"train": train, "validation": val}
-            splits = datasets.load_dataset("parquet", data_files=files, cache_dir=cache_dir)
+            splits = datasets.load_dataset(kind, data_files=files, cache_dir=cache_dir)
         else:
             check_class_folders(root)
             splits = datasets.load_dataset("imagefolder", data_dir=str(root), cache_dir=cache_dir)
@@ -539,7 +553,8 @@ def build_image_datasets(
 ) -> tuple[Dataset[Any], Dataset[Any]]:
     """Train and validation data sets from ``root``: ``train/`` and ``val/`` class folders read
     by torchvision ``ImageFolder`` (``source="imagefolder"``) or by HuggingFace ``datasets``
-    (``source="hf"``: the same folders, or parquet files whose paths contain "train" / "val";
+    (``source="hf"``: the same folders, or parquet or arrow files whose paths contain "train" /
+    "val";
     ``progress``: its progress bars). Training uses :func:`train_transforms`, validation
     :func:`eval_transforms`; images are read by :func:`read_image`. Class folders are checked
     by :func:`check_class_folders`.

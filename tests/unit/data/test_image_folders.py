@@ -17,7 +17,12 @@ from PIL import Image
 
 from giantpipe.config import ConfigError
 from giantpipe.data.image_bundle import image_folder
-from giantpipe.data.images import UnreadableImage, read_image, write_image_folder
+from giantpipe.data.images import (
+    UnreadableImage,
+    datasets_progress,
+    read_image,
+    write_image_folder,
+)
 
 SOURCES = ["imagefolder", "hf"]
 
@@ -85,6 +90,22 @@ def test_every_image_comes_out_rgb_at_the_recipe_size(clean, tmp_path, source) -
     assert all(x.shape == (8, 3, 24, 24) for x, _ in one_epoch(bundle))
     evaluated = list(bundle.eval_batches())
     assert sum(len(y) for _, y in evaluated) == 13 and evaluated[0][0].shape[1:] == (3, 24, 24)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_parquet_and_arrow_tables_train_with_their_classes(clean, tmp_path, kind) -> None:
+    import datasets
+
+    with datasets_progress(False):
+        loaded = datasets.load_dataset("imagefolder", data_dir=str(clean), cache_dir=str(tmp_path))
+    for split, name in (("train", "train"), ("validation", "val")):
+        if kind == "parquet":
+            loaded[split].to_parquet(tmp_path / kind / f"{name}.parquet")
+        else:
+            loaded[split].save_to_disk(tmp_path / kind / name)  # data-00000-of-00001.arrow
+    bundle = build(tmp_path / kind, "hf", tmp_path)
+    assert all(x.shape == (8, 3, 24, 24) for x, _ in one_epoch(bundle))
+    assert sum(len(y) for _, y in bundle.eval_batches()) == 13
 
 
 # -- unreadable files: named, or skipped and counted -------------------------------------------
