@@ -122,6 +122,7 @@ def generated_images(
         batches_per_epoch=train_size // batch_size,
         loss="cross_entropy",
         metric=METRIC,
+        eval_set=f"{eval_size} generated held-out images (seed {seed + 1})",
     )
 
 

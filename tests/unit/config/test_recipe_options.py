@@ -111,3 +111,20 @@ def test_the_quickstart_on_your_folder_keeps_its_size_and_takes_folder_settings(
     assert (data["num_workers"], data["min_scale"], data["root"]) == (2, 0.35, "DIR")
     assert "train_size" not in data  # the generated images' size stays with them
     assert OPTION_SCHEMAS["ImageFolderDataConfig"]  # typed by the folder option's schema
+
+
+def test_the_readme_commands_for_your_own_data_compose_as_typed() -> None:
+    import re
+    import shlex
+
+    readme = (CONF.parent / "README.md").read_text()
+    section = readme.split("### Your own data", 1)[1].split("\n### ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "README 'Your own data' has no bash block"
+    commands = block.group(1).replace("\\\n", " ").strip().splitlines()
+    assert len(commands) == 2
+    for command in commands:
+        words = shlex.split(command)
+        assert words[:2] == ["python", "train.py"]
+        cfg = to_experiment(raw(*words[2:]))
+        assert cfg.name in ("amoebanet_quickstart", "transformer_quickstart")
