@@ -160,5 +160,80 @@ def test_fine_tune_from_a_foreign_checkpoint_is_one_line(tmp_path: Path):
     assert lines[0].startswith(f"error: trainer.init_from: {tmp_path / 'other.pt'} has no tensor")
 
 
+# -- the quick start on your images -----------------------------------------------------------
+
+# The quick start as README "Your own data" types it, cut to 2 steps (no profiling).
+QUICK_ON_FOLDER = [
+    "recipe=amoebanet_quickstart",
+    "data=images_folder",
+    "data.batch_size=16",
+    "pipeline.balance=params",
+    "trainer.max_steps=2",
+    "trainer.eval_every=2",
+    "trainer.predict=false",
+    "logger.progress=none",
+]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's 10-class photo folder: PNGs, every 3rd one grey, every 5th one 45 x 29 px."""
+    from PIL import Image
+
+    root = write_image_folder(tmp_path_factory.mktemp("photos"), num_train=60, num_val=20)
+    for index, path in enumerate(sorted(root.rglob("*.png"))):
+        image = Image.open(path)
+        image = image.convert("L") if index % 3 == 0 else image
+        (image.resize((45, 29)) if index % 5 == 0 else image).save(path)
+    return root
+
+
+def test_the_quick_start_trains_on_your_image_folder(photos: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    ok(train(*QUICK_ON_FOLDER, f"data.root={photos}", f"hydra.run.dir={run_dir}", cwd=tmp_path))
+    figures = summary(run_dir)
+    assert figures["status"] == "completed" and figures["steps"] == 2
+    assert 0.0 <= figures["eval/accuracy"] <= figures["eval/top5"] <= 1.0
+
+
+def test_the_quick_start_reads_parquet_through_datasets(photos: Path, tmp_path: Path):
+    import datasets
+
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(photos), cache_dir=str(tmp_path))
+    loaded["train"].to_parquet(tmp_path / "tables" / "train.parquet")
+    loaded["validation"].to_parquet(tmp_path / "tables" / "val.parquet")
+    run_dir = tmp_path / "run"
+    args = [f"data.root={tmp_path / 'tables'}", "data.source=hf", f"hydra.run.dir={run_dir}"]
+    result = ok(train(*QUICK_ON_FOLDER, *args, cwd=tmp_path))
+    assert summary(run_dir)["steps"] == 2
+    assert "Generating train split" not in result.stderr  # logger.progress=none: no bars
+
+
+def test_an_unreadable_image_stops_the_run_with_one_line_naming_it(photos, tmp_path: Path):
+    import shutil
+
+    root = tmp_path / "photos"
+    shutil.copytree(photos, root)
+    bad = root / "train" / "class_3" / "scan.png"
+    bad.write_bytes((root / "train" / "class_3" / "0000003.png").read_bytes()[:200])
+    # Batches of 10 over 61 images: in 7 steps each image is read (the last partial batch of an
+    # epoch is dropped, another one in the next epoch).
+    steps = ["data.batch_size=10", "trainer.max_steps=7"]
+    args = [f"data.root={root}", *steps, f"hydra.run.dir={tmp_path / 'run'}"]
+    result = train(*QUICK_ON_FOLDER, *args, cwd=tmp_path)  # two loader workers
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        f"error: data.root: {bad}: not a readable image (image file is truncated); remove it, "
+        "or set data.skip_bad_files=true to skip and count such files"
+    ], result.stderr
+    run_dir = tmp_path / "skipping"
+    ok(train(*QUICK_ON_FOLDER, *args[:3], "data.skip_bad_files=true", f"hydra.run.dir={run_dir}",
+             cwd=tmp_path))  # fmt: skip
+    assert f"skipped unreadable image {bad} (image file is truncated)" in (
+        (run_dir / "train.log").read_text()
+    )
+
+
 # The default job with no arguments (the quick start) is run as typed by
 # tests/integration/test_readme.py::test_main_job_command_runs_as_written.

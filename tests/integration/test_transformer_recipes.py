@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from giantpipe.cli import register_configs, to_experiment
 from giantpipe.config import ConfigError, ExperimentConfig
+from giantpipe.data.corpus import write_synthetic_corpus
 from giantpipe.engine.microbatch import scatter
 from giantpipe.engine.rng import install_rng_hooks, rng_context
 from giantpipe.runner import train as train_in_process
@@ -196,3 +197,56 @@ def test_lm_scaling_recipe_runs_a_tiny_transformer_l(tmp_path: Path) -> None:
     summary = train_in_process(cfg, tmp_path, "# test\n")
     assert summary["train/tokens_per_s"] > 0 and summary["pipeline/balance"] == [2, 2]
     assert summary["eval/loss"] < 10
+
+
+# -- the quick start on your corpus ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def your_corpus(tmp_path_factory) -> dict[str, Path]:
+    """Two high-resource and two low-resource pairs (en <-> xa, en <-> xb) as JSONL training
+    sentences and parquet held-out ones, one held-out line longer than data.max_len."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("corpus")
+    files = write_synthetic_corpus(
+        root, num_languages=2, train_sizes=[400, 80], eval_size=6, fmt="jsonl"
+    )
+    rows = [json.loads(line) for line in files["valid"].read_text().splitlines()]
+    long = {"source": "the big dog " * 40 + ".", "target": "hanu " * 60 + ".", "pair": "en-xa"}
+    rows.append(long)
+    pq.write_table(pa.Table.from_pylist(rows), root / "valid.parquet")
+    return {"train": files["train"], "valid": root / "valid.parquet"}
+
+
+def test_the_quick_start_trains_on_your_corpus_and_reports_bleu_per_pair(
+    your_corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    files = [
+        "data=translation",
+        f"data.train_files=[{your_corpus['train']}]",
+        f"data.valid_files=[{your_corpus['valid']}]",
+    ]
+    steps = ["trainer.max_steps=2", "trainer.eval_every=2", f"hydra.run.dir={run_dir}"]
+    ok(train(*TINY, *files, *steps, cwd=tmp_path))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    pairs = {k for k in summary if k.startswith("eval/bleu/")}
+    assert pairs == {f"eval/bleu/{p}" for p in ("en-xa", "xa-en", "en-xb", "xb-en")}
+    log = (run_dir / "train.log").read_text()
+    assert f"held-out ({your_corpus['valid']}): 1 of 25 sentence pairs are longer than" in log
+
+
+def test_a_malformed_corpus_line_is_one_line_naming_key_file_and_line(
+    your_corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    train_file = tmp_path / "train.tsv"
+    train_file.write_text("source\ttarget\tpair\nthe dog .\thanu .\ten-xa\nthe cat .\ten-xa\n")
+    files = [f"data.train_files=[{train_file}]", f"data.valid_files=[{your_corpus['valid']}]"]
+    result = train(*TINY, *files, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        f"error: data.train_files: {train_file}, line 3: 2 tab-separated field(s), expected 3 "
+        "as in the header (source, target, pair)"
+    ]

@@ -5,9 +5,9 @@ in ``bundle``) with its schema dataclass beside it.
   ``train.pt`` / ``eval.pt`` (``data=tensors``), generated LM tokens (``data=lm_tokens``);
 - ``images`` (data sets, transforms, loaders) and ``image_bundle`` (``data=images_generated``,
   ``images_random``, ``images_folder``);
-- ``translation`` (parallel corpora, shared vocabulary, token batches), ``synthetic_corpus`` (the
-  generated multilingual corpus), ``bleu`` (decoding and BLEU) and ``translation_bundle``
-  (``data=translation``).
+- ``corpus`` (parallel corpora as files: yours read with errors naming the file and line, the
+  generated multilingual one written), ``translation`` (shared vocabulary, token batches),
+  ``bleu`` (decoding and BLEU) and ``translation_bundle`` (``data=translation``).
 
 Imported by the runner (``bundle``) and, through a config's ``_target_``, by the entry point.
 Imports ``giantpipe.config`` and nothing else of giantpipe: never the engine, the runner or

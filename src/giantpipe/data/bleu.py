@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -26,7 +26,9 @@ import torch
 from sacrebleu.metrics import BLEU
 from torch import Tensor, nn
 
-from giantpipe.data.translation import SharedVocabulary, eval_batches, split_pair
+from giantpipe.data.bundle import EvaluationError
+from giantpipe.data.corpus import split_pair
+from giantpipe.data.translation import SharedVocabulary, eval_batches
 
 __all__ = [
     "Seq2Seq",
@@ -252,11 +254,19 @@ def _translate_pair(
     beam_size: int,
     max_tokens: int,
     length_penalty: float,
+    max_source_len: int | None = None,
 ) -> tuple[list[str], int]:
-    """Hypotheses for one pair, in the order of ``examples``, and the generated token count."""
+    """Hypotheses for one pair, in the order of ``examples``, and the generated token count.
+
+    A source longer than ``max_source_len`` tokens (with its markers) is cut to its first ones:
+    the model has no positions for more; its reference stays whole.
+    """
     lang = vocab.lang_id(split_pair(pair)[1])
     device = next(model.parameters()).device
-    encoded = [([lang, *vocab.encode(s), vocab.eos_id], vocab.encode(t)) for s, t in examples]
+    keep = None if max_source_len is None else max(max_source_len - 2, 1)
+    encoded = [
+        ([lang, *vocab.encode(s)[:keep], vocab.eos_id], vocab.encode(t)) for s, t in examples
+    ]
     hyps: list[str] = [""] * len(examples)
     generated = 0
     for indices, batch in eval_batches(encoded, pair, max_tokens):
@@ -280,10 +290,12 @@ def evaluate_bleu(
     max_tokens: int = 4096,
     length_penalty: float = 0.6,
     force: bool = False,
+    max_source_len: int | None = None,
 ) -> BleuReport:
     """Translate every pair of ``corpus`` ({pair: [(source, reference)]}) and score it.
 
-    ``tokens_per_second`` counts generated target tokens (with </s>) over decoding wall time.
+    ``tokens_per_second`` counts generated target tokens (with </s>) over decoding wall time;
+    sources longer than ``max_source_len`` tokens are cut (see :func:`_translate_pair`).
 
     Example::
 
@@ -294,7 +306,7 @@ def evaluate_bleu(
     generated, start = 0, time.perf_counter()
     for pair in sorted(corpus):
         hyps, count = _translate_pair(
-            model, vocab, corpus[pair], pair, beam_size, max_tokens, length_penalty
+            model, vocab, corpus[pair], pair, beam_size, max_tokens, length_penalty, max_source_len
         )
         hypotheses[pair], generated = hyps, generated + count
     elapsed = time.perf_counter() - start
@@ -318,8 +330,11 @@ def copy_baseline_bleu(corpus: Corpus, force: bool = False) -> BleuReport:
 class HeldOutBleu:
     """``evaluate_model`` of the bundle: decode held-out sentences, score them with sacreBLEU.
 
-    Returns ``bleu`` (unweighted mean over pairs), ``bleu/<pair>``, ``bleu_copy`` (BLEU of
-    echoing the source: a floor to beat), ``decode_tokens_per_s`` and ``bleu_signature``.
+    Returns ``bleu`` (unweighted mean over the pairs seen in training), ``bleu/<pair>``,
+    ``bleu_copy`` (BLEU of echoing the source: a floor to beat), ``decode_tokens_per_s`` and
+    ``bleu_signature``; pairs in ``zero_shot`` (never seen in training) are reported apart, as
+    ``bleu_zero_shot/<pair>`` and their mean ``bleu_zero_shot``, never in ``bleu``. A failure
+    is an :class:`~giantpipe.data.bundle.EvaluationError` naming ``eval_set``.
 
     Example::
 
@@ -335,27 +350,47 @@ class HeldOutBleu:
         length_penalty: float = 0.6,
         max_tokens: int = 4096,
         force: bool = False,
+        *,
+        max_source_len: int | None = None,
+        zero_shot: frozenset[str] = frozenset(),
+        eval_set: str = "the held-out sentences",
     ) -> None:
         self.vocab, self.corpus, self.force = vocab, dict(corpus), force
         self.beam_size, self.length_penalty, self.max_tokens = beam_size, length_penalty, max_tokens
-        copy = copy_baseline_bleu(self.corpus, force)
+        self.max_source_len, self.zero_shot, self.eval_set = max_source_len, zero_shot, eval_set
+        seen = {p: rows for p, rows in self.corpus.items() if p not in zero_shot}
+        copy = copy_baseline_bleu(seen, force)
         self.copy_bleu = copy.average
         shown = ", ".join(f"{p} {b:.1f}" for p, b in copy.per_pair.items())
         log.info("copy-the-source baseline BLEU %.2f (%s)", copy.average, shown)
 
     def __call__(self, model: nn.Sequential) -> dict[str, float | str]:
-        report = evaluate_bleu(
-            model,
-            self.vocab,
-            self.corpus,
-            beam_size=self.beam_size,
-            max_tokens=self.max_tokens,
-            length_penalty=self.length_penalty,
-            force=self.force,
-        )
-        figures: dict[str, float | str] = {"bleu": report.average}
-        figures.update({f"bleu/{pair}": score for pair, score in report.per_pair.items()})
+        try:
+            report = evaluate_bleu(
+                model,
+                self.vocab,
+                self.corpus,
+                beam_size=self.beam_size,
+                max_tokens=self.max_tokens,
+                length_penalty=self.length_penalty,
+                force=self.force,
+                max_source_len=self.max_source_len,
+            )
+        except Exception as err:  # noqa: BLE001 - any failure: say which set was decoded
+            raise EvaluationError(self.eval_set, f"BLEU decoding failed: {err}") from err
+        seen = {p: b for p, b in report.per_pair.items() if p not in self.zero_shot}
+        unseen = {p: b for p, b in report.per_pair.items() if p in self.zero_shot}
+        figures: dict[str, float | str] = {"bleu": _mean(seen.values())}
+        figures.update({f"bleu/{pair}": score for pair, score in seen.items()})
+        if unseen:
+            figures["bleu_zero_shot"] = _mean(unseen.values())
+            figures.update({f"bleu_zero_shot/{pair}": score for pair, score in unseen.items()})
         figures["bleu_copy"] = self.copy_bleu
         figures["decode_tokens_per_s"] = report.tokens_per_second or 0.0
         figures["bleu_signature"] = report.signature
         return figures
+
+
+def _mean(values: Iterable[float]) -> float:
+    listed = list(values)
+    return sum(listed) / len(listed) if listed else math.nan

@@ -68,7 +68,11 @@ class DataBundle:
     """batch -> tokens in it, for tokens/s; None when tokens do not apply."""
     evaluate_model: Callable[[nn.Sequential], dict[str, float | str]] | None = None
     """model -> extra evaluation figures (e.g. ``{"bleu": 31.2, "bleu/en-de": 29.8}``); strings
-    (e.g. a sacreBLEU signature) go to the log and the summary, numbers to the metrics too."""
+    (e.g. a sacreBLEU signature) go to the log and the summary, numbers to the metrics too.
+    It raises :class:`EvaluationError` (naming the evaluation set) when it fails."""
+    eval_set: str = "the evaluation batches"
+    """What the evaluation batches are read from (e.g. ``valid.tsv``, ``DIR/val``), for messages
+    such as an evaluation error's."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -77,6 +81,20 @@ class DataBundle:
             raise ValueError(f"DataBundle.metric must be one of {METRICS} or None")
         if self.batches_per_epoch < 1:
             raise ValueError("DataBundle.batches_per_epoch must be >= 1")
+
+
+class EvaluationError(RuntimeError):
+    """An evaluation that failed on the data's side; the message names the evaluation set.
+
+    Example::
+
+        raise EvaluationError("valid.tsv", "BLEU decoding failed: ...")
+        # EvaluationError: evaluation on valid.tsv: BLEU decoding failed: ...
+    """
+
+    def __init__(self, eval_set: str, problem: str) -> None:
+        super().__init__(f"evaluation on {eval_set}: {problem}")
+        self.eval_set, self.problem = eval_set, problem
 
 
 def batch_size(tensors: Tensors) -> int:

@@ -7,7 +7,7 @@ Three builders, one per ``data=`` option:
 - :func:`random_images` (``data=images_random``): random pixels and labels, one fixed batch, for
   throughput measurements (what torchgpipe's benchmarks call fake data);
 - :func:`image_folder` (``data=images_folder``): ImageNet laid out as ``train/<class>/*`` and
-  ``val/<class>/*`` (or parquet files through HuggingFace ``datasets``), with the paper's
+  ``val/<class>/*`` (or parquet / arrow files through HuggingFace ``datasets``), with the paper's
   training transforms (random-resized crop, flip, optional cutout) and evaluation transforms
   (resize + center crop), loaded by worker processes into pinned memory when a GPU is present.
 
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,19 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from giantpipe.config import ConfigError, check, check_choice, check_min, check_optional_path
 from giantpipe.data.bundle import Batch, DataBundle
-from giantpipe.data.images import GeneratedImages, build_image_datasets
+from giantpipe.data.images import (
+    BadImage,
+    GeneratedImages,
+    Readable,
+    build_image_datasets,
+    collate_readable,
+    shows_progress,
+    table_files,
+)
 from giantpipe.data.tensors import epoch_order, sequential_batches, shuffled_batches
 
 __all__ = [
+    "BadFiles",
     "EpochBatches",
     "SeededTransforms",
     "generated_images",
@@ -50,6 +60,8 @@ __all__ = [
     "random_images",
     "sample_seed",
 ]
+
+log = logging.getLogger(__name__)
 
 METRIC = "top5"
 """Image bundles report top-1 (``accuracy``) and top-5 (``top5``) accuracy, as the paper does."""
@@ -110,6 +122,7 @@ def generated_images(
         batches_per_epoch=train_size // batch_size,
         loss="cross_entropy",
         metric=METRIC,
+        eval_set=f"{eval_size} generated held-out images (seed {seed + 1})",
     )
 
 
@@ -247,7 +260,8 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
 class SeededTransforms(Dataset[Any]):
     """Reads ``(sample seed, index)``: the wrapped data set's random transforms draw from the
     torch RNG seeded with the sample seed, so an image's augmentation does not depend on which
-    worker loads it or on what ran before. The caller's RNG state is left untouched.
+    worker loads it or on what ran before. The caller's RNG state is left untouched. An
+    unreadable image comes back as a :class:`~giantpipe.data.images.BadImage`.
 
     Example::
 
@@ -256,10 +270,10 @@ class SeededTransforms(Dataset[Any]):
     """
 
     def __init__(self, data: Dataset[Any]) -> None:
-        self.data = data
+        self.data = Readable(data)
 
     def __len__(self) -> int:
-        return len(self.data)  # type: ignore[arg-type]
+        return len(self.data)
 
     def __getitem__(self, item: tuple[int, int]) -> Any:
         seed, index = item
@@ -277,13 +291,74 @@ def _loader_options(num_workers: int, seed: int) -> dict[str, Any]:
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available(),
         "generator": torch.Generator().manual_seed(seed),
+        "collate_fn": collate_readable,
     }
 
 
+class BadFiles:
+    """What the training process does with the unreadable images its loaders report: stop with
+    one line naming the file (the default), or (``data.skip_bad_files``) leave the image out of
+    its batch, logging each file once with the count so far.
+
+    Example::
+
+        files = BadFiles(skip=True)
+        batches = files.batches(loader)       # loader yields (batch or None, [BadImage, ...])
+        len(files.skipped)                    # files skipped so far
+    """
+
+    def __init__(self, skip: bool) -> None:
+        self.skip = skip
+        self.skipped: dict[str, str] = {}
+
+    def report(self, bad: BadImage) -> None:
+        if not self.skip:
+            raise ConfigError(
+                "data.root",
+                f"{bad.name}: not a readable image ({bad.reason}); remove it, or set "
+                "data.skip_bad_files=true to skip and count such files",
+            )
+        if bad.name not in self.skipped:
+            self.skipped[bad.name] = bad.reason
+            count = len(self.skipped)
+            log.warning(
+                "skipped unreadable image %s (%s): %d skipped so far", bad.name, bad.reason, count
+            )
+
+    def batches(self, loader: Iterable[tuple[Batch | None, list[BadImage]]]) -> Iterator[Batch]:
+        """The loader's batches with their unreadable images reported (a batch of nothing but
+        unreadable images is left out)."""
+        for batch, bad in loader:
+            for item in bad:
+                self.report(item)
+            if batch is not None:
+                yield batch
+
+
+class CheckedLoader:
+    """An evaluation loader's batches through :meth:`BadFiles.batches`; its length is the
+    loader's (the runner sizes an evaluation by it)."""
+
+    def __init__(self, loader: DataLoader[Any], files: BadFiles) -> None:
+        self.loader, self.files = loader, files
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.files.batches(self.loader)
+
+
 def train_stream(
-    data: Dataset[Any], batch_size: int, seed: int, position: int, num_workers: int
+    data: Dataset[Any],
+    batch_size: int,
+    seed: int,
+    position: int,
+    num_workers: int,
+    files: BadFiles | None = None,
 ) -> Iterator[Batch]:
-    """Endless augmented training batches from batch ``position`` (see :class:`EpochBatches`).
+    """Endless augmented training batches from batch ``position`` (see :class:`EpochBatches`);
+    unreadable images go to ``files`` (default: stop at the first, naming it).
 
     Example::
 
@@ -294,7 +369,7 @@ def train_stream(
     loader = DataLoader(
         SeededTransforms(data), batch_sampler=sampler, **_loader_options(num_workers, seed)
     )
-    return iter(loader)
+    return (files or BadFiles(skip=False)).batches(loader)
 
 
 def missing_data(path: Path) -> ConfigError:
@@ -308,11 +383,11 @@ def missing_data(path: Path) -> ConfigError:
 
 
 def check_image_root(root: Path, source: str) -> None:
-    """Raise :func:`missing_data` unless ``root`` has train/ and val/ (or, for ``hf``, parquet
-    files, whose paths say train / val)."""
+    """Raise :func:`missing_data` unless ``root`` has train/ and val/ (or, for ``hf``, parquet or
+    arrow files, whose paths say train / val)."""
     if not root.is_dir():
         raise missing_data(root)
-    if source == "hf" and any(root.rglob("*.parquet")):
+    if source == "hf" and table_files(root)[1]:
         return
     for split in ("train", "val"):
         if not (root / split).is_dir():
@@ -322,9 +397,10 @@ def check_image_root(root: Path, source: str) -> None:
 def _check_classes(data: Dataset[Any], num_classes: int, root: Path) -> None:
     classes = list(getattr(data, "classes", []))
     if len(classes) != num_classes:
+        shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
         raise ConfigError(
             "data.num_classes",
-            f"is {num_classes} but {root} holds {len(classes)} classes; set "
+            f"is {num_classes} but {root} holds {len(classes)} classes ({shown}); set "
             f"data.num_classes={len(classes)}",
         )
 
@@ -341,12 +417,17 @@ def image_folder(
     cutout: int = 0,
     num_workers: int = 8,
     cache_dir: str | None = None,
+    skip_bad_files: bool = False,
+    progress: str = "auto",
 ) -> DataBundle:
     """ImageNet-style data from ``root``: ``train/`` and ``val/`` class folders read by
     torchvision's ImageFolder (``source="imagefolder"``) or by HuggingFace ``datasets``
-    (``source="hf"``: the same folders, or parquet files). Training batches are augmented
+    (``source="hf"``: the same folders, or parquet / arrow files). Training batches are augmented
     (random-resized crop to ``image_size`` with area fraction >= ``min_scale``, flip, cutout),
-    evaluation batches resized by 256/224 and center-cropped. ``num_classes`` is checked.
+    evaluation batches resized by 256/224 and center-cropped. Grey or colour images of any size
+    become RGB at ``image_size``. ``num_classes`` and the class folders are checked; an
+    unreadable image stops the run naming it, or is skipped and counted (``skip_bad_files``).
+    ``progress`` (the runner's ``logger.progress``) shows or hides ``datasets``' bars.
 
     Example::
 
@@ -366,17 +447,19 @@ def image_folder(
             cutout,
             source,  # type: ignore[arg-type]
             cache_dir,
+            shows_progress(progress),
         )
-    except FileNotFoundError as err:  # e.g. class folders without images
-        raise ConfigError("data.root", f"{directory}: {err}") from err
+    except FileNotFoundError as err:  # e.g. a class folder missing from val/, or empty
+        raise ConfigError("data.root", str(err)) from err
     _check_classes(train, num_classes, directory)
     size: int = len(train)  # type: ignore[arg-type]
     if size < batch_size:
         raise ConfigError(
             "data.batch_size", f"{batch_size} exceeds the {size} training images in {directory}"
         )
+    files = BadFiles(skip_bad_files)
     eval_loader = DataLoader(
-        val,
+        Readable(val),
         batch_size=eval_batch_size or batch_size,
         shuffle=False,
         persistent_workers=num_workers > 0,
@@ -384,12 +467,13 @@ def image_folder(
     )
     return DataBundle(
         train_batches=lambda seed, position: train_stream(
-            train, batch_size, seed, position, num_workers
+            train, batch_size, seed, position, num_workers, files
         ),
-        eval_batches=lambda: eval_loader,
+        eval_batches=lambda: CheckedLoader(eval_loader, files),
         batches_per_epoch=size // batch_size,
         loss="cross_entropy",
         metric=METRIC,
+        eval_set=f"{directory / 'val'}" if source == "imagefolder" else f"the val split of {root}",
     )
 
 
@@ -400,7 +484,8 @@ class ImageFolderDataConfig:
     _target_: str = "giantpipe.data.image_bundle.image_folder"
     """Builder called with the other fields."""
     root: str = "data/imagenet"
-    """Directory with train/<class>/* and val/<class>/* (or parquet files, with source=hf)."""
+    """Directory with train/<class>/* and val/<class>/* (or parquet / arrow files whose paths say
+    train and val, with source=hf)."""
     num_classes: int = 1000
     """Class folders expected (checked against the data; the model reads it)."""
     image_size: int = 224
@@ -410,7 +495,7 @@ class ImageFolderDataConfig:
     eval_batch_size: int | None = None
     """Evaluation batch size (null: data.batch_size)."""
     source: str = "imagefolder"
-    """``imagefolder`` (torchvision) or ``hf`` (HuggingFace datasets: folders or parquet)."""
+    """``imagefolder`` (torchvision) or ``hf`` (HuggingFace datasets: folders, parquet, arrow)."""
     min_scale: float = 0.08
     """Smallest area fraction of a random-resized training crop."""
     hflip: bool = True
@@ -421,6 +506,9 @@ class ImageFolderDataConfig:
     """Loader worker processes (0: load in the training process)."""
     cache_dir: str | None = None
     """HuggingFace datasets cache (source=hf)."""
+    skip_bad_files: bool = False
+    """Skip unreadable images (not an image, truncated), listing each in the log with the count;
+    false: the first one stops the run, naming the file."""
 
     def __post_init__(self) -> None:
         check(bool(self.root), "data.root", "must name a directory")

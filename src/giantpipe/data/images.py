@@ -16,29 +16,43 @@ Example::
 from __future__ import annotations
 
 import colorsys
+import contextlib
 import hashlib
+import io
 import math
-from collections.abc import Callable, Sequence
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
     from torchvision.transforms import v2
 
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "BadImage",
     "Cutout",
     "GeneratedImages",
     "HFImageDataset",
+    "Readable",
+    "UnreadableImage",
     "build_image_datasets",
+    "check_class_folders",
     "build_image_loader",
     "eval_transforms",
     "generated_datasets",
+    "read_image",
+    "shows_progress",
+    "table_files",
     "train_transforms",
     "write_image_folder",
 ]
@@ -301,17 +315,130 @@ def eval_transforms(
 
 
 # --------------------------------------------------------------------------------------------
+# Reading image files: every kind of image as RGB, every unreadable file named.
+# --------------------------------------------------------------------------------------------
+
+
+class UnreadableImage(OSError):
+    """A file PIL cannot read in full (not an image, truncated, ...); the message names it."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name}: not a readable image ({reason})")
+        self.name, self.reason = name, reason
+
+
+@dataclass(frozen=True)
+class BadImage:
+    """Stands in for an unreadable image in a batch: a loader worker returns it instead of
+    raising, so the training process learns which file it was (a worker's error reaches it as
+    "Caught OSError in DataLoader worker process 0", the file nowhere)."""
+
+    name: str
+    reason: str
+
+
+def _eight_bit(image: PILImage) -> PILImage:
+    """16- and 32-bit integer grey images scaled to 8 bits (PIL would clip them at 255)."""
+    from PIL import Image
+
+    if image.mode not in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        return image
+    pixels = np.asarray(image, dtype=np.float64)
+    top = 65535.0 if image.mode.startswith("I;16") else max(float(pixels.max()), 1.0)
+    return Image.fromarray(np.clip(pixels * (255.0 / top), 0, 255).astype(np.uint8), "L")
+
+
+def read_image(source: str | Path | bytes, name: str | None = None) -> PILImage:
+    """The image at ``source`` (a path, or encoded bytes called ``name``) decoded in full as RGB:
+    grey (8 or 16 bits), palette, alpha and CMYK images are converted, any size is kept. A file
+    PIL cannot read is an :class:`UnreadableImage` naming it.
+
+    Example::
+
+        read_image("data/val/cat/17.png").size        # (width, height), mode "RGB"
+    """
+    from PIL import Image
+
+    label = name or str(source)
+    try:
+        opened = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        with opened as image:
+            return _eight_bit(image).convert("RGB")
+    except Image.UnidentifiedImageError as err:  # its message repeats the path
+        raise UnreadableImage(label, "not an image format PIL knows") from err
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnreadableImage(label, reason) from err
+
+
+class Readable(Dataset[Any]):
+    """``data[index]``, or a :class:`BadImage` when its file cannot be read (see there why).
+
+    Example::
+
+        loader = DataLoader(Readable(val), batch_size=64, collate_fn=collate_readable)
+        batch, bad = next(iter(loader))     # bad: [BadImage("val/cat/3.png", "truncated")]
+    """
+
+    def __init__(self, data: Dataset[Any]) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.data[index]
+        except UnreadableImage as err:
+            return BadImage(err.name, err.reason)
+
+
+def collate_readable(samples: list[Any]) -> tuple[Any, list[BadImage]]:
+    """(the default collation of the readable samples or None, the :class:`BadImage` ones)."""
+    from torch.utils.data import default_collate
+
+    good = [s for s in samples if not isinstance(s, BadImage)]
+    bad = [s for s in samples if isinstance(s, BadImage)]
+    return (default_collate(good) if good else None), bad
+
+
+def shows_progress(style: str) -> bool:
+    """``logger.progress`` as data builders read it: ``tqdm`` always, ``none`` never, ``auto``
+    when stdout is a terminal (as the training bar)."""
+    return style == "tqdm" or (style == "auto" and sys.stdout.isatty())
+
+
+@contextlib.contextmanager
+def datasets_progress(show: bool) -> Iterator[None]:
+    """HuggingFace ``datasets``' progress bars on or off for the block, as they were after."""
+    import datasets
+    import tqdm
+
+    enabled = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if show else datasets.disable_progress_bars)()
+    # A disabled tqdm bar still starts tqdm's monitor thread and never stops it; with no
+    # monitor the loader leaves no thread behind.
+    interval, tqdm.tqdm.monitor_interval = tqdm.tqdm.monitor_interval, 0
+    try:
+        yield
+    finally:
+        tqdm.tqdm.monitor_interval = interval
+        (datasets.enable_progress_bars if enabled else datasets.disable_progress_bars)()
+
+
+# --------------------------------------------------------------------------------------------
 # Loading ImageNet-style data from disk.
 # --------------------------------------------------------------------------------------------
 
 
 class HFImageDataset(Dataset[tuple[Any, int]]):
-    """Wraps a HuggingFace ``datasets.Dataset`` with ``image`` and ``label`` columns.
+    """Wraps a HuggingFace ``datasets.Dataset`` with ``image`` and ``label`` columns; images are
+    decoded here (:func:`read_image`), so an unreadable one names its file (or its row).
 
     Example::
 
         hf = datasets.load_dataset("imagefolder", data_dir="data/imagenet")["train"]
-        data = HFImageDataset(hf, transform=train_transforms(224))
+        data = HFImageDataset(hf, transform=train_transforms(224), name="train split")
     """
 
     def __init__(
@@ -320,20 +447,62 @@ class HFImageDataset(Dataset[tuple[Any, int]]):
         transform: Callable[[Any], Any] | None = None,
         image_key: str = "image",
         label_key: str = "label",
+        name: str = "the data set",
     ) -> None:
-        self.data, self.transform = data, transform
+        feature = data.features[image_key]
+        if getattr(feature, "decode", False):  # keep the file's bytes and path, decode here
+            data = data.cast_column(image_key, type(feature)(decode=False))
+        self.data, self.transform, self.name = data, transform, name
         self.image_key, self.label_key = image_key, label_key
-        self.classes: list[str] = list(data.features[label_key].names)
+        names = getattr(data.features[label_key], "names", None)  # a ClassLabel's
+        if names is None:  # plain integer labels: classes 0..max
+            names = [str(c) for c in range(max(data[label_key], default=-1) + 1)]
+        self.classes: list[str] = list(names)
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         row = self.data[index]
-        image = row[self.image_key].convert("RGB")
+        cell = row[self.image_key]
+        named = cell.get("path") or f"row {index + 1} of {self.name}"
+        image = read_image(cell["bytes"] or cell["path"], named)
         if self.transform is not None:
             image = self.transform(image)
         return image, int(row[self.label_key])
+
+
+def check_class_folders(root: Path) -> list[str]:
+    """The classes of ``root/train`` and ``root/val``: the same folders in both, each holding an
+    image (searched until the first). A FileNotFoundError names the split and the class.
+
+    Example::
+
+        check_class_folders(Path("data/imagenet"))      # ["n01440764", ...]
+    """
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    splits = ("train", "val")
+    found = {s: sorted(e.name for e in os.scandir(root / s) if e.is_dir()) for s in splits}
+    if not found["train"]:
+        raise FileNotFoundError(f"{root / 'train'} holds no class folders (train/<class>/*.jpg)")
+    for split, other in (("val", "train"), ("train", "val")):
+        lacking = sorted(set(found[other]) - set(found[split]))
+        if lacking:
+            raise FileNotFoundError(
+                f"{root / split} has no folder for class {lacking[0]!r} ({other}/{lacking[0]} "
+                "exists); every class needs a folder in train/ and in val/"
+            )
+    for split in splits:
+        for name in found[split]:
+            folder = root / split / name
+            files = (f for _, _, names in os.walk(folder) for f in names)
+            if not any(f.lower().endswith(IMG_EXTENSIONS) for f in files):
+                raise FileNotFoundError(
+                    f"{folder} holds no images ({', '.join(IMG_EXTENSIONS)}): class {name!r} "
+                    f"of {split}/ is empty; add its images or remove its folders"
+                )
+    return found["train"]
 
 
 def _missing(path: Path) -> FileNotFoundError:
@@ -344,22 +513,31 @@ def _missing(path: Path) -> FileNotFoundError:
     )
 
 
-def _hf_splits(root: Path, cache_dir: str | None) -> tuple[Any, Any]:
+def table_files(root: Path) -> tuple[str, list[Path]]:
+    """(``"parquet"`` or ``"arrow"``, the files under ``root``): tables ``datasets`` reads as they
+    are; ``("", [])`` when there are none (then ``root`` holds class folders)."""
+    for kind in ("parquet", "arrow"):
+        files = sorted(root.rglob(f"*.{kind}"))
+        if files:
+            return kind, files
+    return "", []
+
+
+def _hf_splits(root: Path, cache_dir: str | None, progress: bool) -> tuple[Any, Any]:
     import datasets  # heavy import, only when asked for
 
-    parquet = sorted(root.rglob("*.parquet"))
-    if parquet:
-        train = [str(p) for p in parquet if "train" in p.relative_to(root).as_posix()]
-        val = [str(p) for p in parquet if "val" in p.relative_to(root).as_posix()]
-        if not train or not val:
-            raise _missing(root / ("train" if not train else "val"))
-        files = {"train": train, "validation": val}
-        splits = datasets.load_dataset("parquet", data_files=files, cache_dir=cache_dir)
-    else:
-        for split in ("train", "val"):
-            if not (root / split).is_dir():
-                raise _missing(root / split)
-        splits = datasets.load_dataset("imagefolder", data_dir=str(root), cache_dir=cache_dir)
+    kind, tables = table_files(root)
+    with datasets_progress(progress):
+        if tables:
+            train = [str(p) for p in tables if "train" in p.relative_to(root).as_posix()]
+            val = [str(p) for p in tables if "val" in p.relative_to(root).as_posix()]
+            if not train or not val:
+                raise _missing(root / ("train" if not train else "val"))
+            files = {"train": train, "validation": val}
+            splits = datasets.load_dataset(kind, data_files=files, cache_dir=cache_dir)
+        else:
+            check_class_folders(root)
+            splits = datasets.load_dataset("imagefolder", data_dir=str(root), cache_dir=cache_dir)
     return splits["train"], splits["validation"]
 
 
@@ -371,11 +549,15 @@ def build_image_datasets(
     cutout: int = 0,
     source: Literal["imagefolder", "hf"] = "imagefolder",
     cache_dir: str | None = None,
+    progress: bool = False,
 ) -> tuple[Dataset[Any], Dataset[Any]]:
     """Train and validation data sets from ``root``: ``train/`` and ``val/`` class folders read
     by torchvision ``ImageFolder`` (``source="imagefolder"``) or by HuggingFace ``datasets``
-    (``source="hf"``: the same folders, or parquet files whose paths contain "train" / "val").
-    Training uses :func:`train_transforms`, validation :func:`eval_transforms`.
+    (``source="hf"``: the same folders, or parquet or arrow files whose paths contain "train" /
+    "val";
+    ``progress``: its progress bars). Training uses :func:`train_transforms`, validation
+    :func:`eval_transforms`; images are read by :func:`read_image`. Class folders are checked
+    by :func:`check_class_folders`.
 
     Example::
 
@@ -388,8 +570,11 @@ def build_image_datasets(
     train_tf = train_transforms(image_size, scale, hflip, cutout)
     eval_tf = eval_transforms(image_size)
     if source == "hf":
-        hf_train, hf_val = _hf_splits(root, cache_dir)
-        return HFImageDataset(hf_train, train_tf), HFImageDataset(hf_val, eval_tf)
+        hf_train, hf_val = _hf_splits(root, cache_dir, progress)
+        return (
+            HFImageDataset(hf_train, train_tf, name=f"the train split of {root}"),
+            HFImageDataset(hf_val, eval_tf, name=f"the val split of {root}"),
+        )
     if source != "imagefolder":
         raise ValueError(f"source must be 'imagefolder' or 'hf', got {source!r}")
     from torchvision.datasets import ImageFolder
@@ -397,10 +582,9 @@ def build_image_datasets(
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise _missing(root / split)
-    train, val = ImageFolder(root / "train", train_tf), ImageFolder(root / "val", eval_tf)
-    if train.classes != val.classes:
-        raise ValueError(f"train/ and val/ under {root} hold different class folders")
-    return train, val
+    check_class_folders(root)
+    train = ImageFolder(root / "train", train_tf, loader=read_image)
+    return train, ImageFolder(root / "val", eval_tf, loader=read_image)
 
 
 def build_image_loader(

@@ -211,6 +211,7 @@ def tensor_files(
         batches_per_epoch=len(train_x) // batch_size,
         loss=loss,
         metric="accuracy" if loss == "cross_entropy" else None,
+        eval_set=str(directory / "eval.pt"),
     )
 
 

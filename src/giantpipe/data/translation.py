@@ -3,7 +3,7 @@ sampling across language pairs and resumable token-based batches.
 
 The flow, as in the paper's multilingual setup (one model, all pairs at once)::
 
-    corpus = load_parallel_corpus(["train.tsv"])              # {pair: [(source, target), ...]}
+    corpus = load_parallel_corpus(["train.tsv"])              # giantpipe.data.corpus
     vocab = SharedVocabulary.train_or_load(corpus, "run/spm", vocab_size=8000)
     data = encode_corpus(corpus, vocab)                       # {pair: [(src_ids, tgt_ids), ...]}
     batches = MultilingualBatches(data, max_tokens=4096, temperature=5.0, seed=0)
@@ -18,7 +18,6 @@ id is 0. Batches hold one language pair each, drawn with p_i proportional to (n_
 
 from __future__ import annotations
 
-import csv
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,12 +27,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from giantpipe.data.corpus import split_pair
+
 __all__ = [
-    "load_parallel_corpus",
     "lang_token",
-    "split_pair",
     "SharedVocabulary",
     "encode_corpus",
+    "fits",
     "temperature_probabilities",
     "token_batches",
     "TranslationBatch",
@@ -42,90 +42,12 @@ __all__ = [
     "eval_batches",
 ]
 
-Corpus = dict[str, list[tuple[str, str]]]
 EncodedCorpus = dict[str, list[tuple[list[int], list[int]]]]
-FORMATS = {".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-def split_pair(pair: str) -> tuple[str, str]:
-    """ "en-xa" -> ("en", "xa")."""
-    src, sep, tgt = pair.partition("-")
-    if not sep or not src or not tgt:
-        raise ValueError(f"language pair must look like 'en-de', got {pair!r}")
-    return src, tgt
 
 
 def lang_token(lang: str) -> str:
     """The target-language token prepended to the source, e.g. ``<2de>``."""
     return f"<2{lang}>"
-
-
-def _load_rows(path: Path) -> dict[str, list]:
-    import datasets  # imported lazily: heavy, and only needed when reading files
-    import tqdm
-
-    builder = FORMATS.get(path.suffix)
-    if builder is None:
-        raise ValueError(f"{path}: unknown format; use .tsv, .jsonl or .parquet")
-    kwargs: dict = {}
-    if builder == "csv":  # a header row names the columns; every field stays a string
-        with path.open(encoding="utf-8") as f:
-            header = f.readline().rstrip("\n").split("\t")
-        string = datasets.Value("string")
-        kwargs = dict(delimiter="\t", quoting=csv.QUOTE_NONE, na_filter=False)
-        kwargs["features"] = datasets.Features({name: string for name in header})
-    enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    # A disabled tqdm bar still starts tqdm's monitor thread and never stops it; with no
-    # monitor the loader leaves no thread behind.
-    interval, tqdm.tqdm.monitor_interval = tqdm.tqdm.monitor_interval, 0
-    try:
-        ds = datasets.load_dataset(
-            builder, data_files=[str(path)], split="train", keep_in_memory=True, **kwargs
-        )
-    finally:
-        tqdm.tqdm.monitor_interval = interval
-        if enabled:
-            datasets.enable_progress_bars()
-    return ds.to_dict()
-
-
-def load_parallel_corpus(
-    paths: Sequence[str | Path],
-    *,
-    source_field: str = "source",
-    target_field: str = "target",
-    pair_field: str = "pair",
-    pair: str | None = None,
-) -> Corpus:
-    """Read TSV (with a header row), JSONL or parquet files into ``{pair: [(source, target)]}``.
-
-    Files are read through HuggingFace ``datasets``. Each row needs the source, target and
-    language-pair fields; ``pair`` instead names the pair of every row of these files.
-
-    Example::
-
-        corpus = load_parallel_corpus(["data/train.tsv"])
-        corpus["en-xa"][0]  # ('the dog sees Anna .', 'Anna-po hanu ...')
-    """
-    corpus: Corpus = {}
-    for raw in paths:
-        path = Path(raw)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"parallel corpus not found: {path} (provide a .tsv/.jsonl/.parquet file with "
-                f"'{source_field}', '{target_field}' and '{pair_field}' fields)"
-            )
-        rows = _load_rows(path)
-        needed = [source_field, target_field] + ([] if pair else [pair_field])
-        missing = [name for name in needed if name not in rows]
-        if missing:
-            raise ValueError(f"{path}: missing field(s) {missing}; found {sorted(rows)}")
-        pairs = [pair] * len(rows[source_field]) if pair else rows[pair_field]
-        for src, tgt, name in zip(rows[source_field], rows[target_field], pairs, strict=True):
-            split_pair(name)
-            corpus.setdefault(name, []).append((src, tgt))
-    return corpus
 
 
 def _texts_by_language(corpus: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, list[str]]:
@@ -249,12 +171,25 @@ class SharedVocabulary:
         return str(self.sp.decode(kept))
 
 
+def fits(src_ids: Sequence[int], tgt_ids: Sequence[int], max_len: int) -> bool:
+    """Whether an encoded example fits ``max_len`` positions: the source with its markers, the
+    target with one (``<s>`` in, ``</s>`` out).
+
+    Example::
+
+        fits([5, 17, 3], [9, 9], max_len=3)    # True
+    """
+    return len(src_ids) <= max_len and len(tgt_ids) + 1 <= max_len
+
+
 def encode_corpus(
-    corpus: Mapping[str, Sequence[tuple[str, str]]], vocab: SharedVocabulary, max_len: int = 256
+    corpus: Mapping[str, Sequence[tuple[str, str]]],
+    vocab: SharedVocabulary,
+    max_len: int | None = 256,
 ) -> EncodedCorpus:
     """``{pair: [(src_ids, tgt_ids)]}``: src = <2tgt> x </s>; tgt without <s>/</s> markers.
 
-    Examples whose source or target (with markers) exceed ``max_len`` tokens are dropped.
+    Examples that do not :func:`fits` ``max_len`` tokens are dropped (None: every one is kept).
     """
     encoded: EncodedCorpus = {}
     for pair, examples in sorted(corpus.items()):
@@ -263,7 +198,7 @@ def encode_corpus(
         for src, tgt in examples:
             src_ids = [lang, *vocab.encode(src), vocab.eos_id]
             tgt_ids = vocab.encode(tgt)
-            if len(src_ids) <= max_len and len(tgt_ids) + 1 <= max_len:
+            if max_len is None or fits(src_ids, tgt_ids, max_len):
                 rows.append((src_ids, tgt_ids))
         encoded[pair] = rows
     return encoded

@@ -7,8 +7,9 @@
 What :func:`translation` does, in order:
 
 1. files: ``data.train_files`` / ``data.valid_files``, or (both null) the generated corpus of
-   ``giantpipe.data.synthetic_corpus`` written to ``RUN_DIR/corpus``; a missing file is one
-   ConfigError line naming the key and the path and saying what to provide;
+   ``giantpipe.data.corpus`` written to ``RUN_DIR/corpus``; a missing file, or a line that
+   cannot be read, is one ConfigError line naming the key, the file, the line and what was
+   expected; a held-out pair no training file holds is refused unless ``data.zero_shot``;
 2. vocabulary: ``RUN_DIR/spm.model`` (or ``data.vocab_dir``), one SentencePiece model for every
    language with ``<2xx>`` tokens, trained on the first run and reused when it resumes;
 3. training batches: a language pair drawn by temperature, then that pair's next token-bucketed
@@ -16,7 +17,9 @@ What :func:`translation` does, in order:
 4. loss: cross-entropy summed over non-pad target tokens and divided by their count in the whole
    mini-batch (``loss_normalizer``); tokens/s counts the same target tokens;
 5. evaluation: the loss on the held-out files, and ``evaluate_model`` decodes held-out sentences
-   for sacreBLEU per pair and averaged, next to the copy-the-source baseline and decoding tokens/s.
+   for sacreBLEU per pair and averaged, next to the copy-the-source baseline and decoding tokens/s
+   (zero-shot pairs apart). Sentences longer than ``data.max_len`` never fail a run: training
+   leaves them out, the eval loss too, BLEU cuts their sources; the log counts them.
 
 Example::
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,16 +42,22 @@ from torch import Tensor
 from giantpipe.config import ConfigError, check, check_min
 from giantpipe.data.bleu import HeldOutBleu
 from giantpipe.data.bundle import Batch, DataBundle
-from giantpipe.data.synthetic_corpus import write_synthetic_corpus
-from giantpipe.data.translation import (
+from giantpipe.data.corpus import (
     Corpus,
+    CorpusError,
+    load_parallel_corpus,
+    split_pair,
+    write_synthetic_corpus,
+)
+from giantpipe.data.translation import (
     EncodedCorpus,
     MultilingualBatches,
     SharedVocabulary,
     collate,
     encode_corpus,
     example_size,
-    load_parallel_corpus,
+    fits,
+    lang_token,
 )
 
 log = logging.getLogger(__name__)
@@ -182,6 +191,126 @@ def _held_out(corpus: Corpus, sentences: int | None) -> Corpus:
     return {pair: rows[:sentences] if sentences else rows for pair, rows in corpus.items()}
 
 
+def read_corpus(
+    paths: Sequence[Path], key: str, fields: Mapping[str, str]
+) -> tuple[Corpus, dict[str, list[str]]]:
+    """The sentence pairs of ``paths`` and, per language pair, the files that hold it. A file
+    that cannot be read is one ConfigError naming ``key``, the file and the line.
+
+    Example::
+
+        corpus, origin = read_corpus([Path("valid.tsv")], "data.valid_files", {})
+        origin["en-de"]                          # ["valid.tsv"]
+    """
+    corpus: Corpus = {}
+    origin: dict[str, list[str]] = {}
+    for path in paths:
+        try:
+            part = load_parallel_corpus([path], **fields)
+        except CorpusError as err:
+            raise ConfigError(key, str(err)) from err
+        for pair, rows in part.items():
+            corpus.setdefault(pair, []).extend(rows)
+            origin.setdefault(pair, []).append(str(path))
+    return corpus, origin
+
+
+def zero_shot_pairs(
+    origin: Mapping[str, list[str]], trained: Iterable[str], vocab: SharedVocabulary, allow: bool
+) -> frozenset[str]:
+    """The held-out pairs that no training file holds, allowed only with ``allow``
+    (``data.zero_shot``). Without it such a pair is a ConfigError naming the pair and its files;
+    with it, a pair whose target language no training file has is still one (its ``<2xx>``
+    token would read as ``<unk>``).
+
+    Example::
+
+        zero_shot_pairs({"de-fr": ["valid.tsv"]}, ["en-de", "en-fr"], vocab, allow=True)
+        # frozenset({'de-fr'}): both languages were trained, the pair was not
+    """
+    unseen = sorted(set(origin) - set(trained))
+    for pair in unseen:
+        files, target = ", ".join(origin[pair]), split_pair(pair)[1]
+        if vocab.lang_id(target) == vocab.unk_id:
+            raise ConfigError(
+                "data.valid_files",
+                f"{files}: pair {pair!r} translates into {target!r}, a language no file of "
+                f"data.train_files holds, so the vocabulary has no {lang_token(target)} token; "
+                f"add {target} text to the training files or remove the pair",
+            )
+        if not allow:
+            raise ConfigError(
+                "data.valid_files",
+                f"{files}: pair {pair!r} never appears in data.train_files (trained: "
+                f"{', '.join(sorted(trained))}); remove it, or set data.zero_shot=true to "
+                "evaluate it zero-shot, reported as eval/bleu_zero_shot apart from eval/bleu",
+            )
+    return frozenset(unseen)
+
+
+def split_long(encoded: EncodedCorpus, max_len: int) -> tuple[EncodedCorpus, int]:
+    """(the examples that :func:`~giantpipe.data.translation.fits` ``max_len``, how many did not).
+
+    Example::
+
+        kept, long = split_long({"en-de": [([5, 9, 3], [7])]}, max_len=2)   # ({"en-de": []}, 1)
+    """
+    kept = {pair: [r for r in rows if fits(*r, max_len)] for pair, rows in encoded.items()}
+    dropped = sum(len(rows) for rows in encoded.values()) - sum(map(len, kept.values()))
+    return kept, dropped
+
+
+def training_examples(corpus: Corpus, vocab: SharedVocabulary, max_len: int) -> EncodedCorpus:
+    """The training pairs, encoded; those longer than ``max_len`` tokens left out and counted."""
+    kept, dropped = split_long(encode_corpus(corpus, vocab, None), max_len)
+    if dropped:
+        total = sum(map(len, corpus.values()))
+        log.warning(
+            "training: %d of %d sentence pairs are longer than data.max_len=%d tokens and are "
+            "left out",
+            dropped,
+            total,
+            max_len,
+        )
+    return kept
+
+
+def held_out_examples(
+    corpus: Corpus, vocab: SharedVocabulary, max_len: int, eval_set: str
+) -> EncodedCorpus:
+    """The held-out pairs for the eval loss, encoded: those longer than ``max_len`` tokens (the
+    model has no positions for them) left out and counted; BLEU cuts their sources instead."""
+    kept, dropped = split_long(encode_corpus(corpus, vocab, None), max_len)
+    if dropped:
+        total = sum(map(len, corpus.values()))
+        log.warning(
+            "held-out (%s): %d of %d sentence pairs are longer than data.max_len=%d tokens: left "
+            "out of the eval loss; BLEU translates their first %d source tokens",
+            eval_set,
+            dropped,
+            total,
+            max_len,
+            max_len,
+        )
+    return {pair: rows for pair, rows in kept.items() if rows}
+
+
+def sampling_epoch(
+    encoded: EncodedCorpus, max_tokens: int, temperature: float, min_sentences: int
+) -> MultilingualBatches:
+    """The training stream's first epoch (its length is the bundle's epoch), logged per pair;
+    a ConfigError when no pair has a batch that fits ``data.max_tokens``."""
+    try:
+        epoch = MultilingualBatches(
+            encoded, max_tokens, temperature=temperature, min_sentences=min_sentences
+        )
+    except ValueError as err:
+        raise ConfigError("data.max_tokens", f"{err}; raise it or data.max_len") from err
+    shares = {p: f"{len(encoded[p])} ({q:.3f})" for p, q in zip(epoch.pairs, epoch.probabilities)}
+    log.info("training sentences (sampling probability) per pair: %s", shares)
+    return epoch
+
+
 def translation(
     train_files: list[str] | None = None,
     valid_files: list[str] | None = None,
@@ -195,6 +324,7 @@ def translation(
     max_tokens: int = 4096,
     min_sentences: int = 1,
     temperature: float = 5.0,
+    zero_shot: bool = False,
     generated_languages: int = 3,
     generated_train_sizes: list[int] | None = None,
     generated_eval_size: int = 100,
@@ -216,35 +346,31 @@ def translation(
     work = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="giantpipe-"))
     generated = train_files is None and valid_files is None
     if generated:
-        train_paths, valid_paths = generated_files(
-            work / "corpus",
-            generated_languages,
-            generated_train_sizes,
-            generated_eval_size,
-            generated_seed,
-        )
+        generator = (generated_languages, generated_train_sizes, generated_eval_size)
+        train_paths, valid_paths = generated_files(work / "corpus", *generator, generated_seed)
     else:
         train_paths = check_files(train_files, "data.train_files")
         valid_paths = check_files(valid_files, "data.valid_files")
     fields = dict(source_field=source_field, target_field=target_field, pair_field=pair_field)
-    train_corpus = load_parallel_corpus(train_paths, **fields)
-    valid_corpus = load_parallel_corpus(valid_paths, **fields)
+    train_corpus, _ = read_corpus(train_paths, "data.train_files", fields)
+    valid_corpus, origin = read_corpus(valid_paths, "data.valid_files", fields)
     vocab = load_vocabulary(train_corpus, Path(vocab_dir) if vocab_dir else work, vocab_size)
-    train_encoded = encode_corpus(train_corpus, vocab, max_len)
-    valid_encoded = encode_corpus(valid_corpus, vocab, max_len=10**9)  # score every sentence
-    epoch = MultilingualBatches(
-        train_encoded, max_tokens, temperature=temperature, min_sentences=min_sentences
+    unseen = zero_shot_pairs(origin, train_corpus, vocab, zero_shot)
+    eval_name = ", ".join(str(p) for p in valid_paths)
+    train_encoded = training_examples(train_corpus, vocab, max_len)
+    seen_valid = {p: rows for p, rows in valid_corpus.items() if p not in unseen}
+    eval_set = eval_loss_batches(
+        held_out_examples(seen_valid, vocab, max_len, eval_name), max_tokens, min_sentences
     )
-    shares = {
-        p: f"{len(train_encoded[p])} ({q:.3f})" for p, q in zip(epoch.pairs, epoch.probabilities)
-    }
-    log.info("training sentences (sampling probability) per pair: %s", shares)
-    eval_set = eval_loss_batches(valid_encoded, max_tokens, min_sentences)
-    pad = vocab.pad_id
+    epoch = sampling_epoch(train_encoded, max_tokens, temperature, min_sentences)
     scorer = None
     if bleu_sentences != 0:  # the generated corpus puts spaces before "." on purpose: force
         held_out = _held_out(valid_corpus, bleu_sentences)
-        scorer = HeldOutBleu(vocab, held_out, beam_size, length_penalty, max_tokens, generated)
+        scorer = HeldOutBleu(
+            vocab, held_out, beam_size, length_penalty, max_tokens, generated,
+            max_source_len=max_len, zero_shot=unseen, eval_set=eval_name,
+        )  # fmt: skip
+    pad = vocab.pad_id
     return DataBundle(
         train_batches=lambda seed, position: training_stream(
             train_encoded, max_tokens, temperature, min_sentences, seed, position
@@ -257,6 +383,7 @@ def translation(
         loss_normalizer=lambda targets: float(_non_pad(targets, pad)),
         tokens_per_batch=lambda batch: _non_pad(batch[1], pad),  # type: ignore[arg-type]
         evaluate_model=scorer,
+        eval_set=eval_name,
     )
 
 
@@ -282,13 +409,18 @@ class TranslationDataConfig:
     vocab_dir: str | None = None
     """Where spm.model is trained or reused; null: the run directory (reused on resume)."""
     max_len: int = 128
-    """Drop training pairs longer than this many tokens (with markers)."""
+    """Longest sentence in tokens, with markers (the model's positions): longer training pairs
+    are left out, longer held-out ones left out of the eval loss and cut for BLEU (all counted
+    in the log)."""
     max_tokens: int = 4096
     """Batch size in tokens: sentences x padded length <= max_tokens."""
     min_sentences: int = 1
     """Fewest sentences in a batch (the recipes set it to pipeline.chunks)."""
     temperature: float = 5.0
     """Sampling temperature over language pairs: p ~ (n_pair / N)^(1/T)."""
+    zero_shot: bool = False
+    """Evaluate held-out pairs no training file holds (zero-shot), as eval/bleu_zero_shot apart
+    from eval/bleu; false: such a pair is an error naming it."""
     generated_languages: int = 3
     """Generated corpus: languages besides English (pairs en-xx and xx-en)."""
     generated_train_sizes: list[int] | None = None

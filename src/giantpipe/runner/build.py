@@ -125,8 +125,9 @@ def build_model(cfg: ExperimentConfig) -> nn.Sequential:
 
 
 def build_bundle(cfg: ExperimentConfig, run_dir: Path | None) -> DataBundle:
-    """The data bundle (``run_dir`` is where builders keep files, e.g. a trained vocabulary)."""
-    bundle = build_from_target(cfg.data, "data", run_dir=run_dir)
+    """The data bundle (``run_dir`` is where builders keep files, e.g. a trained vocabulary;
+    ``progress``, logger.progress, whether their own progress bars show)."""
+    bundle = build_from_target(cfg.data, "data", run_dir=run_dir, progress=cfg.logger.progress)
     if not isinstance(bundle, DataBundle):
         raise ConfigError("data._target_", "must build a giantpipe.data.bundle.DataBundle")
     return bundle

@@ -16,12 +16,11 @@ from giantpipe.data.bleu import (
     evaluate_bleu,
     greedy_decode,
 )
-from giantpipe.data.synthetic_corpus import write_synthetic_corpus
+from giantpipe.data.corpus import load_parallel_corpus, write_synthetic_corpus
 from giantpipe.data.translation import (
     MultilingualBatches,
     SharedVocabulary,
     encode_corpus,
-    load_parallel_corpus,
 )
 from models.transformer import label_smoothed_cross_entropy, transformer_t
 

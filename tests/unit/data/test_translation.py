@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from giantpipe.data.synthetic_corpus import make_languages, write_synthetic_corpus
+from giantpipe.data.corpus import load_parallel_corpus, make_languages, write_synthetic_corpus
 from giantpipe.data.translation import (
     MultilingualBatches,
     SharedVocabulary,
     encode_corpus,
     eval_batches,
-    load_parallel_corpus,
     temperature_probabilities,
     token_batches,
 )
@@ -70,7 +69,7 @@ def test_tsv_jsonl_and_parquet_load_the_same(corpus_files, tmp_path: Path) -> No
 def test_missing_field_and_pair_override(tmp_path: Path) -> None:
     path = tmp_path / "two.tsv"
     path.write_text('src\ttgt\nhe said "no\t007\n', encoding="utf-8")
-    with pytest.raises(ValueError, match="missing field"):
+    with pytest.raises(ValueError, match=r"line 1: the header \[.src., .tgt.\] lacks"):
         load_parallel_corpus([path])
     loaded = load_parallel_corpus([path], source_field="src", target_field="tgt", pair="en-de")
     assert loaded == {"en-de": [('he said "no', "007")]}
