@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,37 @@ def check_fp32(value: float, key: str) -> None:
         key,
         f"{value} overflows float32, the weights' type (at most {FP32_MAX:.3g})",
     )
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (RAM), the most any data held in memory can take."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_memory(nbytes: int, keys: str, what: str) -> None:
+    """Refuse, before allocating, data that could never fit this machine's memory.
+
+    A size typed with a few zeros too many would otherwise be rendered or drawn for minutes
+    and then die out of memory; this says so at once, naming the keys that set it::
+
+        check_fits_memory(10**12 * 64, "data.train_size, data.features", "the training set")
+        # ConfigError: data.train_size, data.features: the training set would take 58 TiB of
+        # memory; this machine has 24 GiB
+    """
+    ram = host_memory_bytes()
+    check(
+        nbytes <= ram,
+        keys,
+        f"{what} would take {_human_bytes(nbytes)} of memory; this machine has {_human_bytes(ram)}",
+    )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def check_optional_path(value: Any, key: str) -> None:

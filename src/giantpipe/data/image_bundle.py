@@ -38,7 +38,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from giantpipe.config import ConfigError, check, check_choice, check_min, check_optional_path
+from giantpipe.config import (
+    ConfigError,
+    check,
+    check_choice,
+    check_fits_memory,
+    check_min,
+    check_optional_path,
+)
 from giantpipe.data.bundle import Batch, DataBundle
 from giantpipe.data.images import (
     BadImage,
@@ -156,6 +163,12 @@ class GeneratedImagesDataConfig:
         )
         check_min(self.eval_size, 1, "data.eval_size")
         check_min(self.noise, 0.0, "data.noise")
+        # Every image is rendered once into memory at start-up (float32, 3 channels).
+        check_fits_memory(
+            (self.train_size + self.eval_size) * (12 * self.image_size**2 + 8),
+            "data.train_size, data.eval_size, data.image_size",
+            "the rendered images",
+        )
 
 
 def random_images(
@@ -206,6 +219,11 @@ class RandomImagesDataConfig:
 
     def __post_init__(self) -> None:
         _check_image_batches(self.image_size, self.batch_size, self.num_classes)
+        check_fits_memory(
+            12 * self.batch_size * self.image_size**2,
+            "data.batch_size, data.image_size",
+            "the one batch of random images",
+        )
         check(
             self.epoch_size >= self.batch_size,
             "data.epoch_size",

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from giantpipe.config import ConfigError, check, check_choice, check_min
+from giantpipe.config import ConfigError, check, check_choice, check_fits_memory, check_min
 from giantpipe.data.bundle import Batch, DataBundle
 
 # --------------------------------------------------------------------------- batch order
@@ -167,6 +167,12 @@ class SyntheticDataConfig:
             f"must be <= data.train_size ({self.train_size}), got {self.batch_size}",
         )
         check_min(self.noise, 0.0, "data.noise")
+        # Features (float32) and a label (int64) per sample, all drawn at start-up.
+        check_fits_memory(
+            (self.train_size + self.eval_size) * (4 * self.features + 8),
+            "data.train_size, data.eval_size, data.features",
+            "the generated data set",
+        )
 
 
 # --------------------------------------------------------------------------- data=tensors
@@ -340,4 +346,13 @@ class LMTokensDataConfig:
             self.branching <= self.vocab_size,
             "data.branching",
             f"must be <= data.vocab_size ({self.vocab_size}), got {self.branching}",
+        )
+        # The successor table, and one batch of int64 tokens (inputs and shifted targets).
+        check_fits_memory(
+            8 * self.vocab_size * self.branching,
+            "data.vocab_size, data.branching",
+            "the successor table",
+        )
+        check_fits_memory(
+            16 * self.batch_size * self.seq_len, "data.batch_size, data.seq_len", "one batch"
         )

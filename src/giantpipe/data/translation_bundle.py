@@ -39,7 +39,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from giantpipe.config import ConfigError, check, check_min
+from giantpipe.config import ConfigError, check, check_fits_memory, check_min
 from giantpipe.data.bleu import HeldOutBleu
 from giantpipe.data.bundle import Batch, DataBundle
 from giantpipe.data.corpus import (
@@ -442,6 +442,17 @@ class TranslationDataConfig:
         check(self.temperature > 0, "data.temperature", f"must be > 0, got {self.temperature}")
         check_min(self.generated_languages, 1, "data.generated_languages")
         check_min(self.generated_eval_size, 1, "data.generated_eval_size")
+        for size in self.generated_train_sizes or ():
+            check_min(size, 1, "data.generated_train_sizes")
+        # Generated sentence pairs are held as int64 tokens of up to max_len per side.
+        pairs = sum(self.generated_train_sizes or ()) + self.generated_eval_size * (
+            2 * self.generated_languages
+        )
+        check_fits_memory(
+            pairs * 16 * self.max_len,
+            "data.generated_train_sizes, data.generated_eval_size, data.max_len",
+            "the generated corpus",
+        )
         if self.bleu_sentences is not None:
             check_min(self.bleu_sentences, 0, "data.bleu_sentences")
         check(
