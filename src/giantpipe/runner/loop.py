@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from giantpipe.config import ExperimentConfig
-from giantpipe.data.bundle import Batch, batch_size
+from giantpipe.data.bundle import Batch, EvaluationError, batch_size
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import EngineStats, StepRecord
 from giantpipe.runner.build import Experiment, build_experiment
@@ -190,16 +190,32 @@ class TrainingLoop:
         return {**figures, **{k: float(v) for k, v in whole.items() if not isinstance(v, str)}}
 
     def evaluate(self) -> None:
-        if self.parts.ema is not None:
-            with self.parts.ema.swapped():
+        try:
+            if self.parts.ema is not None:
+                with self.parts.ema.swapped():
+                    self.last_eval = self._figures()
+            else:
                 self.last_eval = self._figures()
-        else:
-            self.last_eval = self._figures()
+        except Exception as err:
+            raise self._evaluation_failed(err) from err
         if self.metrics is not None:
             self.metrics.evaluation(self.progress.step, self.last_eval)
         loss = self.last_eval.get("loss", 0.0)
         if not math.isfinite(loss):  # the state that gave it is not saved as good
             raise self._fail("the evaluation loss", loss, self.progress.step)
+
+    def _evaluation_failed(self, err: Exception) -> EvaluationError:
+        """An evaluation that raised never loses the training done: in one process the steps
+        trained are saved first (under torchrun the other ranks may be waiting inside the
+        evaluation's collectives, so the last checkpoint is named instead)."""
+        eval_set = getattr(err, "eval_set", None) or self.parts.bundle.eval_set
+        problem = getattr(err, "problem", None) or f"{type(err).__name__}: {err}"
+        if self.world.size == 1:
+            self.save(LAST)
+            kept = f"the {self.progress.step} steps trained are saved in {self.run_dir / LAST}"
+        else:
+            kept = self.kept()
+        return EvaluationError(eval_set, f"{problem} ({kept})")
 
     def save(self, name: str) -> None:
         """Saves the run as ``name`` (collective): only finite weights, and a write that fails

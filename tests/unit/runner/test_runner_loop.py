@@ -16,7 +16,7 @@ from giantpipe.config import (
     PipelineConfig,
     TrainerConfig,
 )
-from giantpipe.data.bundle import DataBundle
+from giantpipe.data.bundle import DataBundle, EvaluationError
 from giantpipe.data.tensors import SyntheticDataConfig, classification
 from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
@@ -39,6 +39,19 @@ def nan_data(features: int, classes: int) -> DataBundle:
             yield (x * math.nan if index >= NAN_FROM else x), y
 
     return replace(clean, train_batches=batches)
+
+
+def failing_eval_data(features: int, classes: int) -> DataBundle:
+    """Generated data whose evaluation breaks on its second batch (a held-out file the model
+    cannot take, say), read from ``held_out.tsv``."""
+    clean = classification(features, classes, train_size=256, eval_size=32, batch_size=16)
+
+    def eval_batches():
+        first, *_ = clean.eval_batches()
+        yield first
+        raise RuntimeError("The size of tensor a (163) must match the size of tensor b (128)")
+
+    return replace(clean, eval_batches=eval_batches, eval_set="held_out.tsv")
 
 
 def tiny(**trainer) -> ExperimentConfig:
@@ -99,6 +112,20 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path
     with pytest.raises(NonFiniteLossError, match=r"step 4: the loss is nan; .*last \(step 2\)"):
         train(cfg, tmp_path, "")
     assert read_checkpoint(tmp_path / "last")["step"] == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 3
+
+
+def test_an_evaluation_error_names_the_set_and_keeps_the_steps_trained(tmp_path: Path):
+    cfg = tiny(eval_every=3, max_steps=6, save_last=False)
+    cfg.data = {"_target_": f"{__name__}.failing_eval_data", "features": 8, "classes": 4}
+    with pytest.raises(EvaluationError) as caught:
+        train(cfg, tmp_path, "")
+    assert str(caught.value) == (
+        "evaluation on held_out.tsv: RuntimeError: The size of tensor a (163) must match the "
+        f"size of tensor b (128) (the 3 steps trained are saved in {tmp_path / 'last'})"
+    )
+    assert read_checkpoint(tmp_path / "last")["step"] == 3
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps"] == 3
 
