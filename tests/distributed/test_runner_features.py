@@ -166,3 +166,33 @@ def test_sigterm_under_torchrun_saves_every_shard(tmp_path: Path) -> None:
     assert summary(run)["status"] == "completed"
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, stopped["steps"] + 3))
+
+
+def test_a_rank_that_dies_is_named_in_rank_0s_summary(tmp_path: Path) -> None:
+    """Rank 1 (the head's stage) dies in step 3: every survivor names it, never itself or "a
+    peer", and rank 0 records the failure in summary.json, whichever of the engine's own
+    detection and torchrun's SIGTERM reaches it first."""
+    run = tmp_path / "run"
+    proc = torchrun(
+        [
+            "--nproc_per_node=2",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "--max_restarts=0",
+            str(REPO / "train.py"),
+            *MLP,
+            "model._target_=tests.distributed.failing_model.mlp",
+            "trainer.max_steps=6",
+            "trainer.predict=false",
+            "pipeline.executor=distributed",
+            "pipeline.timeout=60",
+            f"hydra.run.dir={run}",
+        ],
+        env={"GIANTPIPE_TEST_DIE_AT": "9"},  # a forward of step 2 or 3 (with recompute)
+    )
+    code, output = finish(proc, timeout=120)
+    assert code != 0, output
+    failed = summary(run)
+    assert failed["status"] == "failed" and failed["steps"] < 6, failed
+    assert failed["error"].startswith("rank 1 (stage 1) is gone"), failed
+    assert "peer" not in failed["error"], failed

@@ -33,6 +33,7 @@ from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import EngineStats, StepRecord
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.checkpoint import Progress, restore, save_run
+from giantpipe.metrics.sinks import write_summary
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.finetune import load_initial_weights
 from giantpipe.runner.forecast import Forecast
@@ -296,6 +297,12 @@ class TrainingLoop:
             return
         label = board.label
         print(f"giantpipe {label}: stopped by SIGTERM; first failure: {first}", file=sys.stderr)
+        if self.world.writes and self.metrics is not None:  # rank 0: the record says who failed
+            failed = {"name": self.cfg.name, "status": "failed", "steps": self.progress.step}
+            try:
+                write_summary(self.run_dir / "summary.json", {**failed, "error": first})
+            except OSError:
+                pass  # dying anyway; the line above said it
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
