@@ -31,9 +31,9 @@ from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, EvaluationError, batch_size
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.record import EngineStats, StepRecord
+from giantpipe.metrics.sinks import write_summary
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.checkpoint import Progress, restore, save_run
-from giantpipe.metrics.sinks import write_summary
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.finetune import load_initial_weights
 from giantpipe.runner.forecast import Forecast
