@@ -47,7 +47,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -61,11 +61,11 @@ from giantpipe.engine.autograd import (
     make_leaves,
     pair_gradients,
 )
-from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes, to_device
+from giantpipe.engine.microbatch import CopyStreams, TensorOrTensors, as_tuple, nbytes, to_device
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule
-from giantpipe.engine.stats import ActionTiming, SavedTensorMeter
+from giantpipe.engine.stats import ActionTiming, CudaClock, SavedTensorMeter
 from giantpipe.engine.workers import (
     Aborted,
     Mailbox,
@@ -172,6 +172,12 @@ class StepRun:
         self.worker_of = list(config.placement) if config.placement else list(range(k))
         self.worker_live = [0] * (max(self.worker_of) + 1)
         self.worker_peaks = [0] * (max(self.worker_of) + 1)
+        # On CUDA: copies between devices on side streams, actions timed with events.
+        self.cuda = any(d.type == "cuda" for d in config.devices)
+        self.copies = CopyStreams() if self.cuda else None
+        self.clock: CudaClock | None = None
+        self.cuda_marks: list[list[Any] | None] = [None] * k  # the running action's marks
+        self.cuda_actions: list[tuple[int, list[Any]]] = []  # (index in timings, its marks)
         self.pending: list[dict[int, WeightGradient | None]] = [{} for _ in range(k)]
         self.split: set[tuple[int, int]] = set()  # (stage, m) whose backward a W completes
         for m, x in enumerate(inputs):
@@ -188,6 +194,10 @@ class StepRun:
         }
         times: list[tuple[float, float]] = []
         workers = [w for w in schedule.actions if w]
+        if self.cuda:
+            self.clock = CudaClock(self.cfg.devices)
+            self.cuda_actions.clear()  # a failed phase's marks are never read
+            first = len(self.timings)
         try:
             if len(workers) == 1:
                 self._work(workers[0], times, own_thread=False)
@@ -199,6 +209,9 @@ class StepRun:
         except BaseException:
             self.mailbox.abort()  # failed, or the caller was interrupted: the others stop too
             raise
+        if self.cuda:
+            self._read_cuda_clock()
+            times = [(t.start, t.end) for t in self.timings[first:]]
         if times:
             self.span += max(e for _, e in times) - min(s for s, _ in times)
         for stage, waited in enumerate(self.waited):
@@ -230,6 +243,10 @@ class StepRun:
         stage = action.stage
         waited, replayed = self.waited[stage], self.recomputed[stage]
         received, kept = self.received[stage], self.kept[stage]
+        device = self.cfg.devices[stage]
+        marks = None
+        if self.clock is not None and device.type == "cuda":
+            marks = self.cuda_marks[stage] = [self.clock.mark(device)]
         t0 = time.perf_counter()
         if action.kind == "F":
             self.forward(stage, action.microbatch)
@@ -241,6 +258,10 @@ class StepRun:
             raise ValueError(f"the local executor cannot run action {action}")
         t1 = time.perf_counter()
         self.busy[stage] += t1 - t0
+        if marks is not None and self.clock is not None:
+            marks.append(self.clock.mark(device))
+            self.cuda_marks[stage] = None
+            self.cuda_actions.append((len(self.timings), marks))
         self.timings.append(
             ActionTiming(
                 action,
@@ -273,7 +294,7 @@ class StepRun:
         """F(stage, m): run the stage on micro-batch m and hand the result on."""
         cfg = self.cfg
         device = cfg.devices[stage]
-        x = to_device(self._receive(stage, ("act", stage, m)), device)
+        x = self._arrive(self._receive(stage, ("act", stage, m)), device)
         train = cfg.grad_enabled
         leaves = make_leaves(x, first=stage == 0) if train else x
         recompute_later = train and m < cfg.recompute_stop
@@ -313,8 +334,10 @@ class StepRun:
         """B(stage, m): backward of the stage for micro-batch m, gradient to the previous one."""
         cfg = self.cfg
         leaves = self.leaves[stage].pop(m)
+        device = cfg.devices[stage]
         if m < cfg.recompute_stop:
             t0 = time.perf_counter()
+            self._cuda_mark(stage, "recompute")
             meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
             meter.ignore(as_tuple(leaves))
             with rng_context(cfg.seed, m, cfg.devices[stage]), recomputing(cfg.stages[stage]):
@@ -322,6 +345,7 @@ class StepRun:
                     y = self._run_stage(stage, leaves, m)
             self._hold(stage, m, meter.bytes)
             self.recomputed[stage] += time.perf_counter() - t0
+            self._cuda_mark(stage, "recompute")
         else:
             y = self.outputs[stage].pop(m)
         tensors: list[torch.Tensor]
@@ -329,7 +353,7 @@ class StepRun:
         if stage == len(cfg.stages) - 1 and cfg.loss is not None:
             tensors, grads = [y], [None]
         else:
-            received = as_tuple(self._receive(stage, ("grad", stage, m)))
+            received = as_tuple(self._arrive(self._receive(stage, ("grad", stage, m)), device))
             tensors, grads = pair_gradients(as_tuple(y), received, cfg.devices[stage])
         if (stage, m) in self.split:
             # Zero bubble: input gradients now, the graph kept for W (recompute done once).
@@ -360,12 +384,52 @@ class StepRun:
     def _receive(self, stage: int, key: tuple[str, int, int]) -> Any:
         # Waiting is idle time, not work: keep it out of the stage's busy time.
         t0 = time.perf_counter()
+        self._cuda_mark(stage, "wait")
         try:
             value = self.mailbox.get(key)
         finally:
             self.waited[stage] += time.perf_counter() - t0
+            self._cuda_mark(stage, "wait")
         self.received[stage] += nbytes(value)
         return value
+
+    def _arrive(self, value: Any, device: torch.device) -> Any:
+        return (
+            self.copies.arrive(value, device)
+            if self.copies is not None
+            else to_device(value, device)
+        )
+
+    # ---- CUDA time ---------------------------------------------------------------------
+
+    def _cuda_mark(self, stage: int, what: str) -> None:
+        # Pairs of ("wait" | "recompute", event) inside the running action of ``stage``.
+        marks = self.cuda_marks[stage]
+        if marks is not None and self.clock is not None:
+            marks.append((what, self.clock.mark(self.cfg.devices[stage])))
+
+    def _read_cuda_clock(self) -> None:
+        """The phase's CUDA actions as their streams ran them: start and end from the events
+        around the action, ``waited`` the stream idle between the events around each wait
+        (not the host's wait, which overlaps kernels still running), ``recompute`` likewise."""
+        assert self.clock is not None
+        clock = self.clock
+        for index, marks in self.cuda_actions:
+            old = self.timings[index]
+            start, end = clock.seconds(marks[0]), clock.seconds(marks[-1])
+            inner = marks[1:-1]
+            spans: dict[str, float] = {"wait": 0.0, "recompute": 0.0}
+            for (what, a), (_, b) in zip(inner[::2], inner[1::2], strict=True):
+                spans[what] += clock.seconds(b) - clock.seconds(a)
+            stage = old.action.stage
+            self.busy[stage] += (end - start) - (old.end - old.start)
+            self.waited[stage] += spans["wait"] - old.waited
+            self.recomputed[stage] += spans["recompute"] - old.recompute
+            self.timings[index] = replace(
+                old, start=start, end=end, waited=spans["wait"], recompute=spans["recompute"]
+            )
+        self.cuda_actions.clear()
+        self.clock = None
 
     # ---- memory accounting -------------------------------------------------------------
 

@@ -281,6 +281,8 @@ class GPipe(Pipe):
     def _finish(self, run: StepRun, started: float) -> None:
         # Statistics are per worker (device); an interleaved worker sums its stages.
         on_cuda = all(d.type == "cuda" for d in self.devices)
+        for device in {d for d in self.devices if d.type == "cuda"}:
+            torch.cuda.synchronize(device)  # the step's wall time is the kernels', not launches'
         busy = [0.0] * self.num_workers
         for stage, seconds in enumerate(run.busy):
             busy[self.placement[stage]] += seconds
@@ -292,6 +294,7 @@ class GPipe(Pipe):
             num_microbatches=self.chunks,
             memory_kind="cuda_allocator" if on_cuda else "saved_activations",
             virtual_stages=self.virtual_stages,
+            clock="cuda_events" if run.cuda else "perf_counter",
         )
         self.last_in_flight = list(run.in_flight_peaks)
         self.last_timings = list(run.timings)

@@ -9,6 +9,12 @@ what a forward pass really keeps alive for backward (:class:`SavedTensorMeter`):
 autograd saves, deduplicated by storage, parameters excluded (they are resident anyway). On
 CUDA the allocator's peak is reported instead (:func:`device_peak`).
 
+**CUDA time.** A kernel launch returns before the kernel has run, so ``perf_counter`` around a
+CUDA action measures the launch. There, :class:`CudaClock` times each action with events on the
+stage's stream, and the idle time of the stream while the worker waited for a neighbour with a
+pair of events around the wait; after the phase, the events are read back onto the host clock
+(``StepStats.clock`` says which clock a step's figures come from).
+
 Example::
 
     >>> s = StepStats.from_timings(wall=1.0, span=1.0, busy=[0.6, 0.8], peaks=[10, 20],
@@ -25,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from types import TracebackType
@@ -72,6 +79,7 @@ class StepStats:
     peak_memory_bytes: list[int]  # per worker; see memory_kind
     memory_kind: str  # "cuda_allocator" or "saved_activations" (bytes saved for backward)
     num_microbatches: int
+    clock: str = "perf_counter"  # "cuda_events" where the stages ran on CUDA (CudaClock)
 
     @classmethod
     def from_timings(
@@ -83,6 +91,7 @@ class StepStats:
         num_microbatches: int,
         memory_kind: str,
         virtual_stages: int = 1,
+        clock: str = "perf_counter",
     ) -> StepStats:
         """Statistics of K workers (one entry of ``busy`` and ``peaks`` each) over a step."""
         k = len(busy)
@@ -96,11 +105,17 @@ class StepStats:
             peak_memory_bytes=list(peaks),
             memory_kind=memory_kind,
             num_microbatches=num_microbatches,
+            clock=clock,
         )
 
     @classmethod
     def from_table(
-        cls, table: torch.Tensor, num_microbatches: int, memory_kind: str, virtual_stages: int = 1
+        cls,
+        table: torch.Tensor,
+        num_microbatches: int,
+        memory_kind: str,
+        virtual_stages: int = 1,
+        clock: str = "perf_counter",
     ) -> StepStats:
         """Statistics from one row per worker, ``[wall, span, busy, peak bytes]``: what the
         distributed executor's ranks all-gather (the slowest rank's wall and span count).
@@ -117,6 +132,7 @@ class StepStats:
             num_microbatches=num_microbatches,
             memory_kind=memory_kind,
             virtual_stages=virtual_stages,
+            clock=clock,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -172,6 +188,49 @@ class SavedTensorMeter:
 
 def _unpack(tensor: Any) -> Any:
     return tensor
+
+
+class CudaClock:
+    """Times a phase's actions on CUDA devices with events, read back onto ``perf_counter``.
+
+    A phase starts with one synchronize per CUDA device, pairing a recorded event with the host
+    clock; every later event on that device converts to host seconds through that pair. Events
+    are recorded on the calling thread's current stream (the stage's), so they complete when the
+    stage's kernels before them have run, not when they were launched.
+
+    Example (on a GPU)::
+
+        clock = CudaClock([torch.device("cuda:0")])
+        start = clock.mark(torch.device("cuda:0"))
+        y = layer(x)                                   # returns at once; the kernels run later
+        end = clock.mark(torch.device("cuda:0"))
+        clock.seconds(end) - clock.seconds(start)      # the kernels' time, after they ran
+    """
+
+    def __init__(self, devices: Iterable[torch.device]) -> None:
+        self._base: dict[torch.device, tuple[torch.cuda.Event, float]] = {}
+        for device in {d for d in devices if d.type == "cuda"}:
+            torch.cuda.synchronize(device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            self._base[device] = (event, time.perf_counter())
+
+    def mark(self, device: torch.device) -> tuple[torch.device, torch.cuda.Event]:
+        """An event recorded now on ``device``'s current stream (of the calling thread)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return device, event
+
+    def seconds(self, mark: tuple[torch.device, torch.cuda.Event]) -> float:
+        """When the stream reached ``mark``, on the host's ``perf_counter`` clock (waits for it)."""
+        device, event = mark
+        base, host = self._base[device]
+        event.synchronize()
+        return host + base.elapsed_time(event) / 1e3
+
+    def between(self, marks: Iterable[tuple[Any, Any]]) -> float:
+        """Total seconds between each pair of marks (e.g. the stream idle during waits)."""
+        return sum(self.seconds(b) - self.seconds(a) for a, b in marks)
 
 
 def reset_device_peak(device: torch.device) -> None:

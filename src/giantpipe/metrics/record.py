@@ -22,6 +22,7 @@ class EngineStats(Protocol):
     expected_bubble: float
     peak_memory_bytes: list[int]
     memory_kind: str
+    clock: str
 
 
 @dataclass
@@ -45,6 +46,8 @@ class StepRecord:
     """Per stage: the highest peak of the engine steps."""
     memory_kind: str
     grad_norm: float | None = None
+    clock: str = "perf_counter"
+    """What timed the stages: ``perf_counter`` (CPU) or ``cuda_events`` (the kernels' time)."""
 
     @classmethod
     def from_engine(cls, stats: list[EngineStats], **figures: Any) -> StepRecord:
@@ -62,6 +65,7 @@ class StepRecord:
             busy_time_s=[sum(s.busy_time_s[i] for s in stats) for i in range(stages)],
             peak_memory_bytes=[max(s.peak_memory_bytes[i] for s in stats) for i in range(stages)],
             memory_kind=stats[0].memory_kind,
+            clock=stats[0].clock,
             **figures,
         )
 
@@ -113,6 +117,7 @@ class Window:
             "busy_time_s": [b / n for b in self._busy],
             "peak_memory_bytes": list(self._peak),
             "memory_kind": last.memory_kind,
+            "clock": last.clock,
         }
         if last.tokens is not None:
             figures["tokens_per_s"] = sums["tokens"] / sums["step_time_s"]

@@ -180,6 +180,7 @@ _LABELS = {
     "pipeline/busy_time_s": "busy time per stage (s/step)",
     "pipeline/peak_memory_bytes": "peak memory per stage",
     "pipeline/memory_kind": "memory measured as",
+    "pipeline/clock": "stages timed by",
     "pipeline/step_time_s": "engine step (s), measured",
     "pipeline/predicted_step_time_s": "engine step (s), predicted",
     "pipeline/step_time_vs_predicted": "engine step, measured / predicted - 1",

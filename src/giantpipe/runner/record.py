@@ -32,7 +32,14 @@ from giantpipe.metrics.sinks import format_table, truncate_after_step, write_sum
 from giantpipe.runner.rundir import save_config
 
 TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")
-PIPELINE_FIGURES = ("bubble", "expected_bubble", "busy_time_s", "peak_memory_bytes", "memory_kind")
+PIPELINE_FIGURES = (
+    "bubble",
+    "expected_bubble",
+    "busy_time_s",
+    "peak_memory_bytes",
+    "memory_kind",
+    "clock",
+)
 
 
 def open_record(

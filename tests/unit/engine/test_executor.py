@@ -174,6 +174,7 @@ def test_stats_are_recorded_for_both_doors() -> None:
     assert stats is not None and len(stats.busy_time_s) == 2 and stats.span_s > 0
     assert stats.expected_bubble == pytest.approx(1 / 5)
     assert 0 <= stats.bubble < 1 and stats.memory_kind == "saved_activations"
+    assert stats.clock == "perf_counter"  # CPU stand-ins: the host clock times the work
     assert all(b > 0 for b in stats.busy_time_s) and all(p > 0 for p in stats.peak_memory_bytes)
 
 

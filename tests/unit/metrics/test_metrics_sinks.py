@@ -26,6 +26,7 @@ def stats(busy, peak, bubble=0.25):
         expected_bubble=0.2,
         peak_memory_bytes=peak,
         memory_kind="saved_activations",
+        clock="perf_counter",
     )
 
 

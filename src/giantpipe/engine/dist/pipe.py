@@ -385,12 +385,17 @@ class DistributedPipe(Pipe):
             loss = all_reduce_sum(loss, self.groups.replica, self.timeout, self.board, "the loss")
         peak = device_peak(self.device) if on_cuda else run.worker_peaks[layout.worker]
         busy = sum(run.busy[s] for s in layout.local_stages)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)  # the wall time of the kernels, not launches
         wall = time.perf_counter() - started
         row = torch.tensor([loss, wall, run.span, busy, peak], dtype=torch.float64)
         group, ranks = self.groups.pipeline, layout.pipeline_ranks
         table = all_gather_rows(row, group, ranks, self.timeout, self.board)
         kind = "cuda_allocator" if on_cuda else "saved_activations"
-        self.last_stats = StepStats.from_table(table[:, 1:], self.chunks, kind, self.virtual_stages)
+        clock = "cuda_events" if run.cuda else "perf_counter"
+        self.last_stats = StepStats.from_table(
+            table[:, 1:], self.chunks, kind, self.virtual_stages, clock
+        )
         self.last_timings = list(run.timings)  # this rank's actions
         return table[self.placement[-1], 0].to(torch.float32)
 
