@@ -304,9 +304,11 @@ def _leave_as_found(run_dir: Path) -> None:
     """Removes what Hydra made for a job this process refused: its empty log file and, when
     nothing else is in them, the run directory (and its date folder) made since we started."""
     log_file = run_dir / f"{HydraConfig.get().job.name}.log"
-    for handler in logging.getLogger().handlers:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
         if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) == log_file:
             handler.close()
+            root.removeHandler(handler)  # a later record would make the file again
     if log_file.is_file() and log_file.stat().st_size == 0:
         log_file.unlink()
     folder = run_dir

@@ -185,15 +185,19 @@ def test_incompatible_resume_is_one_line_and_overwrites_nothing(runs, tmp_path: 
     assert after == {k: v for k, v in before.items() if k != "train.log"}
 
 
-def test_diverging_run_stops_keeps_last_good_checkpoint_and_leaves_a_traceback(tmp_path: Path):
+def test_diverging_run_stops_without_saving_and_leaves_a_traceback(tmp_path: Path):
+    """lr=1e30: step 1's update makes the weights non-finite, so its evaluation is NaN: the run
+    stops there and saves nothing as good (issue 13, item 8)."""
     run_dir = tmp_path / "run"
     args = ["optim.name=sgd", "optim.lr=1e30", "model.norm=none", "trainer.eval_every=1"]
     line = one_error_line(
         train(*TINY, "trainer.max_steps=5", *args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     )
-    assert line.startswith("error: NonFiniteLossError: step 2: the loss is nan")
-    assert f"last good checkpoint: {run_dir / 'last'} (step 1)" in line
-    assert read_checkpoint(run_dir / "last")["step"] == 1
+    assert line.startswith(
+        "error: NonFiniteLossError: step 1: the evaluation loss is nan; stopped without saving "
+        "(no checkpoint was written)"
+    )
+    assert not (run_dir / "last").exists()
     assert "Traceback" in (run_dir / "error.txt").read_text()
 
 
