@@ -129,10 +129,11 @@ def value_of(step: int, kind: str, m: int) -> Any:
     return (torch.randn(rows, 3, generator=g), None, torch.tensor([m, step]))
 
 
-def mailbox_round_trips(tmp: Path, steps: int = 5) -> dict[str, Any]:
+def mailbox_round_trips(tmp: Path, ahead: int | None, steps: int = 5) -> dict[str, Any]:
     """Each rank runs its GPipe actions (K=2, M=2) against a mailbox, without a model: the
-    values of ``value_of`` cross. Returns per step the (key, tag, bytes) of each message this
-    rank sent, and the seed it held at the end of each step."""
+    values of ``value_of`` cross, with ``ahead`` receives posted ahead per peer. Returns per
+    step the (key, tag, bytes) of each message this rank sent, and the seed it held at the end
+    of each step."""
     rank = dist.get_rank()
     plan = build_schedule("gpipe", 2, 2)
     layout = Layout(2, rank, 2, plan.placement)
@@ -147,9 +148,8 @@ def mailbox_round_trips(tmp: Path, steps: int = 5) -> dict[str, Any]:
     try:
         for step in range(steps):
             sent.append([])
-            box = P2PMailbox(
-                layout, dist.group.WORLD, 20.0, seed=40 + step if rank == 0 else None, known=known
-            )
+            seed = 40 + step if rank == 0 else None
+            box = P2PMailbox(layout, dist.group.WORLD, 20.0, seed=seed, known=known, ahead=ahead)
             box.start(plan.actions)
             play(box, plan.actions[rank], step, current)
             box.finish()
@@ -181,8 +181,12 @@ def tags_by_key(messages: list[tuple[Any, int, int]]) -> dict[Any, list[int]]:
 
 
 @pytest.mark.distributed
-def test_values_cross_as_one_message_once_their_layout_is_known(tmp_path: Path) -> None:
-    results = spawn("tests.distributed.test_transport:mailbox_round_trips", world=2, tmp=tmp_path)
+@pytest.mark.parametrize("ahead", [None, 1])  # gloo: all of the step's receives; NCCL: one
+def test_values_cross_as_one_message_once_their_layout_is_known(
+    tmp_path: Path, ahead: int | None
+) -> None:
+    target = "tests.distributed.test_transport:mailbox_round_trips"
+    results = spawn(target, world=2, tmp=tmp_path, ahead=ahead)
     announced, frame_only = [FRAMES, FOLLOW_UPS], [FRAMES]
     for rank, r in enumerate(results):
         assert r["seeds"] == [40, 41, 42, 43, 44]  # rank 1 learned each step's seed
