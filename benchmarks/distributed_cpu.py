@@ -48,7 +48,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "src")]  # this checkout's engine
 from engine_cpu import mlp, plain_step, timed  # noqa: E402
 
 from giantpipe.engine.dist.pipe import DistributedPipe  # noqa: E402
