@@ -1,12 +1,15 @@
 """The transport of boundary values: a layout announced once, then one message per value.
 
 Frames and the layout cache need no second process (fast, no marker); the round trips through
-:class:`P2PMailbox` (first step, steady state, a shape change, a long description) run on two
-gloo ranks and count the messages each value took.
+:class:`P2PMailbox` (first step, steady state, a smaller last micro-batch, a longer sequence, a
+long description) run on two gloo ranks, check every value received equal to the one sent, and
+count the messages each took; a peer that dies or goes silent mid-step is named within the
+timeout.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from giantpipe.engine.dist.wire import (
     unpack,
 )
 from giantpipe.engine.schedules import build_schedule
-from tests.distributed.launch import spawn
+from tests.distributed.launch import spawn, start_processes
 from tests.distributed.workers import registered_schedules, virtual_stages_for
 
 
@@ -116,58 +119,89 @@ def test_every_peer_sends_what_its_receiver_expects(name: str, workers: int) -> 
 
 # ---- round trips through the mailbox on two ranks --------------------------------------------
 
+KEYS = {0: [("act", 1, 0), ("act", 1, 1)], 1: [("grad", 0, 0), ("grad", 0, 1)]}  # rank -> sent
+FIRST, STEADY, SMALLER, LONGER, LONG, STEADY_AGAIN = range(6)  # the steps of a round trip
+
 
 def value_of(step: int, kind: str, m: int) -> Any:
-    """What crosses in ``step``: the first step, steady, a shape change of m=1, a tuple with a
-    long description, steady again."""
+    """What crosses under ``(kind, ·, m)`` in ``step`` (both ranks rebuild it to compare).
+
+    Activations are tuples as a decoder's (a strided float tensor still attached to a graph, a
+    bool mask, int32 positions, a plain int); gradients a float tensor, None for the mask, an
+    int64 tensor. Step SMALLER shrinks the last micro-batch only (a batch that does not divide
+    evenly), LONGER grows the sequence of every value, LONG is a tuple whose description does
+    not fit the header (the extra words travel too).
+    """
     g = torch.Generator().manual_seed(100 * step + 10 * m + (kind == "grad"))
-    rows = 5 if step == 2 and m == 1 else 4
-    if step >= 3:
+    rows = 9 if step == SMALLER and m == 1 else 16  # sizes past the frame's 64-byte padding
+    cols = 20 if step == LONGER else 8
+    if step >= LONG:  # and STEADY_AGAIN
         return tuple(torch.randn(1, 1, 1, 1, 1, 1, 1, 2, generator=g) for _ in range(12))
     if kind == "act":
-        return torch.randn(rows, 3, generator=g)
-    return (torch.randn(rows, 3, generator=g), None, torch.tensor([m, step]))
+        leaf = torch.randn(cols, rows, generator=g, requires_grad=True)
+        return (
+            (leaf * 2).t(),  # not contiguous, requires grad (a non-leaf)
+            torch.rand(rows, cols, generator=g) > 0.5,
+            torch.arange(cols, dtype=torch.int32) + m,
+            rows,
+        )
+    return (torch.randn(rows, cols, generator=g), None, torch.tensor([m, step]))
 
 
-def mailbox_round_trips(tmp: Path, ahead: int | None, steps: int = 5) -> dict[str, Any]:
-    """Each rank runs its GPipe actions (K=2, M=2) against a mailbox, without a model: the
-    values of ``value_of`` cross, with ``ahead`` receives posted ahead per peer. Returns per
-    step the (key, tag, bytes) of each message this rank sent, and the seed it held at the end
-    of each step."""
+def mailbox_round_trips(tmp: Path, steps: int = 6) -> dict[Any, Any]:
+    """Each rank runs its GPipe actions (K=2, M=2) against a mailbox, without a model, and the
+    values of ``value_of`` cross; twice: with every receive of a step posted ahead (gloo), and
+    one per peer (NCCL). Returns, per ``ahead``, for each step the (key, tag, bytes) of every
+    message this rank sent and the seed this rank held at the end."""
     rank = dist.get_rank()
     plan = build_schedule("gpipe", 2, 2)
     layout = Layout(2, rank, 2, plan.placement)
-    known, sent, seeds = KnownLayouts(), [], []
     real_isend, current = dist.isend, [("", 0, 0)]
+    out: dict[Any, Any] = {}
+    for ahead in (None, 1):
+        known, sent, seeds = KnownLayouts(), [], []
 
-    def counting(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
-        sent[-1].append((current[0], tag, tensor.numel() * tensor.element_size()))
-        return real_isend(tensor, dst=dst, group=group, tag=tag)
+        def counting(
+            tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, sent: Any = sent
+        ) -> Any:
+            sent[-1].append((current[0], tag, tensor.numel() * tensor.element_size()))
+            return real_isend(tensor, dst=dst, group=group, tag=tag)
 
-    dist.isend = counting  # type: ignore[assignment]
-    try:
-        for step in range(steps):
-            sent.append([])
-            seed = 40 + step if rank == 0 else None
-            box = P2PMailbox(layout, dist.group.WORLD, 20.0, seed=seed, known=known, ahead=ahead)
-            box.start(plan.actions)
-            play(box, plan.actions[rank], step, current)
-            box.finish()
-            seeds.append(box.seed)
-    finally:
-        dist.isend = real_isend  # type: ignore[assignment]
-    return {"sent": sent, "seeds": seeds}
+        dist.isend = counting  # type: ignore[assignment]
+        try:
+            for step in range(steps):
+                sent.append([])
+                seed = 40 + step if rank == 0 else None
+                box = P2PMailbox(
+                    layout, dist.group.WORLD, 20.0, seed=seed, known=known, ahead=ahead
+                )
+                box.start(plan.actions)
+                play(box, plan.actions[rank], step, current)
+                box.finish()
+                seeds.append(box.seed)
+        finally:
+            dist.isend = real_isend  # type: ignore[assignment]
+        out[ahead] = {"sent": sent, "seeds": seeds}
+    return out
 
 
-def play(box: P2PMailbox, actions: Any, step: int, current: list[Any]) -> None:
-    """One rank's actions of a K=2 pipeline: what each gets is checked, what it puts crosses."""
+def play(box: P2PMailbox, actions: Any, step: int, current: list[Any], stop: Any = None) -> None:
+    """One rank's actions of a K=2 pipeline: what each gets is checked, what it puts crosses.
+    ``stop(key)`` is called after each value got (the failure tests' trigger)."""
     for kind, stage, m in actions:
         if kind == "F":
             got, put = ("act", stage, m) if stage > 0 else None, ("act", stage + 1, m)
         else:
             got, put = ("grad", stage, m) if stage < 1 else None, ("grad", stage - 1, m)
         if got is not None:
-            assert_same(value_of(step, got[0], m), box.get(got))
+            received = box.get(got)
+            assert_same(value_of(step, got[0], m), received)
+            # Values arrive detached, as the local mailbox hands them on (the executor
+            # detaches what it puts); the receiving stage makes its own leaves.
+            tensors = received if isinstance(received, tuple) else (received,)
+            assert not any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
+            if stop is not None:
+                stop(got)
         if 0 <= put[1] <= 1 and put[1] != stage:
             current[0] = put
             box.put(put, value_of(step, put[0], m))
@@ -180,28 +214,108 @@ def tags_by_key(messages: list[tuple[Any, int, int]]) -> dict[Any, list[int]]:
     return by_key
 
 
+def frame_sizes(messages: list[tuple[Any, int, int]]) -> dict[Any, int]:
+    """Each key's frame bytes: its last message (an announcement's frame is its follow-up)."""
+    return {key: size for key, _, size in messages}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("ahead", [None, 1])  # gloo: all of the step's receives; NCCL: one
-def test_values_cross_as_one_message_once_their_layout_is_known(
-    tmp_path: Path, ahead: int | None
-) -> None:
-    target = "tests.distributed.test_transport:mailbox_round_trips"
-    results = spawn(target, world=2, tmp=tmp_path, ahead=ahead)
+def test_values_cross_as_one_message_once_their_layout_is_known(tmp_path: Path) -> None:
+    results = spawn("tests.distributed.test_transport:mailbox_round_trips", world=2, tmp=tmp_path)
     announced, frame_only = [FRAMES, FOLLOW_UPS], [FRAMES]
-    for rank, r in enumerate(results):
-        assert r["seeds"] == [40, 41, 42, 43, 44]  # rank 1 learned each step's seed
-        first, steady, changed, long, steady_again = (tags_by_key(s) for s in r["sent"])
-        kind, stage = ("act", 1) if rank == 0 else ("grad", 0)
-        keys = [(kind, stage, 0), (kind, stage, 1)]
-        # first step: each value announced (a header on the frames' tag), its frame follows
-        assert first == {k: announced for k in keys}
-        assert all(size == HEADER_BYTES for _, tag, size in r["sent"][0] if tag == FRAMES)
-        # steady state: one message per value, as big as the frame announced in step 1
-        assert steady == {k: frame_only for k in keys}
-        frames = {key: size for key, tag, size in r["sent"][0] if tag == FOLLOW_UPS}
-        assert {key: size for key, _, size in r["sent"][1]} == frames
-        # a shape change announces that key only
-        assert changed == {keys[0]: frame_only, keys[1]: announced}
-        # a long description: header, extra words, frame; then one message again
-        assert long == {k: [FRAMES, FOLLOW_UPS, FOLLOW_UPS] for k in keys}
-        assert steady_again == {k: frame_only for k in keys}
+    for rank, by_ahead in enumerate(results):
+        # every received value was checked equal on the receiving rank (play); here: messages
+        for ahead, r in by_ahead.items():
+            assert r["seeds"] == [40, 41, 42, 43, 44, 45], ahead  # rank 1 learned each seed
+            tags = [tags_by_key(s) for s in r["sent"]]
+            sizes = [frame_sizes(s) for s in r["sent"]]
+            keys = KEYS[rank]
+            # first step: each value announced (a header on the frames' tag), its frame follows
+            assert tags[FIRST] == {k: announced for k in keys}, ahead
+            assert all(size == HEADER_BYTES for _, t, size in r["sent"][FIRST] if t == FRAMES)
+            # steady state: one message per value, as big as the frame announced in step 1
+            assert tags[STEADY] == {k: frame_only for k in keys}, ahead
+            assert sizes[STEADY] == sizes[FIRST]
+            # the last micro-batch smaller: that key alone announced, its frame smaller
+            assert tags[SMALLER] == {keys[0]: frame_only, keys[1]: announced}, ahead
+            assert sizes[SMALLER][keys[1]] < sizes[STEADY][keys[1]]
+            # a longer sequence: every key announced again (m=1 also back to its old rows)
+            assert tags[LONGER] == {k: announced for k in keys}, ahead
+            assert all(sizes[LONGER][k] > sizes[STEADY][k] for k in keys)
+            # a long description: header, extra words, frame; then one message again
+            assert tags[LONG] == {k: [FRAMES, FOLLOW_UPS, FOLLOW_UPS] for k in keys}, ahead
+            assert tags[STEADY_AGAIN] == {k: frame_only for k in keys}, ahead
+
+
+# ---- a peer that dies or goes silent mid-step -------------------------------------------------
+
+SILENT_TIMEOUT = 2.0  # seconds: the mailbox's timeout in the failure tests
+
+
+def mailbox_failure(tmp: Path, how: str) -> dict[str, Any]:
+    """Two GPipe steps (K=2, M=2) through mailboxes; in the second (steady state: every
+    receive posted ahead) rank 1 dies (SIGKILL) or goes silent right after its first
+    activation arrives. Rank 0 returns the failure it raised and how long after the trigger."""
+    import os
+    import signal
+    import time
+
+    from giantpipe.engine.dist.faults import RankFailure
+
+    rank = dist.get_rank()
+    plan = build_schedule("gpipe", 2, 2)
+    layout = Layout(2, rank, 2, plan.placement)
+    known, trigger = KnownLayouts(), tmp / "trigger"
+
+    def stop(key: Any) -> None:
+        if rank == 1 and step == 1:
+            trigger.write_text(str(time.time()))
+            if how == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)  # alive but silent: the peer's timeout must fire
+
+    try:
+        for step in range(2):
+            seed = 40 + step if rank == 0 else None
+            box = P2PMailbox(
+                layout, dist.group.WORLD, SILENT_TIMEOUT, seed=seed, known=known, ahead=None
+            )
+            box.start(plan.actions)
+            play(box, plan.actions[rank], step, [None], stop)
+            box.finish()
+    except RankFailure as exc:
+        stopped = time.time()
+        box.drop()
+        return {"failure": str(exc), "after_s": stopped - float(trigger.read_text())}
+    return {"failure": None}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("die", r"rank 1 \(stage 1\) is gone \(connection closed\); rank 0 \(stage 0\) waited "
+         r"for the gradient of micro-batch 1"),
+        ("silent", r"rank 0 \(stage 0\) timed out after 2s waiting for the gradient of "
+         r"micro-batch 1 from rank 1 \(stage 1\)"),
+    ],
+)  # fmt: skip
+def test_a_peer_lost_mid_step_is_named_within_the_timeout(
+    tmp_path: Path, how: str, expected: str
+) -> None:
+    procs = start_processes(
+        2, "tests.distributed.test_transport:mailbox_failure", tmp_path, how=how
+    )
+    try:
+        procs[0].join(60)
+        assert not procs[0].is_alive(), "rank 0 did not stop"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    got = torch.load(tmp_path / "result-0.pt", weights_only=False)
+    assert got["ok"], got.get("error")
+    failure = got["result"]["failure"]
+    assert failure is not None and re.search(expected, failure), failure
+    assert got["result"]["after_s"] < SILENT_TIMEOUT + 3, failure
