@@ -101,6 +101,8 @@ def test_torchrun_trains_as_the_local_executor_and_resumes(tmp_path: Path) -> No
         "step_3",
         "step_6",
         "summary.json",
+        # trainer.predict: the forecast's timeline; no measured one, as ranks keep own clocks.
+        "timeline_predicted.png",
         "train.log",
     ]
     manifest = json.loads((run / "step_3" / "manifest.json").read_text())
