@@ -1,44 +1,117 @@
 """Distributed executor benchmark: 2 gloo processes x 1 core, against torch.distributed.pipelining.
 
-    python benchmarks/distributed_cpu.py            # full run: ~5-8 min on 2 cores
-    python benchmarks/distributed_cpu.py --quick    # seconds
+    python benchmarks/distributed_cpu.py                # both models: ~40 min on 2 shared cores
+    python benchmarks/distributed_cpu.py --models mlp   # one model
+    python benchmarks/distributed_cpu.py --quick        # tiny sizes, one round: seconds
 
-Same model and method as benchmarks/engine_cpu.py (whose functions this imports): an 8-block
-MLP (Linear 1024 + ReLU per block), batch 512, K=2 stages, checkpoint 'never', M in
-{1, 2, 4, 8, 16}, one process per stage with ``torch.set_num_threads(1)``. Side by side, in
-interleaved rounds (the machine is shared; medians are reported):
+Models, K=2 stages of equal halves, checkpoint 'never', MSE against a fixed random target:
 
-    plain-mb        the un-pipelined model micro-batch by micro-batch on one core (the base)
-    gp-dist-<name>  giantpipe's DistributedPipe (parameters built on meta, p2p over gloo)
-                    under every registered schedule that runs on 2 workers (interleaved: V=2,
-                    4 stages of 2 blocks; only where M is a multiple of 2)
-    pippy-gpipe     torch.distributed.pipelining ScheduleGPipe, 2 gloo processes
-    pippy-1f1b      torch.distributed.pipelining Schedule1F1B, same
+    mlp   engine_cpu.py's: 8 x (Linear 1024 + ReLU), batch 512
+    ffn   Transformer FFN blocks: 8 x (x + Linear(4d, d)(GELU(Linear(d, 4d)(LayerNorm(x))))),
+          d 256, batch 16 x 64 tokens (as many FLOPs per step as the MLP)
 
-The bound for K=2 is 2 x (plain-mb throughput on one core) x M / (M + 1), as in engine_cpu.py.
-A second table divides by an in-run bound instead: plain-mb timed on one core inside the
-pipeline's own process right before it runs, which moves with the machine's load.
+M in {1, 2, 4, 8, 16}; one process per stage with ``torch.set_num_threads(1)``. Every round
+starts a fresh pair of processes which, for each M, builds every method and times them one step
+at a time in turn, giantpipe's and pippy's alternating (the order reversed every other turn and
+every other round), so that the load of this shared machine hits both alike; a round's figure
+is the median of its steps (the slower rank's), and the tables give medians over rounds:
+
+    plain-mb           the un-pipelined model micro-batch by micro-batch on one core (the base)
+    gp-dist-<name>     giantpipe's DistributedPipe under every registered schedule that runs on
+                       2 workers (interleaved: V=2, 4 stages; only where M is a multiple of 2)
+    pippy-gpipe        torch.distributed.pipelining ScheduleGPipe
+    pippy-1f1b         Schedule1F1B (M >= 2)
+    pippy-interleaved  ScheduleInterleaved1F1B, 4 stages, V=2 (M >= 2)
+    pippy-zbv          ScheduleZBVZeroBubble, 4 stages in a V (M >= 4)
+
+The bound for K=2 is 2 x (plain-mb throughput on one core) x M / (M + 1), as in engine_cpu.py;
+a second table divides by an in-run bound instead (plain-mb timed on one core inside rank 0's
+process right before each M), which moves with the machine's load. The last table puts the
+best schedule of each side against the other's, per M.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_cpu import FULL, QUICK, Setup, mlp, pippy_round, plain_step, timed  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "src")]  # this checkout's engine
+from engine_cpu import mlp, plain_step, timed  # noqa: E402
 
 from giantpipe.engine.dist.pipe import DistributedPipe  # noqa: E402
 from giantpipe.engine.schedules import build_schedule, schedule_builders  # noqa: E402
+
+Key = tuple[str, int]  # (method, M)
+Step = Callable[[], None]
+
+
+class FFNBlock(nn.Module):
+    """A Transformer's feed-forward sublayer, pre-norm with its residual: one partition unit."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str  # "mlp" or "ffn"
+    width: int  # MLP width, or FFN d
+    blocks: int
+    batch: int
+    tokens: int  # FFN sequence length (0 for the MLP)
+    chunks: tuple[int, ...]
+    rounds: int
+    steps: int
+
+    def build(self) -> nn.Sequential:
+        if self.model == "mlp":
+            return mlp(self.width, self.blocks)
+        torch.manual_seed(0)
+        return nn.Sequential(*[FFNBlock(self.width) for _ in range(self.blocks)])
+
+    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(1)
+        shape = (self.batch, self.width) if self.model == "mlp" else (
+            self.batch, self.tokens, self.width
+        )  # fmt: skip
+        return torch.randn(shape), torch.randn(shape)
+
+    def label(self) -> str:
+        if self.model == "mlp":
+            return f"MLP {self.blocks} x Linear({self.width}) + ReLU, batch {self.batch}"
+        return (
+            f"FFN {self.blocks} x (LayerNorm, Linear({self.width}, {4 * self.width}), GELU, "
+            f"Linear({4 * self.width}, {self.width}), residual), batch {self.batch} x "
+            f"{self.tokens} tokens"
+        )
+
+
+FULL = {
+    "mlp": Setup("mlp", 1024, 8, 512, 0, (1, 2, 4, 8, 16), rounds=5, steps=3),
+    "ffn": Setup("ffn", 256, 8, 16, 64, (1, 2, 4, 8, 16), rounds=5, steps=3),
+}
+QUICK = {
+    "mlp": Setup("mlp", 64, 4, 32, 0, (1, 4), rounds=1, steps=1),
+    "ffn": Setup("ffn", 16, 4, 8, 4, (1, 4), rounds=1, steps=1),
+}
 
 
 def schedules_for_two_workers(chunks: int) -> list[tuple[str, int]]:
@@ -55,64 +128,145 @@ def schedules_for_two_workers(chunks: int) -> list[tuple[str, int]]:
     return found
 
 
-def _giantpipe_worker(rank: int, port: int, setup: Setup, out_path: str) -> None:
+# ---- the methods, inside one of the two processes ---------------------------------------------
+
+
+def giantpipe_steps(setup: Setup, chunks: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Step]:
+    steps: dict[str, Step] = {}
+    for name, v in schedules_for_two_workers(chunks):
+        stages = 2 * v
+        pipe = DistributedPipe(
+            setup.build,
+            [setup.blocks // stages] * stages,
+            chunks=chunks,
+            checkpoint="never",
+            schedule=name,
+            virtual_stages=v,
+            timeout=300,
+        )
+
+        def step(pipe: DistributedPipe = pipe) -> None:
+            pipe.zero_grad(set_to_none=True)
+            pipe.train_step(
+                x if pipe.needs_inputs else None,
+                y if pipe.needs_targets else None,
+                nn.functional.mse_loss,
+            )
+
+        steps[f"gp-dist-{name}"] = step
+    return steps
+
+
+def pippy_steps(
+    setup: Setup, chunks: int, rank: int, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, Step]:
+    from torch.distributed import pipelining as pp
+
+    model = setup.build()
+    # (label, schedule class, the stages this rank holds out of how many, least M)
+    plans = [
+        ("pippy-gpipe", pp.ScheduleGPipe, [rank], 2, 1),
+        ("pippy-1f1b", pp.Schedule1F1B, [rank], 2, 2),
+        ("pippy-interleaved", pp.ScheduleInterleaved1F1B, [rank, rank + 2], 4, 2),
+        ("pippy-zbv", pp.ScheduleZBVZeroBubble, [rank, 3 - rank], 4, 4),
+    ]
+    steps: dict[str, Step] = {}
+    for label, cls, held, num, least in plans:
+        if chunks < least:
+            continue
+        size = setup.blocks // num
+        stages = [
+            pp.PipelineStage(model[i * size : (i + 1) * size], i, num, torch.device("cpu"))
+            for i in held
+        ]
+        schedule = cls(
+            stages[0] if num == 2 else stages, n_microbatches=chunks, loss_fn=nn.functional.mse_loss
+        )
+        steps[label] = _pippy_step(model, schedule, 0 in held, num - 1 in held, x, y)
+    return steps
+
+
+def _pippy_step(
+    model: nn.Module, schedule: object, first: bool, last: bool, x: torch.Tensor, y: torch.Tensor
+) -> Step:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        kwargs = {"target": y, "losses": []} if last else {}
+        schedule.step(*((x,) if first else ()), **kwargs)  # type: ignore[attr-defined]
+
+    return step
+
+
+def alternate(ours: dict[str, Step], theirs: dict[str, Step], flip: bool) -> list[tuple[str, Step]]:
+    """giantpipe's and pippy's methods one after the other; the whole order reversed if flip."""
+    a, b = list(ours.items()), list(theirs.items())
+    order = [m for pair in zip(a, b) for m in pair] + a[len(b) :] + b[len(a) :]
+    return order[::-1] if flip else order
+
+
+def round_robin(methods: list[tuple[str, Step]], steps: int) -> dict[str, float]:
+    """Median seconds per step of each method, timed one step at a time in turn (the order
+    reversed every other turn) after a warm-up step each: a load drift of the machine lands on
+    every method alike. Each step starts at a barrier, after a full garbage collection (a
+    generation-2 collection inside a step stalls every rank, see engine_cpu.timed)."""
+    import torch.distributed as dist
+
+    def one(step: Step) -> float:
+        gc.collect()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
+    for _, step in methods:
+        one(step)
+    times: dict[str, list[float]] = {name: [] for name, _ in methods}
+    for turn in range(steps):
+        for name, step in methods if turn % 2 == 0 else methods[::-1]:
+            times[name].append(one(step))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _worker(rank: int, port: int, setup: Setup, flip: bool, out_path: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
-    )
-    torch.manual_seed(1)
-    x = torch.randn(setup.batch, setup.width)
-    y = torch.randn(setup.batch, setup.width)
+    timeout = datetime.timedelta(seconds=300)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
+    x, y = setup.data()
     results = []
     for chunks in setup.chunks:
         # The in-run bound: plain-mb on one core of this very process, right before the
         # pipelines (rank 1 idles at the barrier), so that load drifts hit both alike.
         if rank == 0:
-            plain = timed(plain_step(mlp(setup.width, setup.blocks), x, y, chunks), setup.steps)
-            results.append(("plain-mb-inrun", chunks, plain, 0.0))
+            plain = timed(plain_step(setup.build(), x, y, chunks), setup.steps)
+            results.append(("plain-mb-inrun", chunks, plain))
         dist.barrier()
-        for name, v in schedules_for_two_workers(chunks):
-            stages = 2 * v
-            pipe = DistributedPipe(
-                lambda: mlp(setup.width, setup.blocks),
-                [setup.blocks // stages] * stages,
-                chunks=chunks,
-                checkpoint="never",
-                schedule=name,
-                virtual_stages=v,
-                timeout=120,
-            )
-
-            def step(pipe: DistributedPipe = pipe) -> None:
-                pipe.zero_grad(set_to_none=True)
-                pipe.train_step(
-                    x if pipe.needs_inputs else None,
-                    y if pipe.needs_targets else None,
-                    nn.functional.mse_loss,
-                )
-
-            dist.barrier()
-            seconds = timed(step, setup.steps)
-            stats = pipe.last_stats
-            results.append((f"gp-dist-{name}", chunks, seconds, stats.bubble if stats else 0.0))
+        ours, theirs = giantpipe_steps(setup, chunks, x, y), pippy_steps(setup, chunks, rank, x, y)
+        medians = round_robin(alternate(ours, theirs, flip), setup.steps)
+        results += [(name, chunks, seconds) for name, seconds in medians.items()]
+        del ours, theirs
     torch.save(results, f"{out_path}.{rank}")
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def giantpipe_round(setup: Setup) -> tuple[dict[tuple[str, int], float], dict[int, float]]:
+def one_round(setup: Setup, flip: bool) -> dict[Key, float]:
+    """Seconds per step of every method at every M (the slower rank's), and plain-mb."""
+    x, y = setup.data()
+    torch.set_num_threads(1)
+    seconds: dict[Key, float] = {}
+    for m in setup.chunks:
+        seconds[("plain-mb", m)] = timed(plain_step(setup.build(), x, y, m), setup.steps)
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "gp.pt")
-        port = _free_port()
-        mp.start_processes(
-            _giantpipe_worker, args=(port, setup, out), nprocs=2, start_method="spawn"
-        )
-        rows = torch.load(f"{out}.1") + torch.load(f"{out}.0")
-    seconds = {(name, m): sec for name, m, sec, _ in rows}
-    bubbles = {m: bubble for name, m, _, bubble in rows if name == "gp-dist-gpipe"}
-    return seconds, bubbles
+        out = os.path.join(tmp, "times.pt")
+        args = (_free_port(), setup, flip, out)
+        mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn")
+        for rank in (0, 1):
+            for name, m, sec in torch.load(f"{out}.{rank}"):
+                seconds[(name, m)] = max(sec, seconds.get((name, m), 0.0))
+    return seconds
 
 
 def _free_port() -> int:
@@ -123,99 +277,112 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_round(setup: Setup, bubbles: dict[int, list[float]]) -> dict[tuple[str, int], float]:
-    torch.manual_seed(1)
-    x = torch.randn(setup.batch, setup.width)
-    y = torch.randn(setup.batch, setup.width)
-    torch.set_num_threads(1)
-    seconds: dict[tuple[str, int], float] = {}
-    for m in setup.chunks:
-        model = mlp(setup.width, setup.blocks)
-        seconds[("plain-mb", m)] = timed(plain_step(model, x, y, m), setup.steps)
-    gp, gp_bubbles = giantpipe_round(setup)
-    seconds.update(gp)
-    for m, b in gp_bubbles.items():
-        bubbles.setdefault(m, []).append(b)
-    seconds.update(pippy_round(setup))
-    return seconds
+# ---- tables -----------------------------------------------------------------------------------
 
 
-def table(setup: Setup) -> str:
-    rounds: list[dict[tuple[str, int], float]] = []
-    bubbles: dict[int, list[float]] = {}
-    for r in range(setup.rounds):
-        print(f"round {r + 1}/{setup.rounds} ...", file=sys.stderr, flush=True)
-        rounds.append(one_round(setup, bubbles))
+def bound(setup: Setup, plain_seconds: float, m: int) -> float:
+    return 2 * setup.batch / plain_seconds * m / (m + 1)
+
+
+def tables(setup: Setup, rounds: list[dict[Key, float]]) -> str:
     keys = {k for rd in rounds for k in rd}
     median = {k: statistics.median(rd[k] for rd in rounds if k in rd) for k in keys}
     rate = {k: setup.batch / v for k, v in median.items()}
-    names = sorted({name for name, _ in keys if name.startswith("gp-dist")})
-    methods = [*names, "pippy-gpipe", "pippy-1f1b"]
+    ours = sorted({n for n, _ in keys if n.startswith("gp-dist")})
+    theirs = [n for n in ("pippy-gpipe", "pippy-1f1b", "pippy-interleaved", "pippy-zbv")]
+    methods = ours + [n for n in theirs if any(k[0] == n for k in keys)]
     lines = [
-        f"MLP {setup.blocks} x Linear({setup.width}) + ReLU, batch {setup.batch}, K=2 gloo "
-        f"processes x 1 thread, checkpoint never; median of {setup.rounds} rounds; samples/s "
-        "(fraction of bound)",
+        f"{setup.label()}, K=2 gloo processes x 1 thread, checkpoint never; median of "
+        f"{len(rounds)} rounds; samples/s (fraction of bound)",
         "",
-        "| M | plain-mb 1 core | bound | " + " | ".join(methods) + " | gp-dist-gpipe bubble |",
-        "|---" * (len(methods) + 4) + "|",
+        "| M | plain-mb 1 core | bound | " + " | ".join(methods) + " |",
+        "|---" * (len(methods) + 3) + "|",
     ]
     for m in setup.chunks:
-        bound = 2 * rate[("plain-mb", m)] * m / (m + 1)
-        cells = []
-        for name in methods:
-            r = rate.get((name, m))
-            cells.append("-" if r is None else f"{r:.0f} ({r / bound:.2f})")
-        bubble = statistics.median(bubbles[m]) if m in bubbles else float("nan")
-        lines.append(
-            f"| {m} | {rate[('plain-mb', m)]:.0f} | {bound:.0f} | "
-            + " | ".join(cells)
-            + f" | {bubble:.3f} |"
-        )
-    lines += ["", *inrun_table(setup, rounds, names)]
+        b = bound(setup, median[("plain-mb", m)], m)
+        cells = [
+            "-" if (n, m) not in rate else f"{rate[(n, m)]:.0f} ({rate[(n, m)] / b:.2f})"
+            for n in methods
+        ]
+        lines.append(f"| {m} | {rate[('plain-mb', m)]:.0f} | {b:.0f} | " + " | ".join(cells) + " |")
+    lines += ["", *inrun_table(setup, rounds, methods), "", *best_table(setup, rounds, rate)]
     return "\n".join(lines)
 
 
-def inrun_table(
-    setup: Setup, rounds: list[dict[tuple[str, int], float]], names: list[str]
-) -> list[str]:
-    """Fractions of the in-run bound (plain-mb timed inside the pipeline's own process just
-    before it), median over rounds of each round's fraction: steadier on a loaded machine."""
+def inrun_table(setup: Setup, rounds: list[dict[Key, float]], methods: list[str]) -> list[str]:
+    """Fractions of the in-run bound (plain-mb timed inside rank 0's process just before),
+    median over rounds of each round's fraction: steadier on a loaded machine."""
     lines = [
         "Same runs, fraction of the in-run bound (plain-mb on one core of rank 0's process, timed "
         "right before; median of per-round fractions):",
         "",
-        "| M | in-run bound | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 2) + "|",
+        "| M | in-run bound | " + " | ".join(methods) + " |",
+        "|---" * (len(methods) + 2) + "|",
     ]
     for m in setup.chunks:
-        bounds, cells = [], []
-        for rd in rounds:
-            if ("plain-mb-inrun", m) in rd:
-                bounds.append(2 * setup.batch / rd[("plain-mb-inrun", m)] * m / (m + 1))
-        for name in names:
+        inrun = [bound(setup, rd[("plain-mb-inrun", m)], m) for rd in rounds]
+        cells = []
+        for n in methods:
             fractions = [
-                setup.batch
-                / rd[(name, m)]
-                / (2 * setup.batch / rd[("plain-mb-inrun", m)] * m / (m + 1))
+                setup.batch / rd[(n, m)] / bound(setup, rd[("plain-mb-inrun", m)], m)
                 for rd in rounds
-                if (name, m) in rd and ("plain-mb-inrun", m) in rd
+                if (n, m) in rd
             ]
             cells.append(f"{statistics.median(fractions):.2f}" if fractions else "-")
-        bound = f"{statistics.median(bounds):.0f}" if bounds else "-"
-        lines.append(f"| {m} | {bound} | " + " | ".join(cells) + " |")
+        lines.append(f"| {m} | {statistics.median(inrun):.0f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _best(rates: dict[str, float], prefix: str) -> tuple[str, float]:
+    side = {n: r for n, r in rates.items() if n.startswith(prefix)}
+    name = max(side, key=lambda n: side[n])
+    return name, side[name]
+
+
+def best_table(setup: Setup, rounds: list[dict[Key, float]], rate: dict[Key, float]) -> list[str]:
+    """Best schedule against best schedule, per M: by medians, and paired within each round."""
+    lines = [
+        "Best schedule against best schedule (medians; 'paired': median over rounds of each "
+        "round's best-to-best ratio):",
+        "",
+        "| M | bound | best giantpipe | best pippy | giantpipe / pippy | paired | giantpipe "
+        "fraction of bound | pippy fraction of bound |",
+        "|---" * 8 + "|",
+    ]
+    for m in setup.chunks:
+        at_m = {n: r for (n, mm), r in rate.items() if mm == m}
+        b = bound(setup, setup.batch / rate[("plain-mb", m)], m)
+        gp, gp_rate = _best(at_m, "gp-dist-")
+        pp, pp_rate = _best(at_m, "pippy-")
+        paired = []
+        for rd in rounds:
+            per = {n: setup.batch / s for (n, mm), s in rd.items() if mm == m}
+            paired.append(_best(per, "gp-dist-")[1] / _best(per, "pippy-")[1])
+        lines.append(
+            f"| {m} | {b:.0f} | {gp[8:]} {gp_rate:.0f} | {pp[6:]} {pp_rate:.0f} | "
+            f"{gp_rate / pp_rate:.2f}x | {statistics.median(paired):.2f}x | {gp_rate / b:.2f} | "
+            f"{pp_rate / b:.2f} |"
+        )
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
+    parser.add_argument("--models", nargs="+", choices=sorted(FULL), default=sorted(FULL))
+    parser.add_argument("--rounds", type=int, help="rounds per model (default 5; --quick 1)")
     args = parser.parse_args()
-    setup = QUICK if args.quick else FULL
-    load = os.getloadavg()
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start {load[0]:.2f}")
-    print()
-    print(table(setup))
-    print(f"\nload average at end {os.getloadavg()[0]:.2f}")
+    setups = [(QUICK if args.quick else FULL)[name] for name in args.models]
+    if args.rounds:
+        setups = [replace(s, rounds=args.rounds) for s in setups]
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    for setup in setups:
+        rounds = []
+        for r in range(setup.rounds):
+            print(f"{setup.model} round {r + 1}/{setup.rounds} ...", file=sys.stderr, flush=True)
+            rounds.append(one_round(setup, flip=r % 2 == 1))
+        print(f"\n{tables(setup, rounds)}\n\nload average now {os.getloadavg()[0]:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from a real step instead: every rank's executor timed each of its actions
 (:class:`~giantpipe.engine.stats.ActionTiming`: the work, waits left out; the recompute inside a
 B; the bytes it received from a neighbour and kept for backward), the ranks send those timings
 to rank 0, and each boundary between two ranks is probed for the time a value of its size takes
-to cross (:func:`probe_link`, the transport's two messages, header and bytes). The simulator
+to cross (:func:`probe_link`, one message of its frame's size, as the transport sends a value
+once its layout is known). The simulator
 then runs the schedule on these costs: what it adds is the waiting, which is exactly what the
 measured step time contains and the action costs do not::
 
@@ -38,8 +39,8 @@ import torch.distributed as dist
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.perf.simulate import StageCost
 
-HEADER_BYTES = 64
-"""Size of the header message that precedes a value's bytes on the wire (about eight words)."""
+HEADER_BYTES = 512
+"""Size of the header that starts a value's frame on the wire (giantpipe.engine.dist.wire)."""
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -125,7 +126,8 @@ def probe_link(
 ) -> float:
     """Collective over ``group`` (every rank calls it; only ``sender`` and ``receiver`` work):
     seconds for a value of ``nbytes`` to go from ``sender`` to ``receiver`` as the transport
-    sends it (a header message, then the bytes), half the median of ``repeats`` round trips.
+    sends it in the steady state (one message: a header, then the bytes), half the median of
+    ``repeats`` round trips.
 
     Example::
 
@@ -134,23 +136,12 @@ def probe_link(
     if rank not in (sender, receiver) or sender == receiver:
         return 0.0
     peer = receiver if rank == sender else sender
-    head = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
-    body = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    frame = torch.zeros(HEADER_BYTES + nbytes, dtype=torch.uint8)
+    order = (dist.send, dist.recv) if rank == sender else (dist.recv, dist.send)
     trips = []
     for _ in range(repeats + 1):  # the first round trip opens the connection
         start = time.perf_counter()
-        if rank == sender:
-            _exchange(group, peer, head, body, send_first=True)
-        else:
-            _exchange(group, peer, head, body, send_first=False)
+        for op in order:
+            op(frame, peer, group=group)
         trips.append(time.perf_counter() - start)
     return statistics.median(trips[1:]) / 2
-
-
-def _exchange(
-    group: Any, peer: int, head: torch.Tensor, body: torch.Tensor, send_first: bool
-) -> None:
-    order = (dist.send, dist.recv) if send_first else (dist.recv, dist.send)
-    for op in order:
-        op(head, peer, group=group)
-        op(body, peer, group=group)

@@ -5,31 +5,41 @@ The local executor hands values between stages through a :class:`Mailbox` keyed
 very same ``StepRun`` drives one rank of a distributed pipeline:
 
 - ``put`` of a key whose consumer stage lives on another rank is an asynchronous send
-  (``isend``): the rank computes on while the bytes travel;
-- from each peer, messages are taken in the order the peer sent them: a header (which names
-  the key and describes the value, :mod:`giantpipe.engine.dist.wire`), then exactly the announced
-  bytes. A value that arrives before it is needed waits in the mailbox; ``get`` of a value not
-  yet in takes the peer's messages until it is. Headers are checked between actions ("pumped")
-  and their bytes' receives posted at once, so the next activation flows while the current
-  micro-batch computes::
+  (``isend``) of one message, the value's *frame* (:mod:`giantpipe.engine.dist.wire`): the rank
+  computes on while the bytes travel;
+- the schedule says which keys each peer sends this rank and in which order, and every key's
+  frame size is known from the step before, so ``start`` posts the step's receives ahead, in the
+  peer's order, into buffers of exactly that size; ``get`` waits for its key's message and
+  returns views of its buffer::
 
-      rank 0 | F0 isend(act1,0)  F1 isend(act1,1)  F2 ...
-      rank 1 |    hdr0 -> irecv bytes0 | get(act1,0) F0 (hdr1 in: irecv bytes1) | get(act1,1) F1
+      rank 0 | F0 isend(act1,0)    F1 isend(act1,1)    F2 ...
+      rank 1 | irecv(act1,0) irecv(act1,1) ...  | get(act1,0) F0 | get(act1,1) F1 | ...
+               (posted at the start of the step)   (bytes already in: no wait)
 
-  Everything runs on the rank's main thread (gloo's own I/O thread moves the bytes): no Python
-  thread hand-offs, which on a loaded machine cost milliseconds each. Taking messages in the
-  sender's order needs no tags (NCCL has none) and cannot deadlock: a rank only ever waits for
-  messages its peer has already committed to sending before the one it needs.
+  Gloo moves a message only once both ends have posted it; with the receive posted first, the
+  sender's ``isend`` writes the bytes at once and no round trip is left on the critical path.
+- the first time a key travels, or when its layout changed, the sender announces the layout in
+  the message the receiver posted (a header fits any receive buffer) and sends the frame on the
+  follow-up tag; the receiver learns the layout, posts that frame's receive, and later steps
+  are one message again. Both ends keep the layouts in :class:`KnownLayouts` across steps.
+
+Everything runs on the rank's main thread (gloo's own I/O thread moves the bytes): no Python
+thread hand-offs, which on a loaded machine cost milliseconds each. Messages from a peer are
+taken in the order the peer sent them (needing none of NCCL's missing tags for frames) and a
+rank only ever waits for messages its peer has already committed to sending before the one it
+needs, so it cannot deadlock. With NCCL, whose pending receives hold up later sends on the same
+pair, one receive per peer is posted ahead (``ahead=1``) and announcements follow in order.
 
 A receive that fails names its peer: a closed connection ("rank 1 (stage 1) is gone"), or a wait
 longer than ``timeout`` ("rank 0 (stage 0) timed out after 60s waiting for the gradient of
 micro-batch 3 from rank 1 (stage 1)"); it is reported on the failure board and raised as
 :class:`~giantpipe.engine.dist.faults.RankFailure`.
 
-Example (on each rank, inside a process group)::
+Example (on each rank, inside a process group; ``known`` lives as long as the pipe)::
 
-    box = P2PMailbox(layout, groups.p2p, timeout=60.0, board=board, seed=seed_or_None)
-    box.start(my_actions)
+    box = P2PMailbox(layout, groups.p2p, timeout=60.0, board=board, seed=seed_or_None,
+                     known=known)
+    box.start(schedule.actions)          # every worker's actions: who sends this rank what
     run = StepRun(config, micro_batches if layout.needs_inputs else [], mailbox=box)
     run.run(my_schedule)
     box.finish()   # this step's sends are through
@@ -38,6 +48,7 @@ Example (on each rank, inside a process group)::
 from __future__ import annotations
 
 import datetime
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,20 +58,22 @@ import torch.distributed as dist
 
 from giantpipe.engine.dist.faults import FailureBoard, RankFailure, explain, wait_work
 from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.workers import Key, Mailbox
-from giantpipe.engine.schedule import Action
 from giantpipe.engine.dist.wire import (
-    HEADER_WORDS,
-    allocate,
-    as_bytes,
-    decode,
+    HEADER_BYTES,
+    Frame,
+    KnownLayouts,
     encode,
     extra_words,
     header,
-    key_of,
-    seed_of,
+    pack,
+    prefix_of,
+    unpack,
     words_of,
 )
+from giantpipe.engine.schedule import Action
+from giantpipe.engine.workers import Key, Mailbox
+
+FRAMES, FOLLOW_UPS = 0, 1  # tags: frames posted ahead; an announcement's extra words and frame
 
 
 def describe(key: Key) -> str:
@@ -85,23 +98,56 @@ def expected_receives(actions: Sequence[Action], layout: Layout) -> dict[int, li
     return by_peer
 
 
+def sends_to(actions: Sequence[Action], layout: Layout, dst: int) -> list[Key]:
+    """Keys that one worker's ``actions`` send to rank ``dst`` (of this replica), in order.
+
+    Example::
+
+        >>> plan = build_schedule("1f1b", 2, 2)
+        >>> sends_to(plan.actions[1], Layout(2, 0, 2, plan.placement), dst=0)
+        [('grad', 0, 0), ('grad', 0, 1)]
+    """
+    last = layout.num_stages - 1
+    keys: list[Key] = []
+    for kind, stage, m in actions:
+        if kind == "F" and stage < last:
+            key: Key = ("act", stage + 1, m)
+        elif kind == "B" and stage > 0:
+            key = ("grad", stage - 1, m)
+        else:
+            continue
+        local = layout.placement[stage] == layout.placement[key[1]]
+        if not local and layout.rank_of_stage(key[1]) == dst:
+            keys.append(key)
+    return keys
+
+
+@dataclass
+class _Posted:
+    """A receive posted for ``key``: a frame of the known layout, or (first time) a header."""
+
+    key: Key
+    buffer: torch.Tensor
+    work: Any
+    frame: Frame | None
+
+
 @dataclass
 class _Stream:
-    """Messages from one peer in this step: the keys still to come, the pending header."""
+    """Messages from one peer in this step: the keys in the peer's order, the receives posted."""
 
     peer: int
-    waiting_for: list[Key]  # in the order this rank needs them (the peer's may differ)
-    head: torch.Tensor | None = None
-    head_work: Any = None
+    order: list[Key]
+    posted: deque[_Posted] = field(default_factory=deque)
+    next: int = 0  # index in ``order`` of the next receive to post
 
 
 @dataclass
 class _Arrived:
-    """A value whose header is in; its bytes are on their way (or in)."""
+    """A value whose message is in; after an announcement its frame may still be on its way."""
 
-    peer: int
     value: Any
-    works: list[Any] = field(default_factory=list)
+    follow_up: _Posted | None = None
 
 
 class P2PMailbox(Mailbox):
@@ -109,7 +155,8 @@ class P2PMailbox(Mailbox):
 
     ``seed`` is the step's seed where this rank draws it (it holds stage 0); elsewhere it is
     None until the first message brings it, and ``on_seed`` is told (before the action that
-    needs it runs).
+    needs it runs). ``known`` carries the frame layouts from step to step; ``ahead`` is how many
+    receives per peer are posted ahead (None: all of the step's, at ``start``).
     """
 
     def __init__(
@@ -121,11 +168,15 @@ class P2PMailbox(Mailbox):
         comm_device: torch.device | None = None,
         seed: int | None = None,
         on_seed: Callable[[int], None] | None = None,
+        known: KnownLayouts | None = None,
+        ahead: int | None = None,
     ) -> None:
         super().__init__(timeout)
         self.layout, self.group, self.wait_timeout, self.board = layout, group, timeout, board
         self.comm_device = comm_device or torch.device("cpu")
         self.seed, self.on_seed = seed, on_seed
+        self.known = known if known is not None else KnownLayouts()
+        self.ahead = ahead
         self._streams: dict[int, _Stream] = {}
         self._source: dict[Key, int] = {}  # remote keys still to be got -> the peer sending it
         self._arrived: dict[Key, _Arrived] = {}
@@ -141,27 +192,41 @@ class P2PMailbox(Mailbox):
         if self.seed is None:
             raise RuntimeError(f"{self.layout.label()} sends before knowing the step seed")
         words, tensors = encode(value)
-        head, extra = header(words, self.seed, key)
-        messages = [head] + ([extra] if extra is not None else [])
-        messages = [m.to(self.comm_device) for m in messages]
-        messages += [as_bytes(t.to(self.comm_device)) for t in tensors if t.numel()]
-        works = [dist.isend(msg, dst=dst, group=self.group) for msg in messages]
+        messages: list[tuple[int, torch.Tensor]] = []
+        frame_tag = FRAMES
+        if self.known.changed(key, words):
+            # The receiver posted a buffer for the old layout (or a header): announce the new
+            # one in it; the frame follows on the other tag, which the receiver posts on reading.
+            self.known.sent[key] = Frame.of(words)
+            head, extra = header(words, self.seed, key)
+            messages.append((FRAMES, head.to(self.comm_device)))
+            if extra is not None:
+                messages.append((FOLLOW_UPS, extra.to(self.comm_device)))
+            frame_tag = FOLLOW_UPS
+        frame = self.known.sent[key]
+        messages.append((frame_tag, pack(frame, tensors, self.seed, key, self.comm_device)))
+        works = [dist.isend(m, dst=dst, group=self.group, tag=tag) for tag, m in messages]
         # The bytes stay alive until sent; those already through are let go (a recomputed
         # micro-batch's output would otherwise live until the end of the step).
         self._sends = [s for s in self._sends if not all(w.is_completed() for w in s[1])]
-        self._sends.append((key, works, messages))
+        self._sends.append((key, works, [m for _, m in messages]))
         self.pump()
 
     # ---- receiving -------------------------------------------------------------------------
 
-    def start(self, actions: Sequence[Action]) -> None:
-        """Posts the first header receive from every peer that will send to this rank."""
-        for peer, keys in expected_receives(actions, self.layout).items():
-            stream = _Stream(peer, list(keys))
-            self._next_header(stream)
+    def start(self, actions: Sequence[Sequence[Action]]) -> None:
+        """Posts this step's receives, given every worker's actions (``Schedule.actions``)."""
+        layout = self.layout
+        expected = expected_receives(actions[layout.worker], layout)
+        for peer, keys in expected.items():
+            order = sends_to(actions[peer % layout.workers], layout, layout.rank)
+            if sorted(order) != sorted(keys):
+                raise RuntimeError(f"{layout.label()}: rank {peer} sends {order}, not {keys}")
+            stream = _Stream(peer, order)
             self._streams[peer] = stream
             for key in keys:
                 self._source[key] = peer
+            self._refill(stream)
 
     def get(self, key: Key) -> Any:
         peer = self._source.pop(key, None)
@@ -169,48 +234,79 @@ class P2PMailbox(Mailbox):
             return super().get(key)  # a local key (stage 0's inputs, a stage on this rank)
         stream = self._streams[peer]
         while key not in self._arrived:
-            self._take_header(stream, waiting_for=key)
+            self._take(stream)
         arrived = self._arrived.pop(key)
-        for work in arrived.works:
-            self._wait(work, peer, key)
-        self.pump()
+        if arrived.follow_up is not None:  # the frame of a layout announced this step
+            self._check_frame(arrived.follow_up, peer)
         return arrived.value
 
     def pump(self) -> None:
-        """Takes every header already in and posts its bytes' receives (never blocks)."""
+        """Takes every message already in (never blocks), so that announcements' frames are
+        posted early."""
         for stream in self._streams.values():
-            while stream.head_work is not None and stream.head_work.is_completed():
-                self._take_header(stream, waiting_for=stream.waiting_for[0])
+            while stream.posted and stream.posted[0].work.is_completed():
+                self._take(stream)
 
-    def _next_header(self, stream: _Stream) -> None:
-        if not stream.waiting_for:
-            stream.head = stream.head_work = None  # nothing more from this peer this step
-            return
-        stream.head = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.comm_device)
-        stream.head_work = dist.irecv(stream.head, src=stream.peer, group=self.group)
+    def _refill(self, stream: _Stream) -> None:
+        limit = len(stream.order) if self.ahead is None else self.ahead
+        while len(stream.posted) < limit and stream.next < len(stream.order):
+            key = stream.order[stream.next]
+            stream.next += 1
+            frame = self.known.received.get(key)
+            stream.posted.append(self._post(stream.peer, key, frame, FRAMES))
 
-    def _take_header(self, stream: _Stream, waiting_for: Key) -> None:
-        """Completes the peer's next header and posts the receives of the bytes it announces."""
-        if stream.head is None:
-            raise RankFailure(f"{self.layout.label()} expected no more messages for {waiting_for}")
-        self._wait(stream.head_work, stream.peer, waiting_for)
-        head = stream.head.cpu()
-        key = key_of(head)
-        if key not in stream.waiting_for:
-            raise RankFailure(
-                explain(self.board, f"{self.layout.label()} got an unexpected message {key}")
-            )
-        stream.waiting_for.remove(key)
-        self._check_seed(seed_of(head), key)
+    def _post(self, peer: int, key: Key, frame: Frame | None, tag: int) -> _Posted:
+        size = frame.nbytes if frame is not None else HEADER_BYTES
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.comm_device)
+        work = dist.irecv(buffer, src=peer, group=self.group, tag=tag)
+        return _Posted(key, buffer, work, frame)
+
+    def _take(self, stream: _Stream) -> None:
+        """Completes the peer's next message: a frame's value, or a layout announced (whose
+        frame's receive it posts)."""
+        if not stream.posted:
+            raise RankFailure(f"{self.layout.label()} expected no more messages from {stream.peer}")
+        posted = stream.posted.popleft()
+        self._wait(posted.work, stream.peer, posted.key)
+        n, seed, key = self._check_prefix(posted, stream.peer)
+        if n == 0:
+            assert posted.frame is not None  # checked with the prefix
+            self._arrived[key] = _Arrived(unpack(posted.frame, posted.buffer))
+        else:
+            frame = self._announced(posted, stream.peer, n)
+            follow_up = self._post(stream.peer, key, frame, FOLLOW_UPS)
+            self._arrived[key] = _Arrived(unpack(frame, follow_up.buffer), follow_up)
+        self._refill(stream)
+
+    def _announced(self, posted: _Posted, peer: int, n: int) -> Frame:
+        """The layout an announcement describes (its extra words received), now known."""
+        head = posted.buffer[:HEADER_BYTES].view(torch.int64).cpu()
         extra = None
         if extra_words(head):
             extra = torch.empty(extra_words(head), dtype=torch.int64, device=self.comm_device)
-            self._wait(dist.irecv(extra, src=stream.peer, group=self.group), stream.peer, key)
+            self._wait(dist.irecv(extra, src=peer, group=self.group, tag=FOLLOW_UPS), peer, posted.key)
             extra = extra.cpu()
-        value, buffers = allocate(decode(words_of(head, extra)), self.comm_device)
-        works = [dist.irecv(b, src=stream.peer, group=self.group) for b in buffers]
-        self._arrived[key] = _Arrived(stream.peer, value, works)
-        self._next_header(stream)
+        frame = Frame.of(words_of(head, extra))
+        self.known.received[posted.key] = frame
+        return frame
+
+    def _check_frame(self, posted: _Posted, peer: int) -> None:
+        self._wait(posted.work, peer, posted.key)
+        self._check_prefix(posted, peer)
+
+    def _check_prefix(self, posted: _Posted, peer: int) -> tuple[int, int, Key]:
+        """The message's (n, seed, key), checked against what was posted for it."""
+        n, seed, key, size = prefix_of(posted.buffer)
+        if key != posted.key or (n == 0 and (posted.frame is None or size != posted.frame.nbytes)):
+            raise RankFailure(
+                explain(
+                    self.board,
+                    f"{self.layout.label()} got an unexpected message {key} from rank {peer} "
+                    f"(expected {describe(posted.key)})",
+                )
+            )
+        self._check_seed(seed, key)
+        return n, seed, key
 
     def _check_seed(self, seed: int, key: Key) -> None:
         if self.seed is None:

@@ -81,6 +81,7 @@ from giantpipe.engine.dist.layout import (
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
 from giantpipe.engine.dist.p2p import P2PMailbox
+from giantpipe.engine.dist.wire import KnownLayouts
 from giantpipe.engine.executor import LossFn, LossSpec, StepRun
 from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
@@ -153,6 +154,9 @@ class DistributedPipe(Pipe):
         self.board.watch(self.layout.rank, peers, self.layout.rank_label)
         install_sigterm_note(self.board)
         self._box: P2PMailbox | None = None
+        # Each boundary key's frame layout, as both of its ends last saw it: from the second
+        # step on, a value crosses as one message into a receive posted ahead (dist/p2p.py).
+        self._known = KnownLayouts()
         self._broken: str | None = None
         self.sync = self._gradient_sync(bucket_mb, overlap_grad_sync)
 
@@ -326,17 +330,21 @@ class DistributedPipe(Pipe):
         def learn_seed(value: int) -> None:
             config.seed = value
 
+        device = comm_device(self.device)
         self._box = P2PMailbox(
             self.layout,
             self.groups.p2p,
             self.timeout,
             self.board,
-            comm_device(self.device),
+            device,
             seed=seed,
             on_seed=learn_seed,
+            known=self._known,
+            # NCCL: a pending receive holds up later sends to the same peer; post one at a time.
+            ahead=1 if device.type == "cuda" else None,
         )
         run = StepRun(config, micro, mailbox=self._box)
-        self._box.start(mine[worker])
+        self._box.start(steps.actions)
         run.run(local)
         self._box.finish()
         return run

@@ -1,47 +1,58 @@
-"""Wire format of boundary values: a description first, then the raw bytes of each tensor.
+"""Wire format of boundary values: a value's layout announced once, then one message per value.
 
 A value crossing a stage boundary is a tensor or a tuple of tensors and plain items (``None``,
 ``int``, ``float``, ``bool``): AmoebaNet's (current, previous) pair, a decoder's (hidden, encoder
-output, padding mask), the gradients coming back (``None`` for an integer mask). Nothing about
-it is fixed between steps, so every message says what follows::
+output, padding mask), the gradients coming back (``None`` for an integer mask). Its *layout* is
+its description (structure, dtypes, shapes, plain items)::
 
-    header  int64[HEADER_WORDS]   [n, seed, kind, stage, m, d_0 .. d_58]   inline description
-    extra   int64[n - 59]         d_59 ..                   only when the description is longer
-    bytes   uint8[nbytes(t_i)]    one message per non-empty tensor, in order
+    [is_tuple, items, item ...]   item: NONE | INT value | FLOAT bits | BOOL value
+                                        | TENSOR dtype ndim size_0 .. size_(ndim-1)
 
-The header names the value (its mailbox key), so a receiver takes messages in the order the
-sender sent them, whatever order it needs them in. It also carries the step's dropout seed,
-which thus travels down the pipeline with the first activation: no rank needs a broadcast to
-learn it (and a stale message from another step is caught by its seed).
+Every message starts with a header of ``HEADER_WORDS`` int64 words::
 
-The description is ``[is_tuple, items, item ...]`` with one of these per item::
+    [n, seed, kind, stage, m, d_0 .. d_58]     n > 0: an announcement of a layout of n words
+    [0, seed, kind, stage, m, frame bytes ...] n = 0: a frame, laid out as last announced
 
-    NONE | INT value | FLOAT bits | BOOL value | TENSOR dtype ndim size_0 .. size_(ndim-1)
+It names the value (its mailbox key) and carries the step's dropout seed, which thus travels
+down the pipeline with the first activation: no rank needs a broadcast to learn it (and a stale
+message from another step is caught by its seed). A *frame* is that header followed by the bytes
+of every tensor, each at an offset aligned to ``ALIGN`` bytes, so the receiver's tensors are
+views of the one buffer it received into (no copy; bool and any other dtype travel as bytes)::
 
-Tensors travel as bytes (any dtype, bool included: the transport never converts), and the
-receiver allocates exactly what the header announces, so sequence lengths, batch sizes and
-tuple layouts may change from one step to the next.
+    frame  | header (512 B) | t_0 bytes | pad | t_1 bytes | pad | ...
+
+The first time a key travels, or when its layout changes (sequence lengths, batch sizes and
+tuple layouts may change between steps), the sender announces the new layout (the header with
+the description inline, an ``extra`` message for words beyond ``INLINE``), then sends the
+frame. Both ends remember each key's frame layout (:class:`KnownLayouts`); in the steady state a
+value is one message into a receive buffer of exactly the known size, posted ahead
+(:mod:`giantpipe.engine.dist.p2p`).
 
 Example::
 
-    >>> words, tensors = encode((torch.ones(2, 3), torch.tensor([1, 0]), None))
-    >>> template = decode(words)
-    >>> value, buffers = allocate(template, torch.device("cpu"))
-    >>> for src, dst in zip(tensors, buffers):
-    ...     dst.copy_(as_bytes(src))
-    >>> value[0].shape, value[1].dtype, value[2]
+    >>> value = (torch.ones(2, 3), torch.tensor([1, 0]), None)
+    >>> words, tensors = encode(value)
+    >>> frame = Frame.of(words)
+    >>> message = pack(frame, tensors, seed=7, key=("act", 1, 0))
+    >>> prefix_of(message)                      # (n, seed, key, frame bytes)
+    (0, 7, ('act', 1, 0), 640)
+    >>> got = unpack(frame, message)            # views of the message's bytes
+    >>> got[0].shape, got[1].dtype, got[2]
     (torch.Size([2, 3]), torch.int64, None)
 """
 
 from __future__ import annotations
 
+import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 HEADER_WORDS = 64
+HEADER_BYTES = HEADER_WORDS * 8
+ALIGN = 64  # bytes: every tensor of a frame starts aligned for any dtype
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -195,3 +206,105 @@ def words_of(head: torch.Tensor, extra: torch.Tensor | None) -> list[int]:
     if extra is not None:
         words += extra.tolist()
     return words
+
+
+# ---- frames: the steady state, one message per value ------------------------------------------
+
+Key = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The layout of a value as one message: its description and where each tensor's bytes lie.
+
+    Example::
+
+        >>> frame = Frame.of(encode(torch.ones(4))[0])
+        >>> frame.offsets, frame.nbytes              # after the 512-byte header
+        ((512,), 528)
+    """
+
+    words: tuple[int, ...]
+    template: Template
+    offsets: tuple[int, ...]  # byte offset of each tensor item, in order
+    sizes: tuple[int, ...]  # its bytes
+    nbytes: int  # header included
+
+    @classmethod
+    def of(cls, words: list[int] | tuple[int, ...]) -> Frame:
+        template = decode(list(words))
+        offsets, sizes, end = [], [], HEADER_BYTES
+        for item in template[1]:
+            if isinstance(item, TensorSpec):
+                size = math.prod(item.shape) * item.dtype.itemsize
+                offsets.append(end)
+                sizes.append(size)
+                end += -(-size // ALIGN) * ALIGN
+        return cls(tuple(words), template, tuple(offsets), tuple(sizes), end)
+
+
+def pack(
+    frame: Frame,
+    tensors: list[torch.Tensor],
+    seed: int,
+    key: Key,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The one message of a value whose layout is ``frame`` (``tensors`` as :func:`encode`
+    lists them): each tensor is copied once, straight into place, strided or not."""
+    message = torch.empty(frame.nbytes, dtype=torch.uint8, device=device)
+    kind, stage, m = key
+    fixed = [0, seed, KINDS.index(kind), stage, m, frame.nbytes]
+    message[: len(fixed) * 8].view(torch.int64).copy_(torch.tensor(fixed, dtype=torch.int64))
+    for t, offset in zip(tensors, frame.offsets):
+        size = t.numel() * t.element_size()
+        if size:
+            message[offset : offset + size].view(t.dtype).view(t.shape).copy_(t)
+    return message
+
+
+def unpack(frame: Frame, message: torch.Tensor) -> Any:
+    """The value a frame message holds; its tensors are views of ``message`` (no copy)."""
+    is_tuple, items = frame.template
+    spans = iter(zip(frame.offsets, frame.sizes))
+    values: list[Any] = []
+    for item in items:
+        if isinstance(item, TensorSpec):
+            start, size = next(spans)
+            values.append(message[start : start + size].view(item.dtype).view(item.shape))
+        else:
+            values.append(item)
+    return tuple(values) if is_tuple else values[0]
+
+
+def prefix_of(message: torch.Tensor) -> tuple[int, int, Key, int]:
+    """``(n, seed, key, frame bytes)`` of a received message: n > 0 for an announcement of n
+    description words (frame bytes then 0), n = 0 for a frame."""
+    n, seed, kind, stage, m, size = message[:48].view(torch.int64).tolist()
+    return n, seed, (KINDS[kind], stage, m), (size if n == 0 else 0)
+
+
+@dataclass
+class KnownLayouts:
+    """Each key's frame layout as last announced: what this rank sent, what it received.
+
+    Both ends of a key hold the same entry after every step, so a receiver can post a buffer of
+    exactly the frame's size before the value exists, and a sender knows that it did.
+
+    Example::
+
+        >>> known = KnownLayouts()
+        >>> known.changed(("act", 1, 0), encode(torch.ones(2))[0])   # never sent: announce
+        True
+        >>> known.sent[("act", 1, 0)] = Frame.of(encode(torch.ones(2))[0])
+        >>> known.changed(("act", 1, 0), encode(torch.zeros(2))[0])  # same layout: a frame
+        False
+    """
+
+    sent: dict[Key, Frame] = field(default_factory=dict)
+    received: dict[Key, Frame] = field(default_factory=dict)
+
+    def changed(self, key: Key, words: list[int]) -> bool:
+        """Whether sending a value of layout ``words`` under ``key`` needs an announcement."""
+        frame = self.sent.get(key)
+        return frame is None or frame.words != tuple(words)
