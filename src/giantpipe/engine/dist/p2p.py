@@ -76,6 +76,20 @@ from giantpipe.engine.workers import Key, Mailbox
 FRAMES, FOLLOW_UPS = 0, 1  # tags: frames posted ahead; an announcement's extra words and frame
 
 
+def filling(head: torch.Tensor, size: int) -> torch.Tensor:
+    """``head``'s bytes at the start of a zeroed message of exactly ``size`` bytes: the size of
+    the receive the peer posted for it (NCCL, unlike gloo, needs a send and its receive to
+    match in size and type; a header fits any frame, which starts with one).
+
+    >>> filling(torch.ones(2, dtype=torch.int64), 24).tolist()[:9]
+    [1, 0, 0, 0, 0, 0, 0, 0, 1]
+    """
+    message = torch.zeros(size, dtype=torch.uint8)
+    raw = head.contiguous().view(torch.uint8)
+    message[: raw.numel()] = raw
+    return message
+
+
 def describe(key: Key) -> str:
     kind, _, m = key
     return f"the {'activation' if kind == 'act' else 'gradient'} of micro-batch {m}"
@@ -197,9 +211,11 @@ class P2PMailbox(Mailbox):
         if self.known.changed(key, words):
             # The receiver posted a buffer for the old layout (or a header): announce the new
             # one in it; the frame follows on the other tag, which the receiver posts on reading.
+            before = self.known.sent.get(key)
             self.known.sent[key] = Frame.of(words)
             head, extra = header(words, self.seed, key)
-            messages.append((FRAMES, head.to(self.comm_device)))
+            posted = before.nbytes if before is not None else HEADER_BYTES
+            messages.append((FRAMES, filling(head, posted).to(self.comm_device)))
             if extra is not None:
                 messages.append((FOLLOW_UPS, extra.to(self.comm_device)))
             frame_tag = FOLLOW_UPS
