@@ -294,7 +294,7 @@ def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_survives(tmp_path:
     try:
         run_dir = small / "run"
         result = run(
-            run_dir, "trainer.max_steps=400", "trainer.checkpoint_every=1", "model.hidden=256"
+            run_dir, "trainer.max_steps=400", "trainer.checkpoint_every=1", "model.hidden=384"
         )
         (line,) = errors(result)
         assert "cannot save the checkpoint of step" in line and "No space left" in line
@@ -304,7 +304,7 @@ def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_survives(tmp_path:
         shutil.copytree(run_dir, spare)  # space freed: the run goes on from there
     finally:
         subprocess.run(["umount", str(small)])
-    result = run(spare, f"trainer.max_steps={good + 2}", "model.hidden=256", "trainer.resume=true")
+    result = run(spare, f"trainer.max_steps={good + 2}", "model.hidden=384", "trainer.resume=true")
     assert result.returncode == 0, result.stderr[-2000:]
     assert good >= 1 and summary(spare)["steps"] == good + 2
 
