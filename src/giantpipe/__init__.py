@@ -12,7 +12,7 @@ Example::
     loss.backward()
 """
 
-from giantpipe.engine import GPipe, PipelineError, is_recomputing
+from giantpipe.engine import GPipe, PipelineError, is_recomputing, sequentialize
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "balance_by_size",
     "balance_by_time",
     "is_recomputing",
+    "sequentialize",
 ]
 __version__ = "0.1.0"
