@@ -53,7 +53,12 @@ _SDPA = aten.scaled_dot_product_attention.default
 
 class CaptureError(ValueError):
     """A model that :func:`sequentialize` cannot capture or cut; the message names the
-    submodule and what to do instead."""
+    submodule and what to do instead. ``about`` says which argument to change: ``"model"``
+    (its forward), ``"split_points"``, ``"output"``, ``"tied"`` or ``"example"`` (the inputs)."""
+
+    def __init__(self, message: str, about: str = "model") -> None:
+        super().__init__(message)
+        self.about = about
 
 
 def sequentialize(
@@ -258,7 +263,8 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if not sizes or min(sizes) < 2:
         raise CaptureError(
             "sequentialize: give an example batch of at least 2 samples (a batch of 1 would be "
-            "captured as a constant size, and micro-batches could not vary)"
+            "captured as a constant size, and micro-batches could not vary)",
+            "example",
         )
     modes = {m: m.training for m in model.modules()}
     model.train()
@@ -408,10 +414,11 @@ class _Graph:
         except (KeyError, IndexError, AttributeError, TypeError) as err:
             raise CaptureError(
                 f"sequentialize: the model's output has no field {output!r} (it returns "
-                f"{type(shape).__name__}); pick one of its fields or output=None"
+                f"{type(shape).__name__}); pick one of its fields or output=None",
+                "output",
             ) from err
         if not isinstance(index, int):
-            raise CaptureError(f"sequentialize: output {output!r} is not a single tensor")
+            raise CaptureError(f"sequentialize: output {output!r} is not one tensor", "output")
         out.args = ((flat[index],),)
         self.out_spec = pytree.tree_flatten(0)[1]
         self._drop_dead_code()
@@ -517,7 +524,8 @@ def _cut_positions(
             if not hits:
                 raise CaptureError(
                     f"sequentialize: split point `{name}` is a submodule, but forward never "
-                    "calls it on these inputs; pick a submodule that runs"
+                    "calls it on these inputs; pick a submodule that runs",
+                    "split_points",
                 )
             cuts.add(hits[0])
             if split_points is None and name == group[-1]:
@@ -537,7 +545,8 @@ def _check_split_point(model: nn.Module, name: str) -> None:
         raise CaptureError(
             f"sequentialize: split point `{name}` is not a submodule of "
             f"{type(model).__name__}; pick another split point, e.g. one of "
-            f"{siblings[:8]} (model.named_modules() lists them)"
+            f"{siblings[:8]} (model.named_modules() lists them)",
+            "split_points",
         ) from None
 
 
@@ -562,7 +571,7 @@ def _partition(graph: _Graph, cuts: list[int], tied: str) -> tuple[list[fx.Graph
         if users:
             home[attr] = users[0]
             if tied == "error" and len(users) > 1 and isinstance(obj, nn.Parameter):
-                raise CaptureError(_tied_message(fqn, attr, home, users))
+                raise CaptureError(_tied_message(fqn, attr, home, users), "tied")
     order = [n for n in graph.graph.nodes if n in home and n in reach]
     carried = [[v for v in order if home[v] < b <= reach[v]] for b in range(1, last + 1)]
     ins = [list(graph.inputs), *carried]
