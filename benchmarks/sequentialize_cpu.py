@@ -3,6 +3,7 @@ torch.distributed.pipelining's own tracer, side by side.
 
     python benchmarks/sequentialize_cpu.py            # GPT-2 small shape: ~15 min on 2 cores
     python benchmarks/sequentialize_cpu.py --quick    # a 2-layer GPT-2: a minute
+    python benchmarks/sequentialize_cpu.py --untied   # tie_word_embeddings=False (pippy exact)
 
 The same model (GPT2LMHeadModel from GPT2Config: 12 layers, width 768, 12 heads, 50257 tokens,
 input and output embeddings tied; random weights, dropout off), the same batch and the same cut
@@ -64,6 +65,7 @@ class Setup:
     rounds: int
     steps: int
     tied: bool = True
+    schedules: tuple[str, ...] = SCHEDULES
 
 
 FULL = Setup(layers=12, width=768, heads=12, vocab=50257, seq=32, batch=16, chunks=8, rounds=3,
@@ -130,7 +132,7 @@ def giantpipe_methods(setup: Setup, model: nn.Module, rank: int) -> list[Method]
     half = setup.layers // 2
     balance = [1 + half, setup.layers - half + 1]  # pieces: embeddings, layers, head
     methods = []
-    for schedule in SCHEDULES:
+    for schedule in setup.schedules:
         local = None
         if rank == 0:  # rank 1 has the method too (an empty step): the lists stay in step
             local = GPipe(copy.deepcopy(seq), balance, devices=["cpu", "cpu"],
@@ -210,7 +212,7 @@ def build(setup: Setup, model: nn.Module, rank: int, failures: dict[str, str]) -
     builders: list[tuple[str, Callable[[], list[Method]]]] = [
         ("giantpipe", lambda: giantpipe_methods(setup, model, rank))
     ]
-    for schedule in SCHEDULES:
+    for schedule in setup.schedules:
         builders.append(
             (f"pippy-{schedule}", lambda s=schedule: [pippy_method(setup, model, rank, s)])
         )
@@ -366,8 +368,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer GPT-2, one round")
     parser.add_argument("--untied", action="store_true", help="tie_word_embeddings=False")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="e.g. gpipe")
+    parser.add_argument("--rounds", type=int, help="rounds to take the median of")
     args = parser.parse_args()
-    setup = replace(QUICK if args.quick else FULL, tied=not args.untied)
+    setup = replace(
+        QUICK if args.quick else FULL,
+        tied=not args.untied,
+        schedules=tuple(args.schedules.split(",")),
+    )
+    if args.rounds:
+        setup = replace(setup, rounds=args.rounds)
     before = os.getloadavg()
     results = run(setup)
     after = os.getloadavg()

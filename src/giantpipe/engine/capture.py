@@ -92,6 +92,8 @@ def sequentialize(
     """
     if tied not in ("carry", "error"):
         raise ValueError(f"tied must be 'carry' or 'error', got {tied!r}")
+    for name in split_points or ():  # before the export: a wrong name fails at once
+        _check_split_point(model, name)
     kwargs = _with_defaults(model, example_kwargs)
     program = _export(model, example_args, kwargs)
     graph = _Graph(program, model)
@@ -519,7 +521,6 @@ def _cut_positions(
     groups = [list(split_points)] if split_points is not None else repeated_blocks(model)
     for group in groups:
         for name in group:
-            _check_split_point(model, name)
             hits = [i for i, p in enumerate(paths) if name in p]
             if not hits:
                 raise CaptureError(

@@ -106,11 +106,11 @@ def test_outputs_gradients_and_statistics_equal_the_model() -> None:
         torch.testing.assert_close(by_name(seq)[name], buf, msg=name)
 
 
-def test_pieces_at_repeated_blocks_or_at_given_split_points() -> None:
-    model = TiedLM(blocks=4)
+def test_pieces_at_repeated_blocks_or_at_given_split_points(captured) -> None:
+    model, seq = captured
     ids, mask, _ = batch()
-    assert repeated_blocks(model) == [[f"blocks.{i}" for i in range(4)]]
-    assert len(sequentialize(model, ids, mask)) == 6  # embedding, 4 blocks, head
+    assert repeated_blocks(model) == [[f"blocks.{i}" for i in range(6)]]
+    assert len(seq) == 8  # embedding, 6 blocks, head
     assert len(sequentialize(model, ids, mask, split_points=["blocks.1", "blocks.3"])) == 3
 
 
@@ -169,11 +169,17 @@ def test_every_schedule_and_mode_equals_the_model(
     assert_same_grads(pipe, plain)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_dropout_masks_are_replayed(mode: str) -> None:
+@pytest.fixture(scope="module")
+def with_dropout() -> tuple[TiedLM, nn.Sequential]:
     model = TiedLM(blocks=3, p=0.3)
+    ids, mask, _ = batch()
+    return model, sequentialize(model, ids, mask, output="logits")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_masks_are_replayed(with_dropout, mode: str) -> None:
+    _, seq = with_dropout
     ids, mask, labels = batch()
-    seq = sequentialize(model, ids, mask, output="logits")
     plain, ref_loss = reference_step(seq, (ids, mask), labels, 4, step_seed(3), token_loss)
     pipe = GPipe(copy.deepcopy(seq), [2, 3], devices=["cpu"] * 2, chunks=4, checkpoint=mode)
     torch.manual_seed(3)
@@ -183,10 +189,9 @@ def test_dropout_masks_are_replayed(mode: str) -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_eval_turns_dropout_and_batchnorm_statistics_off() -> None:
-    model = TiedLM(blocks=2, p=0.5)
+def test_eval_turns_dropout_and_batchnorm_statistics_off(with_dropout) -> None:
+    model, seq = copy.deepcopy(with_dropout)
     ids, mask, _ = batch()
-    seq = sequentialize(model, ids, mask, output="logits")
     assert seq.training and model.training  # captured in training mode, modes restored
     with torch.no_grad():
         for b in model.modules():
@@ -225,8 +230,10 @@ def test_data_dependent_control_flow_names_the_submodule() -> None:
 
 def test_a_split_point_that_is_not_a_submodule() -> None:
     ids, mask, _ = batch()
+    model = TiedLM()
+    model.forward = None  # type: ignore[assignment,method-assign]  # refused before any capture
     with pytest.raises(CaptureError, match=r"`blocks.9` is not a submodule.*'blocks.0'"):
-        sequentialize(TiedLM(), ids, mask, split_points=["blocks.9"])
+        sequentialize(model, ids, mask, split_points=["blocks.9"])
 
 
 def test_a_cut_through_a_tied_parameter_can_be_refused() -> None:
