@@ -138,9 +138,9 @@ def vision_case(name: str) -> tuple[nn.Module, torch.Tensor]:
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     if name == "resnet50":
-        return torchvision.models.resnet50(num_classes=10), torch.randn(4, 3, 64, 64)
-    # ViT-B/16 whole (12 layers of width 768); a 32-pixel image is 2x2 patches
-    return torchvision.models.vit_b_16(num_classes=10, image_size=32), torch.randn(4, 3, 32, 32)
+        return torchvision.models.resnet50(num_classes=10), torch.randn(4, 3, 32, 32)
+    # ViT-B/16 whole (12 layers of width 768); a 16-pixel image is one patch (and the class token)
+    return torchvision.models.vit_b_16(num_classes=10, image_size=16), torch.randn(4, 3, 16, 16)
 
 
 @pytest.mark.slow
