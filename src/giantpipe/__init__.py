@@ -12,7 +12,7 @@ Example::
     loss.backward()
 """
 
-from giantpipe.engine import GPipe, PipelineError, is_recomputing, verify_module
+from giantpipe.engine import GPipe, PipelineError, is_recomputing, sequentialize, verify_module
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "balance_by_size",
     "balance_by_time",
     "is_recomputing",
+    "sequentialize",
     "verify_module",
 ]
 __version__ = "0.1.0"

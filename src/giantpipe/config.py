@@ -171,6 +171,14 @@ class PipelineConfig:
     memory_budget_gib: float | None = None
     """plan=auto: memory per device in GiB (weights, gradients, optimizer state, activations).
     Null: a GPU's total memory; CPU stand-ins: the machine's RAM shared evenly."""
+    split_points: Any = None
+    """A model that is not a flat nn.Sequential (model=hf_causal_lm, model=torchvision) is
+    captured by giantpipe.sequentialize and cut into pieces where these submodules start (a list
+    of names, e.g. [model.layers.2, model.layers.4]); null: at every repeated block (decoder
+    layers, residual blocks) and before the head. The balance then counts pieces."""
+    output: str | None = None
+    """Such a model's output the pipeline ends with, when it returns a dataclass or dict: a
+    field name (e.g. logits); null: its only tensor."""
 
     def __post_init__(self) -> None:
         check_min(self.chunks, 1, "pipeline.chunks")
@@ -199,6 +207,7 @@ class PipelineConfig:
         self._check_devices()
         self._check_balance()
         self._check_executor()
+        self._check_split_points()
 
     def _check_devices(self) -> None:
         if isinstance(self.devices, str):
@@ -224,6 +233,17 @@ class PipelineConfig:
                 "pipeline.balance",
                 f"every stage needs >= 1 layer, got {list(self.balance)}",
             )
+
+    def _check_split_points(self) -> None:
+        if self.split_points is None:
+            return
+        ok = isinstance(self.split_points, list | tuple) and len(self.split_points) > 0
+        ok = ok and all(isinstance(n, str) and n for n in self.split_points)
+        check(
+            ok,
+            "pipeline.split_points",
+            f"must be null or a list of submodule names; got {self.split_points!r}",
+        )
 
     def _check_executor(self) -> None:
         check_choice(self.executor, EXECUTORS, "pipeline.executor")

@@ -10,6 +10,8 @@ What lives here, one concept per module:
   (:mod:`.autograd`);
 - the local executor (:mod:`.executor`: a step's actions; :mod:`.workers`: its threads and
   mailbox) and what it measures (:mod:`.stats`);
+- any model as a flat Sequential (:mod:`.capture`: ``sequentialize``, torch.export cut at
+  named submodules);
 - the two pipes: :class:`GPipe` (:mod:`.gpipe`, a worker thread per device) and
   ``DistributedPipe`` (:mod:`.dist`, a process per device), which share :mod:`.base`.
 
@@ -27,6 +29,7 @@ Example::
 """
 
 from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from giantpipe.engine.capture import CaptureError, sequentialize
 from giantpipe.engine.gpipe import GPipe
 from giantpipe.engine.partition import verify_module
 from giantpipe.engine.recompute import is_recomputing
@@ -38,6 +41,7 @@ from giantpipe.engine.workers import PipelineError, PipelineTimeout, failed_acti
 
 __all__ = [
     "Action",
+    "CaptureError",
     "DeferredBatchNorm",
     "GPipe",
     "PipelineError",
@@ -51,5 +55,6 @@ __all__ = [
     "gpipe",
     "is_recomputing",
     "rng_context",
+    "sequentialize",
     "verify_module",
 ]

@@ -127,6 +127,9 @@ class GPipe(Pipe):
             if hasattr(self, name) and name not in self._modules:
                 raise ValueError(f"layer name {name!r} clashes with a GPipe attribute")
             self.add_module(name, layer)
+        names = getattr(module, "original_names", None)
+        if names is not None:  # a sequentialized model: checkpoints keep the model's names
+            names.install(self)
         self.placement = [s % args.num_workers for s in range(len(args.balance))]
         self.devices = [workers[w] for w in self.placement]  # per stage
         self.threads_per_stage = threads_per_stage

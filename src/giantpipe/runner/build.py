@@ -32,6 +32,8 @@ from torch import nn
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.engine.base import Pipe
+from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
+from giantpipe.engine.microbatch import as_tuple
 from giantpipe.runner.losses import LossFn, build_loss
 from giantpipe.runner.optim import WeightEMA, build_optimizer, lr_multiplier
 from giantpipe.runner.pipeline import (
@@ -116,12 +118,56 @@ def parameter_names(pipe: nn.Module, model: nn.Module | None = None) -> dict[str
     raise RuntimeError("cannot name the engine's parameters; checkpoints need un-partitioned names")
 
 
-def build_model(cfg: ExperimentConfig) -> nn.Sequential:
-    """The model from its ``_target_``; it must be a flat, non-empty nn.Sequential."""
+def build_model(cfg: ExperimentConfig, bundle: DataBundle | None = None) -> nn.Sequential:
+    """The model from its ``_target_``: a flat, non-empty nn.Sequential as built, or any other
+    module captured as one (:func:`capture_model`, on a sample of ``bundle``'s training data)."""
     model = build_from_target(cfg.model, "model")
-    if not isinstance(model, nn.Sequential) or len(model) == 0:
-        raise ConfigError("model._target_", "must build a non-empty nn.Sequential")
-    return model
+    if isinstance(model, nn.Sequential) and not isinstance(model, Sequentialized):
+        if len(model) == 0:
+            raise ConfigError("model._target_", "must build a non-empty nn.Sequential")
+        if cfg.pipeline.split_points is not None:
+            raise ConfigError(
+                "pipeline.split_points",
+                "the model is a flat nn.Sequential already (its children are the pieces); "
+                "leave split_points null",
+            )
+        return model
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model._target_", "must build an nn.Module")
+    if bundle is None:
+        with torch.device("cpu"):  # data is made on the host, whatever the default device
+            bundle = build_bundle(cfg, None)
+    return capture_model(model, cfg, bundle)
+
+
+def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -> nn.Sequential:
+    """``model`` (e.g. a Hugging Face or torchvision module) as the flat Sequential the engine
+    cuts: :func:`giantpipe.sequentialize` on two samples of the first training batch, at
+    ``pipeline.split_points``, ending with ``pipeline.output``; it must end with one tensor,
+    the output the loss takes.
+
+    Example::
+
+        seq = capture_model(hf_causal_lm("llama", layers=4), cfg, bundle)   # 6 pieces
+    """
+    inputs, _ = next(bundle.train_batches(cfg.trainer.seed, 0))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    sample = tuple(t[:2].to(device) if isinstance(t, torch.Tensor) else t for t in as_tuple(inputs))
+    pipeline = cfg.pipeline
+    try:
+        seq = sequentialize(
+            model, *sample, split_points=pipeline.split_points, output=pipeline.output
+        )
+    except CaptureError as err:
+        key = {"split_points": "pipeline.split_points", "output": "pipeline.output"}
+        raise ConfigError(key.get(err.about, "model._target_"), str(err)) from err
+    if seq.out_spec.num_leaves != 1:
+        raise ConfigError(
+            "pipeline.output",
+            f"the model returns {seq.out_spec.num_leaves} values ({seq.out_spec.type}); name "
+            "the one the loss takes, e.g. pipeline.output=logits",
+        )
+    return seq
 
 
 def build_bundle(cfg: ExperimentConfig, run_dir: Path | None) -> DataBundle:
@@ -200,7 +246,7 @@ def build_experiment(
 
     def model_and_plan() -> tuple[DataBundle, nn.Sequential, Any]:
         bundle = first or build_bundle(cfg, run_dir)
-        model = build_model(cfg)
+        model = build_model(cfg, bundle)
         decided = plan_and_balance(cfg, model, bundle, devices) if world.rank == 0 else None
         return bundle, model, decided
 

@@ -177,6 +177,9 @@ class DistributedPipe(Pipe):
                 convert_deferred_batch_norm(part)
             for name, layer in part.named_children():
                 self.add_module(name, layer)
+        names = getattr(model, "original_names", None)
+        if names is not None:  # a sequentialized model: checkpoints keep the model's names
+            names.install(self)
 
     def _gradient_sync(self, bucket_mb: float, overlap: bool) -> GradientSync | None:
         if self.layout.replicas == 1:
