@@ -102,8 +102,8 @@ SIZES = {  # name -> (full sizes, quick sizes): SIZES[name][quick]
         {"width": 64, "blocks": 4, "batch": 32},
     ),
     "amoebanet": (
-        {"layers": 6, "filters": 32, "batch": 32},
-        {"layers": 3, "filters": 8, "batch": 8},
+        {"layers": 6, "filters": 32, "batch": 32, "image": 64},
+        {"layers": 3, "filters": 8, "batch": 8, "image": 32},
     ),
     "transformer": (
         {"layers": 12, "d": 128, "batch": 16, "seq": 32},
@@ -122,7 +122,7 @@ def model_of(name: str, quick: bool) -> nn.Sequential:
     if name == "mlp":
         return mlp(size["width"], size["blocks"])
     if name == "amoebanet":
-        return amoebanetd(size["layers"], size["filters"], 10, 64)
+        return amoebanetd(size["layers"], size["filters"], 10, size["image"])
     d = size["d"]
     return transformer_lm(size["layers"], d_model=d, ffn_dim=4 * d, num_heads=4, vocab_size=1000,
                           max_len=size["seq"])  # fmt: skip
@@ -134,7 +134,7 @@ def build(name: str, quick: bool) -> tuple[nn.Sequential, torch.Tensor, torch.Te
     if name == "mlp":
         x = torch.randn(size["batch"], size["width"])
     elif name == "amoebanet":
-        x = torch.randn(size["batch"], 3, 64, 64)
+        x = torch.randn(size["batch"], 3, size["image"], size["image"])
     else:
         x = torch.randint(0, 1000, (size["batch"], size["seq"]))
     with torch.no_grad():

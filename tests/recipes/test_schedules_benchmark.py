@@ -5,23 +5,34 @@ results/README.md, not a test: this machine is shared and noisy.)"""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+import torch
+
+from tests.recipes.scripts import load_script
+
 CELL = re.compile(
     r"\| (gpipe|1f1b|interleaved|zb-h1) \| (\d) \| (\d+) \| (\d+) \| [+-]\d+\.\d% "
     r"\| [\d.]+ \| [\d.]+ \| [\d.]+ \| (.+) \|"
 )
 
 
-def test_quick_run_fills_every_cell_and_draws_both_timelines(tmp_path: Path) -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "schedules_cpu.py"), "--quick"]
-    done = subprocess.run([*command, "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    cells = [m.groups() for m in map(CELL.match, done.stdout.splitlines()) if m]
+def test_quick_run_fills_every_cell_and_draws_both_timelines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # main() in this process (one start-up of Python and torch less), on its command line's
+    # argv; it sets two intra-op threads (one per worker): the count is put back after.
+    benchmark = load_script("benchmarks/schedules_cpu.py")
+    monkeypatch.setattr(sys, "argv", ["schedules_cpu.py", "--quick", "--out", str(tmp_path)])
+    threads = torch.get_num_threads()
+    try:
+        benchmark.main()
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capsys.readouterr().out
+    cells = [m.groups() for m in map(CELL.match, stdout.splitlines()) if m]
     assert [(s, int(m)) for s, m, *_ in cells] == [
         (s, m) for s in ("gpipe", "1f1b", "interleaved", "zb-h1") for m in (2, 4)
     ]

@@ -122,7 +122,7 @@ def test_tiny_model_beats_copy_baseline(synthetic) -> None:
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98))
     batches = MultilingualBatches(encode_corpus(train, vocab), 1024, temperature=2.0, seed=0)
-    for _ in range(600):
+    for _ in range(400):  # BLEU 35 here (58 at 600 steps, 16 at 300): copy is under 1
         batch = next(batches)
         total, ntokens = label_smoothed_cross_entropy(model(batch.inputs()), batch.tgt_out)
         optimizer.zero_grad()
