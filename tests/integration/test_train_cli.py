@@ -140,7 +140,8 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
         (["trainer.foo=1"], "error: trainer.foo: unknown key"),
         (
             ["model=nonexistent"],
-            "error: model=nonexistent: no such option (available: amoebanet_b, amoebanet_d, mlp",
+            "error: model=nonexistent: no such option (available: amoebanet_b, amoebanet_d, "
+            "hf_causal_lm",
         ),
         (["trainer.max_steps=ten"], "error: trainer.max_steps: Value 'ten' of type 'str'"),
         (
