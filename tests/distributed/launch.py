@@ -145,6 +145,27 @@ def torchrun(args: list[str], env: dict[str, str] | None = None) -> subprocess.P
     )
 
 
+def train_under_torchrun(
+    run_dir: Path, *overrides: str, timeout: int = 60, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``torchrun --nproc_per_node=2 train.py OVERRIDES pipeline.executor=distributed`` into
+    ``run_dir``, on a free loopback port (see :func:`torchrun`)."""
+    return torchrun(
+        [
+            "--nproc_per_node=2",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "--max_restarts=0",
+            str(REPO / "train.py"),
+            *overrides,
+            "pipeline.executor=distributed",
+            f"pipeline.timeout={timeout}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        env=env,
+    )
+
+
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
     """Waits for a torchrun launch; kills its whole process group on timeout."""
     try:

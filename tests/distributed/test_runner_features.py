@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from giantpipe.metrics.sinks import read_jsonl
-from tests.distributed.launch import REPO, finish, free_port, torchrun
+from tests.distributed.launch import REPO, finish, train_under_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -49,19 +49,7 @@ MLP = [
 
 def launch(run_dir: Path, *overrides: str) -> str:
     """``torchrun --nproc_per_node=2 train.py ... pipeline.executor=distributed``."""
-    proc = torchrun(
-        [
-            "--nproc_per_node=2",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "--max_restarts=0",
-            str(REPO / "train.py"),
-            *overrides,
-            "pipeline.executor=distributed",
-            "pipeline.timeout=60",
-            f"hydra.run.dir={run_dir}",
-        ]
-    )
+    proc = train_under_torchrun(run_dir, *overrides)
     code, output = finish(proc, timeout=240)
     assert code == 0, output
     return output
@@ -136,21 +124,7 @@ def test_sigterm_under_torchrun_saves_every_shard(tmp_path: Path) -> None:
     """SIGTERM to torchrun (what SLURM sends): it passes it on, every rank finishes the same
     step and saves its shard of it, rank 0 marks the run preempted; the resume continues."""
     run = tmp_path / "run"
-    proc = torchrun(
-        [
-            "--nproc_per_node=2",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "--max_restarts=0",
-            str(REPO / "train.py"),
-            *MLP,
-            "trainer.max_steps=5000",
-            "trainer.predict=false",
-            "pipeline.executor=distributed",
-            "pipeline.timeout=60",
-            f"hydra.run.dir={run}",
-        ]
-    )
+    proc = train_under_torchrun(run, *MLP, "trainer.max_steps=5000", "trainer.predict=false")
     deadline = time.monotonic() + 180
     while len(losses(run) if (run / "metrics.jsonl").exists() else []) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 1)[1][-3000:]
@@ -173,21 +147,12 @@ def test_a_rank_that_dies_is_named_in_rank_0s_summary(tmp_path: Path) -> None:
     peer", and rank 0 records the failure in summary.json, whichever of the engine's own
     detection and torchrun's SIGTERM reaches it first."""
     run = tmp_path / "run"
-    proc = torchrun(
-        [
-            "--nproc_per_node=2",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "--max_restarts=0",
-            str(REPO / "train.py"),
-            *MLP,
-            "model._target_=tests.distributed.failing_model.mlp",
-            "trainer.max_steps=6",
-            "trainer.predict=false",
-            "pipeline.executor=distributed",
-            "pipeline.timeout=60",
-            f"hydra.run.dir={run}",
-        ],
+    proc = train_under_torchrun(
+        run,
+        *MLP,
+        "model._target_=tests.distributed.failing_model.mlp",
+        "trainer.max_steps=6",
+        "trainer.predict=false",
         env={"GIANTPIPE_TEST_DIE_AT": "9"},  # a forward of step 2 or 3 (with recompute)
     )
     code, output = finish(proc, timeout=120)

@@ -23,7 +23,7 @@ from giantpipe.metrics.sinks import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model
 from giantpipe.runner.checkpoint import read_checkpoint
-from tests.distributed.launch import REPO, finish, free_port, torchrun
+from tests.distributed.launch import REPO, finish, train_under_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -59,20 +59,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def distributed_run(run_dir: Path, *extra: str) -> str:
-    proc = torchrun(
-        [
-            "--nproc_per_node=2",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            "--max_restarts=0",
-            str(REPO / "train.py"),
-            *OVERRIDES,
-            "pipeline.executor=distributed",
-            "pipeline.timeout=30",
-            f"hydra.run.dir={run_dir}",
-            *extra,
-        ]
-    )
+    proc = train_under_torchrun(run_dir, *OVERRIDES, *extra, timeout=30)
     code, output = finish(proc, timeout=120)
     assert code == 0, output
     return output
