@@ -3,6 +3,7 @@ methods on a tiny model, and the quick run end to end (two gloo processes)."""
 
 from __future__ import annotations
 
+import mmap
 import re
 import time
 from pathlib import Path
@@ -22,9 +23,12 @@ def peers() -> ModuleType:
 def test_rss_growth_sees_a_tensor_that_lived_inside_the_body(peers: ModuleType) -> None:
     peaks: list[int] = []
     with peers.peak_rss_growth(peaks):
-        big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        # 64 MiB of fresh pages, touched (an allocator might reuse memory already resident).
+        fresh = mmap.mmap(-1, 64 * 2**20)
+        big = torch.frombuffer(fresh, dtype=torch.uint8).fill_(1)
         time.sleep(0.2)  # the sampler runs every millisecond, when a busy machine lets it
         del big
+        fresh.close()
     assert 60 * 2**20 < peaks[0] < 200 * 2**20
 
 

@@ -276,7 +276,10 @@ def install_sigterm_note(board: FailureBoard) -> None:
         return
 
     def note(signum: int, frame: FrameType | None) -> None:
-        first = board.read() or board.gone() or "no failure was reported on the failure board"
+        # What this rank found goes on the board before it dies: a survivor stopped later
+        # then reads it, rather than finding this rank's process ended too and naming it.
+        found = board.read() or board.gone()
+        first = board.report(found) if found else "no failure was reported on the failure board"
         print(
             f"giantpipe {board.label}: stopped by SIGTERM; first failure: {first}",
             file=sys.stderr,
