@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The measurement, run in a fresh process against one tree (its PYTHONPATH).
 PROBE = r"""
-import datetime, json, os, socket, sys, tempfile, time
+import datetime, json, os, sys, tempfile, time
 import torch, torch.multiprocessing as mp
 from torch import nn
 
@@ -60,16 +60,18 @@ def local():
         pipe.train_step(x, y, nn.functional.mse_loss)
     return timed(step)
 
-def worker(rank, port, out):
+def worker(rank, rendezvous, out):
     import torch.distributed as dist
     try:
         from giantpipe.engine.dist.pipe import DistributedPipe
     except ImportError:
         from giantpipe.pipe.distributed import DistributedPipe
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=120)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
+    # A file rendezvous: no port picked here that another process could take meanwhile.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2, timeout=timeout
+    )
     torch.manual_seed(1)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     pipe = DistributedPipe(mlp, [blocks // 2] * 2, chunks=chunks, checkpoint="never", timeout=120)
@@ -85,12 +87,10 @@ def worker(rank, port, out):
     dist.destroy_process_group()
 
 def distributed():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "seconds")
-        mp.start_processes(worker, args=(port, out), nprocs=2, start_method="spawn")
+        rendezvous = os.path.join(tmp, "rendezvous")
+        mp.start_processes(worker, args=(rendezvous, out), nprocs=2, start_method="spawn")
         return float(open(out).read())
 
 if __name__ == "__main__":
@@ -107,10 +107,12 @@ def measure(tree: Path, kind: str, sizes: tuple[int, int, int, int], chunks: int
     args = json.dumps([*sizes, chunks, kind])
     try:
         done = subprocess.run(
-            [sys.executable, script.name, args], env=env, capture_output=True, text=True, check=True
+            [sys.executable, script.name, args], env=env, capture_output=True, text=True
         )
     finally:
         os.unlink(script.name)
+    if done.returncode != 0:  # say why, not only that the probe failed
+        raise RuntimeError(f"{kind} probe of {tree} failed:\n{done.stderr[-3000:]}")
     return float(json.loads(done.stdout.strip().splitlines()[-1])["samples_per_s"])
 
 
