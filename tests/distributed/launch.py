@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -28,10 +29,27 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[2]
 
 
+PORTS = range(20000, 32000)
+"""Rendezvous ports: below the kernel's ephemeral range (32768-60999 by default), which gloo's
+own connections draw from, so no process is handed one of these between our pick and our bind;
+each pytest-xdist worker draws from its own slice, so two workers never pick the same."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port no one listens on, from this test worker's slice of :data:`PORTS`."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker) if worker.isdigit() else 0
+    size = len(PORTS) // max(count, 1)
+    mine = range(PORTS.start + index * size, PORTS.start + (index + 1) * size)
+    for port in random.sample(mine, k=min(200, len(mine))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {mine}")
 
 
 # Ranks fork from one server process that has imported torch and the workers once per test
