@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import gc
 import os
 import socket
 import statistics
@@ -94,16 +93,6 @@ def batch(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def timed(step: Callable[[], Any], steps: int) -> float:
-    """Seconds per step: a collection, one warm-up step, then the mean of ``steps`` steps."""
-    gc.collect()
-    step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
 
 
 # ---- the methods, as (step, first loss) built on each rank -----------------------------------
