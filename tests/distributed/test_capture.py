@@ -2,8 +2,9 @@
 start for every case: starting processes and capturing the model is what costs here): every
 schedule and every re-materialization mode, dropout on, so masks must be replayed across
 processes; the pipeline equals the sequentialized model run micro-batch by micro-batch, and each
-rank's state has the original model's parameter names. (The sequentialized model equals the
-original, and K up to 4: tests/unit/engine/test_capture_models.py.)"""
+rank's state has the original model's parameter names. The tied embedding is held by the first
+and the last rank: its gradient is the sum of both uses on each, counted once in the norm.
+(The sequentialized model equals the original, K up to 4: test_capture_models.py.)"""
 
 from __future__ import annotations
 

@@ -19,8 +19,11 @@ dropout, attention dropout) becomes a :class:`RandomOp` layer.
 Names: ``state_dict()`` of the Sequential, and of a pipe built on it, uses the model's own
 parameter names (:class:`OriginalNames`), so checkpoints load into the plain model with
 ``strict=True`` and back. A parameter used on both sides of a cut (tied input and output
-embeddings) is held by its first piece and carried along the pipeline as a value: one tensor,
-so it stays tied, its gradient summed exactly (``tied="error"`` refuses instead).
+embeddings) is, by default, held by every piece that uses it (``tied="share"``): one object,
+which the engine keeps tied across stages (a copy per device whose gradients it sums once a
+step). ``tied="carry"`` instead holds it in its first piece and carries it along the pipeline
+as a value (one tensor, but it crosses every cut each micro-batch, forward and backward);
+``tied="error"`` refuses such a cut.
 
 Example::
 
@@ -66,7 +69,7 @@ def sequentialize(
     *example_args: Any,
     split_points: Sequence[str] | None = None,
     output: str | int | None = None,
-    tied: str = "carry",
+    tied: str = "share",
     **example_kwargs: Any,
 ) -> Sequentialized:
     """``model`` as a flat Sequential whose forward equals ``model(*args, **kwargs)``.
@@ -81,8 +84,9 @@ def sequentialize(
             transformer layers, residual blocks) and the head after the last one.
         output: keep only this field of a dataclass / dict output (``"logits"``) or this
             position of a tuple output, so that the pipeline ends with one tensor.
-        tied: ``"carry"`` a parameter used on both sides of a cut along the pipeline, or
-            ``"error"`` to refuse such a cut.
+        tied: a parameter used on both sides of a cut: ``"share"`` it between the pieces that
+            use it (the engine keeps the stages' copies equal), ``"carry"`` it along the
+            pipeline as a value, or ``"error"`` to refuse such a cut.
 
     Example::
 
@@ -90,8 +94,8 @@ def sequentialize(
         balance = balance_by_time(4, seq, x)                 # pieces: stem, 16 blocks, head
         y = seq(seq.flatten(x))                              # == resnet50(x)
     """
-    if tied not in ("carry", "error"):
-        raise ValueError(f"tied must be 'carry' or 'error', got {tied!r}")
+    if tied not in ("share", "carry", "error"):
+        raise ValueError(f"tied must be 'share', 'carry' or 'error', got {tied!r}")
     for name in split_points or ():  # before the export: a wrong name fails at once
         _check_split_point(model, name)
     kwargs = _with_defaults(model, example_kwargs)
@@ -176,7 +180,10 @@ class OriginalNames:
 
     def __init__(self, names: Mapping[str, list[str]]) -> None:
         self.names = dict(names)  # internal key -> original keys (first: the canonical one)
-        self.internal = {orig: key for key, origs in names.items() for orig in origs}
+        self.internal: dict[str, list[str]] = {}  # original key -> internal keys (tied: several)
+        for key, origs in names.items():
+            for orig in origs:
+                self.internal.setdefault(orig, []).append(key)
 
     @classmethod
     def of(cls, seq: nn.Module, model: nn.Module) -> OriginalNames:
@@ -206,7 +213,18 @@ class OriginalNames:
             local = key[len(prefix) :] if key.startswith(prefix) else None
             if local in self.internal:
                 value = state.pop(key)
-                state.setdefault(prefix + self.internal[local], value)
+                for internal in self.internal[local]:  # a tied parameter: each piece's copy
+                    if _holds(module, internal):  # a distributed pipe holds its stages only
+                        state.setdefault(prefix + internal, value)
+
+
+def _holds(module: nn.Module, key: str) -> bool:
+    path, _, name = key.rpartition(".")
+    try:
+        owner = module.get_submodule(path) if path else module
+    except AttributeError:
+        return False
+    return name in owner._parameters or name in owner._buffers  # noqa: SLF001
 
 
 class RandomOp(nn.Module):
@@ -567,18 +585,22 @@ def _partition(graph: _Graph, cuts: list[int], tied: str) -> tuple[list[fx.Graph
     for p in range(last + 1):
         home.update((n, p) for n in nodes[bounds[p] : bounds[p + 1]])
     reach = _last_uses(graph, home, last)
+    shared: dict[fx.Node, list[int]] = {}  # tied="share": held by each piece using it
     for attr, (fqn, obj) in graph.attrs.items():
         users = sorted({home[u] for u in attr.users if u in home})
         if users:
             home[attr] = users[0]
-            if tied == "error" and len(users) > 1 and isinstance(obj, nn.Parameter):
-                raise CaptureError(_tied_message(fqn, attr, home, users), "tied")
+            if len(users) > 1 and isinstance(obj, nn.Parameter) and tied != "carry":
+                if tied == "error":
+                    raise CaptureError(_tied_message(fqn, attr, home, users), "tied")
+                shared[attr] = users
+                home[attr] = users[-1]  # never crosses a cut: every user holds it
     order = [n for n in graph.graph.nodes if n in home and n in reach]
     carried = [[v for v in order if home[v] < b <= reach[v]] for b in range(1, last + 1)]
     ins = [list(graph.inputs), *carried]
     outs = [*carried, graph.output_values()]
     pieces = [
-        _Piece(graph, home, p).build(nodes[bounds[p] : bounds[p + 1]], ins[p], outs[p])
+        _Piece(graph, home, p, shared).build(nodes[bounds[p] : bounds[p + 1]], ins[p], outs[p])
         for p in range(last + 1)
     ]
     _attach_unused(pieces[0], graph.model, pieces)
@@ -599,8 +621,8 @@ def _tied_message(fqn: str, attr: fx.Node, home: dict[fx.Node, int], pieces: lis
     users = sorted({p for u in attr.users for p in _paths(u) if u in home}, key=len)
     return (
         f"sequentialize: parameter `{fqn}` is used on both sides of a cut (pieces {pieces}, "
-        f"by {users[-2:] if users else '?'}); pieces cannot share a parameter: pass "
-        "tied='carry' to carry it along the pipeline, untie it (e.g. "
+        f"by {users[-2:] if users else '?'}); pass tied='share' (the engine keeps the "
+        "stages' copies tied) or tied='carry', untie it (e.g. "
         "config.tie_word_embeddings=False), or choose split points that keep its uses together"
     )
 
@@ -613,8 +635,10 @@ def device_of(tensor: torch.Tensor) -> torch.device:
 class _Piece:
     """Builds one piece: a GraphModule taking one argument (a tensor or a tuple of values)."""
 
-    def __init__(self, graph: _Graph, home: dict[fx.Node, int], index: int) -> None:
-        self.source, self.home, self.index = graph, home, index
+    def __init__(
+        self, graph: _Graph, home: dict[fx.Node, int], index: int, shared: Mapping[fx.Node, Any]
+    ) -> None:
+        self.source, self.home, self.index, self.shared = graph, home, index, shared
         self.graph = fx.Graph()
         self.root = nn.Module()  # what the piece's get_attr / call_module targets name
         self.env: dict[fx.Node, fx.Node] = {}
@@ -644,7 +668,8 @@ class _Piece:
         """A node of this piece for a value of the captured graph."""
         if node in self.env:
             return self.env[node]
-        if node in self.source.attrs and self.home.get(node) == self.index:
+        held = self.home.get(node) == self.index or self.index in self.shared.get(node, ())
+        if node in self.source.attrs and held:
             fqn, obj = self.source.attrs[node]
             _assign(self.root, fqn, obj, _persistent(self.source.model, fqn))
         elif node in self.source.constants:

@@ -59,9 +59,12 @@ from giantpipe.engine.executor import LossFn, LossSpec, StepRun
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, gather, scatter
 from giantpipe.engine.partition import (
     Device,
+    TiedCopies,
     plain_names,
     resolve_devices,
+    shared_parameters,
     split_module,
+    tied_copies,
     verify_balance,
     verify_module,
 )
@@ -133,7 +136,9 @@ class GPipe(Pipe):
         self.placement = [s % args.num_workers for s in range(len(args.balance))]
         self.devices = [workers[w] for w in self.placement]  # per stage
         self.threads_per_stage = threads_per_stage
+        shared = shared_parameters(module)  # before the split: copies are distinct after it
         self.partitions: list[nn.Sequential] = split_module(module, self.balance, self.devices)
+        self.tied = TiedCopies(tied_copies(self.partitions, shared))
         self._rng_hooks = install_rng_hooks(module)
         self.last_in_flight: list[int] = []  # per stage: most micro-batches held at once
         self._worker_pool = WorkerPool()  # threads kept across steps; see close()
@@ -215,7 +220,9 @@ class GPipe(Pipe):
         if not self.partitions:
             return _identity_step(micro, spec)
         run = StepRun(self._step_config(True, spec), micro, pool=self._worker_pool)
+        self.tied.begin()
         run.run(self.step_schedule())
+        self.tied.finish()
         self._commit_batchnorm()
         self._finish(run, started)
         return self._total_loss(run.losses)
@@ -251,7 +258,11 @@ class GPipe(Pipe):
             norm = pipe.clip_grad_norm_(1.0)  # the norm before clipping
             optimizer.step()
         """
-        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        followers = {id(p) for p in self.tied.followers()}  # a tied copy counts once
+        counted = [p for p in self.parameters() if id(p) not in followers]
+        norm = torch.nn.utils.clip_grad_norm_(counted, max_norm)
+        self.tied.follow()
+        return norm
 
     def close(self) -> None:
         """Stops the worker threads kept between steps (collecting the pipe does it too); a
@@ -336,7 +347,9 @@ class PipelineFunction(torch.autograd.Function):
         last = len(pipe.partitions) - 1
         for m in range(chunks):
             run.mailbox.put(("grad", last, m), tuple(col[m] for col in per_output))
+        pipe.tied.begin()
         run.run(ctx.schedule.phase("B"))
+        pipe.tied.finish()
         pipe._finish(run, ctx.started)
         grads = _gather_input_grads(run, chunks, ctx.num_inputs)
         return (None, None, None, None, None, *grads)

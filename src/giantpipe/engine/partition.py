@@ -11,6 +11,14 @@ The stages hold the very same layer objects as ``model`` (no copy), each moved t
 each keeps the layer's original name so that parameter names do not depend on the cut:
 ``"0.weight"`` where torchgpipe says ``"partitions.0.0.weight"`` (:func:`plain_names` reads
 torchgpipe's state dicts).
+
+Tied parameters (input and output embeddings: one parameter held by two layers) stay one
+object on one device; stages on different devices each get a copy (:class:`TiedCopies`), whose
+gradients the engine sums once per step, so the copies take the same optimizer step and stay
+equal, as Megatron-LM does for its embedding group::
+
+    stage 0 (cuda:0): wte ... | stage 1 (cuda:1): ... lm_head = wte' (copy)
+    after backward:  wte.grad = wte'.grad = wte.grad + wte'.grad
 """
 
 from __future__ import annotations
@@ -33,23 +41,34 @@ class BalanceError(ValueError):
 def verify_module(module: nn.Module) -> None:
     """Checks that ``module`` is a flat Sequential whose layers can be placed independently.
 
-    A layer shared by two positions, or a parameter shared by two layers, would have to live on
-    two devices at once; both are rejected here rather than silently desynchronised later.
+    A layer at two positions would have to run as two stages with one set of activations: it is
+    rejected. A parameter shared by two layers (tied embeddings) is kept tied by the engine
+    (:class:`TiedCopies`), so it is allowed, unlike in torchgpipe.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError("module must be nn.Sequential to be partitioned")
     children = list(module.named_children())
     if len(children) != len(module):
         raise ValueError("module with duplicate children is not supported")
-    owner: dict[int, str] = {}
-    for name, child in children:
-        for param in child.parameters():
-            if id(param) in owner and owner[id(param)] != name:
-                raise ValueError(
-                    "module with duplicate parameters in distinct children is not supported "
-                    f"(layers {owner[id(param)]} and {name} share a parameter)"
-                )
-            owner[id(param)] = name
+
+
+def shared_parameters(module: nn.Sequential) -> list[list[tuple[int, str]]]:
+    """Parameters held by more than one layer, each as its places ``(layer index, name in the
+    layer)``, in layer order.
+
+    >>> embed = nn.Embedding(10, 4)
+    >>> head = nn.Linear(4, 10, bias=False)
+    >>> head.weight = embed.weight
+    >>> shared_parameters(nn.Sequential(embed, nn.ReLU(), head))
+    [[(0, 'weight'), (2, 'weight')]]
+    """
+    places: dict[int, list[tuple[int, str]]] = {}
+    for index, layer in enumerate(module):
+        for name, param in layer.named_parameters(remove_duplicate=False):
+            found = places.setdefault(id(param), [])
+            if not any(i == index for i, _ in found):
+                found.append((index, name))
+    return [group for group in places.values() if len(group) > 1]
 
 
 def verify_balance(num_layers: int, balance: Sequence[int], num_devices: int) -> list[int]:
@@ -92,7 +111,12 @@ def resolve_devices(devices: Iterable[Device] | None, num_partitions: int) -> li
 def split_module(
     module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
 ) -> list[nn.Sequential]:
-    """Cuts ``module`` into ``len(balance)`` stages and moves stage k to ``devices[k]``."""
+    """Cuts ``module`` into ``len(balance)`` stages and moves stage k to ``devices[k]``.
+
+    A parameter shared by layers on different devices is copied first (one copy per device,
+    the first stage's being the original); :func:`tied_copies` finds the copies again.
+    """
+    _untie_across_devices(module, balance, devices)
     stages = []
     layers = iter(module.named_children())
     for count, device in zip(balance, devices):
@@ -101,6 +125,97 @@ def split_module(
         stage.to(device)
         stages.append(stage)
     return stages
+
+
+def _untie_across_devices(
+    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+) -> None:
+    # Module.to moves a parameter in place: one object held on two devices would end up on the
+    # last one. So each further device gets its own Parameter, shared by its layers.
+    device_of = [d for count, d in zip(balance, devices) for _ in range(count)]
+    for places in shared_parameters(module):
+        first = module[places[0][0]].get_parameter(places[0][1])
+        copies = {device_of[places[0][0]]: first}
+        for index, name in places[1:]:
+            device = device_of[index]
+            if device not in copies:
+                copies[device] = nn.Parameter(first.detach().clone(), first.requires_grad)
+            _set_parameter(module[index], name, copies[device])
+
+
+def _set_parameter(layer: nn.Module, name: str, param: nn.Parameter) -> None:
+    path, _, attr = name.rpartition(".")
+    (layer.get_submodule(path) if path else layer).register_parameter(attr, param)
+
+
+def tied_copies(
+    stages: Sequence[nn.Module], groups: Sequence[Sequence[tuple[int, str]]]
+) -> list[list[nn.Parameter]]:
+    """The distinct copies of each shared parameter (``groups`` from :func:`shared_parameters`,
+    layer indices counted over all stages), first stage's first; groups with one copy left out.
+    """
+    layers = [layer for stage in stages for layer in stage]
+    found = []
+    for places in groups:
+        copies: dict[int, nn.Parameter] = {}
+        for index, name in places:
+            param = layers[index].get_parameter(name)
+            copies.setdefault(id(param), param)
+        if len(copies) > 1:
+            found.append(list(copies.values()))
+    return found
+
+
+class TiedCopies:
+    """Keeps the per-device copies of tied parameters equal: their gradients are summed once
+    per step (``begin`` before it, ``finish`` after its backward), so every copy takes the same
+    optimizer step. Gradients already accumulated before ``begin`` are kept as they are.
+
+    Example::
+
+        tied = TiedCopies(tied_copies(stages, shared_parameters(model)))
+        tied.begin()
+        ...                      # a step's forward and backward
+        tied.finish()            # wte.grad == wte_copy.grad == the sum of both uses
+    """
+
+    def __init__(self, groups: Sequence[Sequence[nn.Parameter]]) -> None:
+        self.groups = [list(g) for g in groups]
+        self._held: dict[int, torch.Tensor] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def begin(self) -> None:
+        self._held = {}
+        for copies in self.groups:
+            for p in copies:
+                if p.grad is not None:
+                    self._held[id(p)] = p.grad
+                    p.grad = None
+
+    def finish(self) -> None:
+        for copies in self.groups:
+            owner = copies[0]
+            total = torch.zeros_like(owner)
+            for p in copies:
+                if p.grad is not None:
+                    total += p.grad.to(owner.device)
+            for p in copies:
+                grad = total if p is owner else total.to(p.device, copy=True)
+                held = self._held.pop(id(p), None)
+                p.grad = grad if held is None else held + grad
+
+    def followers(self) -> list[nn.Parameter]:
+        """Every copy but the first of each group: left out of a global norm, counted once."""
+        return [p for copies in self.groups for p in copies[1:]]
+
+    def follow(self) -> None:
+        """Gives every copy the first copy's gradient again (after clipping scaled it)."""
+        for owner, *rest in self.groups:
+            for p in rest:
+                if owner.grad is not None and p.grad is not None:
+                    p.grad.copy_(owner.grad)
 
 
 _PARTITIONED = re.compile(r"partitions\.\d+\.")

@@ -40,7 +40,6 @@ from giantpipe.runner.pipeline import (
     build_distributed_pipe,
     build_pipe,
     check_schedule,
-    check_tied_parameters,
     pipeline_ranks,
     rank_device,
     resolve_balance,
@@ -226,7 +225,6 @@ def plan_and_balance(
         )
     sample = micro_batch_sample(sample_inputs, pipeline.chunks)
     balance = resolve_balance(pipeline, model, devices, sample)
-    check_tied_parameters(model, balance)
     v = pipeline.virtual_stages
     check_schedule(pipeline.schedule, len(balance) // v, pipeline.chunks, v)
     return pipeline, choice, balance

@@ -173,39 +173,6 @@ def resolve_balance(
     return balance
 
 
-def shared_parameter_layers(model: nn.Sequential) -> list[list[int]]:
-    """Groups of children that hold one parameter between them (e.g. a tied softmax)."""
-    owners: dict[int, set[int]] = {}
-    for index, child in enumerate(model):
-        for param in child.parameters():
-            owners.setdefault(id(param), set()).add(index)
-    groups = {tuple(sorted(layers)) for layers in owners.values() if len(layers) > 1}
-    return [list(group) for group in sorted(groups)]
-
-
-def check_tied_parameters(model: nn.Sequential, balance: list[int]) -> None:
-    """Reject children that share a parameter (tied embeddings) before the engine is built.
-
-    On different stages each stage would update its own copy of the shared weight and the
-    copies would drift apart (on GPUs they would be two tensors); the engine also refuses a
-    parameter shared by two children of one stage. Either way: one line naming both keys.
-
-    Example::
-
-        check_tied_parameters(transformer_t(2, 64, 4, tie_embeddings=True), [3, 3])  # ConfigError
-    """
-    stage_of = [stage for stage, count in enumerate(balance) for _ in range(count)]
-    for layers in shared_parameter_layers(model):
-        stages = sorted({stage_of[i] for i in layers})
-        where = f"on stages {stages}" if len(stages) > 1 else f"on stage {stages[0]}"
-        raise ConfigError(
-            "pipeline.balance",
-            f"{list(balance)} puts layers {layers}, which share a parameter (tied embeddings), "
-            f"{where}; the engine keeps no parameter in two layers, even on one stage: set "
-            "model.tie_embeddings=false (share_embeddings keeps one table inside layer 0)",
-        )
-
-
 def check_schedule(name: str, stages: int, chunks: int, virtual_stages: int = 1) -> None:
     """Reject a schedule the engine does not know, or one that cannot run this K, M and V."""
     try:

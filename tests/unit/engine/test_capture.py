@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from giantpipe import GPipe, sequentialize
 from giantpipe.engine.capture import CaptureError, repeated_blocks
+from giantpipe.engine.partition import shared_parameters
 from giantpipe.perf.balance import solve_balance
 from tests.unit.engine.engine_helpers import reference_step, step_seed
 
@@ -129,17 +130,58 @@ def test_checkpoints_keep_the_models_names_both_ways(captured) -> None:
     seq.load_state_dict(model.state_dict(), strict=True)
 
 
-def test_a_tied_weight_is_one_parameter_carried_across_stages(captured) -> None:
-    model, seq = captured
-    seq = copy.deepcopy(seq)
+@pytest.mark.parametrize(
+    ("tied", "devices", "copies"),
+    [
+        ("share", ["cpu"] * 3, 1),  # one device: one object, both uses accumulate into it
+        ("share", ["cpu:0", "cpu:1", "cpu:2"], 2),  # distinct devices: a copy on the last stage
+        ("carry", ["cpu:0", "cpu:1", "cpu:2"], 1),  # held by the first stage, carried as a value
+    ],
+)
+def test_a_tied_weight_stays_tied_across_stages(
+    captured, tied: str, devices: list[str], copies: int
+) -> None:
+    model, _ = captured
     ids, mask, labels = batch()
     plain = copy.deepcopy(model)
-    token_loss(plain(ids, mask)["logits"], labels).backward()
-    pipe = GPipe(seq, balance=[1, 3, 4], devices=["cpu"] * 3, chunks=1)
-    pipe.train_step((ids, mask), labels, token_loss)
-    tied = [p for p in pipe.parameters() if p.shape == (VOCAB, D)]
-    assert len(tied) == 1  # held once, by the first stage; the last one gets it as a value
-    torch.testing.assert_close(tied[0].grad, plain.embed.weight.grad)  # both uses summed
+    seq = sequentialize(copy.deepcopy(model), ids, mask, tied=tied)
+    pipe = GPipe(seq, balance=[1, 3, 4], devices=devices, chunks=1)  # BatchNorm: whole batch
+    held = {id(p): p for name, p in pipe.named_parameters(remove_duplicate=False)
+            if p.shape == (VOCAB, D)}  # fmt: skip
+    assert len(held) == copies
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    pipe_opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    for _ in range(2):  # the copies take the same step, so the second step is tied too
+        for opt in (plain_opt, pipe_opt):
+            opt.zero_grad()
+        token_loss(plain(ids, mask)["logits"], labels).backward()
+        pipe.train_step((ids, mask), labels, token_loss)
+        norm = pipe.clip_grad_norm_(1e9)  # a copy counts once
+        torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(plain.parameters(), 1e9))
+        for p in held.values():
+            torch.testing.assert_close(p.grad, plain.embed.weight.grad)  # both uses summed
+        plain_opt.step()
+        pipe_opt.step()
+        for p in held.values():
+            torch.testing.assert_close(p, plain.embed.weight)
+
+
+def test_tied_copies_sum_only_this_steps_gradients() -> None:
+    # Accumulation over two steps: what p.grad held before the step is kept, not summed again
+    embed = nn.Embedding(VOCAB, D)
+    head = nn.Linear(D, VOCAB, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, nn.Tanh(), head)
+    assert shared_parameters(model) == [[(0, "weight"), (2, "weight")]]
+    plain = copy.deepcopy(model)
+    pipe = GPipe(copy.deepcopy(model), [2, 1], devices=["cpu:0", "cpu:1"], chunks=2)
+    assert len(pipe.tied.groups) == 1 and pipe[0].weight is not pipe[2].weight
+    ids, labels = batch()[0], batch()[2]
+    for _ in range(2):
+        token_loss(plain(ids), labels).backward()
+        pipe.train_step(ids, labels, token_loss)
+    torch.testing.assert_close(pipe[0].weight.grad, plain[0].weight.grad)
+    torch.testing.assert_close(pipe[2].weight.grad, plain[0].weight.grad)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -238,7 +280,7 @@ def test_a_split_point_that_is_not_a_submodule() -> None:
 
 def test_a_cut_through_a_tied_parameter_can_be_refused() -> None:
     ids, mask, _ = batch()
-    with pytest.raises(CaptureError, match=r"`embed.weight` is used on both sides.*tied='carry'"):
+    with pytest.raises(CaptureError, match=r"`embed.weight` is used on both sides.*tied='share'"):
         sequentialize(TiedLM(), ids, mask, tied="error")
 
 

@@ -54,8 +54,10 @@ class GradientSync:
         bucket_bytes: int = 25 * 2**20,
         overlap: bool = True,
         board: FailureBoard | None = None,
+        uses: dict[int, int] | None = None,
     ) -> None:
         self.group, self.microbatches, self.timeout = group, microbatches, timeout
+        self.uses = dict(uses or {})  # id -> stages of this rank that use it (tied: > 1)
         self.board, self.overlap = board, overlap
         params = [p for _, p in named_params if p.requires_grad]
         self.buckets = _buckets(params, bucket_bytes)
@@ -96,7 +98,7 @@ class GradientSync:
         index = self._bucket_of[id(param)]
         if index < self._next:
             self._late.append(self._names.get(id(param), "a parameter"))
-        elif count == self.microbatches:
+        elif count == self.microbatches * self.uses.get(id(param), 1):
             self._ready[index] += 1
             while self._next < len(self.buckets) and self._ready[self._next] == len(
                 self.buckets[self._next]
@@ -167,6 +169,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     group: Any = None,
+    uncounted: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clips gradients by their norm over every stage of the pipeline; returns that norm.
 
@@ -181,8 +184,12 @@ def clip_grad_norm_(
     """
     if hasattr(parameters, "groups") and hasattr(parameters, "parameters"):
         group = parameters.groups.pipeline if group is None else group
+        uncounted = parameters.tied.followers() if hasattr(parameters, "tied") else uncounted
         parameters = parameters.parameters()
-    grads = [p.grad for p in parameters if p.grad is not None]
+    skip = {id(p) for p in uncounted}  # a tied copy's gradient: scaled, but counted once
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    scaled = grads + [p.grad for p in params if p.grad is not None and id(p) in skip]
     norm_type = float(norm_type)
     inf = norm_type == float("inf")
     if grads:
@@ -198,9 +205,67 @@ def clip_grad_norm_(
     norm = total[0] if inf else total[0].pow(1.0 / norm_type)
     coef = max_norm / (float(norm) + 1e-6)
     if coef < 1.0:
-        for g in grads:
+        for g in scaled:
             g.detach().mul_(coef)
     return norm.float()
+
+
+class TiedSync:
+    """Parameters tied across pipeline ranks (input and output embeddings on the first and last
+    stage): each rank holds a copy; ``__init__`` makes the copies equal (the first stage's
+    value), and each step their gradients are summed over the ranks that hold them, once,
+    after the backward (not a 154 MB value per micro-batch through the pipeline). Every copy
+    then takes the same optimizer step.
+
+    ``held`` lists this rank's copies with the group of ranks holding that parameter and the
+    rank of its first stage. Example::
+
+        tied = TiedSync([(wte, group, 0)], timeout=60.0, board=board)
+        tied.begin()       # before the step's actions (accumulated gradients set aside)
+        ...                # the schedule runs
+        tied.finish()      # wte.grad: the sum over both stages' uses, on both ranks
+    """
+
+    def __init__(
+        self,
+        held: Sequence[tuple[nn.Parameter, Any, int]],
+        timeout: float,
+        board: FailureBoard | None = None,
+    ) -> None:
+        self.held, self.timeout, self.board = list(held), timeout, board
+        self.owned = {id(p) for p, _, owner in held if owner == dist.get_rank()}
+        self._stash: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for p, group, owner in self.held:
+                work = dist.broadcast(p.data, src=owner, group=group, async_op=True)
+                ranks = dist.get_process_group_ranks(group)
+                wait_work(work, timeout, f"the broadcast of a tied parameter over {ranks}", board)
+
+    def __bool__(self) -> bool:
+        return bool(self.held)
+
+    def followers(self) -> list[nn.Parameter]:
+        """The copies this rank holds but does not own: left out of the global norm."""
+        return [p for p, _, _ in self.held if id(p) not in self.owned]
+
+    def begin(self) -> None:
+        self._stash = {}
+        for p, _, _ in self.held:
+            if p.grad is not None:
+                self._stash[id(p)] = p.grad
+                p.grad = None
+
+    def finish(self) -> None:
+        works = []
+        for p, group, _ in self.held:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            works.append((dist.all_reduce(grad, group=group, async_op=True), p, grad, group))
+        for work, p, grad, group in works:
+            ranks = dist.get_process_group_ranks(group)
+            what = f"the all-reduce of a tied parameter's gradient over ranks {ranks}"
+            wait_work(work, self.timeout, what, self.board)
+            held = self._stash.pop(id(p), None)
+            p.grad = grad if held is None else held.add_(grad)
 
 
 def all_reduce_(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,12 +137,35 @@ def build_groups(layout: Layout, timeout: float) -> Groups:
     )
 
 
+def tied_group(layout: Layout, workers: Sequence[int], timeout: float) -> Any:
+    """The group of this replica's ``workers`` (pipeline ranks holding one tied parameter);
+    every rank creates every replica's group, in the same order, as ``new_group`` requires.
+
+    >>> tied_group(layout, [0, 3], 60.0)   # ranks 0 and 3 of replica 0, 4 and 7 of replica 1
+    """
+    key = (layout.world_size, layout.workers, timeout, tuple(workers))
+    world = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the world
+    if key not in _TIED or _TIED[key][0] is not world:
+        delta = datetime.timedelta(seconds=timeout)
+        w = layout.workers
+        made = [
+            dist.new_group([q * w + i for i in workers], timeout=delta)
+            for q in range(layout.replicas)
+        ]
+        _TIED[key] = (world, made)
+    return _TIED[key][1][layout.replica]
+
+
+_TIED: dict[tuple[int, int, float, tuple[int, ...]], tuple[Any, list[Any]]] = {}
+
+
 def drop_groups(groups: Groups) -> None:
     """Destroys this rank's groups after a failure: closing the connections wakes the peers."""
     for key, (_, made) in list(_CACHE.items()):
         if groups.p2p in made:
             del _CACHE[key]
-    for group in (groups.p2p, groups.pipeline, groups.replica):
+    tied = [g for key in list(_TIED) for g in _TIED.pop(key)[1]]  # connections of the same world
+    for group in (groups.p2p, groups.pipeline, groups.replica, *tied):
         if group is not None:
             try:
                 dist.destroy_process_group(group)

@@ -109,10 +109,10 @@ def allocate_layers(
     / ``reset_running_stats`` or a state dict can fill them: a buffer computed in ``__init__``
     (a position table) needs :func:`build_on_meta`, which keeps buffers real.
     """
+    made: dict[int, nn.Parameter] = {}  # a parameter shared by layers held here stays shared
     for index in layers:
         layer = model[index]
         fresh = any(p.device.type == "meta" for p in layer.parameters())
-        made: dict[int, nn.Parameter] = {}  # a parameter shared inside the layer stays shared
         for module in layer.modules():
             for name, param in list(module._parameters.items()):  # noqa: SLF001
                 if param is None:

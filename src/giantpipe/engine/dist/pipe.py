@@ -65,6 +65,7 @@ from giantpipe.engine.dist.faults import (
 )
 from giantpipe.engine.dist.gradsync import (
     GradientSync,
+    TiedSync,
     all_gather_rows,
     all_reduce_,
     all_reduce_sum,
@@ -75,6 +76,7 @@ from giantpipe.engine.dist.layout import (
     Layout,
     build_groups,
     comm_device,
+    tied_group,
     drop_groups,
     init_distributed,
     resolve_device,
@@ -84,6 +86,7 @@ from giantpipe.engine.dist.p2p import P2PMailbox
 from giantpipe.engine.dist.wire import KnownLayouts
 from giantpipe.engine.executor import LossFn, LossSpec, StepRun
 from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
+from giantpipe.engine.partition import shared_parameters
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
@@ -147,12 +150,15 @@ class DistributedPipe(Pipe):
         )
         self.placement = list(steps.placement)
         self.device = resolve_device(device)
+        shared = shared_parameters(model)  # tied parameters, found before the layers are copied
         self._hold_layers(model, seed, init, deferred_batch_norm)
         self.groups = build_groups(self.layout, timeout)
         self.board = FailureBoard(default_store(), self.layout.label())
         peers = self.layout.pipeline_ranks + self.layout.replica_ranks
         self.board.watch(self.layout.rank, peers, self.layout.rank_label)
         install_sigterm_note(self.board)
+        self._uses: dict[int, int] = {}
+        self.tied = self._tied_sync(model, shared)
         self._box: P2PMailbox | None = None
         # Each boundary key's frame layout, as both of its ends last saw it: from the second
         # step on, a value crosses as one message into a receive posted ahead (dist/p2p.py).
@@ -181,6 +187,25 @@ class DistributedPipe(Pipe):
         if names is not None:  # a sequentialized model: checkpoints keep the model's names
             names.install(self)
 
+    def _tied_sync(self, model: nn.Sequential, shared: list[list[tuple[int, str]]]) -> TiedSync:
+        """One copy of each tied parameter per pipeline rank that uses it, kept equal by
+        :class:`TiedSync`; a rank using it in several of its stages holds one object."""
+        stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
+        layout, held = self.layout, []
+        for places in shared:
+            workers = sorted({self.placement[stage_of[i]] for i, _ in places})
+            mine = [(i, n) for i, n in places if self.placement[stage_of[i]] == layout.worker]
+            if mine:  # stages of this rank that use it: its gradient accumulates once in each
+                param = model[mine[0][0]].get_parameter(mine[0][1])
+                self._uses[id(param)] = len({stage_of[i] for i, _ in mine})
+            if len(workers) < 2:
+                continue
+            group = tied_group(layout, workers, self.timeout)  # every rank makes every group
+            if mine:
+                owner = layout.replica * layout.workers + workers[0]
+                held.append((model[mine[0][0]].get_parameter(mine[0][1]), group, owner))
+        return TiedSync(held, self.timeout, self.board)
+
     def _gradient_sync(self, bucket_mb: float, overlap: bool) -> GradientSync | None:
         if self.layout.replicas == 1:
             return None  # nothing to all-reduce
@@ -192,6 +217,7 @@ class DistributedPipe(Pipe):
             bucket_bytes=int(bucket_mb * 2**20),
             overlap=overlap,
             board=self.board,
+            uses=self._uses,
         )
 
     # ---- who needs what ------------------------------------------------------------------
@@ -273,12 +299,16 @@ class DistributedPipe(Pipe):
         if loss_fn is None:
             raise ValueError("loss_fn is required (on every rank, though only the last uses it)")
         spec = self._rank_loss_spec(targets, loss_fn, loss_normalizer)
+        if grad:
+            self.tied.begin()  # first: the replicas' sum below then covers this step only
         if self.sync is not None and grad:
             self.sync.begin()
         steps = self.step_schedule()
         run = self._run(grad, spec, self._scatter(inputs), steps if grad else steps.phase("F"))
         if self.sync is not None and grad:
             self.sync.finish()
+        if grad:
+            self.tied.finish()
         self._commit_batchnorm()
         return self._finish(run, started, self._total_loss(run.losses) if run.losses else None)
 
