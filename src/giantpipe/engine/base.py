@@ -44,8 +44,8 @@ from giantpipe.engine.microbatch import TensorOrTensors, batch_size, scatter
 from giantpipe.engine.partition import BalanceError, verify_balance, verify_module
 from giantpipe.engine.recompute import MODES, recompute_stop
 from giantpipe.engine.rng import draw_step_seed
-from giantpipe.engine.schedule import Schedule
-from giantpipe.engine.schedules import build_schedule, schedule_builders
+from giantpipe.engine.schedule import Schedule, gpipe, validate
+from giantpipe.engine.schedules import VIRTUAL_STAGES, build_schedule, schedule_builders
 from giantpipe.engine.stats import ActionTiming, StepStats
 
 # One set of defaults for both pipes (torchgpipe's where it has one).
@@ -80,8 +80,8 @@ def check_arguments(
 ) -> Arguments:
     """Checks a pipe's arguments in torchgpipe's order; raises ValueError (TypeError for the
     module) naming the first bad one. ``virtual_stages=None`` means 2 for ``'interleaved'``
-    and 1 otherwise. The schedule itself is checked by :meth:`Pipe.__init__`, the devices by
-    GPipe (a DistributedPipe has one per rank).
+    and ``'zb-v'``, 1 otherwise. The schedule itself is checked by :meth:`Pipe.__init__`,
+    the devices by GPipe (a DistributedPipe has one per rank).
 
     >>> check_arguments(nn.Sequential(nn.ReLU(), nn.ReLU()), [1, 1], 4, "never", "gpipe", None)
     Arguments(balance=[1, 1], chunks=4, virtual_stages=1)
@@ -110,16 +110,13 @@ def check_arguments(
 
 
 def infer_virtual_stages(schedule: str, virtual_stages: int | None, num_stages: int) -> int:
-    """V: as given, else 2 for 'interleaved' and 1 otherwise; K*V must be the balance's length.
+    """V: as given, else 2 for 'interleaved' and 'zb-v', 1 otherwise; K*V must be the
+    balance's length.
 
     >>> infer_virtual_stages("interleaved", None, 4)
     2
     """
-    v = (
-        int(virtual_stages)
-        if virtual_stages is not None
-        else (2 if schedule == "interleaved" else 1)
-    )
+    v = int(virtual_stages) if virtual_stages is not None else VIRTUAL_STAGES.get(schedule, 1)
     if v < 1:
         raise ValueError(f"virtual_stages must be positive (got {v})")
     if num_stages % v:
@@ -131,13 +128,24 @@ def infer_virtual_stages(schedule: str, virtual_stages: int | None, num_stages: 
 
 
 @functools.lru_cache(maxsize=64)
-def cached_schedule(name: str, workers: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+def cached_schedule(
+    name: str,
+    workers: int,
+    chunks: int,
+    virtual_stages: int = 1,
+    placement: tuple[int, ...] | None = None,
+) -> Schedule:
     """:func:`~giantpipe.engine.schedules.build_schedule`, validated once per configuration
-    (a pipe asks for its schedule every step).
+    (a pipe asks for its schedule every step). ``placement``: fill-drain ('gpipe') over
+    another schedule's stages (the forward door of a ZB-V pipe).
 
     >>> cached_schedule("1f1b", 2, 4) is cached_schedule("1f1b", 2, 4)
     True
     """
+    if placement is not None:
+        schedule = gpipe(workers, chunks, virtual_stages, placement=placement)
+        validate(schedule)
+        return schedule
     return build_schedule(name, workers, chunks, virtual_stages)
 
 

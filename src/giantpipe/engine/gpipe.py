@@ -4,11 +4,13 @@
    forward half of fill-drain, autograd calls back into the pipeline for the backward half.
 2. The step door: ``loss = model.train_step(x, target, loss_fn)``. The engine owns the loss,
    so any schedule runs: ``schedule="gpipe"`` (fill-drain), ``"1f1b"``, ``"interleaved"``
-   (with ``virtual_stages``) or ``"zb-h1"`` (zero bubble); see :mod:`giantpipe.engine.schedule`.
+   (with ``virtual_stages``), ``"zb-h1"`` or ``"zb-v"`` (zero bubble); see
+   :mod:`giantpipe.engine.schedule`.
 
 Interleaved schedules cut the model into K*V stages: ``balance`` then lists K*V layer counts
 (e.g. ``solve_balance(costs, K * V)``), ``devices`` the K workers, and stage s runs on worker
-s % K. A K-entry balance cannot be refined for you: worker w's layers would not be contiguous.
+``schedule.placement[s]`` (s % K; ZB-V: s and 2K-1-s on one worker). A K-entry balance cannot
+be refined for you: worker w's layers would not be contiguous.
 
 Example::
 
@@ -96,10 +98,10 @@ class GPipe(Pipe):
             ``'except_last'`` or ``'never'``: which micro-batches drop their activations and
             recompute them in backward (see :mod:`giantpipe.engine.recompute`). Not a file.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch.
-        schedule: the schedule ``train_step`` runs: ``'gpipe'``, ``'1f1b'``, ``'interleaved'``
-            or ``'zb-h1'`` (``forward`` always runs fill-drain).
-        virtual_stages: V, stages per worker for ``'interleaved'`` (and looped ``'gpipe'``);
-            ``balance`` then has K*V entries and ``devices`` K.
+        schedule: the schedule ``train_step`` runs: ``'gpipe'``, ``'1f1b'``, ``'interleaved'``,
+            ``'zb-h1'`` or ``'zb-v'`` (``forward`` always runs fill-drain).
+        virtual_stages: V, stages per worker for ``'interleaved'`` and ``'zb-v'`` (and looped
+            ``'gpipe'``); ``balance`` then has K*V entries and ``devices`` K.
         timeout: seconds a worker may wait for a neighbour before the step fails
             (PipelineTimeout); also how long a step waits for the threads of a failed one.
         threads_per_stage: intra-op threads of each worker; default: for CPU stand-ins, the
@@ -133,7 +135,8 @@ class GPipe(Pipe):
         names = getattr(module, "original_names", None)
         if names is not None:  # a sequentialized model: checkpoints keep the model's names
             names.install(self)
-        self.placement = [s % args.num_workers for s in range(len(args.balance))]
+        # stage -> worker, as the schedule places them (an empty pipe has none)
+        self.placement = list(self.step_schedule().placement) if args.balance else []
         self.devices = [workers[w] for w in self.placement]  # per stage
         self.threads_per_stage = threads_per_stage
         shared = shared_parameters(module)  # before the split: copies are distinct after it
@@ -182,7 +185,9 @@ class GPipe(Pipe):
         micro = scatter(batch, self.chunks)
         grad = torch.is_grad_enabled()
         run = StepRun(self._step_config(grad, None), micro, pool=self._worker_pool)
-        fill_drain = cached_schedule("gpipe", self.num_workers, self.chunks, self.virtual_stages)
+        fill_drain = cached_schedule(
+            "gpipe", self.num_workers, self.chunks, self.virtual_stages, tuple(self.placement)
+        )
         if not grad:
             run.run(fill_drain.phase("F"))
             self._commit_batchnorm()

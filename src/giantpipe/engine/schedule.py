@@ -3,8 +3,9 @@
 Legend (the paper's letters, plus those of the schedules that came after it)::
 
     K  workers (devices), one thread or process each    M  micro-batches per mini-batch
-    V  virtual stages per worker (interleaved): the model is cut into K*V stages, stage s
-       runs on worker s % K (``Schedule.placement``); V = 1 everywhere else
+    V  virtual stages per worker (interleaved, ZB-V): the model is cut into K*V stages, stage s
+       runs on worker ``Schedule.placement[s]`` (s % K interleaved, a V shape for ZB-V);
+       V = 1 everywhere else
     F  forward of micro-batch m on stage s              B  backward of m on stage s
     W  weight-gradient of m on stage s: where a schedule lists W, its B computes only the
        input gradient (sent on at once) and W accumulates the parameter gradients later
@@ -99,25 +100,34 @@ def expected_bubble(num_workers: int, num_microbatches: int, virtual_stages: int
     return (k - 1) / (v * num_microbatches + k - 1)
 
 
-def gpipe(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+def gpipe(
+    num_workers: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    placement: tuple[int, ...] | None = None,
+) -> Schedule:
     """GPipe fill-drain: all forwards in micro-batch order, then all backwards in reverse.
 
     Backwards run last-in first-out, as autograd would for the whole mini-batch, so the last
     micro-batch (whose activations are the freshest) is released first. With ``virtual_stages``
-    V > 1, the ``num_workers`` K hold K*V stages (stage s on worker s % K) and each worker runs
-    its stages one after the other, breadth first ("looped" fill-drain).
+    V > 1, the ``num_workers`` K hold K*V stages (stage s on worker s % K, or as ``placement``
+    says: another schedule's stages, for its forward-only phase) and each worker runs its
+    stages one after the other, breadth first ("looped" fill-drain).
+
+    >>> [str(a) for a in gpipe(2, 1, 2, placement=(0, 1, 1, 0)).actions[0]]
+    ['F0@0', 'F0@3', 'B0@3', 'B0@0']
     """
     _check_sizes(num_workers, num_microbatches, virtual_stages)
     k, v = num_workers, virtual_stages
+    placement = tuple(s % k for s in range(k * v)) if placement is None else tuple(placement)
     workers = []
     for w in range(k):
-        stages = range(w, k * v, k)
+        stages = [s for s, owner in enumerate(placement) if owner == w]
         forwards = [Action("F", s, m) for s in stages for m in range(num_microbatches)]
         backwards = [
             Action("B", s, m) for s in reversed(stages) for m in reversed(range(num_microbatches))
         ]
         workers.append(tuple(forwards + backwards))
-    placement = tuple(s % k for s in range(k * v))
     return Schedule("gpipe", k * v, num_microbatches, tuple(workers), placement)
 
 

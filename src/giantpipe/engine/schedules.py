@@ -1,4 +1,4 @@
-"""The 1F1B family: one-forward-one-backward with flush, interleaved 1F1B and zero-bubble ZB-H1.
+"""The 1F1B family: 1F1B with flush, interleaved 1F1B and the zero-bubble ZB-H1 and ZB-V.
 
 All three keep GPipe's synchronous update (one flush per mini-batch), so they are transparent:
 only the order of the actions changes. What they change is memory and idle time.
@@ -27,6 +27,17 @@ W actions, and the deferred W fill the drain's idle time. K=3, M=4, unit costs::
 
 Bubble (K-1)(F+B-W) per stage instead of (K-1)(F+B+W), at 1F1B's peak of K micro-batches.
 
+ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): 2K stages of half the
+size placed in a V, worker w holding stages w and 2K-1-w, so worker 0 holds the first and the
+last stage and a micro-batch turns round on worker K-1 without a hop; B and W split as in
+ZB-H1. The order is a list schedule on unit costs (each action of a half stage takes one tick):
+a worker runs a ready B first (the critical path), else a ready F (later stage first) while it
+holds fewer than 2K half-stage activations (1F1B's K whole ones), else its oldest pending W.
+K=2, M=4: 25 ticks for 24 of work, the single idle tick being worker 1's first (ZB-H1: 26)::
+
+    worker 0 | F0@0 F1@0 F2@0 F0@3 B0@3 W0@3 F1@3 B0@0 B1@3 W0@0 F3@0 B1@0 W1@3 ...
+    worker 1 | .    F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 W0@2 F2@1 B1@2 B1@1 W0@1 F2@2 ...
+
 Example::
 
     >>> [str(a) for a in one_f_one_b(2, 3).actions[0]]
@@ -37,7 +48,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from giantpipe.engine.schedule import Action, Schedule, _check_sizes, gpipe, validate
+from giantpipe.engine.schedule import (
+    Action,
+    Schedule,
+    _check_sizes,
+    dependencies,
+    gpipe,
+    validate,
+)
 
 
 def one_f_one_b(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -141,6 +159,70 @@ def _with_weight_gradients(order: tuple[Action, ...], deferred: int) -> tuple[Ac
     return tuple(out + pending)
 
 
+def zb_v(num_workers: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """ZB-V: 2K half stages in a V (worker w: stages w and 2K-1-w), B and W split, ordered by
+    a list schedule on unit costs (see the module's docstring).
+
+    >>> s = zb_v(2, 2)
+    >>> s.placement
+    (0, 1, 1, 0)
+    >>> [str(a) for a in s.actions[0]][:5]
+    ['F0@0', 'F1@0', 'F0@3', 'B0@3', 'W0@3']
+    """
+    k, m, v = num_workers, num_microbatches, virtual_stages
+    _check_sizes(k, m, v)
+    if v != 2:
+        raise ValueError(f"zb-v runs 2 stages per worker (virtual_stages=2, got {v})")
+    n = 2 * k
+    placement = tuple(s if s < k else n - 1 - s for s in range(n))
+    orders = _list_schedule(placement, m, held_limit=2 * k)
+    return Schedule("zb-v", n, m, tuple(tuple(o) for o in orders), placement)
+
+
+def _list_schedule(placement: tuple[int, ...], m: int, held_limit: int) -> list[list[Action]]:
+    """Simulates unit-cost actions tick by tick: a free worker takes its ready B (oldest
+    micro-batch, later stage first), else a ready F (later stage first, then oldest) while it
+    holds fewer than ``held_limit`` activations (from F to W), else its oldest W."""
+    n, k = len(placement), max(placement) + 1
+    todo = [
+        {Action(kind, s, mb) for s in range(n) if placement[s] == w for kind in "FBW"
+         for mb in range(m)}
+        for w in range(k)
+    ]  # fmt: skip
+    finished: dict[Action, int] = {}
+    free, held = [0] * k, [0] * k
+    orders: list[list[Action]] = [[] for _ in range(k)]
+    tick = 0
+    while any(todo):
+        for w in range(k):
+            if free[w] > tick or not todo[w]:
+                continue
+            ready = [
+                a for a in todo[w]
+                if all(finished.get(d, tick + 1) <= tick for d in dependencies(a, n))
+            ]  # fmt: skip
+            action = _pick(ready, allow_forward=held[w] < held_limit)
+            if action is None:
+                continue
+            todo[w].discard(action)
+            orders[w].append(action)
+            held[w] += {"F": 1, "W": -1}.get(action.kind, 0)
+            free[w] = finished[action] = tick + 1
+        tick += 1
+    return orders
+
+
+def _pick(ready: list[Action], allow_forward: bool) -> Action | None:
+    by_kind = {kind: [a for a in ready if a.kind == kind] for kind in "FBW"}
+    if by_kind["B"]:
+        return min(by_kind["B"], key=lambda a: (a.microbatch, -a.stage))
+    if by_kind["F"] and allow_forward:
+        return min(by_kind["F"], key=lambda a: (-a.stage, a.microbatch))
+    if by_kind["W"]:
+        return min(by_kind["W"], key=lambda a: (a.microbatch, -a.stage))
+    return None
+
+
 def _check_single_stage(name: str, k: int, m: int, v: int) -> None:
     _check_sizes(k, m, v)
     if v != 1:
@@ -155,7 +237,8 @@ def _identity(num_workers: int) -> tuple[int, ...]:
 
 
 ScheduleFn = Callable[[int, int, int], Schedule]
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+VIRTUAL_STAGES = {"interleaved": 2, "zb-v": 2}  # V unless given (1 for the others)
 
 
 def schedule_builders() -> dict[str, ScheduleFn]:
@@ -165,6 +248,7 @@ def schedule_builders() -> dict[str, ScheduleFn]:
         "1f1b": one_f_one_b,
         "interleaved": interleaved,
         "zb-h1": zb_h1,
+        "zb-v": zb_v,
     }
 
 
@@ -174,7 +258,7 @@ def build_schedule(
     """Looks up a schedule by name and validates it.
 
     ``num_workers`` is K; with ``virtual_stages`` V the model is cut into K*V stages
-    (``Schedule.num_stages``; only 'gpipe' and 'interleaved' take V > 1).
+    (``Schedule.num_stages``; 'gpipe' and 'interleaved' take V > 1, 'zb-v' needs V = 2).
 
     >>> build_schedule("gpipe", 2, 4).num_workers
     2

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from giantpipe.engine.microbatch import split_sizes
 from giantpipe.engine.recompute import MODES, recompute_stop
 from giantpipe.engine.schedule import Schedule
-from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule
+from giantpipe.engine.schedules import SCHEDULE_NAMES, VIRTUAL_STAGES, build_schedule
 from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.perf.costs import LayerCost
 from giantpipe.perf.simulate import Simulation, StageCost, simulate
@@ -103,8 +103,9 @@ def plan(
     """Every configuration that fits, fastest first (ties: least peak memory).
 
     ``chunks`` defaults to the powers of two up to ``batch_size``; ``virtual_stages`` applies
-    to 'interleaved' (V = 1 elsewhere); ``optimizer_slots`` counts per-parameter optimizer
-    state (1: RMSProp or momentum, as the paper's 12 bytes per parameter; 2: Adam).
+    to 'interleaved' (V = 2 for 'zb-v', 1 elsewhere); ``optimizer_slots`` counts
+    per-parameter optimizer state (1: RMSProp or momentum, as the paper's 12 bytes per
+    parameter; 2: Adam).
     ``layer_times`` replaces the device model's seconds by measured ones (memory still comes
     from ``layers``); ``overhead`` is added to every simulated action.
     """
@@ -113,7 +114,8 @@ def plan(
     found = []
     measured = _Measured(layer_times, overhead) if layer_times is not None else None
     for name, m, mode in itertools.product(schedules, options, checkpoints):
-        for v in virtual_stages if name == "interleaved" else (1,):
+        fixed = (VIRTUAL_STAGES.get(name, 1),)  # zb-v: its V shape needs exactly 2
+        for v in virtual_stages if name == "interleaved" else fixed:
             if num_devices * v > len(layers) or (name == "interleaved" and m % num_devices):
                 continue
             schedule = build_schedule(name, num_devices, m, v)

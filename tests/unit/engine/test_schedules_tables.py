@@ -1,4 +1,5 @@
-"""1F1B, interleaved and ZB-H1 as data: exact tables, the validator over every size, errors."""
+"""1F1B, interleaved, ZB-H1 and ZB-V as data: exact tables, the validator over every size,
+errors."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from giantpipe.engine.schedules import (
     interleaved,
     one_f_one_b,
     zb_h1,
+    zb_v,
 )
 
 
@@ -51,6 +53,34 @@ def test_zb_h1_k3_m4_exact_table() -> None:
     ]
 
 
+def test_zb_v_k2_m4_exact_table() -> None:
+    s = zb_v(2, 4)
+    assert s.num_stages == 4 and s.virtual_stages == 2 and s.placement == (0, 1, 1, 0)
+    assert table(s) == [
+        "F0@0 F1@0 F2@0 F0@3 B0@3 W0@3 F1@3 B0@0 B1@3 W0@0 F3@0 B1@0 W1@3 F2@3 B2@3 W1@0 "
+        "W2@3 B2@0 W2@0 F3@3 B3@3 W3@3 B3@0 W3@0",
+        "F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 W0@2 F2@1 B1@2 B1@1 W0@1 F2@2 W1@2 F3@1 B2@2 B2@1 "
+        "W1@1 F3@2 W2@2 W2@1 B3@2 B3@1 W3@2 W3@1",
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+def test_zb_v_holds_no_more_than_1f1b(k: int, m: int) -> None:
+    # Worker w holds stages w and 2K-1-w, each half a 1F1B stage: at most 2K halves = K whole
+    for worker in zb_v(k, m).actions:
+        held = peak = 0
+        for a in worker:  # a half stage's activations are held from its F to its W
+            held += {"F": 1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, held)
+        assert peak <= 2 * min(k, m)
+
+
+def test_zb_v_needs_two_virtual_stages() -> None:
+    with pytest.raises(ValueError, match=r"zb-v runs 2 stages per worker \(virtual_stages=2"):
+        build_schedule("zb-v", 2, 4, 1)
+
+
 def test_looped_gpipe_with_virtual_stages() -> None:
     s = gpipe(2, 2, virtual_stages=2)
     assert s.is_fill_drain() and s.placement == (0, 1, 0, 1)
@@ -65,7 +95,7 @@ def _sizes() -> list[tuple[str, int, int, int]]:
     for k in range(1, 9):
         for m in range(1, 17):
             cases += [("gpipe", k, m, 1), ("1f1b", k, m, 1), ("zb-h1", k, m, 1)]
-            cases += [("gpipe", k, m, 2)]
+            cases += [("gpipe", k, m, 2), ("zb-v", k, m, 2)]
             if m % k == 0:
                 cases += [("interleaved", k, m, v) for v in (2, 3, 4)]
     return cases
@@ -77,7 +107,7 @@ def test_every_schedule_validates_for_k_up_to_8_and_m_up_to_16() -> None:
         validate(s)
         assert s.num_stages == k * v and s.num_workers == k
         ws = sum(a.kind == "W" for w in s.actions for a in w)
-        assert ws == (k * m if name == "zb-h1" else 0)
+        assert ws == {"zb-h1": k * m, "zb-v": 2 * k * m}.get(name, 0)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
@@ -102,13 +132,23 @@ def test_one_stage_schedules_reject_virtual_stages(name: str) -> None:
 
 
 def test_names_registry() -> None:
-    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved", "zb-h1")
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
     with pytest.raises(ValueError, match="choose one of"):
         build_schedule("zigzag", 2, 2)
 
 
 def _custom(actions: list[list[Action]], placement: tuple[int, ...] = (0, 1)) -> Schedule:
     return Schedule("custom", len(placement), 1, tuple(tuple(w) for w in actions), placement)
+
+
+def test_fill_drain_over_another_schedules_placement() -> None:
+    # the forward door and the F-only phase of a ZB-V pipe: fill-drain on its V placement
+    s = gpipe(2, 2, 2, placement=(0, 1, 1, 0))
+    validate(s)
+    assert table(s) == [
+        "F0@0 F1@0 F0@3 F1@3 B1@3 B0@3 B1@0 B0@0",
+        "F0@1 F1@1 F0@2 F1@2 B1@2 B0@2 B1@1 B0@1",
+    ]
 
 
 def test_validator_rejects_w_before_its_b() -> None:

@@ -39,6 +39,9 @@ CASES = [
     ("interleaved", 3, 2, 3),
     ("interleaved", 2, 3, 2),
     ("gpipe", 2, 2, 3),
+    ("zb-v", 2, 2, 1),
+    ("zb-v", 2, 2, 5),
+    ("zb-v", 3, 2, 4),
 ]
 
 
@@ -83,6 +86,20 @@ def test_interleaved_front_door_runs_looped_fill_drain() -> None:
         schedule="interleaved",
         virtual_stages=2,
     )
+    torch.manual_seed(4)
+    loss = nn.functional.cross_entropy(pipe(inputs), target)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    assert_same_grads(pipe, plain)
+
+
+def test_zb_v_front_door_runs_fill_drain_on_its_v_placement() -> None:
+    model = tuple_model()
+    inputs, target = tuple_batch()
+    plain, ref_loss = reference_step(model, inputs, target, 3, step_seed(4))
+    pipe = GPipe(copy.deepcopy(model), [2, 1, 1, 2], devices=["cpu"] * 2, chunks=3,
+                 schedule="zb-v")  # fmt: skip
+    assert pipe.placement == [0, 1, 1, 0] and pipe.virtual_stages == 2
     torch.manual_seed(4)
     loss = nn.functional.cross_entropy(pipe(inputs), target)
     loss.backward()

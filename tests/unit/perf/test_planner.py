@@ -67,14 +67,19 @@ def test_plan_by_hand() -> None:
         reserve=0.0,
     )
     layers = [layer() for _ in range(4)]
-    best = plan(layers, 2, 8, device, checkpoints=["never"])[0]
-    assert best.balance == [2, 2] and best.chunks == 8
-    # zero bubble wins: stage 1 works 8 x 6 s without a break after stage 0's first F (2 s);
+    zb = plan(layers, 2, 8, device, checkpoints=["never"], schedules=["zb-h1"])[0]
+    assert zb.balance == [2, 2] and zb.chunks == 8
+    # zero bubble: stage 1 works 8 x 6 s without a break after stage 0's first F (2 s);
     # 1F1B adds stage 0's last full backward (3 s) after stage 1's
-    assert best.schedule == "zb-h1"
-    assert best.step_time_s == pytest.approx(2 + 8 * 6)
+    assert zb.step_time_s == pytest.approx(2 + 8 * 6)
     one = next(c for c in plan(layers, 2, 8, device, schedules=["1f1b"]) if c.chunks == 8)
     assert one.step_time_s == pytest.approx(2 + 8 * 6 + 3)
+    # ZB-V (one layer per half stage, worker 0 holding the first and the last) waits only for
+    # the first layer's F (1 s), at the same activation memory: the best of all schedules
+    best = plan(layers, 2, 8, device, checkpoints=["never"])[0]
+    assert (best.schedule, best.balance, best.chunks) == ("zb-v", [1, 1, 1, 1], 8)
+    assert best.step_time_s == pytest.approx(1 + 8 * 6)
+    assert best.peak_memory_bytes == zb.peak_memory_bytes
     assert best.samples_per_s == pytest.approx(8 / best.step_time_s)
 
 

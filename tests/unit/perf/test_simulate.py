@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from giantpipe.engine.schedule import expected_bubble, gpipe
-from giantpipe.engine.schedules import build_schedule, interleaved, one_f_one_b, zb_h1
+from giantpipe.engine.schedules import build_schedule, interleaved, one_f_one_b, zb_h1, zb_v
 from giantpipe.perf.simulate import StageCost, simulate
 from giantpipe.perf.timeline import plot_timeline, render_text
 
@@ -36,6 +36,17 @@ def test_zb_h1_bubble_is_k_minus_1_times_f_plus_b_minus_w(k: int, m: int) -> Non
     assert sim.step_time == pytest.approx(3.0 * m + (k - 1) * (1.0 + 1.0 - 1.0))
     one = simulate(one_f_one_b(k, m), [cost] * k)
     assert one.step_time == pytest.approx(3.0 * (m + k - 1))
+
+
+@pytest.mark.parametrize(("k", "m", "idle"), [(2, 4, 1), (2, 8, 1), (4, 8, 3), (4, 16, 3)])
+def test_zb_v_idles_only_while_the_first_forward_fills(k: int, m: int, idle: int) -> None:
+    # Half stages (F = B = W = 1 each, a whole stage's 2): ZB-V's step is the work, 6M, plus
+    # the K-1 ticks the last worker waits for micro-batch 0; ZB-H1 on whole stages pays
+    # (K-1)(F+B-W) = 2(K-1)
+    half = StageCost(forward=1.0, backward=2.0, backward_input=1.0, weight=1.0)
+    assert simulate(zb_v(k, m), [half] * (2 * k)).step_time == pytest.approx(6.0 * m + idle)
+    whole = StageCost(forward=2.0, backward=4.0, backward_input=2.0, weight=2.0)
+    assert simulate(zb_h1(k, m), [whole] * k).step_time == pytest.approx(6.0 * m + 2 * (k - 1))
 
 
 def test_send_time_is_paid_on_each_boundary_crossing() -> None:
