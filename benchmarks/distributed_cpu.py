@@ -2,6 +2,7 @@
 
     python benchmarks/distributed_cpu.py                # both models: ~40 min on 2 shared cores
     python benchmarks/distributed_cpu.py --models mlp   # one model
+    python benchmarks/distributed_cpu.py --models ffn --chunks 4 8   # some Ms
     python benchmarks/distributed_cpu.py --quick        # tiny sizes, one round: seconds
 
 Models, K=2 stages of equal halves, checkpoint 'never', MSE against a fixed random target:
@@ -371,10 +372,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
     parser.add_argument("--models", nargs="+", choices=sorted(FULL), default=sorted(FULL))
     parser.add_argument("--rounds", type=int, help="rounds per model (default 5; --quick 1)")
+    parser.add_argument("--chunks", type=int, nargs="+", help="the Ms to run (default 1-16)")
     args = parser.parse_args()
     setups = [(QUICK if args.quick else FULL)[name] for name in args.models]
     if args.rounds:
         setups = [replace(s, rounds=args.rounds) for s in setups]
+    if args.chunks:
+        setups = [replace(s, chunks=tuple(args.chunks)) for s in setups]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     for setup in setups:

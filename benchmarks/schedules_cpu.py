@@ -5,7 +5,8 @@
 
 Model: an 8-block MLP (Linear 1024 + ReLU per block), batch 512, K=2 workers on two CPU stand-in
 devices (one intra-op thread each), re-materialization 'never' (``--checkpoint`` to change).
-Schedules gpipe, 1f1b, interleaved (V=2: four stages of two blocks) and zb-h1, M in {2, 4, 8}.
+Schedules gpipe, 1f1b, interleaved (V=2: four stages of two blocks), zb-h1 and zb-v (V=2, the
+four stages placed in a V), M in {2, 4, 8}.
 
 Every round visits every configuration in turn: ``pipe.predict(x, y, loss)`` (profile the
 stages, simulate the schedule), then ``--steps`` timed ``train_step`` calls. This machine is
@@ -45,7 +46,7 @@ class Setup:
 
 FULL = Setup(width=1024, blocks=8, batch=512, chunks=(2, 4, 8), rounds=5, steps=3)
 QUICK = Setup(width=64, blocks=8, batch=32, chunks=(2, 4), rounds=1, steps=1)
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 
 
 @dataclass

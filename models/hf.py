@@ -113,7 +113,7 @@ class HfCausalLmModelConfig:
     dropout: float = 0.0
     """Dropout (gpt2: residual, embedding and attention; others: attention)."""
     tie_embeddings: bool = False
-    """One table for input and output embeddings (carried along the pipeline if tied)."""
+    """One table for input and output embeddings (the engine keeps the stages' copies tied)."""
     seed: int = 0
     """Seed of the random weights."""
 

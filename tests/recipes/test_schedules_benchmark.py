@@ -14,7 +14,7 @@ import torch
 from tests.recipes.scripts import load_script
 
 CELL = re.compile(
-    r"\| (gpipe|1f1b|interleaved|zb-h1) \| (\d) \| (\d+) \| (\d+) \| [+-]\d+\.\d% "
+    r"\| (gpipe|1f1b|interleaved|zb-h1|zb-v) \| (\d) \| (\d+) \| (\d+) \| [+-]\d+\.\d% "
     r"\| [\d.]+ \| [\d.]+ \| [\d.]+ \| (.+) \|"
 )
 
@@ -34,7 +34,7 @@ def test_quick_run_fills_every_cell_and_draws_both_timelines(
     stdout = capsys.readouterr().out
     cells = [m.groups() for m in map(CELL.match, stdout.splitlines()) if m]
     assert [(s, int(m)) for s, m, *_ in cells] == [
-        (s, m) for s in ("gpipe", "1f1b", "interleaved", "zb-h1") for m in (2, 4)
+        (s, m) for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v") for m in (2, 4)
     ]
     for schedule, m, measured, predicted, memory in cells:
         assert int(measured) > 0 and int(predicted) > 0
