@@ -157,7 +157,9 @@ class TorchrunWorld(World):
         self._pipe, self._group = pipe, pipe.groups.p2p
 
     def close(self) -> None:
-        self._pipe = self._group = None
+        pipe, self._pipe, self._group = self._pipe, None, None
+        if pipe is not None:
+            pipe.release()  # no request may outlive the groups (see DistributedPipe.release)
         if dist.is_initialized():
             dist.destroy_process_group()
 

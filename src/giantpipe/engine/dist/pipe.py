@@ -399,6 +399,25 @@ class DistributedPipe(Pipe):
             raise RankFailure(f"the pipeline failed earlier and cannot run: {self._broken}")
         return run_guarded(body, self.layout, self.board, self._teardown)
 
+    def release(self) -> None:
+        """Lets go of every pending request and buffer before the process group is destroyed:
+        a gloo request that outlives its group is destroyed during interpreter shutdown, which
+        can abort the process after a run that succeeded. The pipe cannot step afterwards.
+
+        Example::
+
+            pipe.release()
+            dist.destroy_process_group()
+        """
+        if self._box is not None:
+            self._box.drop()
+            self._box = None
+        if self.sync is not None:
+            self.sync.drop()
+        self.tied = TiedSync([], self.timeout)
+        self._broken = self._broken or "the pipe was released"
+        gc.collect()
+
     def _teardown(self, message: str) -> None:
         self._broken = message
         if self._box is not None:
