@@ -76,10 +76,10 @@ from giantpipe.engine.dist.layout import (
     Layout,
     build_groups,
     comm_device,
-    tied_group,
     drop_groups,
     init_distributed,
     resolve_device,
+    tied_group,
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
 from giantpipe.engine.dist.p2p import P2PMailbox
@@ -195,15 +195,14 @@ class DistributedPipe(Pipe):
         for places in shared:
             workers = sorted({self.placement[stage_of[i]] for i, _ in places})
             mine = [(i, n) for i, n in places if self.placement[stage_of[i]] == layout.worker]
-            if mine:  # stages of this rank that use it: its gradient accumulates once in each
-                param = model[mine[0][0]].get_parameter(mine[0][1])
+            param = model[mine[0][0]].get_parameter(mine[0][1]) if mine else None
+            if param is not None:  # its gradient accumulates once in each stage here using it
                 self._uses[id(param)] = len({stage_of[i] for i, _ in mine})
             if len(workers) < 2:
                 continue
             group = tied_group(layout, workers, self.timeout)  # every rank makes every group
-            if mine:
-                owner = layout.replica * layout.workers + workers[0]
-                held.append((model[mine[0][0]].get_parameter(mine[0][1]), group, owner))
+            if param is not None:
+                held.append((param, group, layout.replica * layout.workers + workers[0]))
         return TiedSync(held, self.timeout, self.board)
 
     def _gradient_sync(self, bucket_mb: float, overlap: bool) -> GradientSync | None:
