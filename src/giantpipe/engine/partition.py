@@ -166,6 +166,22 @@ def tied_copies(
     return found
 
 
+def set_aside_gradients(params: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Takes the gradients already in ``p.grad`` out (``p.grad`` becomes None), by ``id(p)``:
+    a step then sums only its own part, and the part set aside is added back after.
+
+    >>> w = nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)
+    >>> held = set_aside_gradients([w])
+    >>> w.grad is None and held[id(w)].tolist() == [1.0, 1.0]
+    True
+    """
+    held = {}
+    for p in params:
+        if p.grad is not None:
+            held[id(p)], p.grad = p.grad, None
+    return held
+
+
 class TiedCopies:
     """Keeps the per-device copies of tied parameters equal: their gradients are summed once
     per step (``begin`` before it, ``finish`` after its backward), so every copy takes the same
@@ -183,16 +199,8 @@ class TiedCopies:
         self.groups = [list(g) for g in groups]
         self._held: dict[int, torch.Tensor] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self.groups)
-
     def begin(self) -> None:
-        self._held = {}
-        for copies in self.groups:
-            for p in copies:
-                if p.grad is not None:
-                    self._held[id(p)] = p.grad
-                    p.grad = None
+        self._held = set_aside_gradients(p for copies in self.groups for p in copies)
 
     def finish(self) -> None:
         for copies in self.groups:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from giantpipe.engine.dist.faults import FailureBoard, wait_work
+from giantpipe.engine.partition import set_aside_gradients
 
 
 class GradientSync:
@@ -77,12 +78,7 @@ class GradientSync:
     def begin(self) -> None:
         """Before a step's actions. Gradients already in ``p.grad`` (accumulation over several
         steps) are set aside: they are already summed, only this step's part is all-reduced."""
-        self._held = {}
-        for bucket in self.buckets:
-            for p in bucket:
-                if p.grad is not None:
-                    self._held[id(p)] = p.grad
-                    p.grad = None
+        self._held = set_aside_gradients(p for bucket in self.buckets for p in bucket)
         self.early = 0
         self._counts.clear()
         self._ready = [0] * len(self.buckets)
@@ -234,26 +230,19 @@ class TiedSync:
     ) -> None:
         self.held, self.timeout, self.board = list(held), timeout, board
         self.owned = {id(p) for p, _, owner in held if owner == dist.get_rank()}
-        self._stash: dict[int, torch.Tensor] = {}
+        self._held: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for p, group, owner in self.held:
                 work = dist.broadcast(p.data, src=owner, group=group, async_op=True)
                 ranks = dist.get_process_group_ranks(group)
                 wait_work(work, timeout, f"the broadcast of a tied parameter over {ranks}", board)
 
-    def __bool__(self) -> bool:
-        return bool(self.held)
-
     def followers(self) -> list[nn.Parameter]:
         """The copies this rank holds but does not own: left out of the global norm."""
         return [p for p, _, _ in self.held if id(p) not in self.owned]
 
     def begin(self) -> None:
-        self._stash = {}
-        for p, _, _ in self.held:
-            if p.grad is not None:
-                self._stash[id(p)] = p.grad
-                p.grad = None
+        self._held = set_aside_gradients(p for p, _, _ in self.held)
 
     def finish(self) -> None:
         works = []
@@ -264,7 +253,7 @@ class TiedSync:
             ranks = dist.get_process_group_ranks(group)
             what = f"the all-reduce of a tied parameter's gradient over ranks {ranks}"
             wait_work(work, self.timeout, what, self.board)
-            held = self._stash.pop(id(p), None)
+            held = self._held.pop(id(p), None)
             p.grad = grad if held is None else held.add_(grad)
 
 
