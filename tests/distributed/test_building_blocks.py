@@ -16,7 +16,7 @@ from torch import nn
 
 from giantpipe.engine.dist.layout import Layout
 from giantpipe.engine.dist.meta import allocate_layers, build_on_meta, init_layers, seeded_init
-from giantpipe.engine.dist.p2p import expected_receives
+from giantpipe.engine.dist.p2p import expected_receives, receive_plan
 from giantpipe.engine.dist.shards import atomic_save
 from giantpipe.engine.dist.wire import (
     allocate,
@@ -105,6 +105,29 @@ def test_receives_follow_the_schedule_including_interleaved_stages() -> None:
         if k[1:] == (a.stage, a.microbatch) and (k[0] == "act") == (a.kind == "F")
     ]
     assert consumed == keys[1]  # in the order rank 0 consumes them
+
+
+def test_receive_plan_is_each_peers_sending_order_and_cached() -> None:
+    plan = build_schedule("1f1b", 2, 3)
+    last = Layout(world_size=2, rank=1, workers=2, placement=plan.placement)
+    first = Layout(world_size=2, rank=0, workers=2, placement=plan.placement)
+    assert receive_plan(plan.actions, last) == ((0, (("act", 1, 0), ("act", 1, 1), ("act", 1, 2))),)
+    assert receive_plan(plan.actions, first) == (
+        (1, (("grad", 0, 0), ("grad", 0, 1), ("grad", 0, 2))),
+    )
+    # ZB-V: rank 0 holds stages 0 and 3, so it gets stage 1's activations and stage 2's
+    # gradients, interleaved in the order rank 1 runs its actions.
+    zbv = build_schedule("zb-v", 2, 2, 2)
+    order = receive_plan(zbv.actions, Layout(2, 0, 2, zbv.placement))[0][1]
+    sent = [
+        ("act", 3, a.microbatch) if a.kind == "F" else ("grad", 0, a.microbatch)
+        for a in zbv.actions[1]
+        if (a.kind, a.stage) in {("F", 2), ("B", 1)}
+    ]
+    assert order == tuple(sent)
+    hits = receive_plan.cache_info().hits
+    receive_plan(plan.actions, last)
+    assert receive_plan.cache_info().hits == hits + 1
 
 
 class Positions(nn.Module):

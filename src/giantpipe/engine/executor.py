@@ -65,7 +65,7 @@ from giantpipe.engine.microbatch import CopyStreams, TensorOrTensors, as_tuple, 
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule
-from giantpipe.engine.stats import ActionTiming, CudaClock, SavedTensorMeter
+from giantpipe.engine.stats import ActionTiming, CudaClock, SavedTensorMeter, storage_keys
 from giantpipe.engine.workers import (
     Aborted,
     Mailbox,
@@ -180,6 +180,7 @@ class StepRun:
         self.cuda_actions: list[tuple[int, list[Any]]] = []  # (index in timings, its marks)
         self.pending: list[dict[int, WeightGradient | None]] = [{} for _ in range(k)]
         self.split: set[tuple[int, int]] = set()  # (stage, m) whose backward a W completes
+        self.param_storages: list[frozenset[int] | None] = [None] * k  # what meters exclude
         for m, x in enumerate(inputs):
             self.mailbox.put(("act", 0, m), x)
 
@@ -298,7 +299,7 @@ class StepRun:
         train = cfg.grad_enabled
         leaves = make_leaves(x, first=stage == 0) if train else x
         recompute_later = train and m < cfg.recompute_stop
-        meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
+        meter = SavedTensorMeter(storages=self._parameter_storages(stage))
         meter.ignore(as_tuple(leaves))  # counted once, as held inputs, below
         with rng_context(cfg.seed, m, device), meter:
             if recompute_later:
@@ -312,6 +313,13 @@ class StepRun:
                 self.outputs[stage][m] = y
             self._hold(stage, m, nbytes(leaves) + (0 if recompute_later else meter.bytes))
         self._hand_on(stage, m, y)
+
+    def _parameter_storages(self, stage: int) -> frozenset[int]:
+        # Once per stage and step: the parameters cannot move while a step runs.
+        found = self.param_storages[stage]
+        if found is None:
+            found = self.param_storages[stage] = storage_keys(self.cfg.stages[stage].parameters())
+        return found
 
     def _run_stage(self, stage: int, x: Any, m: int) -> Any:
         y = _checked_output(stage, self.cfg.stages[stage](x))
@@ -338,7 +346,7 @@ class StepRun:
         if m < cfg.recompute_stop:
             t0 = time.perf_counter()
             self._cuda_mark(stage, "recompute")
-            meter = SavedTensorMeter(exclude=cfg.stages[stage].parameters())
+            meter = SavedTensorMeter(storages=self._parameter_storages(stage))
             meter.ignore(as_tuple(leaves))
             with rng_context(cfg.seed, m, cfg.devices[stage]), recomputing(cfg.stages[stage]):
                 with meter:

@@ -140,6 +140,16 @@ class StepStats:
 
 
 # ---- memory: bytes saved for backward, the allocator's peak --------------------------------
+def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    """The storages of ``tensors``, as :class:`SavedTensorMeter` tells them apart.
+
+    >>> layer = nn.Linear(2, 2)
+    >>> len(storage_keys(layer.parameters()))
+    2
+    """
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+
+
 class SavedTensorMeter:
     """Context manager that sums the bytes of distinct storages saved for backward.
 
@@ -147,8 +157,12 @@ class SavedTensorMeter:
     pipeline worker meters only its own stage.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._exclude = {p.untyped_storage().data_ptr() for p in exclude}
+    def __init__(
+        self, exclude: Iterable[torch.Tensor] = (), *, storages: frozenset[int] = frozenset()
+    ) -> None:
+        # ``storages``: keys of tensors to exclude (:func:`storage_keys`), computed once for
+        # the many meters of a stage (walking a module's parameters costs more than a layer).
+        self._exclude = storages | storage_keys(exclude)
         self._seen: set[int] = set()
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)

@@ -48,6 +48,7 @@ Example (on each rank, inside a process group; ``known`` lives as long as the pi
 from __future__ import annotations
 
 import datetime
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -134,6 +135,29 @@ def sends_to(actions: Sequence[Action], layout: Layout, dst: int) -> list[Key]:
         if not local and layout.rank_of_stage(key[1]) == dst:
             keys.append(key)
     return keys
+
+
+@functools.lru_cache(maxsize=64)
+def receive_plan(
+    actions: tuple[tuple[Action, ...], ...], layout: Layout
+) -> tuple[tuple[int, tuple[Key, ...]], ...]:
+    """``(peer, keys in the peer's sending order)`` for each rank that sends this one values
+    in a step of ``actions`` (every worker's); checked against the order this rank consumes
+    them in. Cached: a pipe runs the same schedule step after step.
+
+    Example::
+
+        >>> plan = build_schedule("1f1b", 2, 2)
+        >>> receive_plan(plan.actions, Layout(2, 1, 2, plan.placement))
+        ((0, (('act', 1, 0), ('act', 1, 1))),)
+    """
+    plan = []
+    for peer, keys in expected_receives(actions[layout.worker], layout).items():
+        order = sends_to(actions[peer % layout.workers], layout, layout.rank)
+        if sorted(order) != sorted(keys):
+            raise RuntimeError(f"{layout.label()}: rank {peer} sends {order}, not {keys}")
+        plan.append((peer, tuple(order)))
+    return tuple(plan)
 
 
 @dataclass
@@ -232,15 +256,10 @@ class P2PMailbox(Mailbox):
 
     def start(self, actions: Sequence[Sequence[Action]]) -> None:
         """Posts this step's receives, given every worker's actions (``Schedule.actions``)."""
-        layout = self.layout
-        expected = expected_receives(actions[layout.worker], layout)
-        for peer, keys in expected.items():
-            order = sends_to(actions[peer % layout.workers], layout, layout.rank)
-            if sorted(order) != sorted(keys):
-                raise RuntimeError(f"{layout.label()}: rank {peer} sends {order}, not {keys}")
-            stream = _Stream(peer, order)
+        for peer, order in receive_plan(tuple(map(tuple, actions)), self.layout):
+            stream = _Stream(peer, list(order))
             self._streams[peer] = stream
-            for key in keys:
+            for key in order:
                 self._source[key] = peer
             self._refill(stream)
 
