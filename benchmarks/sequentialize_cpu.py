@@ -16,7 +16,13 @@ input and output embeddings tied; random weights, dropout off), the same batch a
     pippy-<s>      torch.distributed.pipelining: pipeline() (its torch.export tracer, split_spec
                    at the same layer) + ScheduleGPipe / Schedule1F1B, 2 gloo processes
 
-for the schedules s = gpipe and 1f1b. Everything runs in the same two processes, interleaved per
+for the schedules s = gpipe and 1f1b. The even cut leaves the second stage the heavier one (the
+head's matmul over 50257 tokens costs about five layers), so the last schedule runs once more at
+the cut giantpipe chooses itself, ``balance_by_time`` over the pieces ``sequentialize`` cuts at
+every layer (``-timed``), pippy included, at that same cut: one column compares engines at equal
+cuts, the other what each user gets from the even cut pippy's users write by hand.
+
+Everything runs in the same two processes, interleaved per
 round (the local executor on rank 0 while rank 1 waits at a barrier); medians of the rounds.
 Each method's first loss is compared with the plain model's on the same batch, so a pipeline
 that runs but computes something else is caught; a peer's exception or wrong loss is listed
@@ -47,6 +53,7 @@ from torch.nn import functional as F
 
 from giantpipe import GPipe, sequentialize
 from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.perf.balance import balance_by_time
 
 SCHEDULES = ("gpipe", "1f1b")
 TIED = ("wte.weight", "lm_head.weight")  # GPT-2's input and output embeddings: one parameter
@@ -115,13 +122,40 @@ class Method:
         return [(n, t) for n, t in named if n.endswith(TIED)]
 
 
-def giantpipe_methods(setup: Setup, model: nn.Module, rank: int) -> list[Method]:
+def even_balance(setup: Setup) -> list[int]:
+    """The hand-written cut, before layer L/2 (pieces: embeddings, each layer, ln_f + head)."""
+    half = setup.layers // 2
+    return [1 + half, setup.layers - half + 1]
+
+
+def timed_balance(setup: Setup, seq: nn.Sequential) -> list[int]:
+    """giantpipe's own cut: ``balance_by_time`` over the pieces on one micro-batch, measured on
+    rank 0 (two processes' timings would differ) and sent to rank 1."""
+    choice: list[Any] = [None]
+    if dist.get_rank() == 0:
+        ids, _ = batch(setup)
+        choice[0] = balance_by_time(2, seq, ids[: setup.batch // setup.chunks])
+    dist.broadcast_object_list(choice, src=0)
+    return list(choice[0])
+
+
+def cut_name(setup: Setup, balance: list[int]) -> str:
+    """The submodule the second stage starts at, as pippy's split_spec names it."""
+    first = balance[0]  # pieces in stage 0: the embeddings and first - 1 layers
+    return f"transformer.h.{first - 1}" if first <= setup.layers else "transformer.ln_f"
+
+
+def giantpipe_methods(
+    setup: Setup, model: nn.Module, rank: int, timed: list[int] | None = None
+) -> list[Method]:
+    """Each schedule at the even cut; with ``timed``, the last schedule again at that cut."""
     ids, labels = batch(setup)
     seq = sequentialize(copy.deepcopy(model), ids[:2], output="logits")
-    half = setup.layers // 2
-    balance = [1 + half, setup.layers - half + 1]  # pieces: embeddings, layers, head
+    runs = [(s, even_balance(setup), "") for s in setup.schedules]
+    if timed is not None:
+        runs.append((setup.schedules[-1], timed, "-timed"))
     methods = []
-    for schedule in setup.schedules:
+    for schedule, balance, suffix in runs:
         local = None
         if rank == 0:  # rank 1 has the method too (an empty step): the lists stay in step
             local = GPipe(copy.deepcopy(seq), balance, devices=["cpu", "cpu"],
@@ -137,7 +171,7 @@ def giantpipe_methods(setup: Setup, model: nn.Module, rank: int) -> list[Method]
             finally:
                 torch.set_num_threads(1)
 
-        methods.append(Method(f"gp-local-{schedule}", local_step, local))
+        methods.append(Method(f"gp-local-{schedule}{suffix}", local_step, local))
         pipe = DistributedPipe(
             copy.deepcopy(seq), balance, chunks=setup.chunks, checkpoint="never",
             schedule=schedule, init=None, timeout=600,
@@ -148,11 +182,13 @@ def giantpipe_methods(setup: Setup, model: nn.Module, rank: int) -> list[Method]
             x = ids if pipe.needs_inputs else None
             return pipe.train_step(x, labels if pipe.needs_targets else None, token_loss).item()
 
-        methods.append(Method(f"gp-dist-{schedule}", dist_step, pipe))
+        methods.append(Method(f"gp-dist-{schedule}{suffix}", dist_step, pipe))
     return methods
 
 
-def pippy_method(setup: Setup, model: nn.Module, rank: int, schedule: str) -> Method:
+def pippy_method(
+    setup: Setup, model: nn.Module, rank: int, schedule: str, cut: str, suffix: str = ""
+) -> Method:
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
@@ -162,7 +198,7 @@ def pippy_method(setup: Setup, model: nn.Module, rank: int, schedule: str) -> Me
 
     ids, labels = batch(setup)
     micro = setup.batch // setup.chunks
-    split = {f"transformer.h.{setup.layers // 2}": SplitPoint.BEGINNING}
+    split = {cut: SplitPoint.BEGINNING}
     traced = pipeline(copy.deepcopy(model), mb_args=(ids[:micro],),
                       mb_kwargs={"use_cache": False}, split_spec=split)  # fmt: skip
     stage = traced.build_stage(rank, torch.device("cpu"))
@@ -183,7 +219,7 @@ def pippy_method(setup: Setup, model: nn.Module, rank: int, schedule: str) -> Me
         runner.step(target=labels, losses=losses)
         return float(torch.stack(losses).detach().mean())
 
-    return Method(f"pippy-{schedule}", step, stage.submod)
+    return Method(f"pippy-{schedule}{suffix}", step, stage.submod)
 
 
 # ---- one pair of processes: build everything, then interleaved rounds ----------------------
@@ -195,15 +231,24 @@ def agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def build(setup: Setup, model: nn.Module, rank: int, failures: dict[str, str]) -> list[Method]:
-    """Every method that builds on both ranks; a failure is recorded, the method dropped."""
+def build(
+    setup: Setup, model: nn.Module, rank: int, failures: dict[str, str], timed: list[int]
+) -> list[Method]:
+    """Every method that builds on both ranks; a failure is recorded, the method dropped.
+    ``timed``: giantpipe's own cut, where both sides run the last schedule once more."""
     methods: list[Method] = []
     builders: list[tuple[str, Callable[[], list[Method]]]] = [
-        ("giantpipe", lambda: giantpipe_methods(setup, model, rank))
+        ("giantpipe", lambda: giantpipe_methods(setup, model, rank, timed))
     ]
-    for schedule in setup.schedules:
+    even = cut_name(setup, even_balance(setup))
+    runs = [(s, even, "") for s in setup.schedules]
+    runs.append((setup.schedules[-1], cut_name(setup, timed), "-timed"))
+    for schedule, cut, suffix in runs:
         builders.append(
-            (f"pippy-{schedule}", lambda s=schedule: [pippy_method(setup, model, rank, s)])
+            (
+                f"pippy-{schedule}{suffix}",
+                lambda s=schedule, c=cut, x=suffix: [pippy_method(setup, model, rank, s, c, x)],
+            )
         )
     for name, make in builders:
         try:
@@ -240,7 +285,9 @@ def _worker(rank: int, port: int, setup: Setup, out_path: str) -> None:
                  "lm_head.weight": plain.lm_head.weight.grad}  # fmt: skip
     del plain, loss
     failures: dict[str, str] = {}
-    methods = build(setup, model, rank, failures)
+    ids_example = batch(setup)[0][:2]
+    timed = timed_balance(setup, sequentialize(copy.deepcopy(model), ids_example, output="logits"))
+    methods = build(setup, model, rank, failures, timed)
     first: dict[str, float | None] = {}
     tied_error: dict[str, float] = {}
     rounds: list[dict[str, float]] = []
@@ -274,7 +321,7 @@ def _worker(rank: int, port: int, setup: Setup, out_path: str) -> None:
         tied = {k: max(p[1].get(k, 0.0) for p in gathered) for k in merged}
         failed = {k: v for _, _, part in gathered for k, v in part.items()}
         torch.save({"rounds": rounds, "first": merged, "tied": tied, "reference": reference,
-                    "failures": failed}, out_path)  # fmt: skip
+                    "failures": failed, "timed": timed}, out_path)  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -304,28 +351,29 @@ def table(setup: Setup, results: dict[str, Any], load: tuple[str, str]) -> str:
     names = [n for n in rounds[0]]
     median = {n: statistics.median(r[n] for r in rounds if n in r) for n in names}
     tokens = setup.batch * setup.seq
+    timed = results.get("timed")
+    cut = f", -timed: before {cut_name(setup, timed)} (balance_by_time)" if timed else ""
     lines = [
         f"GPT-2 shape: {setup.layers} layers, width {setup.width}, {setup.heads} heads, "
         f"vocabulary {setup.vocab}, embeddings {'tied' if setup.tied else 'untied'}; "
-        f"batch {setup.batch} x {setup.seq} tokens, "
-        f"K=2 (cut before transformer.h.{setup.layers // 2}), M={setup.chunks}, checkpoint "
-        f"never; median of {setup.rounds} rounds; load before / after: {load[0]} / {load[1]}",
+        f"batch {setup.batch} x {setup.seq} tokens, K=2 (cut before "
+        f"{cut_name(setup, even_balance(setup))}{cut}), M={setup.chunks}, checkpoint never; "
+        f"median of {setup.rounds} rounds; load before / after: {load[0]} / {load[1]}",
         "",
-        "| method | tokens/s | step s | x pippy, same schedule | first loss - plain | "
-        "embedding gradient error |",
-        "|---|---|---|---|---|---|",
+        "| method | tokens/s | step s | x pippy, same schedule and cut | x pippy, same schedule, "
+        "even cut | first loss - plain | embedding gradient error |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in names:
-        schedule = name.rsplit("-", 1)[1]
-        peer = median.get(f"pippy-{schedule}")
-        ratio = f"{peer / median[name]:.2f}" if peer else "-"
+        same, even = _peers(name)
+        ratios = [f"{median[p] / median[name]:.2f}" if p in median else "-" for p in (same, even)]
         loss = results["first"].get(name)
         off = f"{loss - results['reference']:+.1e}" if loss is not None else "-"
         tied = results["tied"].get(name)
         err = "-" if tied is None else f"{tied:.1e}"
         lines.append(
-            f"| {name} | {tokens / median[name]:.0f} | {median[name]:.3f} | {ratio} | {off} "
-            f"| {err} |"
+            f"| {name} | {tokens / median[name]:.0f} | {median[name]:.3f} | {ratios[0]} | "
+            f"{ratios[1]} | {off} | {err} |"
         )
     lines += [
         "",
@@ -351,6 +399,16 @@ def table(setup: Setup, results: dict[str, Any], load: tuple[str, str]) -> str:
     lines.append("failures: " + ("none" if not failures else ""))
     lines += [f"- {name}: {why}" for name, why in sorted(failures.items())]
     return "\n".join(lines)
+
+
+def _peers(name: str) -> tuple[str, str]:
+    """The pippy methods a row compares with: same schedule and cut, same schedule evenly cut.
+
+    >>> _peers("gp-dist-1f1b-timed")
+    ('pippy-1f1b-timed', 'pippy-1f1b')
+    """
+    rest = name.split("-", 2)[2] if name.startswith("gp-") else name.split("-", 1)[1]
+    return f"pippy-{rest}", f"pippy-{rest.removesuffix('-timed')}"
 
 
 def main() -> None:

@@ -27,9 +27,13 @@ def test_table_lists_ratios_and_a_peers_wrong_gradient(bench: ModuleType) -> Non
         "tied": {"gp-dist-gpipe": 1e-7, "pippy-gpipe": 0.9},
         "reference": 6.0,
         "failures": {"pippy-1f1b": "build: ValueError: no"},
+        "timed": [3, 1],
     }
+    results["rounds"][0] |= {"gp-dist-gpipe-timed": 0.5, "pippy-gpipe-timed": 1.5}
     text = bench.table(bench.QUICK, results, ("1.00", "2.00"))
-    assert "| gp-dist-gpipe | 116 | 1.100 | 1.82 | +0.0e+00 | 1.0e-07 |" in text
+    assert "cut before transformer.h.1, -timed: before transformer.ln_f (balance_by_time)" in text
+    assert "| gp-dist-gpipe | 116 | 1.100 | 1.82 | 1.82 | +0.0e+00 | 1.0e-07 |" in text
+    assert "| gp-dist-gpipe-timed | 256 | 0.500 | 3.00 | 4.00 | - | - |" in text
     assert "- pippy-1f1b: build: ValueError: no" in text
     assert "- pippy-gpipe: the embedding gradient is 90% off the plain model's: each" in text
     assert "gp-dist-gpipe:" not in text.split("failures:")[1]
@@ -44,7 +48,8 @@ def test_quick_run_compares_every_method(tmp_path: Path) -> None:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| gp-")]
-    assert len(rows) == 2  # local and distributed
+    assert len(rows) == 4  # local and distributed, at the even cut and at giantpipe's own
+    assert "| pippy-gpipe-timed |" in done.stdout
     for row in rows:
         assert row.split(" | ")[-1].strip(" |") != "-"  # the tied gradient was checked
         assert float(row.split(" | ")[-1].strip(" |")) < 1e-4, row  # and it is exact
