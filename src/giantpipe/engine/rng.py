@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 from torch.utils.hooks import RemovableHandle
 
 _local = threading.local()
@@ -102,6 +103,12 @@ def install_rng_hooks(module: nn.Module) -> list[RemovableHandle]:
     return handles
 
 
+def _draws_nothing(module: nn.Module) -> bool:
+    """A dropout layer with p = 0 draws no random numbers: seeding the generator for it (a
+    state saved and restored, a lock) would cost more than the layer, for every call."""
+    return isinstance(module, _DropoutNd) and module.p == 0
+
+
 def _generator(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index or 0]
@@ -116,7 +123,7 @@ def _lock(device: torch.device) -> threading.RLock:
 def _pre_hook(index: int) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
         ctx = getattr(_local, "context", None)
-        if ctx is None:
+        if ctx is None or _draws_nothing(module):
             return
         call = ctx.calls.get(index, 0)
         ctx.calls[index] = call + 1

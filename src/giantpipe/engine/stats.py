@@ -200,6 +200,23 @@ class SavedTensorMeter:
         self._hooks.__exit__(exc_type, exc, tb)
 
 
+def saved_as_aliases() -> torch.autograd.graph.saved_tensors_hooks:
+    """What :class:`SavedTensorMeter` does to saved tensors, without the metering.
+
+    Saved tensors are kept as detached aliases, as under the meter, so that autograd behaves
+    the same with or without it: in particular it does not check the versions of hooked saved
+    tensors, and a pipeline runs several forwards before their backwards, during which a layer
+    may update a saved buffer in place (BatchNorm's running statistics). Both hooks are
+    ``Tensor.detach`` itself, with no Python frame per saved tensor.
+
+    Example::
+
+        with saved_as_aliases():
+            loss = stage(x).sum()
+    """
+    return torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, torch.Tensor.detach)
+
+
 def _unpack(tensor: Any) -> Any:
     return tensor
 
