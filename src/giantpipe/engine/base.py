@@ -43,7 +43,7 @@ from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, autocast_sta
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, scatter
 from giantpipe.engine.partition import BalanceError, verify_balance, verify_module
 from giantpipe.engine.recompute import MODES, recompute_stop
-from giantpipe.engine.rng import draw_step_seed
+from giantpipe.engine.rng import RngHooks, draw_step_seed
 from giantpipe.engine.schedule import Schedule, gpipe, validate
 from giantpipe.engine.schedules import VIRTUAL_STAGES, build_schedule, schedule_builders
 from giantpipe.engine.stats import ActionTiming, StepStats
@@ -152,13 +152,16 @@ def cached_schedule(
 class Pipe(nn.Module):
     """The base of both pipes: what a step needs besides its transport.
 
-    Subclasses set ``partitions`` (K*V stages, in order), ``devices`` (one per stage) and
-    ``placement`` (the worker of each stage) before their first step.
+    Subclasses set ``partitions`` (K*V stages, in order), ``devices`` (one per stage),
+    ``placement`` (the worker of each stage) and ``_rng_hooks`` (what
+    :func:`~giantpipe.engine.rng.install_rng_hooks` returned for the model) before their first
+    step.
     """
 
     partitions: Sequence[nn.Module]
     devices: list[torch.device]
     placement: list[int]
+    _rng_hooks: RngHooks
     threads_per_stage: int | None = None
 
     def __init__(self, args: Arguments, recompute: str, schedule: str, timeout: float) -> None:
@@ -260,6 +263,7 @@ class Pipe(nn.Module):
         self, grad: bool, loss: LossSpec | None, seed: int | None = None
     ) -> StepConfig:
         """What the executor is given; draws the step's dropout seed unless ``seed`` is set."""
+        self._rng_hooks.refresh()  # a dropout's p may have changed since the last step
         return StepConfig(
             stages=self.partitions,
             devices=self.devices,

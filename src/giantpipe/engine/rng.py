@@ -90,17 +90,51 @@ def mix(*values: int) -> int:
     return x & _MASK
 
 
-def install_rng_hooks(module: nn.Module) -> list[RemovableHandle]:
+def install_rng_hooks(module: nn.Module) -> RngHooks:
     """Adds seeding hooks to every RNG-using submodule of ``module``; returns their handles.
 
     A layer's number is its position among RNG layers in ``module.modules()``, so the same model
     gets the same numbers however it is later cut into stages.
     """
-    handles = []
-    for index, sub in enumerate(m for m in module.modules() if uses_rng(m)):
-        handles.append(sub.register_forward_pre_hook(_pre_hook(index)))
-        handles.append(sub.register_forward_hook(_post_hook, always_call=True))
-    return handles
+    return RngHooks([(i, sub) for i, sub in enumerate(m for m in module.modules() if uses_rng(m))])
+
+
+class RngHooks(list[RemovableHandle]):
+    """The seeding hooks' handles (a list: ``for h in hooks: h.remove()`` removes them).
+
+    A dropout layer with p = 0 draws nothing and gets no hooks: a hooked module's every call
+    takes PyTorch's slower path, about 35 µs a layer on a CPU here, 5% of the forward of a
+    Transformer stage whose 19 dropout layers are all off. :meth:`refresh`, which both pipes
+    call at every step, hooks a layer whose p has since become nonzero (and unhooks one whose
+    p became 0), so the masks stay seeded whatever the caller changes between steps.
+
+    Example::
+
+        hooks = install_rng_hooks(model)
+        model[1].p = 0.1          # a dropout switched on after the pipe was built
+        hooks.refresh()           # now seeded like the others
+    """
+
+    def __init__(self, layers: list[tuple[int, nn.Module]]) -> None:
+        super().__init__()
+        self._layers = layers
+        self._hooked: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Hooks exactly the layers that draw random numbers now."""
+        for index, layer in self._layers:
+            if _draws_nothing(layer) is (index not in self._hooked):
+                continue  # hooked and drawing, or unhooked and drawing nothing
+            if index in self._hooked:
+                for handle in self._hooked.pop(index):
+                    handle.remove()
+            else:
+                self._hooked[index] = (
+                    layer.register_forward_pre_hook(_pre_hook(index)),
+                    layer.register_forward_hook(_post_hook, always_call=True),
+                )
+        self[:] = [handle for pair in self._hooked.values() for handle in pair]
 
 
 def _draws_nothing(module: nn.Module) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 from giantpipe import GPipe
 from giantpipe.engine import is_recomputing
 from giantpipe.engine.stats import SavedTensorMeter
-from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
+from tests.unit.engine.engine_helpers import reference_step, step_seed, tuple_batch, tuple_model
 
 
 def worker_threads() -> list[threading.Thread]:
@@ -75,6 +75,35 @@ def test_dropout_masks_replayed_by_recompute() -> None:
         grads[mode] = [p.grad for p in pipe.parameters()]
     for a, b in zip(grads["always"], grads["never"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_dropout_switched_on_after_building_the_pipe_is_seeded_and_replayed() -> None:
+    """A dropout with p = 0 gets no seeding hooks (they would slow every call); switched on
+    between steps, the next step seeds it: recompute replays its masks exactly, and the step
+    equals the plain model run as the engine seeds it."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0), nn.Linear(8, 8), nn.Dropout(0.0))
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    grads = {}
+    for mode in ["always", "never"]:
+        torch.manual_seed(0)
+        pipe = GPipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=3, checkpoint=mode)
+        drops = [pipe.partitions[0][1], pipe.partitions[1][1]]
+        assert all(not d._forward_pre_hooks for d in drops)  # off: no hooks
+        for d in drops:
+            d.p = 0.5
+        torch.manual_seed(7)
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        assert all(len(d._forward_pre_hooks) == 1 for d in drops)  # on: seeded
+        grads[mode] = [p.grad for p in pipe.parameters()]
+    for a, b in zip(grads["always"], grads["never"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    plain = copy.deepcopy(model)
+    plain[1].p = plain[3].p = 0.5
+    done, _ = reference_step(plain, x, y, 3, step_seed(7), nn.functional.mse_loss)
+    for a, b in zip(grads["never"], [p.grad for p in done.parameters()]):
+        torch.testing.assert_close(a, b)
+    off, _ = reference_step(model, x, y, 3, step_seed(7), nn.functional.mse_loss)
+    assert not torch.allclose(grads["never"][0], next(off.parameters()).grad)  # masks dropped
 
 
 @pytest.mark.parametrize("door", ["forward", "no_grad", "gpipe", "1f1b"])

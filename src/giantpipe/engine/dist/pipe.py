@@ -170,7 +170,7 @@ class DistributedPipe(Pipe):
         self, model: nn.Sequential, seed: int, init: LayerInit | None | str, deferred: bool
     ) -> None:
         """Allocates this rank's layers (the others stay on meta) and registers them."""
-        install_rng_hooks(model)  # numbered over the whole model, as GPipe numbers them
+        self._rng_hooks = install_rng_hooks(model)  # numbered over the whole model, as GPipe
         layer_init = seeded_init(seed) if init == "seeded" else init
         if isinstance(layer_init, str):
             raise ValueError(f"init must be 'seeded', a function or None; got {init!r}")
