@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -154,7 +154,7 @@ def tied_copies(
     """The distinct copies of each shared parameter (``groups`` from :func:`shared_parameters`,
     layer indices counted over all stages), first stage's first; groups with one copy left out.
     """
-    layers = [layer for stage in stages for layer in stage]
+    layers = [layer for stage in stages for layer in cast(nn.Sequential, stage)]
     found = []
     for places in groups:
         copies: dict[int, nn.Parameter] = {}

@@ -100,7 +100,7 @@ class _StorageMeter(SavedTensorMeter):
 
     def __init__(self, exclude: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
         super().__init__()
-        self._exclude = {_key(p) for p in exclude}
+        self._exclude = frozenset(_key(p) for p in exclude)
         self._inputs = {_key(t): t.untyped_storage().nbytes() for t in inputs}
         self.input_bytes = 0
 
