@@ -539,5 +539,17 @@ def _layout(value: Any) -> tuple[Any, ...]:
 
 
 def _buffer_versions(module: nn.Module) -> list[int]:
-    """The version counters of a module's buffers: they move when a forward updates one."""
-    return [b._version for b in module.buffers()]  # noqa: SLF001 - autograd's own counter
+    """The version counters of a module's buffers: they move when a forward updates one.
+
+    BatchNorm's running statistics are left out: BatchNorm updates them in every training
+    forward, and autograd accepts that (forwards of several batches before their backwards
+    work in plain PyTorch); a recompute restores them without a version change
+    (giantpipe.engine.recompute).
+    """
+    skip = {
+        id(b)
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for b in m.buffers(recurse=False)
+    }
+    return [b._version for b in module.buffers() if id(b) not in skip]  # noqa: SLF001

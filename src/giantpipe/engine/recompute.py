@@ -88,6 +88,8 @@ def _snapshot_batchnorm(stage: nn.Module) -> list[tuple[torch.Tensor, torch.Tens
 
 
 def _restore_batchnorm(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # Through ``.data``: the values go back without moving the buffers' version counters, so
+    # the recomputed graph, which saved them at their version after the replay, stays valid.
     with torch.no_grad():
         for buf, copy in saved:
-            buf.copy_(copy)
+            buf.data.copy_(copy)

@@ -77,6 +77,35 @@ def test_dropout_masks_replayed_by_recompute() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class TouchesItsBuffer(nn.Module):
+    """Touches a buffer in place, as a layer keeping statistics would, then multiplies by it
+    (autograd saves it): the next micro-batch's forward moves the saved buffer's version."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.add_(0.0)  # a new version, the same values (plain PyTorch accepts it here)
+        return x * self.scale
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_updating_a_saved_buffer_in_forward_still_steps(schedule: str) -> None:
+    """Several forwards run before their backwards: a buffer saved for backward and updated
+    in place by a later micro-batch's forward must not fail the backward (the first
+    micro-batch, metered, tells the executor to keep saved tensors as aliases)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), TouchesItsBuffer(8), nn.Linear(8, 8), nn.Linear(8, 8))
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    pipe = GPipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=4, schedule=schedule,
+                 checkpoint="never")  # fmt: skip
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    done, _ = reference_step(model, x, y, 4, 0, nn.functional.mse_loss)
+    for a, b in zip(pipe.parameters(), done.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_a_dropout_switched_on_after_building_the_pipe_is_seeded_and_replayed() -> None:
     """A dropout with p = 0 gets no seeding hooks (they would slow every call); switched on
     between steps, the next step seeds it: recompute replays its masks exactly, and the step
