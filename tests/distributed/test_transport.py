@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 
 from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.p2p import FOLLOW_UPS, FRAMES, P2PMailbox, expected_receives, sends_to
+from giantpipe.engine.dist.p2p import (
+    FOLLOW_UPS,
+    FRAMES,
+    POSTED_AT_START,
+    P2PMailbox,
+    expected_receives,
+    sends_to,
+)
 from giantpipe.engine.dist.wire import (
     ALIGN,
     HEADER_BYTES,
@@ -245,6 +252,54 @@ def test_values_cross_as_one_message_once_their_layout_is_known(tmp_path: Path) 
             # a long description: header, extra words, frame; then one message again
             assert tags[LONG] == {k: [FRAMES, FOLLOW_UPS, FOLLOW_UPS] for k in keys}, ahead
             assert tags[STEADY_AGAIN] == {k: frame_only for k in keys}, ahead
+
+
+WINDOW_M = 6  # micro-batches in the posting-window round trip: more than POSTED_AT_START
+
+
+def window_round_trips(tmp: Path) -> dict[str, Any]:
+    """GPipe (K=2, M=6), two steps (layouts announced, then steady). Each rank records how many
+    receives were pending right after ``start`` and the most pending at once; rank 1 sleeps
+    before its first get of the steady step, so its peer's frames land in the two receives
+    posted at start and wait for the rest to be posted in its gets. Every value is checked."""
+    import time
+
+    rank = dist.get_rank()
+    plan = build_schedule("gpipe", 2, WINDOW_M)
+    layout = Layout(2, rank, 2, plan.placement)
+    known = KnownLayouts()
+    at_start, most = [], []
+    for step in (FIRST, STEADY):
+        box = P2PMailbox(layout, dist.group.WORLD, 20.0, seed=40 + step if rank == 0 else None,
+                         known=known)
+        box.start(plan.actions)
+        pending = lambda: sum(len(s.posted) for s in box._streams.values())  # noqa: E731
+        at_start.append(pending())
+        peak = [pending()]
+        real_take = box._take
+
+        def take(stream: Any, real_take: Any = real_take, peak: list[int] = peak) -> None:
+            peak[0] = max(peak[0], pending())
+            real_take(stream)
+
+        box._take = take  # type: ignore[method-assign]
+        if rank == 1 and step == STEADY:
+            time.sleep(0.5)
+        play(box, plan.actions[rank], step, [None])
+        box.finish()
+        most.append(peak[0])
+    return {"at_start": at_start, "most": most}
+
+
+@pytest.mark.distributed
+def test_receives_beyond_the_window_are_posted_while_waiting(tmp_path: Path) -> None:
+    results = spawn("tests.distributed.test_transport:window_round_trips", world=2, tmp=tmp_path)
+    for rank, r in enumerate(results):
+        # every value was checked equal where it arrived (play); each rank receives from one peer
+        assert r["at_start"] == [POSTED_AT_START, POSTED_AT_START], rank
+        assert all(POSTED_AT_START <= n <= WINDOW_M for n in r["most"]), (rank, r)
+    # rank 0 waits for gradients while rank 1 computes: the whole step's receives get posted
+    assert results[0]["most"][STEADY] == WINDOW_M, results[0]
 
 
 # ---- a peer that dies or goes silent mid-step -------------------------------------------------

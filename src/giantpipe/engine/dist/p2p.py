@@ -8,16 +8,21 @@ very same ``StepRun`` drives one rank of a distributed pipeline:
   (``isend``) of one message, the value's *frame* (:mod:`giantpipe.engine.dist.wire`): the rank
   computes on while the bytes travel;
 - the schedule says which keys each peer sends this rank and in which order, and every key's
-  frame size is known from the step before, so ``start`` posts the step's receives ahead, in the
-  peer's order, into buffers of exactly that size; ``get`` waits for its key's message and
-  returns views of its buffer::
+  frame size is known from the step before, so receives are posted ahead, in the peer's order,
+  into buffers of exactly that size; ``get`` waits for its key's message and returns views of
+  its buffer::
 
       rank 0 | F0 isend(act1,0)    F1 isend(act1,1)    F2 ...
-      rank 1 | irecv(act1,0) irecv(act1,1) ...  | get(act1,0) F0 | get(act1,1) F1 | ...
-               (posted at the start of the step)   (bytes already in: no wait)
+      rank 1 | irecv(act1,0) irecv(act1,1) | get(act1,0): irecv(act1,2..) while waiting | F0 ...
+               (posted at the start)         (time spent waiting anyway)
 
   Gloo moves a message only once both ends have posted it; with the receive posted first, the
   sender's ``isend`` writes the bytes at once and no round trip is left on the critical path.
+  ``start`` posts the first ``POSTED_AT_START`` receives per peer and ``get`` posts the rest
+  while the message it waits for is not in yet, one at a time: a receive costs the rank tens to
+  hundreds of microseconds (a wake-up of gloo's thread on a busy core), and posting a step's
+  worth at its start would delay stage 0's first forward, and so the whole pipeline, by
+  milliseconds at M=16.
 - the first time a key travels, or when its layout changed, the sender announces the layout in
   the message the receiver posted (a header fits any receive buffer) and sends the frame on the
   follow-up tag; the receiver learns the layout, posts that frame's receive, and later steps
@@ -75,6 +80,9 @@ from giantpipe.engine.schedule import Action
 from giantpipe.engine.workers import Key, Mailbox
 
 FRAMES, FOLLOW_UPS = 0, 1  # tags: frames posted ahead; an announcement's extra words and frame
+# Receives per peer kept posted ahead however busy the rank is: the next message can land while
+# the rank computes (the rest are posted while it waits, see the module docstring).
+POSTED_AT_START = 2
 
 
 def filling(head: torch.Tensor, size: int) -> torch.Tensor:
@@ -193,8 +201,8 @@ class P2PMailbox(Mailbox):
 
     ``seed`` is the step's seed where this rank draws it (it holds stage 0); elsewhere it is
     None until the first message brings it, and ``on_seed`` is told (before the action that
-    needs it runs). ``known`` carries the frame layouts from step to step; ``ahead`` is how many
-    receives per peer are posted ahead (None: all of the step's, at ``start``).
+    needs it runs). ``known`` carries the frame layouts from step to step; ``ahead`` is the most
+    receives per peer pending at once (None: up to all of the step's, posted while waiting).
     """
 
     def __init__(
@@ -261,7 +269,7 @@ class P2PMailbox(Mailbox):
             self._streams[peer] = stream
             for key in order:
                 self._source[key] = peer
-            self._refill(stream)
+            self._refill(stream, POSTED_AT_START)
 
     def get(self, key: Key) -> Any:
         peer = self._source.pop(key, None)
@@ -269,6 +277,7 @@ class P2PMailbox(Mailbox):
             return super().get(key)  # a local key (stage 0's inputs, a stage on this rank)
         stream = self._streams[peer]
         while key not in self._arrived:
+            self._post_while_waiting(stream)
             self._take(stream)
         arrived = self._arrived.pop(key)
         if arrived.follow_up is not None:  # the frame of a layout announced this step
@@ -282,13 +291,32 @@ class P2PMailbox(Mailbox):
             while stream.posted and stream.posted[0].work.is_completed():
                 self._take(stream)
 
-    def _refill(self, stream: _Stream) -> None:
-        limit = len(stream.order) if self.ahead is None else self.ahead
-        while len(stream.posted) < limit and stream.next < len(stream.order):
-            key = stream.order[stream.next]
-            stream.next += 1
-            frame = self.known.received.get(key)
-            stream.posted.append(self._post(stream.peer, key, frame, FRAMES))
+    def _limit(self, stream: _Stream) -> int:
+        return len(stream.order) if self.ahead is None else self.ahead
+
+    def _refill(self, stream: _Stream, upto: int) -> None:
+        """Posts the peer's next receives until ``upto`` (at most the limit) are pending."""
+        upto = min(upto, self._limit(stream))
+        while len(stream.posted) < upto and stream.next < len(stream.order):
+            self._post_next(stream)
+
+    def _post_while_waiting(self, stream: _Stream) -> None:
+        """Posts the peer's further receives while its next message is not in: time the rank
+        would spend waiting anyway. One at a time, so that an arrival ends it at once."""
+        limit = self._limit(stream)
+        while (
+            stream.posted
+            and len(stream.posted) < limit
+            and stream.next < len(stream.order)
+            and not stream.posted[0].work.is_completed()
+        ):
+            self._post_next(stream)
+
+    def _post_next(self, stream: _Stream) -> None:
+        key = stream.order[stream.next]
+        stream.next += 1
+        frame = self.known.received.get(key)
+        stream.posted.append(self._post(stream.peer, key, frame, FRAMES))
 
     def _post(self, peer: int, key: Key, frame: Frame | None, tag: int) -> _Posted:
         size = frame.nbytes if frame is not None else HEADER_BYTES
@@ -311,7 +339,7 @@ class P2PMailbox(Mailbox):
             frame = self._announced(posted, stream.peer, n)
             follow_up = self._post(stream.peer, key, frame, FOLLOW_UPS)
             self._arrived[key] = _Arrived(unpack(frame, follow_up.buffer), follow_up)
-        self._refill(stream)
+        self._refill(stream, POSTED_AT_START)
 
     def _announced(self, posted: _Posted, peer: int, n: int) -> Frame:
         """The layout an announcement describes (its extra words received), now known."""
