@@ -186,6 +186,7 @@ class StepRun:
         self.cuda_actions: list[tuple[int, list[Any]]] = []  # (index in timings, its marks)
         self.pending: list[dict[int, WeightGradient | None]] = [{} for _ in range(k)]
         self.split: set[tuple[int, int]] = set()  # (stage, m) whose backward a W completes
+        self.w_next: set[tuple[int, int]] = set()  # ... and whose W is its worker's next action
         self.param_storages: list[frozenset[int] | None] = [None] * k  # what meters exclude
         self.saved_bytes: dict[tuple[int, tuple[Any, ...]], int] = {}  # see _run_saving
         self.updates_buffers = [False] * k  # the stage's forward updates a buffer in place
@@ -200,6 +201,12 @@ class StepRun:
         self.mailbox = _reopen(self.mailbox)
         self.split |= {
             (a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"
+        }
+        self.w_next |= {
+            (b.stage, b.microbatch)
+            for w in schedule.actions
+            for b, after in zip(w, w[1:])
+            if b.kind == "B" and after == Action("W", b.stage, b.microbatch)
         }
         times: list[tuple[float, float]] = []
         workers = [w for w in schedule.actions if w]
@@ -397,7 +404,7 @@ class StepRun:
         else:
             received = as_tuple(self._arrive(self._receive(stage, ("grad", stage, m)), device))
             tensors, grads = pair_gradients(as_tuple(y), received, cfg.devices[stage])
-        if (stage, m) in self.split:
+        if (stage, m) in self.split and not self._whole_backward_now(stage, m, leaves):
             # Zero bubble: input gradients now, the graph kept for W (recompute done once).
             input_grads, pending = _backward_input(tensors, grads, leaves, cfg.stages[stage])
             self.pending[stage][m] = pending
@@ -408,12 +415,23 @@ class StepRun:
                 t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
                 for t in as_tuple(leaves)
             )
+            if (stage, m) in self.split:
+                self.pending[stage][m] = None  # the W that follows has nothing left to do
             self._release(stage, m)
         del y, tensors, grads
         if stage == 0:
             self.input_grads[m] = input_grads
         else:
             self.mailbox.put(("grad", stage - 1, m), input_grads)
+
+    def _whole_backward_now(self, stage: int, m: int, leaves: Any) -> bool:
+        """Whether a split B had better run the whole backward: the split lets a B hand its
+        input gradient on before W runs; where none is handed on (stage 0's data needs none)
+        and W is the worker's very next action, it gains nothing and costs a walk of the graph
+        and an autograd call per parameter group (the W left then only releases the graph)."""
+        if (stage, m) not in self.w_next:
+            return False
+        return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in as_tuple(leaves))
 
     def weight(self, stage: int, m: int) -> None:
         """W(stage, m): parameter gradients of a split backward; then the graph is released."""

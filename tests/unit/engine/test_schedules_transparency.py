@@ -186,3 +186,34 @@ def test_split_backward_releases_the_graph_after_w(mode: str) -> None:
     pipe.train_step(torch.randn(6, 4), torch.randn(6, 1), nn.functional.mse_loss)
     gc.collect()
     assert refs and all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_a_split_b_with_nothing_to_hand_on_and_its_w_next_runs_the_whole_backward(
+    monkeypatch: pytest.MonkeyPatch, input_grad: bool
+) -> None:
+    from giantpipe.engine import executor
+
+    split: list[nn.Module] = []
+    real = executor._backward_input
+
+    def spy(tensors: list, grads: list, leaves: object, stage: nn.Module) -> object:
+        split.append(stage)
+        return real(tensors, grads, leaves, stage)
+
+    monkeypatch.setattr(executor, "_backward_input", spy)
+    model = deep_mlp(depth=4)
+    x, y = torch.randn(16, 32, requires_grad=input_grad), torch.randn(16, 32)
+    plain = copy.deepcopy(model)
+    x_plain = x.detach().clone().requires_grad_(input_grad)
+    nn.functional.mse_loss(plain(x_plain), y).backward()
+    pipe = GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=4, checkpoint="never",
+                 schedule="zb-h1")  # fmt: skip
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    # zb-h1, K=2: stage 0 runs F0 F1 B0 W0 F2 B1 W1 ...; its data needs no gradient, so each
+    # B there is a whole backward; stage 1 hands every input gradient on before its W
+    stage0, stage1 = pipe.partitions
+    assert sum(s is stage0 for s in split) == (4 if input_grad else 0)
+    assert sum(s is stage1 for s in split) == 4
+    assert loss.item() == pytest.approx(nn.functional.mse_loss(plain(x_plain), y).item(), rel=1e-5)
+    assert_same_grads(pipe, plain)
