@@ -4,6 +4,9 @@
     python benchmarks/distributed_cpu.py --models mlp   # one model
     python benchmarks/distributed_cpu.py --models ffn --chunks 4 8   # some Ms
     python benchmarks/distributed_cpu.py --quick        # tiny sizes, one round: seconds
+    python benchmarks/distributed_cpu.py --plot results/distributed/run.png   # a figure too
+    python benchmarks/distributed_cpu.py --replot OUT.txt [OUT.txt ...] --plot FIG.png
+                                                        # the figure of runs printed before
 
 Models, K=2 stages of equal halves, checkpoint 'never', MSE against a fixed random target:
 
@@ -28,7 +31,9 @@ is the median of its steps (the slower rank's), and the tables give medians over
 The bound for K=2 is 2 x (plain-mb throughput on one core) x M / (M + 1), as in engine_cpu.py;
 a second table divides by an in-run bound instead (plain-mb timed on one core inside rank 0's
 process right before each M), which moves with the machine's load. The last table puts the
-best schedule of each side against the other's, per M.
+best schedule of each side against the other's, per M. ``--plot`` draws the first table (every
+method's fraction of the bound, per M and model) from the printed text, so ``--replot`` can
+draw a run saved earlier.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import argparse
 import datetime
 import gc
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -367,13 +373,107 @@ def best_table(setup: Setup, rounds: list[dict[Key, float]], rate: dict[Key, flo
     return lines
 
 
+# ---- the figure ----------------------------------------------------------------------------
+
+Fractions = dict[str, dict[int, float]]  # method -> M -> fraction of the bound
+
+
+def parse_fractions(text: str) -> list[tuple[str, Fractions]]:
+    """Each model's first table of a printed run: ``(model label, method -> M -> fraction)``.
+
+    Example::
+
+        >>> text = "\\n".join([
+        ...     "MLP 8 x Linear(1024) + ReLU, batch 512, K=2 gloo processes",
+        ...     "",
+        ...     "| M | plain-mb 1 core | bound | gp-dist-1f1b | pippy-1f1b |",
+        ...     "|---|---|---|---|---|",
+        ...     "| 1 | 670 | 670 | 670 (1.00) | - |",
+        ...     "| 4 | 620 | 992 | 933 (0.94) | 931 (0.94) |",
+        ... ])
+        >>> label, fractions = parse_fractions(text)[0]
+        >>> label
+        'MLP 8 x Linear(1024) + ReLU'
+        >>> fractions
+        {'gp-dist-1f1b': {1: 1.0, 4: 0.94}, 'pippy-1f1b': {4: 0.94}}
+    """
+    panels: list[tuple[str, Fractions]] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("| M | plain-mb 1 core | bound |"):
+            continue
+        label = next(lines[j] for j in range(i - 1, -1, -1) if lines[j].strip())
+        methods = [c.strip() for c in line.strip("|").split("|")[3:]]
+        fractions: Fractions = {name: {} for name in methods}
+        for row in lines[i + 2 :]:
+            if not row.startswith("| "):
+                break
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            for name, cell in zip(methods, cells[3:]):
+                found = re.search(r"\(([\d.]+)\)", cell)
+                if found:
+                    fractions[name][int(cells[0])] = float(found.group(1))
+        rounds = re.search(r"median of (\d+) rounds", label)
+        name = label.split(", batch")[0] + (f", {rounds.group(1)} rounds" if rounds else "")
+        panels.append((name, fractions))
+    return panels
+
+
+def plot(panels: list[tuple[str, Fractions]], path: Path) -> None:
+    """One panel per model: every method's fraction of the bound at each M (giantpipe's
+    schedules in blues, pippy's in oranges), the bound as a line at 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+    for ax, (label, fractions) in zip(axes[0], panels):
+        ms = sorted({m for per in fractions.values() for m in per})
+        ours = [n for n in fractions if n.startswith("gp-dist-")]
+        theirs = [n for n in fractions if not n.startswith("gp-dist-")]
+        width = 0.8 / max(1, len(fractions))
+        colours = {n: plt.cm.Blues(0.45 + 0.5 * i / max(1, len(ours))) for i, n in enumerate(ours)}
+        colours |= {n: plt.cm.Oranges(0.4 + 0.5 * i / max(1, len(theirs)))
+                    for i, n in enumerate(theirs)}  # fmt: skip
+        for i, name in enumerate([*ours, *theirs]):
+            xs = [j + i * width for j, m in enumerate(ms) if m in fractions[name]]
+            ys = [fractions[name][m] for m in ms if m in fractions[name]]
+            ax.bar(xs, ys, width, label=name, color=colours[name])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))])
+        ax.set_xticklabels([f"M={m}" for m in ms])
+        ax.set_ylim(0.0, max(1.3, *(v for per in fractions.values() for v in per.values())))
+        ax.set_title(f"{label}, K=2 gloo processes", fontsize=8)
+        ax.set_ylabel("fraction of the bound")
+        ax.legend(fontsize=6, ncol=2, loc="lower left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
     parser.add_argument("--models", nargs="+", choices=sorted(FULL), default=sorted(FULL))
     parser.add_argument("--rounds", type=int, help="rounds per model (default 5; --quick 1)")
     parser.add_argument("--chunks", type=int, nargs="+", help="the Ms to run (default 1-16)")
+    parser.add_argument("--plot", type=Path, help="also draw the run as a figure (PNG) here")
+    parser.add_argument("--replot", type=Path, nargs="+", help="draw runs printed before (no run)")
     args = parser.parse_args()
+    if args.replot:
+        if args.plot is None:
+            parser.error("--replot needs --plot PATH")
+        for path in args.replot:
+            if not path.is_file():
+                parser.error(f"--replot: no such file: {path}")
+        panels = [panel for path in args.replot for panel in parse_fractions(path.read_text())]
+        if not panels:
+            parser.error(f"--replot: no table of a run in {', '.join(map(str, args.replot))}")
+        plot(panels, args.plot)
+        print(f"wrote {args.plot}")
+        return
     setups = [(QUICK if args.quick else FULL)[name] for name in args.models]
     if args.rounds:
         setups = [replace(s, rounds=args.rounds) for s in setups]
@@ -381,12 +481,17 @@ def main() -> None:
         setups = [replace(s, chunks=tuple(args.chunks)) for s in setups]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    printed = []
     for setup in setups:
         rounds = []
         for r in range(setup.rounds):
             print(f"{setup.model} round {r + 1}/{setup.rounds} ...", file=sys.stderr, flush=True)
             rounds.append(one_round(setup, flip=r % 2 == 1))
-        print(f"\n{tables(setup, rounds)}\n\nload average now {os.getloadavg()[0]:.2f}", flush=True)
+        printed.append(tables(setup, rounds))
+        print(f"\n{printed[-1]}\n\nload average now {os.getloadavg()[0]:.2f}", flush=True)
+    if args.plot is not None:
+        plot([panel for text in printed for panel in parse_fractions(text)], args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -257,6 +257,11 @@ def test_values_cross_as_one_message_once_their_layout_is_known(tmp_path: Path) 
 WINDOW_M = 6  # micro-batches in the posting-window round trip: more than POSTED_AT_START
 
 
+def pending(box: P2PMailbox) -> int:
+    """Receives the mailbox has posted and not yet taken, over all its peers."""
+    return sum(len(stream.posted) for stream in box._streams.values())
+
+
 def window_round_trips(tmp: Path) -> dict[str, Any]:
     """GPipe (K=2, M=6), two steps (layouts announced, then steady). Each rank records how many
     receives were pending right after ``start`` and the most pending at once; rank 1 sleeps
@@ -270,17 +275,18 @@ def window_round_trips(tmp: Path) -> dict[str, Any]:
     known = KnownLayouts()
     at_start, most = [], []
     for step in (FIRST, STEADY):
-        box = P2PMailbox(layout, dist.group.WORLD, 20.0, seed=40 + step if rank == 0 else None,
-                         known=known)
+        seed = 40 + step if rank == 0 else None
+        box = P2PMailbox(layout, dist.group.WORLD, 20.0, seed=seed, known=known)
         box.start(plan.actions)
-        pending = lambda: sum(len(s.posted) for s in box._streams.values())  # noqa: E731
-        at_start.append(pending())
-        peak = [pending()]
+        at_start.append(pending(box))
+        peak = [pending(box)]
         real_take = box._take
 
-        def take(stream: Any, real_take: Any = real_take, peak: list[int] = peak) -> None:
-            peak[0] = max(peak[0], pending())
-            real_take(stream)
+        def take(
+            stream: Any, box: P2PMailbox = box, real: Any = real_take, peak: list[int] = peak
+        ) -> None:
+            peak[0] = max(peak[0], pending(box))
+            real(stream)
 
         box._take = take  # type: ignore[method-assign]
         if rank == 1 and step == STEADY:
