@@ -85,6 +85,13 @@ def test_a_frame_carries_any_value_as_views_of_one_message() -> None:
     lone = torch.randn(4, 6)
     lone_frame = Frame.of(encode(lone)[0])
     assert_same(lone, unpack(lone_frame, pack(lone_frame, [lone], 1, ("act", 1, 0))))
+    # lazy views whose memory is not their values: a conjugate, a negation (copied, resolved)
+    z = torch.randn(3, dtype=torch.complex64)
+    for view in (z.conj(), z.conj().imag):
+        assert view.is_conj() or view.is_neg()
+        view_frame = Frame.of(encode(view)[0])
+        got = unpack(view_frame, pack(view_frame, [view], 1, ("act", 1, 0)))
+        assert torch.equal(got, view.resolve_conj().resolve_neg())
 
 
 def test_an_announcement_fits_any_receive_posted_for_a_known_frame() -> None:

@@ -268,11 +268,17 @@ def pack(
         size = t.numel() * t.element_size()
         if not size:
             continue
-        if on_host and t.device.type == "cpu" and t.is_contiguous():
+        if on_host and t.device.type == "cpu" and _plain_memory(t):
             ctypes.memmove(message.data_ptr() + offset, t.data_ptr(), size)
         else:
             message[offset : offset + size].view(t.dtype).view(t.shape).copy_(t)
     return message
+
+
+def _plain_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are its memory as laid out: contiguous, and no lazy conjugate or
+    negation a view may carry (``x.conj()`` shares ``x``'s memory; a copy would resolve it)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def unpack(frame: Frame, message: torch.Tensor) -> Any:
