@@ -233,18 +233,21 @@ class Frame:
     offsets: tuple[int, ...]  # byte offset of each tensor item, in order
     sizes: tuple[int, ...]  # its bytes
     nbytes: int  # header included
+    head: int = HEADER_BYTES  # bytes of the header; 0 for a payload whose header travels apart
 
     @classmethod
-    def of(cls, words: list[int] | tuple[int, ...]) -> Frame:
+    def of(cls, words: list[int] | tuple[int, ...], head: int = HEADER_BYTES) -> Frame:
+        """The frame of a value described by ``words``; ``head=0`` for a bare payload (the
+        tensors' bytes only, the description sent on the host: :mod:`.ordered`)."""
         template = decode(list(words))
-        offsets, sizes, end = [], [], HEADER_BYTES
+        offsets, sizes, end = [], [], head
         for item in template[1]:
             if isinstance(item, TensorSpec):
                 size = math.prod(item.shape) * item.dtype.itemsize
                 offsets.append(end)
                 sizes.append(size)
                 end += -(-size // ALIGN) * ALIGN
-        return cls(tuple(words), template, tuple(offsets), tuple(sizes), end)
+        return cls(tuple(words), template, tuple(offsets), tuple(sizes), end, head)
 
 
 def pack(
@@ -255,15 +258,18 @@ def pack(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """The one message of a value whose layout is ``frame`` (``tensors`` as :func:`encode`
-    lists them): each tensor is copied once, straight into place, strided or not."""
+    lists them): each tensor is copied once, straight into place, strided or not. A bare
+    payload (``frame.head == 0``) has no prefix: nothing is written from the host, so a device
+    message needs no host-to-device copy (which would wait for the host)."""
     message = torch.empty(frame.nbytes, dtype=torch.uint8, device=device)
-    kind, stage, m = key
-    prefix = _PREFIX.pack(0, seed, KINDS.index(kind), stage, m, frame.nbytes)
     on_host = message.device.type == "cpu"
-    if on_host:  # a message per value: one memmove here, not four small torch ops
-        ctypes.memmove(message.data_ptr(), prefix, len(prefix))
-    else:
-        message[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    if frame.head:
+        kind, stage, m = key
+        prefix = _PREFIX.pack(0, seed, KINDS.index(kind), stage, m, frame.nbytes)
+        if on_host:  # a message per value: one memmove here, not four small torch ops
+            ctypes.memmove(message.data_ptr(), prefix, len(prefix))
+        else:
+            message[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
     for t, offset in zip(tensors, frame.offsets):
         size = t.numel() * t.element_size()
         if not size:

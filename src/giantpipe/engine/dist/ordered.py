@@ -1,0 +1,208 @@
+"""The device transport: descriptions on the host, bytes on the device, in one agreed order.
+
+:class:`~giantpipe.engine.dist.p2p.P2PMailbox` suits gloo: messages match by peer and tag, a
+receive may be posted far ahead, and a frame carries its own header. NCCL differs in three
+ways, and :class:`OrderedMailbox` is the same mailbox built for them:
+
+1. **One order per pair.** NCCL runs a pair's sends and receives on one stream in issue order,
+   each blocking until its match runs on the peer. Every device operation is issued in the
+   order of :func:`~giantpipe.engine.dist.order.worker_ops`, which every rank derives from the
+   schedule, so both ends of every pair agree (see :mod:`giantpipe.engine.dist.order`).
+2. **No host round trip.** Reading a header that arrived on the GPU waits for the GPU (``.cpu()``),
+   and writing one from the host is a blocking copy: the host could never run ahead. Here the
+   description of a value (its layout, key and the step's seed) travels as a small host message
+   on the control group (gloo), through a :class:`P2PMailbox` of its own (receives posted ahead,
+   layouts known from the step before), and the payload is the bare bytes of the tensors, packed
+   and unpacked on the device by kernels only::
+
+       put(key):  control.put(key, layout words)   -> gloo, now
+                  receives ordered before key       -> posted (their layouts from control)
+                  isend(payload)                    -> NCCL, in order
+       get(key):  receives ordered up to key        -> posted
+                  wait(payload)                     -> the consumer's stream waits, not the host
+
+3. **Failures on the host.** A dead or silent peer is named by the control plane's waits, which
+   time out and wake on closed connections (gloo); a device operation's ``wait`` only makes the
+   stream wait, so the end of the step waits for the device with a deadline
+   (:func:`giantpipe.engine.dist.faults.wait_device`).
+
+The same code runs on CPU with gloo for both groups (``DistributedPipe(transport="ordered")``):
+the tests record its device operations and replay them under NCCL's rule.
+
+Example (on each rank; ``known`` lives as long as the pipe)::
+
+    box = OrderedMailbox(layout, groups.control, groups.p2p, timeout=60.0, board=board,
+                         device=torch.device("cuda", local_rank), seed=seed, known=known)
+    box.start(schedule.actions)
+    run = StepRun(config, micro_batches if layout.needs_inputs else [], mailbox=box)
+    run.run(my_schedule)
+    box.finish()
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from giantpipe.engine.dist.faults import FailureBoard, RankFailure, explain, wait_work
+from giantpipe.engine.dist.layout import Layout
+from giantpipe.engine.dist.order import Op, worker_ops
+from giantpipe.engine.dist.p2p import P2PMailbox, describe
+from giantpipe.engine.dist.wire import Frame, KnownLayouts, encode, pack, unpack
+from giantpipe.engine.schedule import Action
+from giantpipe.engine.workers import Key, Mailbox
+
+PAYLOADS = 2  # tag of payloads (the control mailbox uses 0 and 1; on CPU the groups may be one)
+
+
+class OrderedMailbox(Mailbox):
+    """A mailbox across ranks whose device operations follow the step's agreed order.
+
+    ``control`` is a host (gloo) group and ``payload`` the device group of every rank (they
+    may be the same gloo group on CPU). ``seed``/``on_seed``/``known`` are as
+    :class:`P2PMailbox`'s (the control mailbox carries the seed and keeps the layouts).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        control: Any,
+        payload: Any,
+        timeout: float,
+        board: FailureBoard | None = None,
+        device: torch.device | None = None,
+        seed: int | None = None,
+        on_seed: Callable[[int], None] | None = None,
+        known: KnownLayouts | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        self.layout, self.payload_group, self.wait_timeout = layout, payload, timeout
+        self.board = board
+        self.device = device or torch.device("cpu")
+        # Descriptions: a value of layout words per key, as P2PMailbox sends any value.
+        self.control = P2PMailbox(
+            layout, control, timeout, board, seed=seed, on_seed=on_seed, known=known
+        )
+        self._ops: tuple[Op, ...] = ()
+        self._index: dict[tuple[str, Key], int] = {}
+        self._issued = 0  # self._ops[: self._issued] are issued
+        self._posted: dict[Key, tuple[Frame, torch.Tensor | None, Any]] = {}
+        self._sends: list[tuple[Key, Any, torch.Tensor]] = []
+
+    @property
+    def seed(self) -> int | None:
+        return self.control.seed
+
+    # ---- the order -------------------------------------------------------------------------
+
+    def start(self, actions: Sequence[Sequence[Action]]) -> None:
+        """Learns this step's order from every worker's actions and posts the control
+        receives."""
+        plan = tuple(map(tuple, actions))
+        self._ops = worker_ops(plan, self.layout.placement, self.layout.worker)
+        self._index = {(op.kind, op.key): i for i, op in enumerate(self._ops)}
+        self._issued = 0
+        self.control.start(actions)
+
+    def _issue_until(self, end: int) -> None:
+        """Issues the receives of ``self._ops[:end]`` not issued yet. Every send before them
+        was issued by its ``put`` already: this rank's actions produce them in that order."""
+        while self._issued < end:
+            op = self._ops[self._issued]
+            if op.kind == "send":
+                raise RuntimeError(
+                    f"{self.layout.label()} must send {describe(op.key)} before going on, but "
+                    "has not computed it: the step's actions do not follow the agreed order"
+                )
+            self._post(op)
+            self._issued += 1
+
+    def _peer(self, worker: int) -> int:
+        return self.layout.replica * self.layout.workers + worker
+
+    # ---- sending ---------------------------------------------------------------------------
+
+    def put(self, key: Key, value: Any) -> None:
+        position = self._index.get(("send", key))
+        if position is None:  # a stage of this rank (or stage 0's inputs)
+            super().put(key, value)
+            return
+        words, tensors = encode(value)
+        # The description first: the peer may be waiting for it to post earlier receives.
+        self.control.put(key, torch.tensor(words, dtype=torch.int64))
+        self._issue_until(position)
+        frame = Frame.of(words, head=0)
+        if frame.nbytes:
+            seed = self.control.seed or 0
+            message = pack(frame, tensors, seed, key, self.device)
+            dst = self._peer(self._ops[position].peer)
+            work = dist.isend(message, dst=dst, group=self.payload_group, tag=PAYLOADS)
+            self._sends = [s for s in self._sends if not s[1].is_completed()]
+            self._sends.append((key, work, message))
+        self._issued = position + 1
+
+    # ---- receiving -------------------------------------------------------------------------
+
+    def _post(self, op: Op) -> None:
+        """Posts the payload receive of ``op`` (its layout from the control mailbox)."""
+        words = self.control.get(op.key).tolist()
+        frame = Frame.of(words, head=0)
+        buffer = work = None
+        if frame.nbytes:
+            buffer = torch.empty(frame.nbytes, dtype=torch.uint8, device=self.device)
+            src = self._peer(op.peer)
+            work = dist.irecv(buffer, src=src, group=self.payload_group, tag=PAYLOADS)
+        self._posted[op.key] = (frame, buffer, work)
+
+    def get(self, key: Key) -> Any:
+        position = self._index.get(("recv", key))
+        if position is None:
+            return super().get(key)
+        self._issue_until(position + 1)
+        frame, buffer, work = self._posted.pop(key)
+        if buffer is None:
+            return unpack(frame, torch.empty(0, dtype=torch.uint8, device=self.device))
+        self._wait(work, key)
+        return unpack(frame, buffer)
+
+    def _wait(self, work: Any, key: Key) -> None:
+        """On the device, the consumer's stream waits for the payload (the host goes on); on
+        the host (gloo standing in), the rank waits, under the timeout, naming the peer."""
+        if self.device.type == "cuda":
+            work.wait()
+            return
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.wait_timeout))
+        except Exception as exc:  # noqa: BLE001 - becomes a message naming the peer
+            stage = key[1] - 1 if key[0] == "act" else key[1] + 1
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            local = (
+                f"{self.layout.label()} failed to receive the payload of {describe(key)} "
+                f"from {self.layout.label(stage)}: {text}"
+            )
+            raise RankFailure(explain(self.board, local)) from exc
+
+    # ---- the end of a step -----------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Waits until this step's sends are through: the control plane's on the host; the
+        payloads' on the host where gloo carries them (NCCL holds its buffers itself, and the
+        step's end waits for the device)."""
+        self.control.finish()
+        if self.device.type != "cuda":
+            for key, work, _ in self._sends:
+                what = f"sending the payload of {describe(key)} to {self.layout.label(key[1])}"
+                wait_work(work, self.wait_timeout, what, self.board)
+        self._sends.clear()
+        self._posted.clear()
+
+    def drop(self) -> None:
+        """Forgets every request in flight (so a failed step's groups can be torn down)."""
+        self.control.drop()
+        self._sends.clear()
+        self._posted.clear()
+        self.payload_group = None
