@@ -10,6 +10,8 @@ transport, so everything else lives here once::
       step_schedule()             the validated schedule
       _loss_spec()                per micro-batch loss scales   _reduce_normalizer: sum over
                                                                 replicas (global batch/tokens)
+      _loss_scale(grad_scaler)    fp16: the scaler's scale, a
+                                  tensor on the last device
       _step_config(grad, loss)    StepConfig: recompute, seed,
                                   autocast, timeout, placement
       _commit_batchnorm()         deferred BatchNorm, once      _merge_batchnorm: replicas'
@@ -18,7 +20,13 @@ transport, so everything else lives here once::
 
 Loss scaling makes a pipelined step equal the plain model's: ``loss_fn`` returns the MEAN over a
 micro-batch, weighted by the micro-batch's share of the mini-batch; with ``loss_normalizer``
-(e.g. the number of non-padding tokens) it returns a SUM, divided by the normalizer.
+(e.g. the number of non-padding tokens) it returns a SUM, divided by the normalizer. With a
+``grad_scaler`` (fp16), each micro-batch's backward is also that of its loss times the scaler's
+scale, and the loss returned is unscaled (:mod:`giantpipe.engine.lossscale`)::
+
+    scaler = pipeline_grad_scaler(pipe)
+    loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)   # p.grad holds S * gradient
+    scaler.step(optimizer); scaler.update()                      # unscales; skips on inf/NaN
 
 Example::
 
@@ -40,6 +48,7 @@ from torch import nn
 
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm
 from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, autocast_state
+from giantpipe.engine.lossscale import current_scale
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, scatter
 from giantpipe.engine.partition import BalanceError, verify_balance, verify_module
 from giantpipe.engine.recompute import MODES, recompute_stop
@@ -216,9 +225,11 @@ class Pipe(nn.Module):
         targets: Any,
         loss_fn: LossFn,
         loss_normalizer: Normalizer | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> torch.Tensor:
         """Forward + backward of this process's part of one mini-batch under the schedule;
-        returns the loss (see GPipe.train_step and DistributedPipe.train_step)."""
+        returns the loss (see GPipe.train_step and DistributedPipe.train_step). With
+        ``grad_scaler`` the gradients are scaled by its scale, the loss is not."""
         raise NotImplementedError
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -237,17 +248,36 @@ class Pipe(nn.Module):
     # ---- the loss --------------------------------------------------------------------------
 
     def _loss_spec(
-        self, targets: TensorOrTensors, loss_fn: LossFn, normalizer: Normalizer | None
+        self,
+        targets: TensorOrTensors,
+        loss_fn: LossFn,
+        normalizer: Normalizer | None,
+        loss_scale: torch.Tensor | None = None,
     ) -> LossSpec:
-        """The loss of each micro-batch and its scale (see the module docstring)."""
+        """The loss of each micro-batch and its weight (see the module docstring);
+        ``loss_scale``: what :meth:`_loss_scale` gave, the gradients' scale."""
         micro = scatter(targets, self.chunks)
         norm = float(normalizer(targets)) if normalizer else float(batch_size(targets))
         norm = self._reduce_normalizer(norm)
         if not norm > 0:
             raise ValueError(f"the loss normalizer is {norm}; it must be positive")
         if normalizer is None:
-            return LossSpec(loss_fn, micro, [batch_size(t) / norm for t in micro])
-        return LossSpec(loss_fn, micro, [1.0 / norm] * self.chunks)
+            weights = [batch_size(t) / norm for t in micro]
+        else:
+            weights = [1.0 / norm] * self.chunks
+        return LossSpec(loss_fn, micro, weights, loss_scale)
+
+    def _loss_scale(self, grad_scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        """The scaler's scale on the last stage's device (this process's device on a rank),
+        with no host sync; None without an enabled scaler. Called on every process, so that
+        each has a scale to unscale its own gradients with.
+
+        Example::
+
+            pipe = GPipe(nn.Sequential(nn.Linear(2, 2)), balance=[1], devices=["cpu"])
+            pipe._loss_scale(torch.amp.GradScaler("cpu", init_scale=4.0))   # tensor(4.)
+        """
+        return current_scale(grad_scaler, self.devices[-1]) if self.devices else None
 
     def _reduce_normalizer(self, norm: float) -> float:
         """The normalizer of the whole step; DistributedPipe sums it over the replicas."""

@@ -61,6 +61,7 @@ from giantpipe.engine.autograd import (
     make_leaves,
     pair_gradients,
 )
+from giantpipe.engine.lossscale import scale_gradient
 from giantpipe.engine.microbatch import CopyStreams, TensorOrTensors, as_tuple, nbytes, to_device
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
@@ -101,6 +102,10 @@ class LossSpec:
     fn: LossFn
     targets: list[TensorOrTensors]
     scales: list[float]
+    loss_scale: torch.Tensor | None = None
+    """A gradient scaler's scale (fp16), on the last stage's device: every micro-batch's
+    backward is that of its loss times it (:func:`~giantpipe.engine.lossscale.scale_gradient`);
+    the losses kept are unscaled."""
 
 
 @dataclass
@@ -370,7 +375,7 @@ class StepRun:
         loss = self.cfg.loss
         if loss is not None and stage == len(self.cfg.stages) - 1:
             target = to_device(loss.targets[m], self.cfg.devices[stage])
-            return loss.fn(y, target) * loss.scales[m]
+            return scale_gradient(loss.fn(y, target) * loss.scales[m], loss.loss_scale)
         return y
 
     def _hand_on(self, stage: int, m: int, y: Any) -> None:

@@ -206,6 +206,7 @@ class GPipe(Pipe):
         targets: TensorOrTensors,
         loss_fn: LossFn,
         loss_normalizer: Normalizer | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> torch.Tensor:
         """Forward + backward of one mini-batch under ``self.schedule``; returns the loss.
 
@@ -214,6 +215,15 @@ class GPipe(Pipe):
         those of the un-pipelined model. With ``loss_normalizer(targets) -> n`` (e.g. the number
         of non-padding tokens), ``loss_fn`` returns a SUM and the engine divides by ``n``.
         Gradients accumulate into ``p.grad``; zero them between steps as usual.
+
+        ``grad_scaler`` (fp16): the gradients are those of the loss times the scaler's scale,
+        as after ``scaler.scale(loss).backward()`` on the plain model; the loss returned is
+        not scaled. Example::
+
+            scaler = pipeline_grad_scaler(pipe)        # giantpipe.engine.lossscale
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
+            scaler.step(optimizer); scaler.update()
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs grad mode; use model(x) under torch.no_grad()")
@@ -221,7 +231,7 @@ class GPipe(Pipe):
         self._reset_peaks()
         micro = scatter(check_input(inputs), self.chunks)
         check_batch_sizes(inputs, targets)
-        spec = self._loss_spec(targets, loss_fn, loss_normalizer)
+        spec = self._loss_spec(targets, loss_fn, loss_normalizer, self._loss_scale(grad_scaler))
         if not self.partitions:
             return _identity_step(micro, spec)
         run = StepRun(self._step_config(True, spec), micro, pool=self._worker_pool)

@@ -63,6 +63,7 @@ from giantpipe.engine.dist.faults import (
     run_guarded,
     wait_work,
 )
+from giantpipe.engine.dist.gradscale import check_agreed
 from giantpipe.engine.dist.gradsync import (
     GradientSync,
     TiedSync,
@@ -249,16 +250,23 @@ class DistributedPipe(Pipe):
         targets: TensorOrTensors | None = None,
         loss_fn: LossFn | None = None,
         loss_normalizer: Normalizer | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> torch.Tensor:
         """Forward + backward of this replica's mini-batch; returns the global loss everywhere.
 
         As ``GPipe.train_step``, with the mean (or ``loss_normalizer``) taken over the
         batches of all replicas, whose gradients are summed: a step equals the plain model on
         the concatenation of the replicas' batches. Gradients accumulate into ``p.grad``.
+        ``grad_scaler`` (fp16, on every rank): an AgreedGradScaler (``pipeline_grad_scaler``),
+        whose inf/NaN verdict every rank shares; gradients scaled, the loss not.
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs grad mode; use eval_step under torch.no_grad()")
-        return self._guarded(lambda: self._step(True, inputs, targets, loss_fn, loss_normalizer))
+        check_agreed(grad_scaler, self.layout.world_size)
+        scale = self._loss_scale(grad_scaler)  # every rank: each unscales its own gradients
+        return self._guarded(
+            lambda: self._step(True, inputs, targets, loss_fn, loss_normalizer, scale)
+        )
 
     def eval_step(
         self,
@@ -293,11 +301,12 @@ class DistributedPipe(Pipe):
         targets: TensorOrTensors | None,
         loss_fn: LossFn | None,
         loss_normalizer: Normalizer | None,
+        loss_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         started = time.perf_counter()
         if loss_fn is None:
             raise ValueError("loss_fn is required (on every rank, though only the last uses it)")
-        spec = self._rank_loss_spec(targets, loss_fn, loss_normalizer)
+        spec = self._rank_loss_spec(targets, loss_fn, loss_normalizer, loss_scale)
         if grad:
             self.tied.begin()  # first: the replicas' sum below then covers this step only
         if self.sync is not None and grad:
@@ -332,13 +341,14 @@ class DistributedPipe(Pipe):
         targets: TensorOrTensors | None,
         loss_fn: LossFn,
         normalizer: Normalizer | None,
+        loss_scale: torch.Tensor | None = None,
     ) -> LossSpec:
         """The loss where this rank holds the last stage; an empty one elsewhere."""
         if not self.needs_targets:
             return LossSpec(loss_fn, [], [])
         if targets is None:
             raise ValueError(f"{self.layout.label()} holds the last stage and needs targets")
-        return self._loss_spec(targets, loss_fn, normalizer)
+        return self._loss_spec(targets, loss_fn, normalizer, loss_scale)
 
     def _reduce_normalizer(self, norm: float) -> float:
         # The mean (or the normalizer) is over the batches of all replicas.
