@@ -29,7 +29,7 @@ from typing import Any
 
 RECOMPUTE_MODES = ("always", "except_last", "never")
 BALANCE_POLICIES = ("time", "memory", "params")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICE_KEYWORDS = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 LR_SCHEDULES = ("constant", "cosine", "exponential", "inverse_sqrt")
@@ -159,7 +159,10 @@ class PipelineConfig:
     deferred_batch_norm: bool = False
     """Accumulate BatchNorm running statistics once per mini-batch instead of per micro-batch."""
     precision: str = "fp32"
-    """``fp32`` or ``bf16`` (autocast around each engine step and evaluation)."""
+    """``fp32``, ``bf16`` or ``fp16``: autocast to that type around each engine step and
+    evaluation. ``fp16`` (GPUs without bf16: V100, T4) also scales the loss with a gradient
+    scaler whose inf/NaN verdict every rank shares: a step whose gradients overflowed is skipped
+    and the scale halved (its state is checkpointed)."""
     schedule: str = "gpipe"
     """Schedule name handed to the engine's ``train_step``."""
     virtual_stages: int = 1

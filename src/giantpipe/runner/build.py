@@ -35,7 +35,7 @@ from giantpipe.engine.base import Pipe
 from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
 from giantpipe.engine.microbatch import as_tuple
 from giantpipe.runner.losses import LossFn, build_loss
-from giantpipe.runner.optim import WeightEMA, build_optimizer, lr_multiplier
+from giantpipe.runner.optim import WeightEMA, build_grad_scaler, build_optimizer, lr_multiplier
 from giantpipe.runner.pipeline import (
     build_distributed_pipe,
     build_pipe,
@@ -80,6 +80,8 @@ class Experiment:
     total_steps: int
     plan_choice: dict[str, Any] | None = None
     """pipeline.plan=auto: the planner's choice and its predictions (summary.json)."""
+    grad_scaler: torch.amp.GradScaler | None = None
+    """pipeline.precision=fp16: the loss scaler the optimizer steps through (else None)."""
 
 
 def first_names(named: Mapping[str, nn.Parameter]) -> dict[str, nn.Parameter]:
@@ -307,4 +309,5 @@ def _training_parts(
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         plan_choice=plan_choice,
+        grad_scaler=build_grad_scaler(pipe, pipeline.precision),
     )

@@ -8,7 +8,8 @@ A checkpoint is a directory (``RUN/last/``, ``RUN/step_N/``) in the shard format
       step000000100-3f9c2a-rank00000.pt          weights of rank 0's stages ("0.weight", ...)
       step000000100-3f9c2a-rank00001.pt          (torchrun; a local run writes this one shard)
       state-step000000100-8b01de-rank00000.pt    rank 0: optimizer (by parameter name), EMA,
-      state-step000000100-8b01de-rank00001.pt    LR schedule, RNG, step and data position
+      state-step000000100-8b01de-rank00001.pt    LR schedule, fp16's loss scale, RNG, step
+                                                 and data position
 
 Every file is fsynced under a temporary name before it is moved into place, and the manifest,
 written last, makes the save count: a crash at any moment leaves the previous checkpoint whole.
@@ -175,6 +176,8 @@ def save_run(parts: Experiment, progress: Progress, directory: Path, world: Worl
         "rng": rng_state(),
         "optimizer": optimizer_state_by_name(parts.optimizer, parts.names) if leader else None,
         "ema": parts.ema.state_dict() if leader and parts.ema is not None else None,
+        # fp16: the loss scale and its growth count, the same on every rank (one verdict)
+        "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
     }
     directory.mkdir(parents=True, exist_ok=True)
     atomic_save(state, directory / state_file(token, place.rank))
@@ -298,9 +301,18 @@ def restore_run(parts: Experiment, directory: Path, rank: int) -> Progress:
             {n: t for s in leaders for n, t in s["ema"].items() if n in parts.ema.shadow}
         )
     parts.scheduler.load_state_dict(leaders[0]["scheduler"])
+    _restore_grad_scaler(parts, leaders[0])
     if rank < len(files):  # a rank new to the layout keeps its seeded generators
         restore_rng(_load(files[rank])["rng"])
     return Progress(step=int(extra["step"]), position=int(extra["position"]))
+
+
+def _restore_grad_scaler(parts: Experiment, state: dict[str, Any]) -> None:
+    """fp16: the saved loss scale, where the run saved one (a run saved in fp32 or bf16, or
+    before scalers were saved, starts from the scaler's initial scale)."""
+    saved = state.get("grad_scaler")
+    if parts.grad_scaler is not None and saved is not None:
+        parts.grad_scaler.load_state_dict(saved)
 
 
 def _restore_optimizer(parts: Experiment, leaders: list[dict[str, Any]], directory: Path) -> None:

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -92,6 +93,9 @@ class TrainingLoop:
         """trainer.predict: the simulator's forecast after the first step, and the measurements."""
         self.stopped: str | None = None
         """Why the loop stopped early: ``preempted`` (SIGTERM) or ``interrupted`` (Ctrl-C)."""
+        self.skipped_steps = 0
+        """fp16: optimizer steps the gradient scaler skipped (overflowed gradients), counted
+        from this process's start (a resumed run counts from the resume)."""
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -113,8 +117,12 @@ class TrainingLoop:
 
     def optimizer_step(self, stream: Iterator[Batch] | None) -> StepRecord:
         """Accumulate over trainer.accumulate batches, clip by the global norm, update, advance;
-        the same loss and norm on every process."""
-        parts, trainer = self.parts, self.cfg.trainer
+        the same loss and norm on every process.
+
+        fp16 (``parts.grad_scaler``): the gradients are scaled; they are unscaled before the
+        norm, and an overflow (an inf/NaN gradient on any rank) is no failure: the scaler
+        skips the update on every rank and halves the scale."""
+        parts, trainer, scaler = self.parts, self.cfg.trainer, self.parts.grad_scaler
         start = time.perf_counter()
         batches = self._batches(stream)
         parts.optimizer.zero_grad(set_to_none=True)
@@ -125,14 +133,19 @@ class TrainingLoop:
             parts.bundle.loss_normalizer,
             self.cfg.pipeline.precision,
             [parts.input_device, parts.target_device],
+            scaler,
         )
         if not math.isfinite(loss):
             raise self._fail("the loss", loss)
         grad_norm = None
         if trainer.grad_clip is not None:
+            if scaler is not None:
+                scaler.unscale_(parts.optimizer)  # clip the true gradients, not S times them
             grad_norm = float(parts.pipe.clip_grad_norm_(trainer.grad_clip))
             if not math.isfinite(grad_norm):
-                raise self._fail("the gradient norm", grad_norm)
+                if scaler is None:
+                    raise self._fail("the gradient norm", grad_norm)
+                grad_norm = None  # fp16 overflowed: the scaler skips the step, no norm to log
         record = self.update(batches, loss, stats, grad_norm, start)
         if self.forecast is not None:  # after the record: its step time leaves the profile out
             more = self.progress.step < parts.total_steps
@@ -152,8 +165,11 @@ class TrainingLoop:
         and ``len(batches)`` batches, and returns the step's record."""
         parts, progress = self.parts, self.progress
         lr = float(parts.optimizer.param_groups[0]["lr"])  # the rate this step used
-        parts.optimizer.step()
-        parts.scheduler.step()
+        skipped = self._step_optimizer()
+        with warnings.catch_warnings():
+            if skipped:  # the schedule follows the step count; torch's warning does not apply
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+            parts.scheduler.step()
         if parts.ema is not None:
             parts.ema.update()
         progress.step += 1
@@ -170,6 +186,27 @@ class TrainingLoop:
             tokens=sum(tokens(b) for b in held) if tokens is not None and held else None,
             grad_norm=grad_norm,
         )
+
+    def _step_optimizer(self) -> bool:
+        """``optimizer.step()``; fp16: through the scaler, which skips it on every rank if any
+        gradient overflowed, then moves the scale (the same way on every rank). True: skipped."""
+        optimizer, scaler = self.parts.optimizer, self.parts.grad_scaler
+        if scaler is None:
+            optimizer.step()
+            return False
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        after = scaler.get_scale()
+        if after < before:  # the scale only shrinks on an overflow, whose step it skipped
+            self.skipped_steps += 1
+            log.info(
+                "step %d: fp16 gradients overflowed; the update was skipped, loss scale %g -> %g",
+                self.progress.step + 1,
+                before,
+                after,
+            )
+        return after < before
 
     # -- evaluation and checkpoints ---------------------------------------------------------
 
@@ -328,6 +365,9 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
         summary.update(loop.forecast.figures())
     if parts.plan_choice is not None:
         summary["pipeline/plan_choice"] = parts.plan_choice
+    if parts.grad_scaler is not None:  # fp16
+        summary["train/loss_scale"] = parts.grad_scaler.get_scale()
+        summary["train/skipped_steps"] = loop.skipped_steps
     return summary
 
 

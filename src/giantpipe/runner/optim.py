@@ -1,4 +1,5 @@
-"""What trains the parameters: the optimizer, the learning-rate schedule, the weights' EMA.
+"""What trains the parameters: the optimizer, fp16's gradient scaler, the learning-rate
+schedule, the weights' EMA.
 
 Optimizers from ``OptimConfig``: sgd (momentum, Nesterov), adam, adamw, rmsprop. A learning-rate
 schedule is a pure function ``step -> multiplier of optim.lr`` (step counts optimizer steps from
@@ -6,10 +7,13 @@ schedule is a pure function ``step -> multiplier of optim.lr`` (step counts opti
 nothing but the step; epoch-valued settings are converted with the data's steps per epoch. The
 EMA of the weights is kept on each parameter's own device and keyed by the un-partitioned
 parameter names, so it checkpoints and resumes like the model does, under any balance.
+``pipeline.precision=fp16`` steps the optimizer through a gradient scaler, one verdict on
+inf/NaN for every rank (:func:`giantpipe.engine.lossscale.pipeline_grad_scaler`).
 
 Example::
 
     optimizer = build_optimizer(pipe.parameters(), OptimConfig(name="sgd", lr=0.1, momentum=0.9))
+    scaler = build_grad_scaler(pipe, "fp16")      # None for fp32 and bf16
     factor = lr_multiplier(LRScheduleConfig(name="cosine", warmup_steps=10), 0, 100)
     [round(factor(s), 3) for s in (0, 9, 10, 55, 99)]   # [0.1, 1.0, 1.0, 0.5, 0.0...]
     ema = WeightEMA(named_params, decay=0.9999)
@@ -28,6 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.config import LRScheduleConfig, OptimConfig
+from giantpipe.engine.base import Pipe
+from giantpipe.engine.lossscale import pipeline_grad_scaler
 
 # --------------------------------------------------------------------------- optimizer
 
@@ -61,6 +67,19 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.o
             weight_decay=cfg.weight_decay,
         )
     raise ValueError(f"unknown optimizer {cfg.name!r}")  # unreachable: OptimConfig checks names
+
+
+def build_grad_scaler(pipe: Pipe, precision: str) -> torch.amp.GradScaler | None:
+    """fp16's gradient scaler for ``pipe`` (torch's defaults: scale 2**16, doubled after 2000
+    steps without overflow, halved on one); None for fp32 and bf16, whose range needs none.
+
+    Example::
+
+        scaler = build_grad_scaler(pipe, "fp16")
+        loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
+        scaler.step(optimizer); scaler.update()
+    """
+    return pipeline_grad_scaler(pipe) if precision == "fp16" else None
 
 
 # --------------------------------------------------------------------------- LR schedule

@@ -16,6 +16,12 @@ Example::
                                        precision="fp32", devices=["cpu", "cpu"])
     norm = pipe.clip_grad_norm_(1.0)
     optimizer.step()
+
+fp16 scales the loss: pass the run's scaler, unscale before clipping, step through it::
+
+    loss, stats = accumulate_gradients(pipe, batches, loss_fn, None, "fp16", devices, scaler)
+    scaler.unscale_(optimizer); pipe.clip_grad_norm_(1.0)
+    scaler.step(optimizer); scaler.update()
 """
 
 from __future__ import annotations
@@ -38,10 +44,21 @@ def to_device(tensors: Tensors, device: str | torch.device) -> Tensors:
     return tensors.to(device, non_blocking=True)
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The autocast type of each reduced precision (fp32: none)."""
+
+
 def autocast(precision: str, device: str) -> torch.autocast:
-    """bf16 autocast on the devices' type, or a disabled (no-op) autocast for fp32."""
+    """bf16 or fp16 autocast on the devices' type, or a disabled (no-op) autocast for fp32.
+
+    Example::
+
+        with autocast("fp16", "cuda:0"):
+            loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
+    """
     device_type = torch.device(device).type
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    dtype = AUTOCAST_DTYPES.get(precision)
+    return torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 def replica_slice(tensors: Tensors, replica: int, replicas: int) -> Tensors:
@@ -78,13 +95,15 @@ def accumulate_gradients(
     normalizer: Callable[[Any], float] | None,
     precision: str,
     devices: Sequence[str],
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[float, list[Any]]:
     """Run ``pipe.train_step`` on each batch; grads add up in ``p.grad``.
 
     ``devices``: inputs go to the first, targets to the last. Returns the combined batch's loss
     and the engine's stats of each engine step. Mean losses: batch ``i`` weighs its size over
     the step's; summed losses: the engine divides by the step's normalizer (over every batch
-    of the step and, under torchrun, every replica).
+    of the step and, under torchrun, every replica). ``grad_scaler`` (fp16): the gradients
+    are scaled by its scale, the loss returned is not.
     """
     r, replicas = pipe.replica, pipe.replicas
     held = [b for b in batches if b is not None]
@@ -108,7 +127,9 @@ def accumulate_gradients(
             elif share is not None:
                 step_norm = _fixed(share)
         with autocast(precision, devices[0]):
-            step_loss = pipe.train_step(inputs, targets, step_fn, loss_normalizer=step_norm)
+            step_loss = pipe.train_step(
+                inputs, targets, step_fn, loss_normalizer=step_norm, grad_scaler=grad_scaler
+            )
         loss += float(step_loss)
         stats.append(pipe.last_stats)
     return loss, stats
