@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -93,19 +93,48 @@ def verify_balance(num_layers: int, balance: Sequence[int], num_devices: int) ->
     return balance
 
 
-def resolve_devices(devices: Iterable[Device] | None, num_partitions: int) -> list[torch.device]:
-    """Turns user devices into ``torch.device`` objects.
+def resolve_devices(
+    devices: Iterable[Device] | None,
+    num_partitions: int,
+    current: Callable[[], int] = torch.cuda.current_device,
+) -> list[torch.device]:
+    """Turns user devices into ``torch.device`` objects, every CUDA one with its index.
 
     ``None`` means every visible CUDA device or, without CUDA, ``num_partitions`` CPU stand-ins.
-    An integer ``i`` means ``cuda:i``.
+    An integer ``i`` means ``cuda:i``; ``"cuda"`` means the current CUDA device (``current()``,
+    see :func:`with_index`).
+
+    >>> resolve_devices(["cuda", 1, "cpu"], 3, current=lambda: 0)
+    [device(type='cuda', index=0), device(type='cuda', index=1), device(type='cpu')]
     """
     if devices is None:
         count = torch.cuda.device_count()
         devices = range(count) if count else ["cpu"] * num_partitions
     resolved = []
     for d in devices:
-        resolved.append(torch.device("cuda", d) if isinstance(d, int) else torch.device(d))
+        device = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+        resolved.append(with_index(device, current))
     return resolved
+
+
+def with_index(
+    device: torch.device, current: Callable[[], int] = torch.cuda.current_device
+) -> torch.device:
+    """``device`` with its index: an index-less CUDA device is the current one, ``current()``.
+
+    ``torch.device("cuda") != torch.device("cuda:0")``, so two stages given ``"cuda"`` and
+    ``"cuda:0"`` would look like two devices (two copies of a tied parameter, two copy streams,
+    two allocator peaks, ...); and the current device is thread-local, so ``"cuda"`` would mean
+    cuda:0 in every worker thread whatever the caller's. The index is fixed once, here.
+
+    >>> with_index(torch.device("cuda"), current=lambda: 1)
+    device(type='cuda', index=1)
+    >>> with_index(torch.device("cpu"))
+    device(type='cpu')
+    """
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", current())
+    return device
 
 
 def split_module(
