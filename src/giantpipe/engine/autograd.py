@@ -10,6 +10,14 @@ read off and handed to the previous stage, exactly as activations are handed on 
     tensors, grads = pair_gradients(as_tuple(y), received, device)
     torch.autograd.backward(tensors, grads)      # leaves[i].grad goes to the previous stage
 
+**On the calling thread.** A worker runs its stage's backward itself (:func:`backward_here`
+around every ``backward``/``grad`` call it makes): called from a thread that is not one of
+autograd's, ``torch.autograd.backward`` otherwise hands the graph's CUDA nodes to the autograd
+thread of their device and waits, and that thread may be the very one waiting for the worker
+(the front door's backward), so it hangs; the gradient hooks (a rank's all-reduces) would also
+run there rather than on the thread that runs the action. On CPU the calling thread runs its
+graph in any case; the flag costs nothing.
+
 **B and W.** Zero-bubble schedules send the input gradient on as soon as it exists and compute
 the weight gradient when the worker would otherwise idle. Asking autograd twice (once for the
 inputs, once for the parameters) would run most of the backward twice. Instead, B captures the
@@ -54,6 +62,21 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from giantpipe.engine.microbatch import TensorOrTensors
 
 # ---- boundaries: leaves in, gradients out -------------------------------------------------
+
+
+def backward_here() -> torch.autograd.set_multithreading_enabled:
+    """A context in which autograd runs every backward on the calling thread, every device's
+    nodes included (autograd's multithreading off; thread-local, restored on exit).
+
+    The flag travels with each backward's graph task, so the nodes and hooks of a backward
+    started inside see it too (``torch.autograd.is_multithreading_enabled()`` is False there).
+
+    Example::
+
+        with backward_here():
+            torch.autograd.backward(tensors, grads)   # its CUDA nodes on this thread as well
+    """
+    return torch.autograd.set_multithreading_enabled(False)
 
 
 def make_leaves(x: TensorOrTensors, first: bool) -> TensorOrTensors:

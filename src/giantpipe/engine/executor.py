@@ -17,6 +17,16 @@ never crosses threads or devices by itself: gradients cross the boundary through
 exactly as activations do. Torch kernels release the GIL, so workers on CPU stand-ins really run
 concurrently.
 
+Each worker runs its stage's backward on its own thread, the thread of its B and W actions:
+its worker context turns autograd's multithreading off
+(:func:`~giantpipe.engine.autograd.backward_here`). On CUDA, autograd would otherwise hand a
+graph's CUDA nodes to the device's autograd thread, which the front door keeps busy waiting for
+the very workers that wait for it (a hang), and the post-accumulate-grad hooks that start a
+rank's gradient all-reduces would run on that device thread instead of the rank's one thread
+(NCCL wants every collective from one thread, in the same order on every rank). The front
+door's backward phase runs on pool threads even for a lone worker: autograd calls it on the
+output device's autograd thread, which must not run a stage's backward.
+
 A failing action aborts the step: the caller hears at once, and the other workers stop at their
 next action (or wait). The exception is the one the stage raised (``except ValueError`` and
 ``except torch.OutOfMemoryError`` catch it, as with torchgpipe), with a note naming the stage,
@@ -56,6 +66,7 @@ from torch import nn
 
 from giantpipe.engine.autograd import (
     WeightGradient,
+    backward_here,
     backward_input,
     detach,
     make_leaves,
@@ -200,9 +211,10 @@ class StepRun:
 
     # ---- running a phase -------------------------------------------------------------------
 
-    def run(self, schedule: Schedule) -> None:
+    def run(self, schedule: Schedule, own_threads: bool = False) -> None:
         """Runs every worker's actions of ``schedule``; the first failure is raised as it is,
-        at once (see the module docstring)."""
+        at once (see the module docstring). A lone worker runs on the calling thread unless
+        ``own_threads`` (the front door's backward: the caller is autograd's own thread)."""
         self.mailbox = _reopen(self.mailbox)
         self.split |= {
             (a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"
@@ -220,7 +232,7 @@ class StepRun:
             self.cuda_actions.clear()  # a failed phase's marks are never read
             first = len(self.timings)
         try:
-            if len(workers) == 1:
+            if len(workers) == 1 and not own_threads:
                 self._work(workers[0], times, own_thread=False)
             else:
                 pool = self.pool if self.pool is not None else WorkerPool()
@@ -300,10 +312,13 @@ class StepRun:
         # Worker threads start with grad mode on, autocast off and all cores; give them the
         # caller's state, and one share of the cores each so stages don't oversubscribe. A
         # pooled thread gets its own core count back after the phase, as if it were fresh.
+        # On the caller's thread too (a lone worker, a distributed rank): the worker's
+        # backward on this very thread (see the module docstring), undone when the phase ends.
         with ExitStack() as stack:
             if own_thread and self.cfg.threads_per_worker:
                 stack.callback(torch.set_num_threads, torch.get_num_threads())
                 torch.set_num_threads(self.cfg.threads_per_worker)
+            stack.enter_context(backward_here())
             stack.enter_context(torch.set_grad_enabled(self.cfg.grad_enabled))
             for device_type, dtype in self.cfg.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))

@@ -363,7 +363,9 @@ class PipelineFunction(torch.autograd.Function):
         for m in range(chunks):
             run.mailbox.put(("grad", last, m), tuple(col[m] for col in per_output))
         pipe.tied.begin()
-        run.run(ctx.schedule.phase("B"))
+        # On pool threads even for one worker: this is autograd's thread (on CUDA, the output
+        # device's), which is not to run a stage's backward (giantpipe.engine.executor).
+        run.run(ctx.schedule.phase("B"), own_threads=True)
         pipe.tied.finish()
         pipe._finish(run, ctx.started)
         grads = _gather_input_grads(run, chunks, ctx.num_inputs)
