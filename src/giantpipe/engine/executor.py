@@ -27,6 +27,11 @@ rank's gradient all-reduces would run on that device thread instead of the rank'
 door's backward phase runs on pool threads even for a lone worker: autograd calls it on the
 output device's autograd thread, which must not run a stage's backward.
 
+On CUDA each worker also enters its device and stream (both are thread-local in PyTorch; see
+:mod:`giantpipe.engine.streams`), and a value handed from one worker to another carries the
+event its producer recorded right after computing it: the consumer waits for that event only
+(:class:`~giantpipe.engine.microbatch.CopyStreams`).
+
 A failing action aborts the step: the caller hears at once, and the other workers stop at their
 next action (or wait). The exception is the one the stage raised (``except ValueError`` and
 ``except torch.OutOfMemoryError`` catch it, as with torchgpipe), with a note naming the stage,
@@ -73,7 +78,14 @@ from giantpipe.engine.autograd import (
     pair_gradients,
 )
 from giantpipe.engine.lossscale import scale_gradient
-from giantpipe.engine.microbatch import CopyStreams, TensorOrTensors, as_tuple, nbytes, to_device
+from giantpipe.engine.microbatch import (
+    CopyStreams,
+    Ready,
+    TensorOrTensors,
+    as_tuple,
+    nbytes,
+    to_device,
+)
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule
@@ -83,6 +95,13 @@ from giantpipe.engine.stats import (
     SavedTensorMeter,
     saved_as_aliases,
     storage_keys,
+)
+from giantpipe.engine.streams import (
+    Lane,
+    enter_lane,
+    join_from_caller,
+    join_to_caller,
+    plan_lanes,
 )
 from giantpipe.engine.workers import (
     Aborted,
@@ -194,9 +213,14 @@ class StepRun:
         self.worker_of = list(config.placement) if config.placement else list(range(k))
         self.worker_live = [0] * (max(self.worker_of) + 1)
         self.worker_peaks = [0] * (max(self.worker_of) + 1)
-        # On CUDA: copies between devices on side streams, actions timed with events.
+        self.worker_device = [config.devices[0]] * len(self.worker_peaks)
+        for stage, w in enumerate(self.worker_of):
+            self.worker_device[w] = config.devices[stage]
+        # On CUDA: values handed on with their producer's event, copies between devices on
+        # side streams, actions timed with events.
         self.cuda = any(d.type == "cuda" for d in config.devices)
         self.copies = CopyStreams() if self.cuda else None
+        self.ready: dict[tuple[str, int, int], Ready] = {}  # see post()
         self.clock: CudaClock | None = None
         self.cuda_marks: list[list[Any] | None] = [None] * k  # the running action's marks
         self.cuda_actions: list[tuple[int, list[Any]]] = []  # (index in timings, its marks)
@@ -207,7 +231,20 @@ class StepRun:
         self.saved_bytes: dict[tuple[int, tuple[Any, ...]], int] = {}  # see _run_saving
         self.updates_buffers = [False] * k  # the stage's forward updates a buffer in place
         for m, x in enumerate(inputs):
-            self.mailbox.put(("act", 0, m), x)
+            self.post(("act", 0, m), x)
+
+    def post(self, key: tuple[str, int, int], value: Any) -> None:
+        """Hands ``value`` to the worker that takes ``key``; call it in the producer's thread
+        right after computing the value. On CUDA it first records the value's events on the
+        producer's current streams, which the consumer waits for (:meth:`_arrive`).
+
+        Example (the front door hands the output gradients to the last stage)::
+
+            run.post(("grad", last, m), grads_of_m)
+        """
+        if self.copies is not None:
+            self.ready[key] = self.copies.ready(value)
+        self.mailbox.put(key, value)
 
     # ---- running a phase -------------------------------------------------------------------
 
@@ -226,22 +263,23 @@ class StepRun:
             if b.kind == "B" and after == Action("W", b.stage, b.microbatch)
         }
         times: list[tuple[float, float]] = []
-        workers = [w for w in schedule.actions if w]
+        lanes = plan_lanes(
+            [self.worker_device[w] if acts else None for w, acts in enumerate(schedule.actions)]
+        )
+        workers = [(acts, lane) for acts, lane in zip(schedule.actions, lanes) if lane is not None]
         if self.cuda:
             self.clock = CudaClock(self.cfg.devices)
             self.cuda_actions.clear()  # a failed phase's marks are never read
             first = len(self.timings)
+            join_from_caller(lanes)
         try:
-            if len(workers) == 1 and not own_threads:
-                self._work(workers[0], times, own_thread=False)
-            else:
-                pool = self.pool if self.pool is not None else WorkerPool()
-                pool.run([partial(self._work, w, times, True) for w in workers], self.cfg.timeout)
-                if pool is not self.pool:
-                    pool.close()  # a one-off pool leaves no thread behind
+            self._start_workers(workers, times, own_threads)
         except BaseException:
             self.mailbox.abort()  # failed, or the caller was interrupted: the others stop too
             raise
+        finally:
+            if self.cuda:
+                join_to_caller(lanes)
         if self.cuda:
             self._read_cuda_clock()
             times = [(t.start, t.end) for t in self.timings[first:]]
@@ -251,14 +289,33 @@ class StepRun:
             self.busy[stage] -= waited
             self.waited[stage] = 0.0
 
+    def _start_workers(
+        self,
+        workers: Sequence[tuple[Sequence[Action], Lane]],
+        times: list[tuple[float, float]],
+        own_threads: bool,
+    ) -> None:
+        if len(workers) == 1 and not own_threads:
+            self._work(*workers[0], times, own_thread=False)
+            return
+        pool = self.pool if self.pool is not None else WorkerPool()
+        tasks = [partial(self._work, acts, lane, times, True) for acts, lane in workers]
+        pool.run(tasks, self.cfg.timeout)
+        if pool is not self.pool:
+            pool.close()  # a one-off pool leaves no thread behind
+
     def _work(
-        self, actions: Sequence[Action], times: list[tuple[float, float]], own_thread: bool
+        self,
+        actions: Sequence[Action],
+        lane: Lane,
+        times: list[tuple[float, float]],
+        own_thread: bool,
     ) -> None:
         start = time.perf_counter()
         box = self.mailbox
         action = actions[0]
         try:
-            with self._worker_context(own_thread):
+            with self._worker_context(own_thread, lane):
                 for action in actions:
                     if box.aborted:  # another worker failed: stop before the next action
                         return
@@ -308,16 +365,18 @@ class StepRun:
         )
 
     @contextmanager
-    def _worker_context(self, own_thread: bool) -> Iterator[None]:
+    def _worker_context(self, own_thread: bool, lane: Lane) -> Iterator[None]:
         # Worker threads start with grad mode on, autocast off and all cores; give them the
         # caller's state, and one share of the cores each so stages don't oversubscribe. A
         # pooled thread gets its own core count back after the phase, as if it were fresh.
-        # On the caller's thread too (a lone worker, a distributed rank): the worker's
-        # backward on this very thread (see the module docstring), undone when the phase ends.
+        # On the caller's thread too (a lone worker, a distributed rank): the worker's device
+        # and stream, and its backward on this very thread (see the module docstring), both
+        # undone when the phase ends.
         with ExitStack() as stack:
             if own_thread and self.cfg.threads_per_worker:
                 stack.callback(torch.set_num_threads, torch.get_num_threads())
                 torch.set_num_threads(self.cfg.threads_per_worker)
+            enter_lane(stack, lane)
             stack.enter_context(backward_here())
             stack.enter_context(torch.set_grad_enabled(self.cfg.grad_enabled))
             for device_type, dtype in self.cfg.autocast:
@@ -330,7 +389,7 @@ class StepRun:
         """F(stage, m): run the stage on micro-batch m and hand the result on."""
         cfg = self.cfg
         device = cfg.devices[stage]
-        x = self._arrive(self._receive(stage, ("act", stage, m)), device)
+        x = self._take(stage, ("act", stage, m))
         train = cfg.grad_enabled
         leaves = make_leaves(x, first=stage == 0) if train else x
         recompute_later = train and m < cfg.recompute_stop
@@ -400,13 +459,12 @@ class StepRun:
             else:
                 self.results[m] = detach(y)
             return
-        self.mailbox.put(("act", stage + 1, m), detach(y))
+        self.post(("act", stage + 1, m), detach(y))
 
     def backward(self, stage: int, m: int) -> None:
         """B(stage, m): backward of the stage for micro-batch m, gradient to the previous one."""
         cfg = self.cfg
         leaves = self.leaves[stage].pop(m)
-        device = cfg.devices[stage]
         if m < cfg.recompute_stop:
             t0 = time.perf_counter()
             self._cuda_mark(stage, "recompute")
@@ -422,7 +480,7 @@ class StepRun:
         if stage == len(cfg.stages) - 1 and cfg.loss is not None:
             tensors, grads = [y], [None]
         else:
-            received = as_tuple(self._arrive(self._receive(stage, ("grad", stage, m)), device))
+            received = as_tuple(self._take(stage, ("grad", stage, m)))
             tensors, grads = pair_gradients(as_tuple(y), received, cfg.devices[stage])
         if (stage, m) in self.split and not self._whole_backward_now(stage, m, leaves):
             # Zero bubble: input gradients now, the graph kept for W (recompute done once).
@@ -442,7 +500,7 @@ class StepRun:
         if stage == 0:
             self.input_grads[m] = input_grads
         else:
-            self.mailbox.put(("grad", stage - 1, m), input_grads)
+            self.post(("grad", stage - 1, m), input_grads)
 
     def _whole_backward_now(self, stage: int, m: int, leaves: Any) -> bool:
         """Whether a split B had better run the whole backward: the split lets a B hand its
@@ -473,12 +531,15 @@ class StepRun:
         self.received[stage] += nbytes(value)
         return value
 
-    def _arrive(self, value: Any, device: torch.device) -> Any:
-        return (
-            self.copies.arrive(value, device)
-            if self.copies is not None
-            else to_device(value, device)
-        )
+    def _take(self, stage: int, key: tuple[str, int, int]) -> Any:
+        """The value of ``key`` on the stage's device, for this worker's stream."""
+        return self._arrive(self._receive(stage, key), self.cfg.devices[stage], key)
+
+    def _arrive(self, value: Any, device: torch.device, key: tuple[str, int, int]) -> Any:
+        if self.copies is None:
+            return to_device(value, device)
+        # Waits for the producer's event of this value only (recorded by post()).
+        return self.copies.arrive(value, device, self.ready.pop(key, None))
 
     # ---- CUDA time ---------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ from giantpipe.engine.partition import (
 )
 from giantpipe.engine.rng import install_rng_hooks
 from giantpipe.engine.schedule import Schedule
-from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
+from giantpipe.engine.stats import StepStats, device_peak, memory_kind, reset_device_peak
 from giantpipe.engine.workers import WorkerPool
 
 if TYPE_CHECKING:
@@ -91,8 +91,9 @@ class GPipe(Pipe):
     Args:
         module: the model; its children are the layers that stages are cut from.
         balance: number of layers per stage (see :mod:`giantpipe.perf.balance` to compute one).
-        devices: one per stage; may repeat (``["cpu", "cpu"]`` gives CPU stand-ins). Default:
-            every CUDA device, else CPU stand-ins.
+        devices: one per stage; may repeat (``["cpu", "cpu"]`` gives CPU stand-ins; stages on
+            one GPU each run on a stream of their own). ``"cuda"`` means the current CUDA
+            device. Default: every CUDA device, else CPU stand-ins.
         chunks: M, the number of micro-batches per mini-batch.
         checkpoint: the re-materialization mode (torchgpipe's name for it), ``'always'``,
             ``'except_last'`` or ``'never'``: which micro-batches drop their activations and
@@ -308,20 +309,24 @@ class GPipe(Pipe):
             reset_device_peak(device)
 
     def _finish(self, run: StepRun, started: float) -> None:
-        # Statistics are per worker (device); an interleaved worker sums its stages.
-        on_cuda = all(d.type == "cuda" for d in self.devices)
+        # Statistics are per worker (device); an interleaved worker sums its stages. Workers
+        # sharing a GPU have no allocator peak of their own: their saved activations instead.
+        kind = memory_kind(self.worker_devices)
         for device in {d for d in self.devices if d.type == "cuda"}:
             torch.cuda.synchronize(device)  # the step's wall time is the kernels', not launches'
         busy = [0.0] * self.num_workers
         for stage, seconds in enumerate(run.busy):
             busy[self.placement[stage]] += seconds
+        peaks = run.worker_peaks
+        if kind == "cuda_allocator":
+            peaks = [device_peak(d) for d in self.worker_devices]
         self.last_stats = StepStats.from_timings(
             wall=time.perf_counter() - started,
             span=run.span,
             busy=busy,
-            peaks=[device_peak(d) for d in self.worker_devices] if on_cuda else run.worker_peaks,
+            peaks=peaks,
             num_microbatches=self.chunks,
-            memory_kind="cuda_allocator" if on_cuda else "saved_activations",
+            memory_kind=kind,
             virtual_stages=self.virtual_stages,
             clock="cuda_events" if run.cuda else "perf_counter",
         )
@@ -361,7 +366,7 @@ class PipelineFunction(torch.autograd.Function):
         ]
         last = len(pipe.partitions) - 1
         for m in range(chunks):
-            run.mailbox.put(("grad", last, m), tuple(col[m] for col in per_output))
+            run.post(("grad", last, m), tuple(col[m] for col in per_output))
         pipe.tied.begin()
         # On pool threads even for one worker: this is autograd's thread (on CUDA, the output
         # device's), which is not to run a stage's backward (giantpipe.engine.executor).

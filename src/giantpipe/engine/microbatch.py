@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,59 +102,129 @@ def gather(outputs: Sequence[TensorOrTensors]) -> TensorOrTensors:
 
 
 def to_device(batch: TensorOrTensors, device: torch.device) -> TensorOrTensors:
-    """Moves every tensor of a batch to ``device`` (non-blocking; no copy if already there)."""
+    """Moves every tensor of a batch to ``device`` (no copy if already there).
+
+    Copies to a CUDA device are non-blocking; copies to the host are not: a non-blocking copy
+    from CUDA lands in pinned memory the host could read before the kernel has written it.
+    """
+    blocking = device.type != "cuda"
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch.to(device, non_blocking=not blocking)
     return tuple(
-        t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch
+        t.to(device, non_blocking=not blocking) if isinstance(t, torch.Tensor) else t for t in batch
     )
 
 
-class CopyStreams:
-    """Moves values between CUDA devices on side streams, so that a stage's compute stream
-    never waits for a copy it does not consume (torchgpipe's copy streams, the same care).
+Ready = dict[torch.device, Any]  # CUDA device -> event recorded on the producer's stream there
 
-    The copy runs on a copy stream of each device. The source tensor is marked in use on the
-    source's copy stream (``record_stream``), so the allocator does not hand its memory to the
-    source stage's next micro-batch before the copy has read it; the copy is marked in use on the
-    destination's compute stream, which waits for the copy before the stage reads it. Values
-    already on the device, or on no CUDA device, move as :func:`to_device` moves them.
+
+def cuda_devices(batch: Any) -> set[torch.device]:
+    """The CUDA devices holding a tensor of ``batch`` (none for host values).
+
+    >>> cuda_devices((torch.ones(2), None))
+    set()
+    """
+    return {t.device for t in as_tuple(batch) if isinstance(t, torch.Tensor) and t.is_cuda}
+
+
+def record_event(device: torch.device) -> Any:
+    """A CUDA event recorded now on the calling thread's current stream of ``device``: it
+    completes when the kernels queued there so far have run."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class CopyStreams:
+    """Hands values between the CUDA streams and devices of the workers, so that a stage's
+    stream waits for exactly the value it consumes, never for a copy it does not consume nor
+    for its producer's later work (torchgpipe's copy streams, the same care).
+
+    The producer records, in its own thread right after computing a value, an event on its
+    current stream (:meth:`ready`); the value's consumer waits on that event only
+    (:meth:`arrive`). Waiting on the producer's whole stream instead would also wait for the
+    micro-batches it computed after this one, and serialise the pipeline's fill.
+
+    - Same device (workers sharing a GPU, each on its own stream): the consumer's stream waits
+      for the event and the tensor is marked in use on it (``record_stream``), so the allocator
+      does not hand its memory to the producer's next micro-batch while the consumer reads it.
+    - Another CUDA device: the copy runs on a copy stream of each device, after the event. The
+      source is marked in use on the source's copy stream; the copy, made on the destination's
+      copy stream, is marked in use on the consumer's stream, which waits for an event recorded
+      after the copy.
+    - Host values move as :func:`to_device` moves them; a value with no event (a distributed
+      rank's received value, already on its device) is taken as it is.
+
+    None of the stream logic runs without a GPU (``benchmarks/gpu_check.py`` proves it); on
+    CPU :meth:`ready` records nothing and :meth:`arrive` is :func:`to_device`.
 
     Example (on two GPUs)::
 
         streams = CopyStreams()
-        x1 = streams.arrive(stage0(x0), torch.device("cuda:1"))   # stage 0 goes on at once
+        y = stage0(x0)
+        ready = streams.ready(y)                                      # in stage 0's thread
+        x1 = streams.arrive(y, torch.device("cuda:1"), ready)         # in stage 1's thread
     """
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._guard = threading.Lock()  # workers of several threads ask for streams
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The copy stream of ``device`` (made on first use)."""
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+        with self._guard:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            return self._streams[device]
 
-    def arrive(self, batch: TensorOrTensors, device: torch.device) -> TensorOrTensors:
-        """``batch`` on ``device``, its cross-device CUDA copies made on the copy streams."""
+    def ready(self, batch: Any) -> Ready:
+        """Events marking ``batch`` as computed, one per CUDA device holding a tensor of it,
+        recorded on the calling thread's current streams: call it in the producer's thread
+        right after the value was computed (empty, and free, for host values)."""
+        return {device: record_event(device) for device in cuda_devices(batch)}
+
+    def arrive(
+        self, batch: TensorOrTensors, device: torch.device, ready: Ready | None = None
+    ) -> TensorOrTensors:
+        """``batch`` on ``device``, for the calling thread's current stream there; ``ready``:
+        what :meth:`ready` returned for it in the producer's thread."""
         if device.type != "cuda":
             return to_device(batch, device)
-        moved = tuple(self._move(t, device) for t in as_tuple(batch))
+        moved = tuple(self._move(t, device, ready or {}) for t in as_tuple(batch))
         return moved[0] if isinstance(batch, torch.Tensor) else moved
 
-    def _move(self, t: Any, device: torch.device) -> Any:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.device == device:
-            return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+    def _move(self, t: Any, device: torch.device, ready: Ready) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not t.is_cuda:
+            return t.to(device, non_blocking=True)  # from the host: read at once
+        event = ready.get(t.device)
+        if t.device == device:
+            if event is not None:
+                _consume_on(torch.cuda.current_stream(device), event, t)
+            return t
+        return self._copy(t, device, event)
+
+    def _copy(self, t: torch.Tensor, device: torch.device, event: Any) -> torch.Tensor:
+        """Copies ``t`` to another CUDA device on the copy streams, after ``event`` only."""
         source, target = self.stream(t.device), self.stream(device)
-        compute = torch.cuda.current_stream(device)
-        # The copy starts after the producer's kernels (on the source's default stream).
-        source.wait_stream(torch.cuda.default_stream(t.device))
+        if event is not None:
+            source.wait_event(event)
+        else:  # a producer that recorded nothing: its stream is this thread's current one
+            source.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(source), torch.cuda.stream(target):
             moved = t.to(device, non_blocking=True)
+            copied = record_event(device)  # on the target's copy stream, current here
         t.record_stream(source)
-        compute.wait_stream(target)
-        moved.record_stream(compute)
+        _consume_on(torch.cuda.current_stream(device), copied, moved)
         return moved
+
+
+def _consume_on(stream: Any, event: Any, t: torch.Tensor) -> None:
+    # The consumer's stream waits for the value, and the allocator keeps the value's memory
+    # until the kernels the consumer queues on that stream have read it.
+    stream.wait_event(event)
+    t.record_stream(stream)
 
 
 def nbytes(batch: TensorOrTensors) -> int:

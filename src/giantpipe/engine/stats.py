@@ -7,13 +7,18 @@ worker-timelines over that span, to compare with the bound (K-1)/(V*M+K-1).
 **Memory**, measured, not estimated. On CPU there is no allocator to ask, so the engine counts
 what a forward pass really keeps alive for backward (:class:`SavedTensorMeter`): every tensor
 autograd saves, deduplicated by storage, parameters excluded (they are resident anyway). On
-CUDA the allocator's peak is reported instead (:func:`device_peak`).
+CUDA the allocator's peak is reported instead (:func:`device_peak`), where it is a worker's:
+the allocator counts per device, so workers that share a device (K stages on one GPU) report
+their saved activations instead, per worker (:func:`memory_kind`).
 
 **CUDA time.** A kernel launch returns before the kernel has run, so ``perf_counter`` around a
 CUDA action measures the launch. There, :class:`CudaClock` times each action with events on the
 stage's stream, and the idle time of the stream while the worker waited for a neighbour with a
 pair of events around the wait; after the phase, the events are read back onto the host clock
-(``StepStats.clock`` says which clock a step's figures come from).
+(``StepStats.clock`` says which clock a step's figures come from). Workers sharing a GPU run on
+streams of their own (:mod:`giantpipe.engine.streams`), so each one's events time its own
+kernels; kernels of two streams running at once share the GPU, so their busy times may add up
+to more than the span (the bubble then reads 0), which a shared device cannot avoid.
 
 Example::
 
@@ -32,7 +37,7 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
@@ -78,6 +83,7 @@ class StepStats:
     expected_bubble: float  # (K-1)/(V*M+K-1)
     peak_memory_bytes: list[int]  # per worker; see memory_kind
     memory_kind: str  # "cuda_allocator" or "saved_activations" (bytes saved for backward)
+    # (saved_activations on CUDA too where workers share a device; see memory_kind())
     num_microbatches: int
     clock: str = "perf_counter"  # "cuda_events" where the stages ran on CUDA (CudaClock)
 
@@ -226,8 +232,9 @@ class CudaClock:
 
     A phase starts with one synchronize per CUDA device, pairing a recorded event with the host
     clock; every later event on that device converts to host seconds through that pair. Events
-    are recorded on the calling thread's current stream (the stage's), so they complete when the
-    stage's kernels before them have run, not when they were launched.
+    are recorded on the calling thread's current stream (the worker's, which its thread entered:
+    :mod:`giantpipe.engine.streams`), so they complete when the stage's kernels before them have
+    run, not when they were launched.
 
     Example (on a GPU)::
 
@@ -262,6 +269,24 @@ class CudaClock:
     def between(self, marks: Iterable[tuple[Any, Any]]) -> float:
         """Total seconds between each pair of marks (e.g. the stream idle during waits)."""
         return sum(self.seconds(b) - self.seconds(a) for a, b in marks)
+
+
+def memory_kind(worker_devices: Sequence[torch.device]) -> str:
+    """What a step's per-worker peak memory can honestly be: ``"cuda_allocator"`` (the
+    allocator's peak of each worker's device) where every worker has a CUDA device of its own,
+    else ``"saved_activations"`` (each worker's bytes saved for backward). The allocator counts
+    per device: workers sharing one would each report the device's peak, every stage's memory.
+
+    >>> memory_kind([torch.device("cuda:0"), torch.device("cuda:1")])
+    'cuda_allocator'
+    >>> memory_kind([torch.device("cuda:0"), torch.device("cuda:0")])
+    'saved_activations'
+    """
+    devices = list(worker_devices)
+    own = len(set(devices)) == len(devices)
+    if own and all(d.type == "cuda" for d in devices):
+        return "cuda_allocator"
+    return "saved_activations"
 
 
 def reset_device_peak(device: torch.device) -> None:
