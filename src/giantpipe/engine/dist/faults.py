@@ -41,7 +41,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -77,7 +77,8 @@ class FailureBoard:
 
         Example::
 
-            board.watch(layout.rank, layout.pipeline_ranks + layout.replica_ranks, layout.rank_label)
+            peers = layout.pipeline_ranks + layout.replica_ranks
+            board.watch(layout.rank, peers, layout.rank_label)
         """
         self.peers, self.label_of = sorted(set(peers) - {rank}), label_of
         try:
@@ -247,8 +248,17 @@ def clear_frames(exc: BaseException) -> None:
 def wait_work(work: Any, timeout: float, what: str, board: FailureBoard | None) -> None:
     """Waits for a collective or p2p request; a failure or timeout raises :class:`RankFailure`.
 
-    Gloo wakes a waiting request as soon as a peer's connection closes, so a killed peer is
-    noticed at once; a peer that is alive but silent is caught by the timeout.
+    What the wait guarantees depends on the group's backend:
+
+    - gloo (host groups, every group on CPU): the host waits until the request is done, at most
+      ``timeout``. Gloo wakes a waiting request as soon as a peer's connection closes, so a
+      killed peer is noticed at once; a peer that is alive but silent is caught by the timeout.
+    - NCCL (device groups on CUDA): the wait only makes the current stream wait for NCCL's
+      (unless ``TORCH_NCCL_BLOCKING_WAIT`` is set) and returns at once; ``timeout`` is not
+      applied here. A hung NCCL operation is caught by the host wait at the end of the step
+      (:func:`wait_device`, under the same timeout), and by NCCL's watchdog, which aborts the
+      communicator at the group's timeout (see ``layout.default_nccl_error_handling``). An error
+      the watchdog already found is raised here.
     """
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
@@ -262,6 +272,45 @@ def wait_work(work: Any, timeout: float, what: str, board: FailureBoard | None) 
         else:
             local = f"{label}: {what} failed: {text}"
         raise RankFailure(explain(board, local)) from exc
+
+
+class DeviceEvent(Protocol):
+    """What :func:`wait_device` needs of a ``torch.cuda.Event``: whether the stream passed it."""
+
+    def query(self) -> bool: ...
+
+
+def wait_device(
+    event: DeviceEvent,
+    timeout: float,
+    what: str,
+    board: FailureBoard | None,
+    poll: float = 1e-3,
+) -> None:
+    """Waits, on the host, until the device reaches ``event``; after ``timeout`` seconds raises
+    :class:`RankFailure` naming this rank and ``what`` (reported on the failure board).
+
+    ``torch.cuda.synchronize`` (or ``event.synchronize()``) would block forever behind an NCCL
+    operation whose peer died: the process would wait for NCCL's watchdog instead of naming the
+    peer within the pipe's timeout. Polling ``event.query()`` keeps the host in charge. The
+    poll starts at a few microseconds and backs off to ``poll`` seconds, so a step that is
+    about to end is not held up by a whole poll period.
+
+    Example (at the end of a step, on a GPU)::
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        wait_device(event, 60.0, "the step's kernels on cuda:0", board)
+    """
+    deadline = time.monotonic() + timeout
+    pause = min(1e-5, poll)
+    while not event.query():
+        if time.monotonic() >= deadline:
+            label = board.label if board is not None else "this rank"
+            local = f"{label} timed out after {timeout:.0f}s waiting for {what}"
+            raise RankFailure(explain(board, local))
+        time.sleep(pause)
+        pause = min(2 * pause, poll)
 
 
 def install_sigterm_note(board: FailureBoard) -> None:
