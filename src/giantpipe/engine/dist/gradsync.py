@@ -15,12 +15,19 @@ whatever its data; a bucket whose gradients never all become final (an unused pa
 when the step ends.
 
 **Clipping.** :func:`clip_grad_norm_` takes the norm over every stage: local sums of squares,
-all-reduced over the pipeline (replicas hold identical gradients after the all-reduce).
+all-reduced over the pipeline (replicas hold identical gradients after the all-reduce), on the
+gradients' device and without a host sync.
 
 **The rest of a step.** :func:`all_reduce_sum` sums one number over the replicas (the loss,
 the loss normaliser), :func:`all_reduce_` a tensor (deferred BatchNorm statistics), and
 :func:`all_gather_rows` gives every rank of a pipeline the step's statistics; all wait under the
 pipe's timeout.
+
+**Which group.** A tensor goes to a group that serves its device (see ``layout.Groups``):
+gradients, BatchNorm statistics and the norm are device tensors, for ``groups.replica`` /
+``groups.pipeline`` (NCCL on CUDA); numbers made on the host (:func:`all_reduce_sum`,
+:func:`all_gather_rows`) are CPU tensors, for ``groups.host_replica`` / ``groups.host_pipeline``
+(gloo).
 
 Example::
 
@@ -166,44 +173,59 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     group: Any = None,
     uncounted: Iterable[torch.Tensor] = (),
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Clips gradients by their norm over every stage of the pipeline; returns that norm.
 
     ``parameters`` are this rank's (``pipe.parameters()``; or pass the pipe itself, whose
-    pipeline group is then used). Equals ``torch.nn.utils.clip_grad_norm_`` on the plain model.
+    device pipeline group and device are then used). Equals ``torch.nn.utils.clip_grad_norm_``
+    on the plain model. ``group`` must serve the gradients' device (NCCL on CUDA): the norm
+    stays there, all-reduced as a device tensor, and the gradients are multiplied by a clamped
+    coefficient tensor, so the host never waits for the device (no ``.item()``, no ``.cpu()``).
+    ``device`` is where the norm lives when this rank has no gradient (default: the first
+    parameter's device).
 
     Example::
 
         loss = pipe.train_step(x, y, loss_fn)
-        norm = clip_grad_norm_(pipe, max_norm=1.0)
+        norm = clip_grad_norm_(pipe, max_norm=1.0)     # a tensor on the pipe's device
         optimizer.step()
     """
     if hasattr(parameters, "groups") and hasattr(parameters, "parameters"):
         group = parameters.groups.pipeline if group is None else group
         uncounted = parameters.tied.followers() if hasattr(parameters, "tied") else uncounted
+        device = getattr(parameters, "device", None) if device is None else device
         parameters = parameters.parameters()
     skip = {id(p) for p in uncounted}  # a tied copy's gradient: scaled, but counted once
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     scaled = grads + [p.grad for p in params if p.grad is not None and id(p) in skip]
+    if device is None:
+        device = params[0].device if params else torch.device("cpu")
     norm_type = float(norm_type)
     inf = norm_type == float("inf")
-    if grads:
-        norms = torch.stack(
-            [g.detach().abs().max() if inf else g.detach().norm(norm_type) for g in grads]
-        ).double()
-        local = norms.max() if inf else norms.pow(norm_type).sum()
-    else:
-        local = torch.zeros((), dtype=torch.float64)
-    total = local.reshape(1).cpu()
+    local = _local_norm(grads, norm_type, torch.device(device))
+    total = local.reshape(1)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     norm = total[0] if inf else total[0].pow(1.0 / norm_type)
-    coef = max_norm / (float(norm) + 1e-6)
-    if coef < 1.0:
-        for g in scaled:
-            g.detach().mul_(coef)
+    # As torch's: a coefficient of exactly 1.0 under the limit leaves every gradient bit for bit.
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in scaled:
+        g.detach().mul_(coef.to(g.device, g.dtype))
     return norm.float()
+
+
+def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's share of the norm in float64 on ``device``: the max (inf) or the sum of
+    ``|g|^p`` over ``grads``; 0 with none."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    inf = norm_type == float("inf")
+    norms = torch.stack(
+        [(g.detach().abs().max() if inf else g.detach().norm(norm_type)).to(device) for g in grads]
+    ).double()
+    return norms.max() if inf else norms.pow(norm_type).sum()
 
 
 class TiedSync:
@@ -276,11 +298,12 @@ def all_reduce_(
 def all_reduce_sum(
     value: float, group: Any, timeout: float, board: FailureBoard | None, what: str
 ) -> float:
-    """Sum of ``value`` over ``group`` (float64, so counts and losses stay exact).
+    """Sum of ``value`` over ``group`` (float64, so counts and losses stay exact); a CPU
+    tensor, so ``group`` is a host group.
 
     Example::
 
-        tokens = all_reduce_sum(local_tokens, groups.replica, 60.0, board, "the token count")
+        tokens = all_reduce_sum(local_tokens, groups.host_replica, 60.0, board, "tokens")
     """
     total = torch.tensor([value], dtype=torch.float64)
     return float(all_reduce_(total, group, timeout, board, what)[0])
@@ -290,11 +313,12 @@ def all_gather_rows(
     row: torch.Tensor, group: Any, ranks: list[int], timeout: float, board: FailureBoard | None
 ) -> torch.Tensor:
     """Every rank's ``row`` of the step's statistics, stacked in rank order (``ranks`` are
-    the group's; with one rank, no collective).
+    the group's; with one rank, no collective). ``group`` serves ``row``'s device: a CPU row
+    goes to a host group.
 
     Example::
 
-        table = all_gather_rows(row, groups.pipeline, layout.pipeline_ranks, 60.0, board)
+        table = all_gather_rows(row, groups.host_pipeline, layout.pipeline_ranks, 60.0, board)
     """
     if len(ranks) == 1:
         return row.unsqueeze(0)
