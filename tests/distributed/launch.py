@@ -65,7 +65,15 @@ def _context() -> Any:
 
 
 def _entry(
-    target: str, rank: int, world: int, port: int, tmp: str, kwargs: dict, env: dict, cwd: str
+    target: str,
+    rank: int,
+    world: int,
+    port: int,
+    tmp: str,
+    kwargs: dict,
+    env: dict,
+    cwd: str,
+    backend: str = "gloo",
 ) -> None:
     os.environ.clear()
     os.environ.update(env)
@@ -82,7 +90,7 @@ def _entry(
 
     out = Path(tmp) / f"result-{rank}.pt"
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=30))
         module, name = target.split(":")
         result = getattr(importlib.import_module(module), name)(Path(tmp), **kwargs)
         torch.save({"ok": True, "result": result}, out)
@@ -94,17 +102,26 @@ def _entry(
         os._exit(1)  # do not wait for peers that may be stuck
 
 
-def spawn(target: str, world: int, tmp: Path, timeout: float = 90.0, **kwargs: Any) -> list[Any]:
+def spawn(
+    target: str,
+    world: int,
+    tmp: Path,
+    timeout: float = 90.0,
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
     """Runs ``target(tmp, **kwargs)`` on ``world`` gloo ranks; returns each rank's result.
 
-    Raises AssertionError with the worker's traceback when a rank failed.
+    ``backend`` is the world's (``init_process_group``'s): e.g. ``"cuda:gloo"`` makes a world
+    that takes no CPU tensor, as an NCCL world would not. Raises AssertionError with the
+    worker's traceback when a rank failed.
     """
     tmp.mkdir(parents=True, exist_ok=True)
     ctx = _context()
     port = free_port()
     here = (dict(os.environ), os.getcwd())
     procs = [
-        ctx.Process(target=_entry, args=(target, r, world, port, str(tmp), kwargs, *here))
+        ctx.Process(target=_entry, args=(target, r, world, port, str(tmp), kwargs, *here, backend))
         for r in range(world)
     ]
     for p in procs:

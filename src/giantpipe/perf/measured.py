@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from giantpipe.engine.dist.faults import wait_device
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.perf.simulate import StageCost
 
@@ -122,26 +123,45 @@ def stage_costs(
 
 
 def probe_link(
-    group: Any, sender: int, receiver: int, nbytes: int, rank: int, repeats: int = 5
+    group: Any,
+    sender: int,
+    receiver: int,
+    nbytes: int,
+    rank: int,
+    device: torch.device | str,
+    repeats: int = 5,
+    timeout: float = 60.0,
 ) -> float:
     """Collective over ``group`` (every rank calls it; only ``sender`` and ``receiver`` work):
     seconds for a value of ``nbytes`` to go from ``sender`` to ``receiver`` as the transport
     sends it in the steady state (one message: a header, then the bytes), half the median of
     ``repeats`` round trips.
 
+    The link is what boundary payloads cross: ``group`` is the pipe's ``groups.p2p`` and
+    ``device`` where its payloads live (``comm_device(pipe.device)``: the GPU under NCCL, so
+    the time includes NCCL's kernels; host memory under gloo). A CUDA round trip is timed to
+    its end on the device, waited for at most ``timeout`` seconds (a dead peer raises
+    RankFailure rather than hanging the probe).
+
     Example::
 
-        seconds = probe_link(pipe.groups.p2p, 0, 1, nbytes=4 * 64 * 1024, rank=dist.get_rank())
+        device = comm_device(pipe.device)
+        seconds = probe_link(pipe.groups.p2p, 0, 1, 4 * 64 * 1024, dist.get_rank(), device)
     """
     if rank not in (sender, receiver) or sender == receiver:
         return 0.0
+    device = torch.device(device)
     peer = receiver if rank == sender else sender
-    frame = torch.zeros(HEADER_BYTES + nbytes, dtype=torch.uint8)
+    frame = torch.zeros(HEADER_BYTES + nbytes, dtype=torch.uint8, device=device)
     order = (dist.send, dist.recv) if rank == sender else (dist.recv, dist.send)
     trips = []
     for _ in range(repeats + 1):  # the first round trip opens the connection
         start = time.perf_counter()
         for op in order:
             op(frame, peer, group=group)
+        if device.type == "cuda":  # NCCL's send and recv return once enqueued
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            wait_device(event, timeout, f"a link probe with rank {peer}", None)
         trips.append(time.perf_counter() - start)
     return statistics.median(trips[1:]) / 2

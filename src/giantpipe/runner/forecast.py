@@ -128,6 +128,7 @@ class Forecast:
     def _predict_distributed(self, parts: Experiment, batch: Batch | None, step: int) -> None:
         """Every rank: its timings and parameter bytes to rank 0, its boundaries probed; rank 0
         simulates the schedule on the costs they make."""
+        from giantpipe.engine.dist.layout import comm_device
         from giantpipe.perf.measured import probe_link, stage_costs
         from giantpipe.perf.predict import Prediction
         from giantpipe.perf.simulate import simulate
@@ -139,8 +140,8 @@ class Forecast:
         timings = [t for part, _ in gathered for t in part]
         static = {s: n for _, part in gathered for s, n in part.items()}
         crossings = world.from_rank0(_crossings(schedule, timings) if world.rank == 0 else [])
-        group = pipe.groups.p2p
-        probed = world.gather([probe_link(group, *c[1:], world.rank) for c in crossings])
+        group, link = pipe.groups.p2p, comm_device(pipe.device)  # the boundary payloads' link
+        probed = world.gather([probe_link(group, *c[1:], world.rank, link) for c in crossings])
         if world.rank != 0 or batch is None:
             return
         sends = [0.0] * schedule.num_stages

@@ -10,9 +10,11 @@ the local executor is a world of one, where every collective is the identity, an
     world.gather(x)        every rank's value, in rank order (world.collect(x): on rank 0 only)
     world.sum(values)      element-wise sums over the ranks (evaluation tallies)
 
-Before the pipeline exists, collectives run on the world group with a long timeout (rank 0 may
-prepare data or profile layers for minutes); :meth:`World.bind` then moves them onto the pipe's
-own group and timeout, which a failing rank tears down, so no rank is left waiting on a dead one.
+Before the pipeline exists, collectives run on a gloo group of the whole world with a long
+timeout (rank 0 may prepare data or profile layers for minutes); :meth:`World.bind` then moves
+them onto the pipe's own host group (``groups.control``) and timeout, which a failing rank tears
+down, so no rank is left waiting on a dead one. Both are gloo groups: the runner's values are
+Python objects and CPU tensors, which an NCCL group does not take.
 
 Stopping is agreed too. :class:`StopSignals` catches SIGTERM (a cluster preempting the job),
 Ctrl-C and ``trainer.save_signal`` between steps; :meth:`World.agree_stop` makes every rank see
@@ -27,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import threading
@@ -40,7 +43,7 @@ import torch.distributed as dist
 
 from giantpipe.config import ConfigError, PipelineConfig
 from giantpipe.engine.dist.faults import wait_work
-from giantpipe.engine.dist.layout import init_distributed
+from giantpipe.engine.dist.layout import HOST_BACKEND, init_distributed
 
 _T = TypeVar("_T")
 
@@ -97,11 +100,14 @@ class TorchrunWorld(World):
     """torchrun's processes: one per pipeline rank, K ranks x R replicas (gloo or NCCL)."""
 
     def __init__(self, timeout: float) -> None:
-        # The world group carries set-up and the final summary; the steps run on the pipe's
-        # own groups under pipeline.timeout. A rank that dies still wakes the others at once.
-        init_distributed(timeout=max(timeout, SETUP_TIMEOUT_S))
+        # A host group of the world carries set-up and the final summary; the steps run on the
+        # pipe's own groups under pipeline.timeout. A rank that dies still wakes the others at
+        # once. Not the world group itself: on CUDA it may serve only device tensors (NCCL).
+        setup = datetime.timedelta(seconds=max(timeout, SETUP_TIMEOUT_S))
+        init_distributed(timeout=setup.total_seconds())
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self._group: Any = None
+        self._host: Any = dist.new_group(timeout=setup, backend=HOST_BACKEND)
+        self._group: Any = self._host
         self._pipe: Any = None
 
     def agree(self, body: Callable[[], _T]) -> _T:
@@ -154,10 +160,10 @@ class TorchrunWorld(World):
         return Request(kind, bool(save))
 
     def bind(self, pipe: Any) -> None:
-        self._pipe, self._group = pipe, pipe.groups.p2p
+        self._pipe, self._group = pipe, pipe.groups.control
 
     def close(self) -> None:
-        pipe, self._pipe, self._group = self._pipe, None, None
+        pipe, self._pipe, self._group, self._host = self._pipe, None, None, None
         if pipe is not None:
             pipe.release()  # no request may outlive the groups (see DistributedPipe.release)
         if dist.is_initialized():

@@ -104,94 +104,237 @@ class Layout:
 
 @dataclass(frozen=True)
 class Groups:
-    """Process groups of one rank: p2p traffic, its pipeline, its stage's replicas."""
+    """Process groups of one rank, each with the backend of what it carries.
 
-    p2p: Any  # every rank; boundary activations and gradients
-    pipeline: Any  # this rank's pipeline: loss and statistics
-    replica: Any  # this rank's stage across replicas: gradient all-reduce (None when R = 1)
+    Device groups take tensors on the pipe's device (NCCL on CUDA, gloo on CPU); host groups
+    take CPU tensors and Python objects (always gloo). On a CPU device the host groups are the
+    device groups (the same objects). A collective handed a tensor its group does not serve
+    fails ("No backend type associated with device type cpu" for a CPU tensor on NCCL)::
 
+        group          backend      ranks                    carries
+        p2p            device       every rank               boundary payloads
+        control        host         every rank               frame headers, object collectives
+                                                             (runner, checkpoint), barriers
+        pipeline       device       this rank's pipeline     the global gradient norm
+        replica        device       this stage's replicas    gradient buckets, BatchNorm stats
+        host_pipeline  host         this rank's pipeline     step statistics rows, the loss
+        host_replica   host         this stage's replicas    loss normaliser, loss sum
 
-_CACHE: dict[tuple[int, int, float], tuple[Any, list[Any]]] = {}
-
-
-def build_groups(layout: Layout, timeout: float) -> Groups:
-    """Creates (once per world shape) every group; all ranks must call it in the same order.
-
-    Groups are cached per default process group: a second pipeline of the same shape reuses
-    them (creating a gloo group connects every pair of its ranks, which takes a while).
+    ``replica`` and ``host_replica`` are None when R = 1. Tied parameters have their own device
+    groups (:func:`tied_group`).
     """
-    key = (layout.world_size, layout.workers, timeout)
+
+    p2p: Any
+    control: Any
+    pipeline: Any
+    replica: Any
+    host_pipeline: Any
+    host_replica: Any
+
+    @classmethod
+    def torn_down(cls) -> Groups:
+        """No groups: what a pipe holds after a failure destroyed its own."""
+        return cls(None, None, None, None, None, None)
+
+    def unique(self) -> list[Any]:
+        """Every group once (on CPU the host groups are the device groups), None left out."""
+        every = [self.p2p, self.control, self.pipeline, self.replica]
+        every += [self.host_pipeline, self.host_replica]
+        found = {id(g): g for g in every if g is not None}
+        return list(found.values())
+
+
+HOST_BACKEND = "gloo"
+"""The backend of host groups: CPU tensors and pickled objects."""
+
+
+def device_backend(device: torch.device | str) -> str:
+    """The backend of the groups that carry ``device``'s tensors.
+
+    >>> device_backend("cuda:1"), device_backend("cpu")
+    ('nccl', 'gloo')
+    """
+    return "nccl" if torch.device(device).type == "cuda" else HOST_BACKEND
+
+
+_CACHE: dict[tuple[int, int, float, str], tuple[Any, list[Any], list[Any]]] = {}
+
+
+def build_groups(layout: Layout, timeout: float, device: torch.device | str) -> Groups:
+    """Creates (once per world shape and device kind) every group; all ranks must call it in
+    the same order, with the same kind of device.
+
+    Every group names its backend (``device_backend(device)`` or gloo) rather than inheriting
+    the world's: a world of ``"cpu:gloo,cuda:nccl"`` would otherwise hand boundary payloads to
+    gloo, and an NCCL-only world would refuse every CPU value. Groups are cached per default
+    process group: a second pipeline of the same shape reuses them (creating a gloo group
+    connects every pair of its ranks, which takes a while).
+
+    >>> groups = build_groups(layout, 60.0, torch.device("cuda", 0))
+    >>> dist.get_backend(groups.p2p), dist.get_backend(groups.control)
+    ('nccl', 'gloo')
+    """
+    backend = device_backend(device)
+    key = (layout.world_size, layout.workers, timeout, backend)
     world = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the world
     if key not in _CACHE or _CACHE[key][0] is not world:
-        delta = datetime.timedelta(seconds=timeout)
-        w, r = layout.workers, layout.replicas
-        made = [dist.new_group(list(range(layout.world_size)), timeout=delta)]
-        made += [dist.new_group([q * w + i for i in range(w)], timeout=delta) for q in range(r)]
-        made += [dist.new_group([q * w + i for q in range(r)], timeout=delta) for i in range(w)]
-        _CACHE[key] = (world, made)
-    groups = _CACHE[key][1]
+        if backend == "nccl":
+            default_nccl_error_handling()  # read when the NCCL groups are created
+        on_device = _new_groups(layout, timeout, backend)
+        on_host = on_device
+        if backend != HOST_BACKEND:  # on CPU the device groups already carry host values
+            on_host = _new_groups(layout, timeout, HOST_BACKEND)
+        _CACHE[key] = (world, on_device, on_host)
+    _, on_device, on_host = _CACHE[key]
+    pipeline, replica = 1 + layout.replica, 1 + layout.replicas + layout.worker
+    replicated = layout.replicas > 1
     return Groups(
-        p2p=groups[0],
-        pipeline=groups[1 + layout.replica],
-        replica=groups[1 + layout.replicas + layout.worker] if layout.replicas > 1 else None,
+        p2p=on_device[0],
+        control=on_host[0],
+        pipeline=on_device[pipeline],
+        replica=on_device[replica] if replicated else None,
+        host_pipeline=on_host[pipeline],
+        host_replica=on_host[replica] if replicated else None,
     )
 
 
-def tied_group(layout: Layout, workers: Sequence[int], timeout: float) -> Any:
-    """The group of this replica's ``workers`` (pipeline ranks holding one tied parameter);
-    every rank creates every replica's group, in the same order, as ``new_group`` requires.
+def _new_groups(layout: Layout, timeout: float, backend: str) -> list[Any]:
+    """[the world, each replica's pipeline..., each worker's replicas...] on ``backend``."""
+    delta = datetime.timedelta(seconds=timeout)
+    w, r = layout.workers, layout.replicas
 
-    >>> tied_group(layout, [0, 3], 60.0)   # ranks 0 and 3 of replica 0, 4 and 7 of replica 1
+    def new(ranks: list[int]) -> Any:
+        return dist.new_group(ranks, timeout=delta, backend=backend)
+
+    made = [new(list(range(layout.world_size)))]
+    made += [new([q * w + i for i in range(w)]) for q in range(r)]
+    made += [new([q * w + i for q in range(r)]) for i in range(w)]
+    return made
+
+
+def tied_group(
+    layout: Layout, workers: Sequence[int], timeout: float, device: torch.device | str
+) -> Any:
+    """The device group of this replica's ``workers`` (pipeline ranks holding one tied
+    parameter, whose gradients it sums on ``device``); every rank creates every replica's
+    group, in the same order, as ``new_group`` requires.
+
+    >>> tied_group(layout, [0, 3], 60.0, "cpu")  # ranks 0 and 3 of replica 0, 4, 7 of replica 1
     """
-    key = (layout.world_size, layout.workers, timeout, tuple(workers))
+    backend = device_backend(device)
+    key = (layout.world_size, layout.workers, timeout, tuple(workers), backend)
     world = dist.distributed_c10d._get_default_group()  # noqa: SLF001 - identity of the world
     if key not in _TIED or _TIED[key][0] is not world:
         delta = datetime.timedelta(seconds=timeout)
         w = layout.workers
         made = [
-            dist.new_group([q * w + i for i in workers], timeout=delta)
+            dist.new_group([q * w + i for i in workers], timeout=delta, backend=backend)
             for q in range(layout.replicas)
         ]
         _TIED[key] = (world, made)
     return _TIED[key][1][layout.replica]
 
 
-_TIED: dict[tuple[int, int, float, tuple[int, ...]], tuple[Any, list[Any]]] = {}
+_TIED: dict[tuple[int, int, float, tuple[int, ...], str], tuple[Any, list[Any]]] = {}
 
 
 def drop_groups(groups: Groups) -> None:
     """Destroys this rank's groups after a failure: closing the connections wakes the peers."""
-    for key, (_, made) in list(_CACHE.items()):
-        if groups.p2p in made:
+    for key, (_, on_device, _) in list(_CACHE.items()):
+        if groups.p2p is on_device[0]:
             del _CACHE[key]
     tied = [g for key in list(_TIED) for g in _TIED.pop(key)[1]]  # connections of the same world
-    for group in (groups.p2p, groups.pipeline, groups.replica, *tied):
-        if group is not None:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001, S110 - already gone with the world
-                pass
+    for group in groups.unique() + tied:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001, S110 - already gone with the world
+            pass
+
+
+def default_nccl_error_handling() -> None:
+    """Sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the user set it (either spelling).
+
+    torch's default (3) lets NCCL's watchdog end the process when a collective outlives its
+    group's timeout, without aborting the communicator: the rank dies with a log line, writes
+    nothing on the failure board, and its peers can only say it is gone. 2 (clean up only)
+    aborts the communicator at that timeout (every NCCL group is made with the pipe's), which
+    ends the hung kernels, wakes whatever the host was waiting on behind them (an event, an
+    ``.item()``) and makes the next wait on the group raise: the engine's own failure path then
+    reports it and names the rank. The variable is read when an NCCL group is created. Set it
+    yourself (3) if ``ncclCommAbort`` hangs on your system, the case torch's default avoids.
+    """
+    if not any(
+        v in os.environ for v in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+    ):
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
 
 
 def init_distributed(backend: str | None = None, timeout: float = 60.0) -> None:
     """Initialises the default process group from torchrun's environment, if not done yet.
 
-    NCCL where CUDA is available, gloo otherwise (CPU; also what the tests use on loopback).
+    With CUDA: this process's GPU is made current first (``cuda:LOCAL_RANK``; else every rank
+    would use cuda:0, where NCCL refuses a second rank), and the world serves both kinds of
+    tensors (``"cpu:gloo,cuda:nccl"``). Without: gloo (also what the tests use on loopback).
+    The pipe's own groups name their backends anyway (:func:`build_groups`).
+
+    Example::
+
+        init_distributed()            # under torchrun
+        pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)
     """
     if dist.is_initialized():
         return
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = bind_device(resolve_device(None))
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else HOST_BACKEND
+    if "nccl" in backend:
+        default_nccl_error_handling()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device``, or by default ``cuda:LOCAL_RANK`` where CUDA is available, else the CPU. A
+    bare ``"cuda"`` is this rank's GPU too (not cuda:0 on every rank).
+
+    >>> resolve_device("cuda")   # under torchrun, on the rank with LOCAL_RANK=2
+    device(type='cuda', index=2)
+    """
+    local = int(os.environ.get("LOCAL_RANK", 0))
     if device is not None:
-        return torch.device(device)
+        device = torch.device(device)
+        return torch.device("cuda", local) if device == torch.device("cuda") else device
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", local)
     return torch.device("cpu")
 
 
+def bind_device(device: torch.device) -> torch.device:
+    """Makes a CUDA ``device`` this process's current device; returns it.
+
+    Object collectives, barriers and NCCL's communicators use the current device: left at
+    cuda:0 on every rank, two ranks would share one GPU (which NCCL refuses). A no-op on CPU.
+
+    Example::
+
+        device = bind_device(resolve_device(None))   # cuda:LOCAL_RANK, or the CPU
+    """
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise RuntimeError(
+                f"{device} does not exist: this machine has {count} GPU(s); start at most "
+                "one rank per GPU (torchrun --nproc_per_node)"
+            )
+        torch.cuda.set_device(device)
+    return device
+
+
 def comm_device(device: torch.device) -> torch.device:
-    """Where boundary bytes travel from: the device with NCCL, host memory with gloo."""
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+    """Where boundary bytes travel from: the device itself when it is CUDA (the device groups
+    are NCCL's), host memory otherwise. Decided by the device, not by the world's backend: a
+    world of ``"cpu:gloo,cuda:nccl"`` still sends CUDA activations by NCCL.
+
+    >>> comm_device(torch.device("cuda", 1)), comm_device(torch.device("cpu"))
+    (device(type='cuda', index=1), device(type='cpu'))
+    """
+    return device if device.type == "cuda" else torch.device("cpu")

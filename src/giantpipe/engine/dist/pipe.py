@@ -12,6 +12,10 @@ executor (the very same ``StepRun``; only its mailbox sends to other processes, 
     pipeline:    one all-gather of [loss, wall, span, busy, peak memory]: the loss and the
                  step's statistics on every rank
 
+Each collective runs on a group that serves its tensors (``layout.Groups``): gradients,
+BatchNorm statistics and the norm on the device groups (NCCL on CUDA), host numbers (loss,
+normaliser, statistics rows) and objects (checkpoints, the runner) on gloo groups.
+
 What it shares with GPipe (defaults, checks, loss scaling, the step's configuration) is
 :class:`giantpipe.engine.base.Pipe`; its hooks sum the loss normaliser and merge deferred
 BatchNorm statistics over the replicas.
@@ -45,8 +49,8 @@ import torch.distributed as dist
 from torch import nn
 
 from giantpipe.engine.base import (
-    DEFAULT_RECOMPUTE,
     DEFAULT_CHUNKS,
+    DEFAULT_RECOMPUTE,
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
     Normalizer,
@@ -61,7 +65,7 @@ from giantpipe.engine.dist.faults import (
     default_store,
     install_sigterm_note,
     run_guarded,
-    wait_work,
+    wait_device,
 )
 from giantpipe.engine.dist.gradscale import check_agreed
 from giantpipe.engine.dist.gradsync import (
@@ -75,6 +79,7 @@ from giantpipe.engine.dist.gradsync import (
 from giantpipe.engine.dist.layout import (
     Groups,
     Layout,
+    bind_device,
     build_groups,
     comm_device,
     drop_groups,
@@ -150,10 +155,12 @@ class DistributedPipe(Pipe):
             dist.get_world_size(), dist.get_rank(), steps.num_workers, steps.placement
         )
         self.placement = list(steps.placement)
-        self.device = resolve_device(device)
+        # The current CUDA device is this rank's own (a user may have called
+        # init_process_group without init_distributed): NCCL and object collectives use it.
+        self.device = bind_device(resolve_device(device))
         shared = shared_parameters(model)  # tied parameters, found before the layers are copied
         self._hold_layers(model, seed, init, deferred_batch_norm)
-        self.groups = build_groups(self.layout, timeout)
+        self.groups = build_groups(self.layout, timeout, self.device)
         self.board = FailureBoard(default_store(), self.layout.label())
         peers = self.layout.pipeline_ranks + self.layout.replica_ranks
         self.board.watch(self.layout.rank, peers, self.layout.rank_label)
@@ -201,7 +208,8 @@ class DistributedPipe(Pipe):
                 self._uses[id(param)] = len({stage_of[i] for i, _ in mine})
             if len(workers) < 2:
                 continue
-            group = tied_group(layout, workers, self.timeout)  # every rank makes every group
+            # every rank makes every group
+            group = tied_group(layout, workers, self.timeout, self.device)
             if param is not None:
                 held.append((param, group, layout.replica * layout.workers + workers[0]))
         return TiedSync(held, self.timeout, self.board)
@@ -352,9 +360,9 @@ class DistributedPipe(Pipe):
 
     def _reduce_normalizer(self, norm: float) -> float:
         # The mean (or the normalizer) is over the batches of all replicas.
-        if self.groups.replica is None:
+        if self.groups.host_replica is None:
             return norm
-        group = self.groups.replica
+        group = self.groups.host_replica  # a host number: a CPU tensor on a gloo group
         return all_reduce_sum(norm, group, self.timeout, self.board, "the loss normaliser")
 
     def _run(
@@ -364,7 +372,9 @@ class DistributedPipe(Pipe):
         reset_device_peak(self.device)
         worker = self.layout.worker
         mine = tuple(acts if w == worker else () for w, acts in enumerate(steps.actions))
-        local = Schedule(steps.name, steps.num_stages, steps.num_microbatches, mine, steps.placement)
+        local = Schedule(
+            steps.name, steps.num_stages, steps.num_microbatches, mine, steps.placement
+        )
         seed = self._draw_seed() if self.needs_inputs else None
         # Elsewhere the seed is 0 until the first activation brings the real one.
         config = self._step_config(grad, spec, seed=seed if seed is not None else 0)
@@ -433,7 +443,7 @@ class DistributedPipe(Pipe):
             self._box.drop()
         if self.sync is not None:
             self.sync.drop()
-        groups, self.groups = self.groups, Groups(None, None, None)
+        groups, self.groups = self.groups, Groups.torn_down()
         drop_groups(groups)
         del groups
         gc.collect()  # a group (or request) still referenced keeps its connections open
@@ -446,19 +456,23 @@ class DistributedPipe(Pipe):
         Every rank of the pipeline contributes a row, ``[loss, wall, span, busy, peak]``
         (busy: its stages; peak: saved activations on CPU, the allocator's on CUDA); after one
         all-gather each holds the whole table, so the loss (the last stage's row) and the
-        statistics are the same on every rank.
+        statistics are the same on every rank. Rows and the loss are host numbers: they go
+        over the host groups.
         """
         layout, on_cuda = self.layout, self.device.type == "cuda"
+        if on_cuda:
+            # The wall time of the kernels, not of their launches; first, so that the loss's
+            # read-back below never blocks behind a hung NCCL operation (see wait_device).
+            self._wait_device("the step's kernels and transfers")
         loss = 0.0 if local_loss is None else float(local_loss)
-        if local_loss is not None and self.groups.replica is not None:
-            loss = all_reduce_sum(loss, self.groups.replica, self.timeout, self.board, "the loss")
+        if local_loss is not None and self.groups.host_replica is not None:
+            group = self.groups.host_replica
+            loss = all_reduce_sum(loss, group, self.timeout, self.board, "the loss")
         peak = device_peak(self.device) if on_cuda else run.worker_peaks[layout.worker]
         busy = sum(run.busy[s] for s in layout.local_stages)
-        if on_cuda:
-            torch.cuda.synchronize(self.device)  # the wall time of the kernels, not launches
         wall = time.perf_counter() - started
         row = torch.tensor([loss, wall, run.span, busy, peak], dtype=torch.float64)
-        group, ranks = self.groups.pipeline, layout.pipeline_ranks
+        group, ranks = self.groups.host_pipeline, layout.pipeline_ranks
         table = all_gather_rows(row, group, ranks, self.timeout, self.board)
         kind = "cuda_allocator" if on_cuda else "saved_activations"
         clock = "cuda_events" if run.cuda else "perf_counter"
@@ -467,6 +481,14 @@ class DistributedPipe(Pipe):
         )
         self.last_timings = list(run.timings)  # this rank's actions
         return table[self.placement[-1], 0].to(torch.float32)
+
+    def _wait_device(self, what: str) -> None:
+        """Waits until this rank's CUDA device has run everything enqueued so far, at most
+        ``timeout`` seconds (then RankFailure, on the board). The event goes on the current
+        stream: the waits on NCCL's requests and the executor's side streams join it."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        wait_device(event, self.timeout, f"{what} on {self.device}", self.board)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Collective. Clips by the global 2-norm over every stage of the pipeline (each
@@ -479,7 +501,7 @@ class DistributedPipe(Pipe):
             norm = pipe.clip_grad_norm_(1.0)
             optimizer.step()
         """
-        return clip_grad_norm_(self, max_norm)
+        return clip_grad_norm_(self, max_norm, group=self.groups.pipeline, device=self.device)
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -495,11 +517,10 @@ class DistributedPipe(Pipe):
         self, directory: str | os.PathLike[str], step: int = 0, extra: dict[str, Any] | None = None
     ) -> None:
         """Collective. Every rank of replica 0 writes its shard; rank 0 commits the manifest."""
-        self._guarded(lambda: shards.save(self, directory, step, extra, group=self.groups.p2p))
+        self._guarded(lambda: shards.save(self, directory, step, extra, self.groups.control))
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Loads this rank's names from whichever shards hold them; returns the manifest."""
         manifest = shards.read_manifest(directory)
         self.load_state_dict(shards.load(directory, self.state_dict().keys(), self.device))
         return manifest
-

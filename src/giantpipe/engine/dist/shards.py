@@ -175,10 +175,13 @@ def save(
 
     ``pipe`` is a :class:`~giantpipe.engine.dist.pipe.DistributedPipe` (its layout, balance
     and local state dict are used). ``extra`` (JSON-safe) is stored in the manifest. The
-    collectives run on ``group`` (default: the world); the pipe passes its own, which a failure
-    tears down, so that no rank is left waiting.
+    object collectives and the barrier run on ``group``, a host (gloo) group of every rank:
+    by default the pipe's ``groups.control``, which a failure tears down, so that no rank is
+    left waiting. (Not the world: under NCCL its objects would travel through a GPU, and an
+    NCCL-only world takes no CPU tensor at all.)
     """
     layout = pipe.layout
+    group = pipe.groups.control if group is None else group
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     token = [new_token(step)]
