@@ -1,251 +1,261 @@
-"""The GPU check: one script, a few minutes on the GPUs a machine has, that says whether the
-engine's GPU path is right and how fast it is.
+"""The GPU acceptance check: one script that says whether the engine's GPU path is right and how
+fast it is, each case in a child process of its own with a timeout, so a hang is a failure with
+every thread's stack, not a stall.
 
-    python benchmarks/gpu_check.py                 # on the visible GPUs (stages may share one)
-    python benchmarks/gpu_check.py --cpu-dry-run   # the same checks on CPU stand-ins, tiny sizes
-                                                   # (the test suite runs this, so it never rots)
+    python benchmarks/gpu_check.py --out results/gpu   # one GPU or more: under 8 minutes
+    python benchmarks/gpu_check.py --quick             # the short budget: under 3 minutes
+    python benchmarks/gpu_check.py --cpu-dry-run       # the same cases on CPU stand-ins, tiny
+    python benchmarks/gpu_check.py --list              # the cases and what each proves
+    python benchmarks/gpu_check.py --only front-door   # one case (repeatable)
 
-For K = 2 and K = 4 stages (on the visible GPUs in turn; with one GPU every stage shares it):
+Hardware: meant for one H200 (any CUDA GPU will do); a second GPU adds the copies between
+GPUs, their overlap with compute and the distributed executor at K=2 over NCCL. What one GPU
+cannot prove is printed as "needs 2 GPUs", what CPU stand-ins cannot as "CUDA only".
 
-1. transparency: a pipelined step (train_step, and the no_grad forward) against the plain model
-   on the same device, fp32 and bf16 autocast: the loss, every gradient, the outputs;
-2. speed: samples/s of GPipe.train_step against torchgpipe and the plain model (one device),
-   M = 8, medians of interleaved rounds;
-3. the simulator: GPipe.predict's step time and bubble against the measured ones;
-4. memory: the peak per stage, from the allocator on CUDA (saved activations on CPU), and how
-   the step's time is measured (CUDA events, or the host clock on CPU).
+The cases (gpu_cases.py, gpu_perf.py, gpu_dist.py)::
 
-It prints markdown tables, and exits 1 when a transparency check fails.
+    transparency-fp32   every schedule x re-materialization mode equals the plain model, fp32
+    transparency-bf16   the same in bf16: error vs fp32 no worse than 1.5x the plain bf16 model's
+    fp16-scaler         fp16 with a gradient scaler: gradients, skipped steps, the scale
+    front-door          y = pipe(x); loss.backward() equals the plain model (and does not hang)
+    host-sync           no synchronising CUDA call inside a step (sync debug mode 'warn')
+    overlap             copies between two GPUs overlap compute
+    throughput          samples/s against the plain model, torchgpipe and pippy
+    memory              allocator peak against pipe.predict's forecast
+    nccl                DistributedPipe over NCCL, one rank per GPU, equals the plain model
+
+Each case prints a markdown table (check, verdict, measured, criterion) and its seconds; a
+summary lists the failures; the exit status is 1 when any check failed, timed out or crashed.
+With ``--out DIR`` the report is also written to DIR, with the date and the command.
+
+Expect every row to pass. No GPU has run this yet (results/gpu/README.md): the tolerances are
+derived (fp32: float noise of reordered sums; low precision: the plain model's own error), but
+the speed floors, the memory band and the overlap fraction are the team's acceptance criteria,
+set before any measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
-import statistics
+import datetime
+import json
+import multiprocessing as mp
+import os
+import shlex
+import signal
 import sys
+import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
-import torch
-from torch import nn
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT / "src", ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from giantpipe import GPipe  # noqa: E402
+import torch  # noqa: E402
+from gpu_cases import CASES, child  # noqa: E402
+from gpu_common import FAIL, Options  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Sizes:
-    width: int
-    blocks: int
-    batch: int
-    chunks: int
-    rounds: int
-    steps: int
+BUDGET_S = {"full": 480.0, "quick": 180.0}  # the whole run on one H200
+DRY_TIMEOUT_S = 90.0  # per case on CPU stand-ins (2 shared cores)
+GRACE_S = 20.0  # past a case's timeout before the parent aborts it (faulthandler should have)
+INJECTIONS = ("hang", "wrong")  # test-only faults: a stage that never returns, a wrong weight
 
 
-GPU = Sizes(width=4096, blocks=16, batch=1024, chunks=8, rounds=5, steps=10)
-DRY = Sizes(width=32, blocks=8, batch=32, chunks=4, rounds=1, steps=1)
+@dataclass
+class CaseResult:
+    """What became of one case: rows, or why there are none (timeout, crash, exception)."""
+
+    name: str
+    seconds: float
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problem: str | None = None  # "timed out after 5 s", "raised an exception", "crashed (exit -11)"
+    log: str = ""  # the child's stderr and stdout: the traceback or every thread's stack
+
+    @property
+    def failed(self) -> list[str]:
+        """The checks that failed (the whole case, if it has no rows)."""
+        if self.problem is not None:
+            return [f"{self.name}: {self.problem}"]
+        return [f"{self.name}: {row[0]}" for row in self.rows if row[1] == FAIL]
+
+    @property
+    def verdict(self) -> str:
+        if self.problem is not None:
+            return {"timed": "TIMEOUT", "raised": "ERROR"}.get(self.problem.split()[0], "CRASH")
+        return FAIL if self.failed else "pass"
 
 
-def model(sizes: Sizes) -> nn.Sequential:
-    """Residual-free MLP blocks with LayerNorm: deep enough to cut into 4 stages."""
-    torch.manual_seed(0)
-    layers = [
-        nn.Sequential(nn.Linear(sizes.width, sizes.width), nn.LayerNorm(sizes.width), nn.GELU())
-        for _ in range(sizes.blocks)
-    ]
-    return nn.Sequential(*layers)
+# ---- running a case ----------------------------------------------------------------------------
 
 
-def devices_for(k: int, dry: bool) -> list[str]:
-    if dry:
-        return ["cpu"] * k
-    count = torch.cuda.device_count()
-    return [f"cuda:{s % count}" for s in range(k)]
+def _context() -> ForkServerContext:
+    # Children fork from a server that has imported torch and the cases once (a fresh
+    # interpreter costs seconds per case on a busy CPU) and touched no CUDA (a forked CUDA
+    # runtime is unusable): each case still starts its own CUDA context.
+    ctx = mp.get_context("forkserver")
+    assert isinstance(ctx, ForkServerContext)
+    ctx.set_forkserver_preload(["torch", "gpu_cases"])
+    return ctx
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def run_case(name: str, opts: Options, timeout: float) -> CaseResult:
+    """Runs ``name`` in a child with ``timeout`` seconds; on expiry the child dumps every
+    thread's stack and exits (if it cannot, the parent aborts it, then kills its group)."""
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
+        started = time.perf_counter()
+        args = (name, opts, str(result), str(log), timeout)
+        proc = _context().Process(target=child, args=args)
+        proc.start()
+        pid = proc.pid
+        assert pid is not None
+        proc.join(timeout + GRACE_S)
+        if proc.is_alive():  # faulthandler did not end it: SIGABRT makes it print the stacks
+            _signal(pid, signal.SIGABRT)
+            proc.join(10)
+        _kill_group(pid)  # ranks or workers the case left behind
+        proc.join(5)
+        seconds = time.perf_counter() - started
+        text = log.read_text(errors="replace") if log.exists() else ""
+        return _outcome(name, seconds, result, text, proc.exitcode, timeout)
 
 
-def pipe_of(net: nn.Sequential, k: int, sizes: Sizes, dry: bool) -> GPipe:
-    per = len(net) // k
-    balance = [per] * (k - 1) + [len(net) - per * (k - 1)]
-    return GPipe(net, balance, devices=devices_for(k, dry), chunks=sizes.chunks, checkpoint="never")
-
-
-# ---- 1. transparency -------------------------------------------------------------------------
-
-
-def transparency(k: int, sizes: Sizes, dry: bool, precision: str) -> list[tuple[str, bool, float]]:
-    """(check, passed, largest relative difference) of one pipeline against the plain model."""
-    device = devices_for(1, dry)[0]
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    tol = 2e-2 if precision == "bf16" else 1e-4
-    plain = model(sizes).to(device)
-    piped = pipe_of(copy.deepcopy(plain).cpu(), k, sizes, dry)
-    torch.manual_seed(1)
-    x = torch.randn(sizes.batch, sizes.width)
-    y = torch.randn(sizes.batch, sizes.width)
-    loss_fn = nn.functional.mse_loss
-    auto = torch.autocast(torch.device(device).type, dtype=dtype, enabled=precision == "bf16")
-    with auto:
-        expected = loss_fn(plain(x.to(device)), y.to(device))
-    expected.backward()
-    with auto:
-        got = piped.train_step(x.to(piped.devices[0]), y.to(piped.devices[-1]), loss_fn)
-    grads = {n: p.grad for n, p in plain.named_parameters()}
-    worst = max(_relative(p.grad, grads[n]) for n, p in piped.named_parameters())
-    with torch.no_grad(), auto:
-        out_plain, out_piped = plain(x.to(device)), piped(x.to(piped.devices[0]))
-    forward = _relative(out_piped, out_plain)
-    loss = _relative(got, expected)
-    return [
-        (f"K={k} {precision} loss", loss <= tol, loss),
-        (f"K={k} {precision} gradients", worst <= tol, worst),
-        (f"K={k} {precision} no_grad outputs", forward <= tol, forward),
-    ]
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float().cpu(), b.detach().float().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-# ---- 2. speed --------------------------------------------------------------------------------
-
-
-def timed(step: Callable[[], None], steps: int) -> float:
-    gc.collect()
-    step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    return (time.perf_counter() - start) / steps
-
-
-def speed(k: int, sizes: Sizes, dry: bool) -> dict[str, float]:
-    """Median samples/s of the engine, torchgpipe and the plain model over interleaved rounds."""
-    torch.manual_seed(1)
-    first = devices_for(1, dry)[0]
-    x, y = torch.randn(sizes.batch, sizes.width), torch.randn(sizes.batch, sizes.width)
-    loss_fn = nn.functional.mse_loss
-    pipe = pipe_of(model(sizes), k, sizes, dry)
-    px, py = x.to(pipe.devices[0]), y.to(pipe.devices[-1])
-    plain = model(sizes).to(first)
-    methods: dict[str, Callable[[], None]] = {
-        "giantpipe": lambda: (pipe.zero_grad(), pipe.train_step(px, py, loss_fn)),
-        "plain (one device)": lambda: (
-            plain.zero_grad(),
-            loss_fn(plain(x.to(first)), y.to(first)).backward(),
-        ),
-    }
-    peer = _torchgpipe(k, sizes, dry)
-    if peer is not None:
-        methods["torchgpipe"] = lambda: (peer.zero_grad(), loss_fn(peer(px), py).backward())
-    seconds: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(sizes.rounds):
-        for name, step in methods.items():
-            seconds[name].append(timed(step, sizes.steps))
-    return {name: sizes.batch / statistics.median(s) for name, s in seconds.items()}
-
-
-def _torchgpipe(k: int, sizes: Sizes, dry: bool) -> nn.Module | None:
+def _signal(pid: int, sig: int) -> None:
     try:
-        import torchgpipe
-    except ImportError:
-        return None
-    net = model(sizes)
-    per = len(net) // k
-    balance = [per] * (k - 1) + [len(net) - per * (k - 1)]
-    devices = devices_for(k, dry)
-    return torchgpipe.GPipe(net, balance, devices=devices, chunks=sizes.chunks, checkpoint="never")  # type: ignore[no-any-return]
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
-# ---- 3 and 4. the simulator and memory -------------------------------------------------------
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
-def forecast_and_memory(k: int, sizes: Sizes, dry: bool) -> dict[str, object]:
-    torch.manual_seed(1)
-    pipe = pipe_of(model(sizes), k, sizes, dry)
-    x = torch.randn(sizes.batch, sizes.width).to(pipe.devices[0])
-    y = torch.randn(sizes.batch, sizes.width).to(pipe.devices[-1])
-    loss_fn = nn.functional.mse_loss
-    pipe.train_step(x, y, loss_fn)  # warm-up
-    prediction = pipe.predict(x, y, loss_fn, repeats=3)
-    walls, bubbles = [], []
-    for _ in range(max(3, sizes.steps)):
-        pipe.zero_grad()
-        pipe.train_step(x, y, loss_fn)
-        assert pipe.last_stats is not None
-        walls.append(pipe.last_stats.wall_time_s)
-        bubbles.append(pipe.last_stats.bubble)
-    stats = pipe.last_stats
-    assert stats is not None
-    return {
-        "predicted step s": prediction.step_time_s,
-        "measured step s": statistics.median(walls),
-        "measured / predicted": statistics.median(walls) / prediction.step_time_s,
-        "predicted bubble": prediction.bubble,
-        "measured bubble": statistics.median(bubbles),
-        "busy s per stage": [round(b, 5) for b in stats.busy_time_s],
-        "peak MiB per stage": [round(m / 2**20, 1) for m in stats.peak_memory_bytes],
-        "memory measured as": stats.memory_kind,
-        "time measured by": getattr(stats, "clock", "host clock"),
-    }
+def _outcome(
+    name: str, seconds: float, result: Path, log: str, code: int | None, timeout: float
+) -> CaseResult:
+    out = CaseResult(name, seconds, log=log)
+    if result.exists():
+        data = json.loads(result.read_text())
+        if "error" in data:
+            out.problem, out.log = "raised an exception", data["error"]
+        else:
+            out.rows, out.notes = data["rows"], data["notes"]
+    elif "Timeout (" in log or code is None or seconds >= timeout:
+        out.problem = f"timed out after {timeout:.0f} s"
+    else:
+        out.problem = f"crashed (exit {code})"
+    return out
 
 
-# ---- the report ------------------------------------------------------------------------------
+# ---- the report ----------------------------------------------------------------------------------
 
 
-def environment(dry: bool) -> list[str]:
-    lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda}"]
-    if dry:
-        return [*lines, "dry run: CPU stand-in devices, tiny sizes"]
-    for i in range(torch.cuda.device_count()):
+def environment(opts: Options) -> list[str]:
+    lines = [f"- torch {torch.__version__}, CUDA {torch.version.cuda}"]
+    if opts.dry:
+        return [*lines, "- dry run: CPU stand-ins, tiny sizes (nothing here is a GPU result)"]
+    for i in range(opts.gpus):
         props = torch.cuda.get_device_properties(i)
-        lines.append(f"cuda:{i}: {props.name}, {props.total_memory / 2**30:.0f} GiB")
+        lines.append(f"- cuda:{i}: {props.name}, {props.total_memory / 2**30:.0f} GiB")
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def section(case: CaseResult) -> str:
+    """A case as markdown: its heading, table and notes; the log when it failed."""
+    title = CASES[case.name].proves if case.name in CASES else case.name
+    lines = [f"## {case.name}: {case.verdict} ({case.seconds:.1f} s)", "", title, ""]
+    if case.rows:
+        lines += ["| check | verdict | measured | criterion |", "|---|---|---|---|"]
+        lines += [
+            "| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in case.rows
+        ]
+        lines += [""] + [f"- {note}" for note in case.notes]
+    if case.problem is not None or (case.failed and case.log.strip()):
+        what = f"**{case.problem}**; the" if case.problem else "The"
+        lines += [f"{what} child's output (last 120 lines):", "", "```"]
+        lines += case.log.rstrip().splitlines()[-120:] + ["```"]
+    return "\n".join(lines) + "\n"
+
+
+def summary(cases: list[CaseResult], elapsed: float, budget: float | None) -> str:
+    lines = ["## Summary", "", "| case | result | seconds |", "|---|---|---|"]
+    lines += [f"| {c.name} | {c.verdict} | {c.seconds:.1f} |" for c in cases]
+    failures = [f for c in cases for f in c.failed]
+    lines += ["", f"Failures: {len(failures)}"] + [f"- {f}" for f in failures]
+    within = (
+        ""
+        if budget is None
+        else f" (budget {budget:.0f} s: {'within' if elapsed <= budget else 'OVER'})"
+    )
+    return "\n".join([*lines, "", f"Total: {elapsed:.0f} s{within}"]) + "\n"
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="CPU stand-ins, tiny sizes")
-    args = parser.parse_args(argv)
-    dry = args.cpu_dry_run
-    if not dry and not torch.cuda.is_available():
+    parser.add_argument("--quick", action="store_true", help="the short budget (< 3 minutes)")
+    parser.add_argument("--only", action="append", metavar="CASE", help="run only CASE")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--timeout", type=float, help="seconds per case (default: per case)")
+    parser.add_argument("--out", type=Path, help="also write the report into this directory")
+    # test-only: proves that a hang and a wrong result are reported as failures
+    parser.add_argument("--inject", choices=INJECTIONS, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.list:
+        for name, case in CASES.items():
+            print(f"{name:20} {case.proves}")
+        return 0
+    unknown = sorted(set(args.only or []) - set(CASES))
+    if unknown:
+        print(f"unknown case(s) {unknown}; see --list", file=sys.stderr)
+        return 2
+    gpus = 0 if args.cpu_dry_run else torch.cuda.device_count()
+    if not args.cpu_dry_run and gpus == 0:
         print("no CUDA device: run with --cpu-dry-run", file=sys.stderr)
         return 2
-    sizes = DRY if dry else GPU
-    started = time.perf_counter()
-    print("\n".join(environment(dry)))
-    failed = 0
-    for k in (2, 4):
-        print(
-            f"\n## K = {k}, M = {sizes.chunks}, {sizes.blocks} x Linear({sizes.width}), "
-            f"batch {sizes.batch}\n"
-        )
-        print("| check | passed | largest relative difference |\n|---|---|---|")
-        for precision in ("fp32", "bf16"):
-            for name, passed, diff in transparency(k, sizes, dry, precision):
-                failed += not passed
-                print(f"| {name} | {'yes' if passed else 'NO'} | {diff:.2e} |")
-        print("\n| method | samples/s |\n|---|---|")
-        for name, rate in speed(k, sizes, dry).items():
-            print(f"| {name} | {rate:.1f} |")
-        print("\n| simulator and memory | value |\n|---|---|")
-        for name, value in forecast_and_memory(k, sizes, dry).items():
-            shown = f"{value:.4g}" if isinstance(value, float) else value
-            print(f"| {name} | {shown} |")
-    print(f"\n{time.perf_counter() - started:.0f} s; transparency failures: {failed}")
-    return 1 if failed else 0
+    opts = Options(dry=args.cpu_dry_run, quick=args.quick, gpus=gpus, inject=args.inject)
+    command = shlex.join(["python", "benchmarks/gpu_check.py", *(argv or sys.argv[1:])])
+    head = [f"# GPU check, {datetime.datetime.now():%Y-%m-%d %H:%M}", "", f"`{command}`", ""]
+    report = ["\n".join(head + environment(opts)) + "\n"]
+    print(report[0], flush=True)
+    started, cases = time.perf_counter(), []
+    for name in args.only or list(CASES):
+        timeout = args.timeout or (DRY_TIMEOUT_S if opts.dry else CASES[name].timeout)
+        cases.append(run_case(name, opts, timeout))
+        report.append(section(cases[-1]))
+        print(report[-1], flush=True)
+    budget = None if opts.dry else BUDGET_S["quick" if opts.quick else "full"]
+    report.append(summary(cases, time.perf_counter() - started, budget))
+    print(report[-1], flush=True)
+    if args.out is not None:
+        write(args.out, "\n".join(report), opts)
+    return 1 if any(c.failed for c in cases) else 0
+
+
+def write(directory: Path, text: str, opts: Options) -> Path:
+    """The report as ``DIR/gpu_check_<date>_<mode>.md``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mode = "dry" if opts.dry else "quick" if opts.quick else "full"
+    path = directory / f"gpu_check_{datetime.datetime.now():%Y-%m-%d_%H%M}_{mode}.md"
+    path.write_text(text)
+    print(f"written to {path}")
+    return path
 
 
 if __name__ == "__main__":

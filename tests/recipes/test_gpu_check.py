@@ -1,20 +1,90 @@
-"""benchmarks/gpu_check.py --cpu-dry-run: every section of the GPU check runs on CPU stand-ins,
-so the script a lent GPU runs has not rotted."""
+"""benchmarks/gpu_check.py: every case runs on CPU stand-ins in a child process of its own (so
+the script a lent GPU runs has not rotted); a hanging case is a failure with every thread's
+stack, a wrong result makes the script exit 1; the pieces a GPU run judges by (intervals of a
+profile, the host-read recorder) do what they say."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
 
 from tests.recipes.scripts import load_script
 
 
-def test_dry_run_checks_transparency_speed_forecast_and_memory(capsys) -> None:
-    script = load_script("benchmarks/gpu_check.py")
-    assert script.main(["--cpu-dry-run"]) == 0
+@pytest.fixture(scope="module")
+def check() -> ModuleType:
+    return load_script("benchmarks/gpu_check.py")  # puts benchmarks/ on sys.path for the cases
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_case_and_passes(check: ModuleType, capsys, tmp_path: Path) -> None:
+    assert check.main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for k in (2, 4):
-        assert f"## K = {k}" in out
-        for precision in ("fp32", "bf16"):
-            for check in ("loss", "gradients", "no_grad outputs"):
-                assert f"| K={k} {precision} {check} | yes |" in out
-    assert out.count("| giantpipe |") == 2 and out.count("| plain (one device) |") == 2
-    assert out.count("| measured / predicted |") == 2
-    assert "transparency failures: 0" in out
+    for name in check.CASES:
+        assert f"## {name}: pass (" in out, name
+    for precision in ("fp32", "bf16"):  # every schedule x mode, each its own row
+        table = out.split(f"## transparency-{precision}")[1].split("## ")[0]
+        for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+            for mode in ("always", "except_last", "never"):
+                assert f"| {schedule} / {mode} | pass |" in table
+    # what CPU stand-ins cannot prove says so rather than passing
+    assert "| gpipe / except_last, stages on cpu + cuda:0 | CUDA only |" in out
+    assert "| train_step zb-v | CUDA only | host reads:" in out
+    assert "| copies between GPUs under compute | needs 2 GPUs |" in out
+    assert "| K=2 gloo stand-in: zb-v (rank 1) | pass |" in out
+    assert "Failures: 0" in out
+    (report,) = tmp_path.glob("gpu_check_*_dry.md")
+    assert "`python benchmarks/gpu_check.py --cpu-dry-run --out" in report.read_text()
+
+
+def test_a_hanging_case_fails_with_every_threads_stack(check: ModuleType, capsys) -> None:
+    # a stage that never returns: the child's own watchdog (not the parent's backstop, 20 s
+    # later) ends it at its timeout, printing where every thread waits
+    argv = ["--cpu-dry-run", "--only", "front-door", "--inject", "hang", "--timeout", "3"]
+    assert check.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "## front-door: TIMEOUT" in out and "**timed out after 3 s**" in out
+    assert "Timeout (0:00:03)!" in out  # faulthandler's dump, at the case's timeout
+    assert "in _stall" in out and "in front_door" in out  # the stalled stage, the waiting door
+    assert "- front-door: timed out after 3 s" in out
+
+
+def test_a_wrong_transparency_result_exits_1(check: ModuleType, capsys) -> None:
+    argv = ["--cpu-dry-run", "--only", "transparency-fp32", "--inject", "wrong"]
+    assert check.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "## transparency-fp32: FAIL" in out
+    assert "| zb-v / never | FAIL |" in out and "- transparency-fp32: gpipe / always" in out
+
+
+def test_list_names_every_case(check: ModuleType, capsys) -> None:
+    assert check.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()] == list(check.CASES)
+
+
+def test_covered_is_the_fraction_of_copy_time_under_compute(check: ModuleType) -> None:
+    import gpu_perf
+
+    assert gpu_perf.covered([(0, 10)], [(2, 4), (3, 6), (8, 20)]) == pytest.approx(0.6)
+    assert gpu_perf.covered([(0, 4), (10, 14)], [(0, 14)]) == 1.0
+    assert gpu_perf.covered([(0, 4)], []) == 0.0
+    assert gpu_perf.covered([], [(0, 1)]) == 0.0
+
+
+def test_host_reads_records_each_read_where_it_was_made_and_restores_tensor(
+    check: ModuleType,
+) -> None:
+    import gpu_sync
+
+    before = torch.Tensor.item
+    with gpu_sync.host_reads() as seen:
+        value = torch.ones(()).item()
+        bool(torch.ones(()))
+    assert value == 1.0
+    assert [p.what for p in seen] == ["item()", "__bool__()"]
+    assert all(p.where.startswith("test_gpu_check.py:") for p in seen)
+    assert torch.Tensor.item is before and "item" not in torch.Tensor.__dict__
