@@ -88,3 +88,50 @@ def test_host_reads_records_each_read_where_it_was_made_and_restores_tensor(
     assert [p.what for p in seen] == ["item()", "__bool__()"]
     assert all(p.where.startswith("test_gpu_check.py:") for p in seen)
     assert torch.Tensor.item is before and "item" not in torch.Tensor.__dict__
+
+
+def test_device_activity_sorts_a_profiles_gpu_events_into_copies_and_kernels(
+    check: ModuleType,
+) -> None:
+    from types import SimpleNamespace
+
+    import gpu_perf
+    from torch.autograd import DeviceType
+
+    def event(name: str, device: int, start: float, end: float, kind: object) -> object:
+        span = SimpleNamespace(start=start, end=end)
+        return SimpleNamespace(name=name, device_index=device, time_range=span, device_type=kind)
+
+    events = [
+        event("Memcpy PtoP (Device -> Device)", 1, 0, 10, DeviceType.CUDA),
+        event("ampere_sgemm_128x64_nn", 1, 5, 20, DeviceType.CUDA),
+        event("Memset (Device)", 1, 0, 30, DeviceType.CUDA),  # neither copy nor compute
+        event("aten::addmm", -1, 0, 30, DeviceType.CPU),  # the host's view of the kernel
+        event("Memcpy DtoD (Device -> Device)", 0, 40, 50, DeviceType.CUDA),
+    ]
+    activity = gpu_perf.device_activity(SimpleNamespace(events=lambda: events))
+    assert activity == {1: ([(0.0, 10.0)], [(5.0, 20.0)]), 0: ([(40.0, 50.0)], [])}
+
+
+def test_cuda_syncs_records_a_sync_warning_of_any_thread_with_its_place(
+    check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import warnings
+
+    import gpu_sync
+
+    modes: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)  # needs no GPU now
+
+    def worker() -> None:  # as a worker thread calling a synchronising op would
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+
+    with gpu_sync.cuda_syncs() as seen:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    assert modes == ["warn", "default"]
+    assert [p.what for p in seen] == ["called a synchronizing CUDA operation"]
+    assert seen[0].where.startswith("test_gpu_check.py:")
