@@ -28,12 +28,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from gpu_common import (
+    CUDA_ONLY,
+    FAIL,
     FP32_CRITERION,
     FP32_TOL,
+    PASS,
     SEED,
     TWO_GPUS,
     Options,
     Outcome,
+    Row,
     Section,
     Sizes,
     errors,
@@ -46,6 +50,7 @@ from gpu_common import (
     virtual_stages,
     worst,
 )
+from gpu_sync import cuda_syncs, host_reads, summarise
 from torch import nn
 
 from giantpipe.engine.dist.layout import init_distributed
@@ -55,7 +60,7 @@ from giantpipe.engine.dist.pipe import DistributedPipe
 INIT = 3  # DistributedPipe's layer initialisation seed; the reference is initialised alike
 RANK_TIMEOUT = 60.0  # DistributedPipe(timeout=): a peer silent this long fails the step
 
-Result = tuple[str, bool, str]  # check, passed, measured
+SYNC_CRITERION = "no synchronising CUDA call (sync debug mode 'warn')"
 
 
 def free_port() -> int:
@@ -73,9 +78,10 @@ def transport_kwargs() -> dict[str, Any]:
     return {}
 
 
-def world_checks(opts: Options, k: int) -> list[Result]:
+def world_checks(opts: Options, k: int) -> list[Row]:
     """On this rank: one step per schedule that runs on K=``k`` ranks, its loss (every rank)
-    and its gradients and buffers (this rank's share) against the plain model."""
+    and its gradients and buffers (this rank's share) against the plain model; after the first,
+    the global-norm clip watched for host synchronisation."""
     sizes = Sizes.of(opts)
     inputs, target = mask_batch(sizes)
     chunks = 2 * max(k, 2)
@@ -85,7 +91,7 @@ def world_checks(opts: Options, k: int) -> list[Result]:
     model = mask_model(sizes)
     init_layers(model, INIT)  # as DistributedPipe(seed=INIT) initialises its layers
     ref = plain_step(model, inputs, target, chunks, [(len(model), device)])
-    results: list[Result] = []
+    results: list[Row] = []
     for schedule in schedules():
         try:
             v = virtual_stages(schedule, k, chunks)
@@ -101,11 +107,13 @@ def world_checks(opts: Options, k: int) -> list[Result]:
                                target.to(device) if pipe.needs_targets else None,
                                nn.functional.cross_entropy)  # fmt: skip
         results.append(_judge(schedule, pipe, loss, ref))
+        if len(results) == 1:
+            results.append(_clip_syncs(opts, pipe))
         pipe.release()
     return results
 
 
-def _judge(schedule: str, pipe: DistributedPipe, loss: torch.Tensor, ref: Outcome) -> Result:
+def _judge(schedule: str, pipe: DistributedPipe, loss: torch.Tensor, ref: Outcome) -> Row:
     grads = {n: p.grad.cpu() for n, p in pipe.named_parameters() if p.grad is not None}
     buffers = {n: b.cpu() for n, b in pipe.named_buffers()}
     mine = Outcome(
@@ -114,7 +122,18 @@ def _judge(schedule: str, pipe: DistributedPipe, loss: torch.Tensor, ref: Outcom
         {n: ref.buffers[n] for n in buffers},
     )
     name, err = worst(errors(Outcome(loss.detach().cpu(), grads, buffers), mine))
-    return (schedule, err <= FP32_TOL, f"{err:.1e} ({name})")
+    return (schedule, PASS if err <= FP32_TOL else FAIL, f"{err:.1e} ({name})", FP32_CRITERION)
+
+
+def _clip_syncs(opts: Options, pipe: DistributedPipe) -> Row:
+    """``pipe.clip_grad_norm_`` (a collective over the pipeline's device group) watched: on
+    CUDA no synchronising call; on CPU stand-ins its host reads listed."""
+    check = "clip_grad_norm_ (host synchronisation)"
+    with host_reads() if opts.dry else cuda_syncs() as seen:
+        pipe.clip_grad_norm_(1.0)
+    if opts.dry:
+        return (check, CUDA_ONLY, "host reads: " + summarise(seen), SYNC_CRITERION)
+    return (check, FAIL if seen else PASS, summarise(seen), SYNC_CRITERION)
 
 
 def rank_main(rank: int, world: int, port: int, opts: Options, out: str) -> None:
@@ -137,7 +156,7 @@ def rank_main(rank: int, world: int, port: int, opts: Options, out: str) -> None
     dist.destroy_process_group()
 
 
-def run_world(opts: Options, world: int, timeout: float) -> list[Result]:
+def run_world(opts: Options, world: int, timeout: float) -> list[Row]:
     """Every rank's results for a world of ``world`` ranks (one rank: in this process)."""
     with tempfile.TemporaryDirectory() as out:
         if world == 1:
@@ -162,13 +181,14 @@ def run_world(opts: Options, world: int, timeout: float) -> list[Result]:
         return [result for r in range(world) for result in _read(Path(out, f"rank{r}.json"), r)]
 
 
-def _read(path: Path, rank: int) -> list[Result]:
+def _read(path: Path, rank: int) -> list[Row]:
     if not path.exists():
-        return [(f"rank {rank}", False, "no result (crashed or timed out)")]
+        return [(f"rank {rank}", FAIL, "no result (crashed or timed out)", FP32_CRITERION)]
     data = json.loads(path.read_text())
     if isinstance(data, dict):
-        return [(f"rank {rank}", False, data["error"])]
-    return [(f"{check} (rank {rank})", ok, measured) for check, ok, measured in data]
+        return [(f"rank {rank}", FAIL, data["error"], FP32_CRITERION)]
+    return [(f"{check} (rank {rank})", verdict, measured, criterion)
+            for check, verdict, measured, criterion in data]  # fmt: skip
 
 
 def nccl(opts: Options) -> Section:
@@ -176,12 +196,12 @@ def nccl(opts: Options) -> Section:
     section = Section()
     backend = "gloo stand-in" if opts.dry else "NCCL"
     if opts.dry or opts.gpus >= 2:
-        for check, ok, measured in run_world(opts, 2, timeout=RANK_TIMEOUT * 2):
-            section.add(f"K=2 {backend}: {check}", ok, measured, FP32_CRITERION)
+        for check, verdict, measured, criterion in run_world(opts, 2, timeout=RANK_TIMEOUT * 2):
+            section.add(f"K=2 {backend}: {check}", verdict, measured, criterion)
     else:
         section.add("K=2 over NCCL", TWO_GPUS, "-", "NCCL refuses two ranks on one GPU")
-    for check, ok, measured in run_world(opts, 1, timeout=RANK_TIMEOUT):
-        section.add(f"K=1 {backend}: {check}", ok, measured, FP32_CRITERION)
+    for check, verdict, measured, criterion in run_world(opts, 1, timeout=RANK_TIMEOUT):
+        section.add(f"K=1 {backend}: {check}", verdict, measured, criterion)
     transport = "'ordered'" if transport_kwargs() else "its default (no transport argument yet)"
     section.notes.append(
         f"K=1: the whole model on one rank (groups built, no step crosses ranks); M=4; "
