@@ -61,6 +61,7 @@ from gpu_common import FAIL, Options  # noqa: E402
 
 BUDGET_S = {"full": 480.0, "quick": 180.0}  # the whole run on one H200
 DRY_TIMEOUT_S = 90.0  # per case on CPU stand-ins (2 shared cores)
+QUICK_TIMEOUT = 0.5  # --quick: each case's GPU timeout halved, so one hang fits the budget
 GRACE_S = 20.0  # past a case's timeout before the parent aborts it (faulthandler should have)
 INJECTIONS = ("hang", "wrong")  # test-only faults: a stage that never returns, a wrong weight
 
@@ -163,6 +164,7 @@ def environment(opts: Options) -> list[str]:
     lines = [f"- torch {torch.__version__}, CUDA {torch.version.cuda}"]
     if opts.dry:
         return [*lines, "- dry run: CPU stand-ins, tiny sizes (nothing here is a GPU result)"]
+    lines.append(f"- {'quick' if opts.quick else 'full'} sizes")
     for i in range(opts.gpus):
         props = torch.cuda.get_device_properties(i)
         lines.append(f"- cuda:{i}: {props.name}, {props.total_memory / 2**30:.0f} GiB")
@@ -191,12 +193,10 @@ def summary(cases: list[CaseResult], elapsed: float, budget: float | None) -> st
     lines += [f"| {c.name} | {c.verdict} | {c.seconds:.1f} |" for c in cases]
     failures = [f for c in cases for f in c.failed]
     lines += ["", f"Failures: {len(failures)}"] + [f"- {f}" for f in failures]
-    within = (
-        ""
-        if budget is None
-        else f" (budget {budget:.0f} s: {'within' if elapsed <= budget else 'OVER'})"
-    )
-    return "\n".join([*lines, "", f"Total: {elapsed:.0f} s{within}"]) + "\n"
+    total = f"Total: {elapsed:.0f} s"
+    if budget is not None:
+        total += f" (budget {budget:.0f} s: {'within' if elapsed <= budget else 'OVER'})"
+    return "\n".join([*lines, "", total]) + "\n"
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report[0], flush=True)
     started, cases = time.perf_counter(), []
     for name in args.only or list(CASES):
-        timeout = args.timeout or (DRY_TIMEOUT_S if opts.dry else CASES[name].timeout)
+        timeout = args.timeout or timeout_of(name, opts)
         cases.append(run_case(name, opts, timeout))
         report.append(section(cases[-1]))
         print(report[-1], flush=True)
@@ -246,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         write(args.out, "\n".join(report), opts)
     return 1 if any(c.failed for c in cases) else 0
+
+
+def timeout_of(name: str, opts: Options) -> float:
+    """The case's seconds: its own on a GPU (halved with --quick), DRY_TIMEOUT_S on CPU."""
+    if opts.dry:
+        return DRY_TIMEOUT_S
+    return CASES[name].timeout * (QUICK_TIMEOUT if opts.quick else 1.0)
 
 
 def write(directory: Path, text: str, opts: Options) -> Path:
