@@ -187,3 +187,47 @@ def test_a_mismatched_order_is_a_deadlock_and_sizes_must_agree() -> None:
     assert replay({0: [coll, send], 1: [coll, recv]}) == 2
     with pytest.raises(Deadlock):
         replay({0: [coll, send], 1: [recv, coll]})
+
+
+def as_device_ops(log: list[dict[str, Any]]) -> list[DeviceOp]:
+    """A rank's recorded calls as the replay takes them: payloads and every collective (host
+    ones too: a stricter check); the control plane's messages (gloo, tag-matched) left out."""
+    ops = []
+    for e in log:
+        if e["call"] in ("isend", "irecv", "send", "recv"):
+            if e["tag"] == PAYLOADS:
+                kind = "send" if e["call"] in ("isend", "send") else "recv"
+                ops.append(DeviceOp(kind, e["peer"], nbytes=e["nbytes"], what="payload"))
+        else:
+            group = tuple(e["group"])
+            ops.append(DeviceOp("collective", group=group, nbytes=e["nbytes"], what=e["call"]))
+    return ops
+
+
+@pytest.mark.distributed
+def test_real_steps_over_the_ordered_transport_replay_under_nccls_rule(tmp_path) -> None:
+    """K=2 x R=2 gloo processes, every schedule, M = 2 and 4: each step over the ordered
+    transport equals the plain model (BatchNorm, dropout, an integer mask, bucketed gradient
+    all-reduce over the replicas), every call to torch.distributed comes from the rank's main
+    thread, and the device operations and collectives of all ranks replay under NCCL's rule."""
+    from tests.distributed.launch import spawn
+
+    results = spawn(
+        "tests.distributed.order_workers:recorded_steps",
+        world=4,
+        tmp=tmp_path,
+        workers=2,
+        chunks=[2, 4],
+        modes=["except_last"],
+        bucket_mb=0.0005,  # a bucket per parameter: many all-reduces among the sends
+    )
+    ops = {}
+    for result in results:
+        names = {what.split()[0] for what, _ in result["checked"]}
+        assert names == set(registered_schedules()), names
+        log = result["log"]
+        assert any(e["tag"] == PAYLOADS for e in log), "nothing went over the ordered transport"
+        off_main = [e["call"] for e in log if not e["main_thread"]]
+        assert not off_main, f"rank {result['rank']}: called from another thread: {off_main}"
+        ops[result["rank"]] = as_device_ops(log)
+    assert replay(ops) > 0

@@ -126,6 +126,7 @@ def equivalence(
     schedules: list[str] | None = None,
     batch: int = 16,
     bucket_mb: float = 25.0,
+    transport: str = "auto",
 ) -> dict[str, Any]:
     """One step per (schedule, M, mode): loss and gradients equal plain and GPipe."""
     replicas = dist.get_world_size() // workers
@@ -166,6 +167,7 @@ def equivalence(
                     seed=INIT,
                     timeout=20,
                     bucket_mb=bucket_mb,
+                    transport=transport,
                 )
                 x, y = shards[pipe.replica]
                 torch.manual_seed(SEED)

@@ -30,10 +30,12 @@ very same ``StepRun`` drives one rank of a distributed pipeline:
 
 Everything runs on the rank's main thread (gloo's own I/O thread moves the bytes): no Python
 thread hand-offs, which on a loaded machine cost milliseconds each. Messages from a peer are
-taken in the order the peer sent them (needing none of NCCL's missing tags for frames) and a
-rank only ever waits for messages its peer has already committed to sending before the one it
-needs, so it cannot deadlock. With NCCL, whose pending receives hold up later sends on the same
-pair, one receive per peer is posted ahead (``ahead=1``) and announcements follow in order.
+taken in the order the peer sent them and a rank only ever waits for messages its peer has
+already committed to sending before the one it needs, so under gloo's matching by peer and tag
+it cannot deadlock. It is the gloo transport: under NCCL, where a pair's operations run in issue
+order, its receives posted ahead would hold up the rank's own sends (even with ``ahead=1``, one
+per peer); the device transport is :mod:`giantpipe.engine.dist.ordered`, which also carries a
+``P2PMailbox`` of its own for the descriptions of values, on a host group.
 
 A receive that fails names its peer: a closed connection ("rank 1 (stage 1) is gone"), or a wait
 longer than ``timeout`` ("rank 0 (stage 0) timed out after 60s waiting for the gradient of

@@ -88,6 +88,7 @@ from giantpipe.engine.dist.layout import (
     tied_group,
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
+from giantpipe.engine.dist.ordered import OrderedMailbox
 from giantpipe.engine.dist.p2p import P2PMailbox
 from giantpipe.engine.dist.wire import KnownLayouts
 from giantpipe.engine.executor import LossFn, LossSpec, StepRun
@@ -98,6 +99,25 @@ from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
 
 __all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distributed"]
+
+TRANSPORTS = ("auto", "frames", "ordered")
+
+
+def choose_transport(transport: str, device: torch.device) -> str:
+    """The transport a pipe on ``device`` uses (see ``DistributedPipe``'s ``transport``).
+
+    >>> [choose_transport("auto", torch.device(d)) for d in ("cpu", "cuda:0")]
+    ['frames', 'ordered']
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+    if transport == "frames" and device.type == "cuda":
+        # Frames carry headers read by the host and receives posted out of NCCL's order.
+        raise ValueError("transport='frames' needs gloo and host memory; on CUDA use 'ordered'")
+    if transport == "auto":
+        return "ordered" if device.type == "cuda" else "frames"
+    return transport
+
 
 ModelSource = nn.Sequential | Callable[[], nn.Sequential]
 _T = TypeVar("_T")
@@ -122,6 +142,12 @@ class DistributedPipe(Pipe):
         timeout: seconds any wait for another rank may take before the run fails.
         bucket_mb: size of the gradient buckets all-reduced over replicas.
         overlap_grad_sync: start a bucket's all-reduce inside the backward (else at the end).
+        transport: how boundary values travel. ``'frames'`` (gloo, CPU): a value is one
+            message carrying its own header, receives posted ahead (:mod:`.p2p`).
+            ``'ordered'`` (NCCL, CUDA): descriptions on a host group, bare payloads on the
+            device, every device operation in the order all ranks derive from the schedule
+            (:mod:`.ordered`; it also runs on CPU, which is how the tests check NCCL's rule).
+            ``'auto'``: ordered on CUDA, frames on CPU.
 
     The replicas R are the world size over the K pipeline ranks the schedule needs.
     """
@@ -142,6 +168,7 @@ class DistributedPipe(Pipe):
         timeout: float = DEFAULT_TIMEOUT,
         bucket_mb: float = 25.0,
         overlap_grad_sync: bool = True,
+        transport: str = "auto",
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
@@ -158,6 +185,7 @@ class DistributedPipe(Pipe):
         # The current CUDA device is this rank's own (a user may have called
         # init_process_group without init_distributed): NCCL and object collectives use it.
         self.device = bind_device(resolve_device(device))
+        self.transport = choose_transport(transport, self.device)
         shared = shared_parameters(model)  # tied parameters, found before the layers are copied
         self._hold_layers(model, seed, init, deferred_batch_norm)
         self.groups = build_groups(self.layout, timeout, self.device)
@@ -167,9 +195,10 @@ class DistributedPipe(Pipe):
         install_sigterm_note(self.board)
         self._uses: dict[int, int] = {}
         self.tied = self._tied_sync(model, shared)
-        self._box: P2PMailbox | None = None
-        # Each boundary key's frame layout, as both of its ends last saw it: from the second
-        # step on, a value crosses as one message into a receive posted ahead (dist/p2p.py).
+        self._box: P2PMailbox | OrderedMailbox | None = None
+        # Each boundary key's frame layout (with the ordered transport: of its description), as
+        # both of its ends last saw it: from the second step on, a value's frame (description)
+        # crosses as one message into a receive posted ahead (dist/p2p.py).
         self._known = KnownLayouts()
         self._broken: str | None = None
         self.sync = self._gradient_sync(bucket_mb, overlap_grad_sync)
@@ -382,19 +411,28 @@ class DistributedPipe(Pipe):
         def learn_seed(value: int) -> None:
             config.seed = value
 
-        device = comm_device(self.device)
-        self._box = P2PMailbox(
-            self.layout,
-            self.groups.p2p,
-            self.timeout,
-            self.board,
-            device,
-            seed=seed,
-            on_seed=learn_seed,
-            known=self._known,
-            # NCCL: a pending receive holds up later sends to the same peer; post one at a time.
-            ahead=1 if device.type == "cuda" else None,
-        )
+        if self.transport == "ordered":
+            self._box = OrderedMailbox(
+                self.layout,
+                self.groups.control,
+                self.groups.p2p,
+                self.timeout,
+                self.board,
+                comm_device(self.device),
+                seed=seed,
+                on_seed=learn_seed,
+                known=self._known,
+            )
+        else:
+            self._box = P2PMailbox(
+                self.layout,
+                self.groups.p2p,
+                self.timeout,
+                self.board,
+                seed=seed,
+                on_seed=learn_seed,
+                known=self._known,
+            )
         run = StepRun(config, micro, mailbox=self._box)
         self._box.start(steps.actions)
         run.run(local)
