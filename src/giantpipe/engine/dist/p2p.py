@@ -349,7 +349,8 @@ class P2PMailbox(Mailbox):
         extra = None
         if extra_words(head):
             extra = torch.empty(extra_words(head), dtype=torch.int64, device=self.comm_device)
-            self._wait(dist.irecv(extra, src=peer, group=self.group, tag=FOLLOW_UPS), peer, posted.key)
+            work = dist.irecv(extra, src=peer, group=self.group, tag=FOLLOW_UPS)
+            self._wait(work, peer, posted.key)
             extra = extra.cpu()
         frame = Frame.of(words_of(head, extra))
         self.known.received[posted.key] = frame
