@@ -4,7 +4,7 @@ plain model.
 NCCL refuses two ranks on one GPU, so one GPU allows a world of one rank (K=1: the whole model
 on one rank, its NCCL groups still built and used); two GPUs or more run K=2, one rank each,
 with the transport whose device sends and receives are issued in one order on every rank
-(``transport="ordered"``, where DistributedPipe has the argument). A dry run runs both worlds
+(``transport="ordered"``, which the dry run forces on gloo too). A dry run runs both worlds
 on gloo ranks of this machine instead (the stand-in for NCCL the engine's tests use).
 
 Example::
@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import socket
@@ -70,14 +69,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def transport_kwargs() -> dict[str, Any]:
-    """``transport="ordered"`` where DistributedPipe takes it (its default, "auto", picks it on
-    CUDA anyway); nothing where it does not yet."""
-    if "transport" in inspect.signature(DistributedPipe.__init__).parameters:
-        return {"transport": "ordered"}
-    return {}
-
-
 def world_checks(opts: Options, k: int) -> list[Row]:
     """On this rank: one step per schedule that runs on K=``k`` ranks, its loss (every rank)
     and its gradients and buffers (this rank's share) against the plain model; after the first,
@@ -101,7 +92,7 @@ def world_checks(opts: Options, k: int) -> list[Row]:
                                chunks=chunks, schedule=schedule, virtual_stages=v,
                                checkpoint="except_last", device=device, seed=INIT,
                                deferred_batch_norm=True, timeout=RANK_TIMEOUT,
-                               **transport_kwargs())  # fmt: skip
+                               transport="ordered")  # fmt: skip
         torch.manual_seed(SEED)
         loss = pipe.train_step(to(inputs, device) if pipe.needs_inputs else None,
                                target.to(device) if pipe.needs_targets else None,
@@ -202,9 +193,8 @@ def nccl(opts: Options) -> Section:
         section.add("K=2 over NCCL", TWO_GPUS, "-", "NCCL refuses two ranks on one GPU")
     for check, verdict, measured, criterion in run_world(opts, 1, timeout=RANK_TIMEOUT):
         section.add(f"K=1 {backend}: {check}", verdict, measured, criterion)
-    transport = "'ordered'" if transport_kwargs() else "its default (no transport argument yet)"
     section.notes.append(
-        f"K=1: the whole model on one rank (groups built, no step crosses ranks); M=4; "
-        f"DistributedPipe transport: {transport}."
+        "K=1: the whole model on one rank (groups built, no step crosses ranks); M=4; "
+        "DistributedPipe transport: 'ordered' (on the gloo stand-in too)."
     )
     return section
