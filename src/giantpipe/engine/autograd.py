@@ -314,6 +314,16 @@ def _run_group(group: _Group, captured: dict[Node, tuple[Any, ...]]) -> None:
         for p, g in zip(group.params, found):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
+                _post_accumulate(p)
+
+
+def _post_accumulate(param: torch.Tensor) -> None:
+    """Runs ``param``'s post-accumulate-grad hooks, as autograd does after it accumulates into
+    ``.grad``: W accumulates by hand, and the gradient buckets of the replicas start from these
+    hooks (giantpipe.engine.dist.gradsync). torch keeps them in a private dict, in order."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    for hook in list((hooks or {}).values()):
+        hook(param)
 
 
 def _pin(grads: tuple[Any, ...] | None) -> Any:

@@ -209,3 +209,28 @@ def test_post_accumulate_grad_hooks_run_on_the_action_thread(
     if workers == 1:
         assert {thread for thread, _, _ in seen} == {threading.get_ident()}
     pipe.close()
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_a_split_backwards_w_runs_the_post_accumulate_grad_hooks(
+    schedule: str, actions: list[tuple[int, Action]]
+) -> None:
+    # W accumulates into p.grad by hand; the replicas' gradient buckets start from these hooks,
+    # so without them a zero-bubble step overlaps no all-reduce with its backward.
+    v = 2 if schedule == "zb-v" else 1
+    model = probed_model(2 * v, [])  # a Linear and a probe per stage
+    seen: list[tuple[int, Action | None]] = []
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            layer.weight.register_post_accumulate_grad_hook(
+                lambda p: seen.append((threading.get_ident(), running_action()))
+            )
+    pipe = GPipe(model, [2] * (2 * v), devices=["cpu"] * 2, chunks=3, schedule=schedule)
+    pipe.train_step(torch.randn(6, 8), torch.randn(6, 8), nn.functional.mse_loss)
+    linears = sum(isinstance(layer, nn.Linear) for layer in model)
+    assert len(seen) == 3 * linears  # once per micro-batch and parameter, as autograd does
+    threads = {(a.kind, a.stage, a.microbatch): t for t, a in actions}
+    assert any(a is not None and a.kind == "W" for _, a in seen)
+    for thread, action in seen:
+        assert action is not None and thread == threads[tuple(action)]
+    pipe.close()
