@@ -555,6 +555,8 @@ class StepRun:
         (not the host's wait, which overlaps kernels still running), ``recompute`` likewise."""
         assert self.clock is not None
         clock = self.clock
+        ends = [marks[-1] for _, marks in self.cuda_actions]  # a stream's last mark: all before
+        clock.settle(ends, self.cfg.timeout)
         for index, marks in self.cuda_actions:
             old = self.timings[index]
             start, end = clock.seconds(marks[0]), clock.seconds(marks[-1])

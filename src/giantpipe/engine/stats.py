@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from giantpipe.engine.schedule import Action, expected_bubble
+from giantpipe.engine.workers import PipelineTimeout
 
 
 @dataclass(frozen=True)
@@ -230,11 +231,16 @@ def _unpack(tensor: Any) -> Any:
 class CudaClock:
     """Times a phase's actions on CUDA devices with events, read back onto ``perf_counter``.
 
-    A phase starts with one synchronize per CUDA device, pairing a recorded event with the host
-    clock; every later event on that device converts to host seconds through that pair. Events
-    are recorded on the calling thread's current stream (the worker's, which its thread entered:
+    A phase starts with one event per CUDA device, paired with the host clock when it is
+    recorded; every later event on that device converts to host seconds through that pair.
+    Nothing waits for the device there: a synchronize at every phase would stop the host from
+    running ahead, and behind an NCCL operation whose peer died it would never return. The pair
+    is exact when the stream is idle as the phase starts (a step's end waits for the device, so
+    it is between steps); otherwise the whole phase's timeline shifts, but its durations (busy,
+    waits, recompute, span) are differences of events and stay exact. Events are recorded on the
+    calling thread's current stream (the worker's, which its thread entered:
     :mod:`giantpipe.engine.streams`), so they complete when the stage's kernels before them have
-    run, not when they were launched.
+    run, not when they were launched. :meth:`settle` waits for them, under a deadline.
 
     Example (on a GPU)::
 
@@ -242,13 +248,13 @@ class CudaClock:
         start = clock.mark(torch.device("cuda:0"))
         y = layer(x)                                   # returns at once; the kernels run later
         end = clock.mark(torch.device("cuda:0"))
+        clock.settle(timeout=60.0)                     # every mark reached, or PipelineTimeout
         clock.seconds(end) - clock.seconds(start)      # the kernels' time, after they ran
     """
 
     def __init__(self, devices: Iterable[torch.device]) -> None:
         self._base: dict[torch.device, tuple[torch.cuda.Event, float]] = {}
         for device in {d for d in devices if d.type == "cuda"}:
-            torch.cuda.synchronize(device)
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(device))
             self._base[device] = (event, time.perf_counter())
@@ -259,16 +265,38 @@ class CudaClock:
         event.record(torch.cuda.current_stream(device))
         return device, event
 
+    def settle(self, marks: Iterable[tuple[torch.device, Any]], timeout: float) -> None:
+        """Waits until every event of ``marks`` has completed, polling; raises
+        :class:`~giantpipe.engine.workers.PipelineTimeout` after ``timeout`` seconds (a stream
+        stuck behind a lost peer's operation) rather than blocking for ever."""
+        bases = [event for event, _ in self._base.values()]
+        settle_events(bases + [event for _, event in marks], timeout, "the stages' kernels")
+
     def seconds(self, mark: tuple[torch.device, torch.cuda.Event]) -> float:
-        """When the stream reached ``mark``, on the host's ``perf_counter`` clock (waits for it)."""
+        """When the stream reached ``mark``, on the host's ``perf_counter`` clock (``mark``
+        must have completed: :meth:`settle`)."""
         device, event = mark
         base, host = self._base[device]
-        event.synchronize()
         return host + base.elapsed_time(event) / 1e3
 
-    def between(self, marks: Iterable[tuple[Any, Any]]) -> float:
-        """Total seconds between each pair of marks (e.g. the stream idle during waits)."""
-        return sum(self.seconds(b) - self.seconds(a) for a, b in marks)
+
+def settle_events(events: Sequence[Any], timeout: float, what: str) -> None:
+    """Polls ``events`` (anything with ``query()``) until all have completed, sleeping a little
+    longer each time; raises PipelineTimeout naming ``what`` after ``timeout`` seconds.
+
+    >>> class Done:
+    ...     def query(self) -> bool:
+    ...         return True
+    >>> settle_events([Done(), Done()], timeout=1.0, what="two kernels")
+    """
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    for event in events:
+        while not event.query():
+            if time.monotonic() >= deadline:
+                raise PipelineTimeout(f"{what} did not finish on the device within {timeout:g}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-2)
 
 
 def memory_kind(worker_devices: Sequence[torch.device]) -> str:
