@@ -242,7 +242,7 @@ class StepRun:
 
             run.post(("grad", last, m), grads_of_m)
         """
-        if self.copies is not None:
+        if self.copies is not None and self.mailbox.consumed_here(key):
             self.ready[key] = self.copies.ready(value)
         self.mailbox.put(key, value)
 

@@ -147,6 +147,11 @@ class Mailbox:
                 self._cond.wait(left)
             return self._items.pop(key)
 
+    def consumed_here(self, key: Key) -> bool:
+        """Whether a worker of this process takes ``key`` (a mailbox across processes sends
+        some elsewhere: nobody here waits for their CUDA events)."""
+        return True
+
     def abort(self) -> None:
         """Wakes every waiting worker with :class:`Aborted`; the others see :attr:`aborted`
         before their next action."""

@@ -21,6 +21,7 @@ from giantpipe.engine.executor import LossSpec, StepConfig, StepRun
 from giantpipe.engine.microbatch import CopyStreams, cuda_devices, scatter
 from giantpipe.engine.schedule import Action
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.workers import Mailbox
 
 
 def no_cuda(*args: Any, **kwargs: Any) -> Any:
@@ -108,3 +109,21 @@ def test_each_consumer_waits_for_its_producers_record_of_that_value(
             producer = threads[("B", stage + 1, m)]
         assert token.thread == producer, taker
     assert run.ready == {}  # every record was taken by its consumer
+
+
+def test_a_value_sent_to_another_process_records_nothing() -> None:
+    """A distributed rank's mailbox sends some keys elsewhere: nobody here takes their events
+    (the transport orders the device work), so none is recorded or kept for the step."""
+
+    class Elsewhere(Mailbox):
+        def consumed_here(self, key: tuple[str, int, int]) -> bool:
+            return key[1] != 1  # stage 1 lives on another rank
+
+    stages = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    config = StepConfig(stages, [torch.device("cpu")] * 2, 0, True, 0)
+    run = StepRun(config, [], mailbox=Elsewhere(5.0))
+    fake = FakeCopies()
+    run.copies = fake  # type: ignore[assignment]
+    run.post(("act", 1, 0), torch.ones(2))
+    run.post(("grad", 0, 0), torch.ones(2))
+    assert list(run.ready) == [("grad", 0, 0)]

@@ -126,6 +126,9 @@ class OrderedMailbox(Mailbox):
 
     # ---- sending ---------------------------------------------------------------------------
 
+    def consumed_here(self, key: Key) -> bool:
+        return self.layout.rank_of_stage(key[1]) == self.layout.rank
+
     def put(self, key: Key, value: Any) -> None:
         position = self._index.get(("send", key))
         if position is None:  # a stage of this rank (or stage 0's inputs)

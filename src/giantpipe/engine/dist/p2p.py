@@ -232,6 +232,9 @@ class P2PMailbox(Mailbox):
 
     # ---- sending ---------------------------------------------------------------------------
 
+    def consumed_here(self, key: Key) -> bool:
+        return self.layout.rank_of_stage(key[1]) == self.layout.rank
+
     def put(self, key: Key, value: Any) -> None:
         dst = self.layout.rank_of_stage(key[1])
         if dst == self.layout.rank:
