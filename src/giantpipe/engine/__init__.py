@@ -9,7 +9,9 @@ What lives here, one concept per module:
   BatchNorm (:mod:`.batchnorm`), where stages' autograd graphs meet and the B/W split
   (:mod:`.autograd`);
 - the local executor (:mod:`.executor`: a step's actions; :mod:`.workers`: its threads and
-  mailbox) and what it measures (:mod:`.stats`);
+  mailbox; :mod:`.streams`: each worker's CUDA device and stream) and what it measures
+  (:mod:`.stats`);
+- fp16 loss scaling handed to the step door (:mod:`.lossscale`);
 - any model as a flat Sequential (:mod:`.capture`: ``sequentialize``, torch.export cut at
   named submodules);
 - the two pipes: :class:`GPipe` (:mod:`.gpipe`, a worker thread per device) and
@@ -31,6 +33,7 @@ Example::
 from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from giantpipe.engine.capture import CaptureError, sequentialize
 from giantpipe.engine.gpipe import GPipe
+from giantpipe.engine.lossscale import pipeline_grad_scaler
 from giantpipe.engine.partition import verify_module
 from giantpipe.engine.recompute import is_recomputing
 from giantpipe.engine.rng import rng_context
@@ -54,6 +57,7 @@ __all__ = [
     "failed_action",
     "gpipe",
     "is_recomputing",
+    "pipeline_grad_scaler",
     "rng_context",
     "sequentialize",
     "verify_module",
