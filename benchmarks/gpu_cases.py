@@ -54,7 +54,6 @@ from gpu_common import (
     even_balance,
     mask_batch,
     mask_model,
-    missing_scaler_api,
     pipe_for,
     pipe_step,
     plain_step,
@@ -205,12 +204,10 @@ def plain_scaled(model: nn.Sequential, opts: Options, init_scale: float) -> Scal
 def pipe_scaled(
     model: nn.Sequential, opts: Options, schedule: str, init_scale: float
 ) -> ScaledStep:
-    """The same step through ``pipe.train_step(..., grad_scaler=pipeline_grad_scaler(pipe))``."""
-    from giantpipe.engine.lossscale import pipeline_grad_scaler
-
+    """The same step through ``pipe.train_step(..., grad_scaler=pipe.grad_scaler())``."""
     inputs, target = mask_batch(Sizes.of(opts))
     with closing(pipe_for(model, opts, schedule, "except_last")) as pipe:
-        scaler = pipeline_grad_scaler(pipe, init_scale=init_scale)
+        scaler = pipe.grad_scaler(init_scale=init_scale)
         first, last = pipe.devices[0], pipe.devices[-1]
         torch.manual_seed(SEED)
         with torch.autocast(last.type, dtype=torch.float16):
@@ -248,10 +245,6 @@ def fp16_scaler(opts: Options) -> Section:
     model). The normal step's scale, 2^8, leaves this model's fp16 gradients finite (2^16
     overflows the tiny dry-run model's largest gradient, about 1.0)."""
     section = Section()
-    missing = missing_scaler_api()
-    if missing is not None:
-        section.add("fp16 with a gradient scaler", False, missing, "the engine's scaler API")
-        return section
     sizes = Sizes.of(opts)
     model, (inputs, target) = mask_model(sizes), mask_batch(sizes)
     ref = plain_step(model, inputs, target, 2 * opts.workers, [(len(model), opts.device)])
@@ -262,7 +255,7 @@ def fp16_scaler(opts: Options) -> Section:
                 partial(scaled_row, section, model, opts, schedule, ref, plain))  # fmt: skip
         attempt(section, f"{schedule}: overflow skipped", OVERFLOW_CRITERION,
                 partial(overflow_row, section, model, opts, schedule, plain_over))  # fmt: skip
-    section.notes.append(f"Scaler: giantpipe.engine.lossscale.pipeline_grad_scaler, "
+    section.notes.append(f"Scaler: pipe.grad_scaler() (torch.amp.GradScaler for GPipe), "
                          f"M={2 * opts.workers}.")  # fmt: skip
     return section
 

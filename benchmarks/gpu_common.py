@@ -18,7 +18,6 @@ run of layers on its own device under the dropout seeds the engine gives it::
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import threading
 import traceback
@@ -203,17 +202,6 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
     if dtype is None:
         return nullcontext()
     return torch.autocast(device.type, dtype=dtype)
-
-
-def missing_scaler_api() -> str | None:
-    """What the engine lacks for fp16 loss scaling, or None."""
-    if "grad_scaler" not in inspect.signature(GPipe.train_step).parameters:
-        return "GPipe.train_step takes no grad_scaler"
-    try:
-        import giantpipe.engine.lossscale  # noqa: F401
-    except ImportError:
-        return "no giantpipe.engine.lossscale.pipeline_grad_scaler"
-    return None
 
 
 # ---- a pipe, and the faults a test injects ----------------------------------------------------

@@ -32,7 +32,6 @@ from gpu_common import (
     Sizes,
     mask_batch,
     mask_model,
-    missing_scaler_api,
     pipe_for,
     schedules,
     to,
@@ -136,8 +135,7 @@ def sync_steps(opts: Options) -> dict[str, Callable[[], Any]]:
     door = pipe_for(model, opts, "gpipe", "except_last")
     x, y = to(inputs, door.devices[0]), target.to(door.devices[-1])  # zb-v ends on worker 0
     steps["front door (forward + backward)"] = _front_door(door, x, y)
-    if missing_scaler_api() is None:
-        steps["train_step gpipe, fp16 + grad_scaler"] = _scaled(door, x, y)
+    steps["train_step gpipe, fp16 + grad_scaler"] = _scaled(door, x, y)
     return steps
 
 
@@ -150,9 +148,7 @@ def _train(pipe: GPipe, x: Any, y: torch.Tensor) -> Callable[[], Any]:
 
 
 def _scaled(pipe: GPipe, x: Any, y: torch.Tensor) -> Callable[[], Any]:
-    from giantpipe.engine.lossscale import pipeline_grad_scaler
-
-    scaler = pipeline_grad_scaler(pipe)
+    scaler = pipe.grad_scaler()
 
     def step() -> Any:
         with torch.autocast(pipe.devices[-1].type, dtype=torch.float16):

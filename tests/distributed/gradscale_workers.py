@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from giantpipe.engine import pipeline_grad_scaler
 from giantpipe.engine.dist.pipe import DistributedPipe
-from giantpipe.engine.lossscale import pipeline_grad_scaler
 from tests.distributed.workers import shard
 
 mse = nn.functional.mse_loss

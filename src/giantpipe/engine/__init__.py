@@ -11,7 +11,7 @@ What lives here, one concept per module:
 - the local executor (:mod:`.executor`: a step's actions; :mod:`.workers`: its threads and
   mailbox; :mod:`.streams`: each worker's CUDA device and stream) and what it measures
   (:mod:`.stats`);
-- fp16 loss scaling handed to the step door (:mod:`.lossscale`);
+- fp16 loss scaling handed to the step door (:func:`pipeline_grad_scaler`, :mod:`.base`);
 - any model as a flat Sequential (:mod:`.capture`: ``sequentialize``, torch.export cut at
   named submodules);
 - the two pipes: :class:`GPipe` (:mod:`.gpipe`, a worker thread per device) and
@@ -30,10 +30,10 @@ Example::
     print(pipe.last_stats)
 """
 
+from giantpipe.engine.base import pipeline_grad_scaler
 from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from giantpipe.engine.capture import CaptureError, sequentialize
 from giantpipe.engine.gpipe import GPipe
-from giantpipe.engine.lossscale import pipeline_grad_scaler
 from giantpipe.engine.partition import verify_module
 from giantpipe.engine.recompute import is_recomputing
 from giantpipe.engine.rng import rng_context

@@ -331,3 +331,39 @@ def _pin(grads: tuple[Any, ...] | None) -> Any:
         return grads if grads is not None else grad_outputs
 
     return hook
+
+
+# ---- fp16: the loss scale enters the gradient only -------------------------------------------
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by the scale."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, loss: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.scale = scale  # a constant of the step, not part of the graph: nothing to save
+        return loss.clone()
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        # As the backward of ``loss * scale``: the product, then the input's dtype.
+        return (grad * ctx.scale).to(grad.dtype), None
+
+
+def scale_gradient(loss: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``loss`` itself, whose backward is that of ``loss * scale``: the gradients are scaled,
+    the value (what the step returns) is not. ``scale=None`` returns ``loss`` untouched.
+
+    >>> w = torch.tensor(2.0, requires_grad=True)
+    >>> loss = scale_gradient(w * 3, torch.tensor(1024.0))
+    >>> loss.backward(); loss.item(), w.grad.item()
+    (6.0, 3072.0)
+    """
+    if scale is None:
+        return loss
+    scaled: torch.Tensor = _ScaleGradient.apply(loss, scale)
+    return scaled

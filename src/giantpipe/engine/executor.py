@@ -76,8 +76,8 @@ from giantpipe.engine.autograd import (
     detach,
     make_leaves,
     pair_gradients,
+    scale_gradient,
 )
-from giantpipe.engine.lossscale import scale_gradient
 from giantpipe.engine.microbatch import (
     CopyStreams,
     Ready,
@@ -134,7 +134,7 @@ class LossSpec:
     scales: list[float]
     loss_scale: torch.Tensor | None = None
     """A gradient scaler's scale (fp16), on the last stage's device: every micro-batch's
-    backward is that of its loss times it (:func:`~giantpipe.engine.lossscale.scale_gradient`);
+    backward is that of its loss times it (:func:`~giantpipe.engine.autograd.scale_gradient`);
     the losses kept are unscaled."""
 
 

@@ -221,7 +221,7 @@ class GPipe(Pipe):
         as after ``scaler.scale(loss).backward()`` on the plain model; the loss returned is
         not scaled. Example::
 
-            scaler = pipeline_grad_scaler(pipe)        # giantpipe.engine.lossscale
+            scaler = pipe.grad_scaler()                # torch.amp.GradScaler on CUDA
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
             scaler.step(optimizer); scaler.update()

@@ -8,7 +8,7 @@ nothing but the step; epoch-valued settings are converted with the data's steps 
 EMA of the weights is kept on each parameter's own device and keyed by the un-partitioned
 parameter names, so it checkpoints and resumes like the model does, under any balance.
 ``pipeline.precision=fp16`` steps the optimizer through a gradient scaler, one verdict on
-inf/NaN for every rank (:func:`giantpipe.engine.lossscale.pipeline_grad_scaler`).
+inf/NaN for every rank (:meth:`giantpipe.engine.base.Pipe.grad_scaler`).
 
 Example::
 
@@ -33,7 +33,6 @@ from torch import Tensor, nn
 
 from giantpipe.config import LRScheduleConfig, OptimConfig
 from giantpipe.engine.base import Pipe
-from giantpipe.engine.lossscale import pipeline_grad_scaler
 
 # --------------------------------------------------------------------------- optimizer
 
@@ -79,7 +78,7 @@ def build_grad_scaler(pipe: Pipe, precision: str) -> torch.amp.GradScaler | None
         loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
         scaler.step(optimizer); scaler.update()
     """
-    return pipeline_grad_scaler(pipe) if precision == "fp16" else None
+    return pipe.grad_scaler() if precision == "fp16" else None
 
 
 # --------------------------------------------------------------------------- LR schedule

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.lossscale import current_scale, pipeline_grad_scaler, scale_gradient
+from giantpipe.engine.autograd import scale_gradient
+from giantpipe.engine.base import current_scale, pipeline_grad_scaler
 
 mse = nn.functional.mse_loss
 FP16 = torch.float16

@@ -67,8 +67,9 @@ from giantpipe.engine.dist.faults import (
     run_guarded,
     wait_device,
 )
-from giantpipe.engine.dist.gradscale import check_agreed
 from giantpipe.engine.dist.gradsync import (
+    AgreedGradScaler,
+    check_agreed,
     GradientSync,
     TiedSync,
     all_gather_rows,
@@ -294,7 +295,7 @@ class DistributedPipe(Pipe):
         As ``GPipe.train_step``, with the mean (or ``loss_normalizer``) taken over the
         batches of all replicas, whose gradients are summed: a step equals the plain model on
         the concatenation of the replicas' batches. Gradients accumulate into ``p.grad``.
-        ``grad_scaler`` (fp16, on every rank): an AgreedGradScaler (``pipeline_grad_scaler``),
+        ``grad_scaler`` (fp16, on every rank): an AgreedGradScaler (``pipe.grad_scaler()``),
         whose inf/NaN verdict every rank shares; gradients scaled, the loss not.
         """
         if not torch.is_grad_enabled():
@@ -527,6 +528,19 @@ class DistributedPipe(Pipe):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         wait_device(event, self.timeout, f"{what} on {self.device}", self.board)
+
+    def grad_scaler(self, **kwargs: Any) -> AgreedGradScaler:
+        """A gradient scaler whose inf/NaN check every rank of the world agrees on (fp16):
+        every rank steps, or every rank skips and halves its scale. ``kwargs`` are
+        GradScaler's.
+
+        Example::
+
+            scaler = pipe.grad_scaler(init_scale=2.0**16)
+            loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
+            scaler.step(optimizer); scaler.update()
+        """
+        return AgreedGradScaler(self, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Collective. Clips by the global 2-norm over every stage of the pipeline (each
