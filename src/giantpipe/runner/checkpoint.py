@@ -17,6 +17,8 @@ Optimizer and EMA state are keyed by parameter NAME, so a run resumes under anot
 executor (a torchrun run resumes in one process and back): every rank gathers its names from
 whichever files hold them. RNG states come from the same rank where it existed.
 ``python -m giantpipe.consolidate RUN/last model.pt`` merges the weights for the plain model.
+The process's random-number generators are seeded once at the start (:func:`seed_everything`)
+and their states saved and restored here (:func:`rng_state`, :func:`restore_rng`).
 
 Files of the earlier format, one ``.pt`` holding everything (``last.pt``), still load for
 ``trainer.resume`` (and for ``trainer.init_from``: :mod:`giantpipe.runner.finetune`).
@@ -31,7 +33,9 @@ Example::
 from __future__ import annotations
 
 import pickle
+import random
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +47,20 @@ from torch import Tensor, nn
 from giantpipe.config import ConfigError
 from giantpipe.engine.dist import shards
 from giantpipe.engine.dist.shards import atomic_save
-from giantpipe.runner.seeding import restore_rng, rng_state
 
 if TYPE_CHECKING:
     from giantpipe.runner.build import Experiment
     from giantpipe.runner.world import World
 
-__all__ = ["atomic_save", "read_checkpoint", "restore", "save_run"]
+__all__ = [
+    "atomic_save",
+    "read_checkpoint",
+    "restore",
+    "restore_rng",
+    "rng_state",
+    "save_run",
+    "seed_everything",
+]
 
 RUN_FORMAT = "giantpipe-run/1"
 LEGACY_VERSION = 1
@@ -404,3 +415,39 @@ def read_checkpoint(directory: Path) -> dict[str, Any]:
         "balance": manifest["balance"],
         "workers": manifest["workers"],
     }
+
+
+# ---- random-number generators: seeded at the start, saved in checkpoints ----------------------
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's ``random``, numpy's global generator (if numpy is loaded) and torch."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    if "numpy" in sys.modules:
+        # Only when something already imported numpy: the runner itself does not use it.
+        sys.modules["numpy"].random.seed(seed % 2**32)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator's state, picklable (tensors on CPU)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        # As plain values (its key array as a list), so checkpoints load with weights_only.
+        kind, keys, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state()
+        state["numpy"] = (kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss))
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`rng_state` captured (generators absent here are skipped)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state and "numpy" in sys.modules:
+        np = sys.modules["numpy"]
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))

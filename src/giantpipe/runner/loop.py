@@ -30,11 +30,10 @@ import torch
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, EvaluationError, batch_size
-from giantpipe.metrics.logger import MetricsLogger
-from giantpipe.metrics.record import EngineStats, StepRecord
+from giantpipe.metrics.record import EngineStats, MetricsLogger, StepRecord
 from giantpipe.metrics.sinks import write_summary
 from giantpipe.runner.build import Experiment, build_experiment
-from giantpipe.runner.checkpoint import Progress, restore, save_run
+from giantpipe.runner.checkpoint import Progress, restore, save_run, seed_everything
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.finetune import load_initial_weights
 from giantpipe.runner.forecast import Forecast
@@ -54,7 +53,6 @@ from giantpipe.runner.rundir import (
     move_record_aside,
     resume_point,
 )
-from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.step import accumulate_gradients
 from giantpipe.runner.world import Request, StopSignals, World, open_world
 

@@ -15,9 +15,8 @@ import torch
 from giantpipe.config import ExperimentConfig, PipelineConfig
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint import Progress, restore, save_run
+from giantpipe.runner.checkpoint import Progress, restore, save_run, seed_everything
 from giantpipe.runner.loop import TrainingLoop
-from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from tests.unit.runner.test_runner_loop import tiny
 
