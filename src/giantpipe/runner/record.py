@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from giantpipe.config import ConfigError, ExperimentConfig
-from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.record import MetricsLogger
 from giantpipe.metrics.sinks import format_table, truncate_after_step, write_summary
 from giantpipe.runner.rundir import save_config
 

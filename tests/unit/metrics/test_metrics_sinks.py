@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from giantpipe.config import LoggerConfig
-from giantpipe.metrics.logger import MetricsLogger
-from giantpipe.metrics.record import StepRecord, Window
+from giantpipe.metrics.record import MetricsLogger, StepRecord, Window
 from giantpipe.metrics.sinks import (
     JsonlSink,
     format_table,
