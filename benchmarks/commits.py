@@ -84,6 +84,8 @@ def worker(rank, rendezvous, out):
     if rank == 0:
         with open(out, "w") as f:
             f.write(str(seconds))
+    if hasattr(pipe, "release"):  # revisions that have it: no request outlives the groups
+        pipe.release()
     dist.destroy_process_group()
 
 def distributed():
