@@ -29,8 +29,8 @@ NaN (sweepers such as Optuna mark the trial failed) and the other jobs go on. A 
 leaves the disk as it was: the run directory Hydra made for the job (and its empty log) goes.
 
 A run stopped by a signal exits with a documented status after saving: SIGTERM (a cluster
-preempting the job) 143, Ctrl-C 130 (a second Ctrl-C stops at once, also 130); the remaining
-jobs of a multirun are not started.
+preempting the job) 143, SIGHUP (the terminal or SSH session went away) 129, Ctrl-C 130 (a
+second Ctrl-C stops at once, also 130); the remaining jobs of a multirun are not started.
 
 Under torchrun (``pipeline.executor=distributed``) every rank composes the config, but only
 rank 0 keeps Hydra's run directory and log file: the other ranks log warnings to stderr and
@@ -79,6 +79,10 @@ PREEMPTED_EXIT = 143
 """Exit status of a run SIGTERM stopped after saving (128 + 15, what shells report for it)."""
 INTERRUPTED_EXIT = 130
 """Exit status of a run Ctrl-C stopped (128 + 2)."""
+HANGUP_EXIT = 129
+"""Exit status of a run SIGHUP stopped after saving (128 + 1)."""
+STOP_EXITS = {"preempted": PREEMPTED_EXIT, "hangup": HANGUP_EXIT, "interrupted": INTERRUPTED_EXIT}
+"""The summary status of a run a signal stopped -> its exit status."""
 STOPPED: list[tuple[int, str]] = []
 """(exit status, line) of a run a signal stopped; :func:`guarded` exits with it."""
 STARTED = time.time()
@@ -268,9 +272,9 @@ def run_job(cfg: DictConfig) -> float:
 def _stopped(summary: dict[str, object], run_dir: Path) -> bool:
     """Records a run a signal stopped (after it saved), for :func:`guarded`'s exit status."""
     status = summary.get("status")
-    if status not in ("preempted", "interrupted"):
+    if status not in STOP_EXITS:
         return False
-    code = PREEMPTED_EXIT if status == "preempted" else INTERRUPTED_EXIT
+    code = STOP_EXITS[str(status)]
     line = (
         f"{status} at step {summary.get('steps')}: saved {run_dir / 'last'}; continue with "
         f"trainer.resume=true hydra.run.dir={run_dir}"
@@ -415,7 +419,7 @@ def _missing_option(err: MissingConfigException) -> str:
 
 def guarded(main: Callable[[], None], conf_dir: Path) -> None:
     """Register the schemas of ``conf_dir`` and run a ``@hydra.main`` function; report failures
-    as one line each and exit non-zero (143 / 130 for a run a signal stopped)."""
+    as one line each and exit non-zero (143 / 129 / 130 for a run a signal stopped)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         os.environ["GIANTPIPE_FULL_ERROR"] = "1"  # the user wants tracebacks: keep them
     else:

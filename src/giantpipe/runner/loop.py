@@ -90,7 +90,8 @@ class TrainingLoop:
         self.forecast = Forecast(world) if cfg.trainer.predict else None
         """trainer.predict: the simulator's forecast after the first step, and the measurements."""
         self.stopped: str | None = None
-        """Why the loop stopped early: ``preempted`` (SIGTERM) or ``interrupted`` (Ctrl-C)."""
+        """Why the loop stopped early: ``preempted`` (SIGTERM), ``hangup`` (SIGHUP) or
+        ``interrupted`` (Ctrl-C)."""
         self.skipped_steps = 0
         """fp16: optimizer steps the gradient scaler skipped (overflowed gradients), counted
         from this process's start (a resumed run counts from the resume)."""
