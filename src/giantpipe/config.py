@@ -401,8 +401,8 @@ class TrainerConfig:
     Under torchrun: after the second step, from every rank's timings of it."""
     save_signal: str | None = None
     """A signal that saves a checkpoint at the next step boundary and goes on, e.g. ``SIGUSR1``
-    (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), Ctrl-C stops
-    (exit 130)."""
+    (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), SIGHUP (a dropped
+    terminal) too (exit 129) unless it is the save signal, Ctrl-C stops (exit 130)."""
     overwrite: bool = False
     """A fresh run into a directory holding another run's record (metrics, summary) but no
     checkpoint: true moves that record aside (``replaced-N/``) and starts over; false refuses."""
