@@ -70,7 +70,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from giantpipe.config import RENAMED_KEYS, ConfigError, ExperimentConfig
+from giantpipe.config import RENAMED_KEYS, ConfigError, ExperimentConfig, check_finite
 
 log = logging.getLogger("giantpipe")
 
@@ -175,6 +175,10 @@ def to_experiment(cfg: DictConfig) -> ExperimentConfig:
     for old, new in RENAMED_KEYS.items():  # added with +KEY=..., which the schemas let through
         if OmegaConf.select(cfg, old, default=None) is not None:
             raise ConfigError(old, f"renamed to {new}")
+    for group in OPTION_GROUPS:  # their schemas live beside the builders and check no nan
+        node = cfg.get(group)
+        if isinstance(node, DictConfig):
+            check_finite(OmegaConf.to_container(node, resolve=False), group)
     try:
         experiment = OmegaConf.to_object(cfg)
     except ConfigError:
