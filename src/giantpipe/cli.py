@@ -257,7 +257,7 @@ def run_job(cfg: DictConfig) -> float:
         overrides = " ".join(hydra_cfg.overrides.task) or "(none)"
         # The resolved config, headed by the command line that produced it.
         config_yaml = f"# overrides: {overrides}\n" + OmegaConf.to_yaml(cfg, resolve=True)
-        summary = train(experiment, run_dir, config_yaml)
+        summary = train(experiment, run_dir, config_yaml, derived_keys(cfg))
         if _stopped(summary, run_dir):
             return math.nan
         if experiment.sweep.objective not in summary:  # a distributed run's rank > 0
@@ -271,6 +271,32 @@ def run_job(cfg: DictConfig) -> float:
             raise
         FAILURES.append(_failure_line(err, run_dir, hydra_cfg, multirun))
         return math.nan
+
+
+def derived_keys(cfg: DictConfig) -> list[str]:
+    """The keys of the ``model`` and ``data`` groups that an interpolation sets (e.g.
+    ``model.in_features: ${data.features}``): a resume compares their sources, not them.
+
+    Example::
+
+        derived_keys(cfg)     # ["model.classes", "model.in_features"] for recipe=mlp_quickstart
+    """
+    found = []
+    for group in OPTION_GROUPS:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig):
+            found += _interpolated(node, group)
+    return found
+
+
+def _interpolated(node: DictConfig, prefix: str) -> list[str]:
+    found = []
+    for key in map(str, node.keys()):
+        if OmegaConf.is_interpolation(node, key):
+            found.append(f"{prefix}.{key}")
+        elif isinstance(child := node._get_node(key), DictConfig):
+            found += _interpolated(child, f"{prefix}.{key}")
+    return found
 
 
 def _stopped(summary: dict[str, object], run_dir: Path) -> bool:
