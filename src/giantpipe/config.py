@@ -379,6 +379,10 @@ class TrainerConfig:
     """Also keep ``step_N.pt`` every N steps (0: only ``last.pt``)."""
     save_last: bool = True
     """Write ``last.pt`` at every evaluation and at the end."""
+    async_save: bool = False
+    """Write checkpoints in a background thread: the step waits only for the copy of the state
+    to host memory; the next save, and the end of the run, wait for the write (whose failure
+    is reported there)."""
     resume: Any = False
     """false; true (``last/`` in the run directory); or a path to a checkpoint (a directory, or
     a ``.pt`` file of the earlier format)."""

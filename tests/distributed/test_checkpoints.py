@@ -71,7 +71,7 @@ def test_consolidate_reports_a_missing_manifest(tmp_path: Path, capsys) -> None:
 
 def test_load_names_what_is_missing(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(
-        json.dumps({"format": shards.FORMAT, "step": 0, "shards": []})
+        json.dumps({"format": shards.OLD_FORMAT, "step": 0, "shards": []})
     )
     with pytest.raises(KeyError, match=r"0\.weight"):
         shards.load(tmp_path, ["0.weight"])

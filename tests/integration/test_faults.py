@@ -316,17 +316,21 @@ def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monk
     from tests.unit.runner.test_runner_loop import tiny
 
     saves = {"n": 0}
-    real = torch.save
+    real, real_save = torch.save, shards.save_collective
+
+    def counted_save(*args, **kwargs):
+        saves["n"] += 1
+        return real_save(*args, **kwargs)
 
     def failing_save(obj, handle, *args, **kwargs):
-        saves["n"] += 1
-        if saves["n"] > 4:  # the third checkpoint (two files each) hits a full disk
+        if saves["n"] > 2:  # the third checkpoint hits a full disk
             raise RuntimeError(
                 "[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
                 "failed writing file data/0: file write failed"
             )
         return real(obj, handle, *args, **kwargs)
 
+    monkeypatch.setattr(shards, "save_collective", counted_save)
     monkeypatch.setattr(shards.torch, "save", failing_save)
     monkeypatch.setattr(shards.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 0))
     with pytest.raises(CheckpointWriteError) as info:
