@@ -228,10 +228,16 @@ def split_optimizer(
 
 
 def stage(
-    parts: Experiment, progress: Progress, world: World, copy_out: bool, about: dict[str, Any]
+    parts: Experiment,
+    progress: Progress,
+    world: World,
+    about: dict[str, Any],
+    buffers: dict[str, Tensor] | None = None,
+    copied: dict[str, Tensor] | None = None,
 ) -> Staged:
-    """Collective (the save's name comes from rank 0): what this process saves. ``copy_out``:
-    copy every tensor to host memory (the step may change the live ones during the write)."""
+    """Collective (the save's name comes from rank 0): what this process saves. ``buffers``:
+    copy every tensor into these host buffers (the step may change the live ones during the
+    write); ``copied``: such a copy made earlier in the same step (only a step changes them)."""
     pipe, place = parts.pipe, place_of(parts.pipe)
     token = world.from_rank0(shards.new_token(progress.step))
     leader = place.replica == 0  # replicas hold the same weights, optimizer state and EMA
@@ -255,11 +261,14 @@ def stage(
         # fp16: the loss scale and its growth count, the same on every rank (one verdict)
         "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
     }
-    if copy_out:
-        tensors = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
-        state = copy.deepcopy(state)
+    if copied is not None:
+        tensors = copied
+    elif buffers is not None:
+        tensors = copy_to_host(tensors, buffers)
     else:
         tensors = {k: t.detach().cpu() for k, t in tensors.items()}
+    if buffers is not None or copied is not None:
+        state = copy.deepcopy(state)
     commit_as = None
     if world.rank == 0:
         commit_as = (_layout(pipe, place, progress.step), _run_entry(parts, progress, world, token))
@@ -291,6 +300,25 @@ def _run_entry(parts: Experiment, progress: Progress, world: World, token: str) 
     }
 
 
+def copy_to_host(tensors: dict[str, Tensor], buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` copied into ``buffers`` (host memory, kept from save to save: a fresh 1 GiB
+    costs the kernel a quarter of a million page faults every time, here slower than the copy;
+    pinned for a GPU's tensors, so the copies run asynchronously and at full speed)."""
+    copies = {}
+    for name, tensor in tensors.items():
+        buffer = buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buffers[name] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        copies[name] = buffer
+    for name in set(buffers) - set(tensors):
+        del buffers[name]
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()  # the copies are done before the step changes the tensors
+    return copies
+
+
 def write_staged(staged: Staged, directory: Path, group: Any) -> None:
     """Collective over ``group`` (None: one process): writes ``staged`` into ``directory``
     and commits it there (rank 0)."""
@@ -316,7 +344,7 @@ def save_run(
 ) -> None:
     """Collective: every rank writes its run state, replica 0 its tensors; rank 0 commits.
     ``about``: what the manifest says of the model (:func:`model_record`)."""
-    staged = stage(parts, progress, world, False, about or {})
+    staged = stage(parts, progress, world, about or {})
     write_staged(staged, directory, host_group(parts.pipe, world))
 
 
@@ -335,12 +363,14 @@ class BackgroundSaveError(RuntimeError):
 class CheckpointWriter:
     """Saves a run's checkpoints, in the step or (``asynchronous``) in a background thread.
 
-    Asynchronous: the step waits only for the copy of the state to host memory; a thread
-    writes the files and commits them, while training goes on. Our own thread rather than
+    Asynchronous: the step waits only for the copy of the state to host memory (buffers kept
+    for the run: one more copy of the state in host memory); a thread writes the files and
+    commits them, while training goes on. Our own thread rather than
     ``dcp.async_save``: the commit (hashing every file, then the manifest) must follow the
     write in the background too, and one code path then serves both modes. Saves of the same
-    step (``step_N/`` then ``last/``) share one copy; a save of another step, and
-    :meth:`wait`, wait for the previous one and raise its failure (BackgroundSaveError).
+    step (``step_N/`` then ``last/``) share one copy of the tensors and queue behind it; a
+    save of another step, and :meth:`wait`, wait for the previous ones and raise their
+    failure (BackgroundSaveError).
     Under torchrun the thread's collectives run on a gloo group of their own, so they never
     mix with the step's.
 
@@ -361,6 +391,8 @@ class CheckpointWriter:
         self.on_commit = on_commit or (lambda directory, step: None)
         self._job: _Job | None = None
         self._group: Any = None
+        self._buffers: dict[str, Tensor] = {}
+        """Host copies of the tensors, reused by every asynchronous save of the run."""
 
     def save(
         self,
@@ -370,17 +402,19 @@ class CheckpointWriter:
         about: dict[str, Any] | None = None,
     ) -> None:
         """Saves ``parts`` at ``progress`` into ``directory`` (collective)."""
-        if self._job is not None and self._job.staged.step == progress.step:
-            self._job.add(directory)  # the same state: written from the same copy
+        job, about = self._job, about or {}
+        if job is not None and job.step == progress.step:  # the same tensors: the same copy
+            job.add(directory, stage(parts, progress, self.world, about, copied=job.tensors))
             return
         self.wait()
-        staged = stage(parts, progress, self.world, self.asynchronous, about or {})
+        buffers = self._buffers if self.asynchronous else None
+        staged = stage(parts, progress, self.world, about, buffers)
         if not self.asynchronous:
             write_staged(staged, directory, host_group(parts.pipe, self.world))
             self.on_commit(directory, progress.step)
             return
         self._job = _Job(staged, self._background_group(parts.pipe), self.on_commit)
-        self._job.add(directory)
+        self._job.add(directory, staged)
         self._job.start()
 
     def wait(self) -> None:
@@ -391,7 +425,7 @@ class CheckpointWriter:
         job.close()
         job.join()
         if job.failure is not None:
-            failed, step = job.failed_at or Path("?"), job.staged.step
+            failed, step = job.failed_at or Path("?"), job.step
             if isinstance(job.failure, KeyboardInterrupt):
                 raise job.failure
             raise BackgroundSaveError(failed, step, job.failure) from job.failure
@@ -406,20 +440,21 @@ class CheckpointWriter:
 
 
 class _Job(threading.Thread):
-    """Writes one staged save into each directory handed to it, in order, until closed."""
+    """Writes the saves of one step handed to it, in order, until closed."""
 
     def __init__(self, staged: Staged, group: Any, on_commit: Callable[[Path, int], None]):
         super().__init__(name="giantpipe-checkpoint", daemon=True)  # Ctrl-C twice: stop at once
-        self.staged, self.group, self.on_commit = staged, group, on_commit
+        self.step, self.tensors = staged.step, staged.tensors
+        self.group, self.on_commit = group, on_commit
         self.failure: BaseException | None = None
         self.failed_at: Path | None = None
-        self._todo: list[Path] = []
+        self._todo: list[tuple[Path, Staged]] = []
         self._closed = False
         self._ready = threading.Condition()
 
-    def add(self, directory: Path) -> None:
+    def add(self, directory: Path, staged: Staged) -> None:
         with self._ready:
-            self._todo.append(directory)
+            self._todo.append((directory, staged))
             self._ready.notify()
 
     def close(self) -> None:
@@ -434,12 +469,12 @@ class _Job(threading.Thread):
                     self._ready.wait()
                 if not self._todo:
                     return
-                directory = self._todo.pop(0)
+                directory, staged = self._todo.pop(0)
             if self.failure is not None:
                 continue  # every rank failed the same save together: all skip the rest
             try:
-                write_staged(self.staged, directory, self.group)
-                self.on_commit(directory, self.staged.step)
+                write_staged(staged, directory, self.group)
+                self.on_commit(directory, self.step)
             except BaseException as err:  # noqa: BLE001 - reported by CheckpointWriter.wait
                 self.failure, self.failed_at = err, directory
 

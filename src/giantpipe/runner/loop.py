@@ -107,8 +107,11 @@ class TrainingLoop:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def kept(self) -> str:
-        """Which checkpoint holds the run's last good state, for error lines."""
+    def kept(self, wait: bool = True) -> str:
+        """Which checkpoint holds the run's last good state, for error lines; ``wait``: once
+        the save written in the background (trainer.async_save), if any, is committed."""
+        if wait:
+            self._finish_quietly()
         if self.last_good is None:
             return "no checkpoint was written"
         return f"last good checkpoint: {self.last_good[0]} (step {self.last_good[1]})"
@@ -331,7 +334,8 @@ class TrainingLoop:
                 self._steps(signals)
             except KeyboardInterrupt:  # the second Ctrl-C: no save, say where the run stands
                 step = self.progress.step + 1
-                raise KeyboardInterrupt(f"stopped at once in step {step}; {self.kept()}") from None
+                kept = self.kept(wait=False)
+                raise KeyboardInterrupt(f"stopped at once in step {step}; {kept}") from None
         if self.stopped is not None:
             return
         if self.forecast is not None and self.world.writes:

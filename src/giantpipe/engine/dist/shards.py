@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -45,7 +46,7 @@ import secrets
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 
 MANIFEST = "manifest.json"
 FORMAT = "giantpipe-shards/2"
@@ -223,7 +224,7 @@ def write_folder(
         files = write_folder(Path("ckpt/step000000100-3f9c2a"), pipe.state_dict(), {}, None)
     """
     folder.mkdir(parents=True, exist_ok=True)
-    writer = FileSystemWriter(folder, sync_files=True, thread_count=1, overwrite=False)
+    writer = _HashingWriter(folder)
     try:
         dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
     except CheckpointException as err:  # a BaseException holding every rank's failure
@@ -231,10 +232,68 @@ def write_folder(
     for name, obj in objects.items():
         atomic_save(obj, folder / name)
     rank = _rank(group)
-    mine = [p.name for p in sorted(folder.glob(f"__{rank}_*.distcp"))] + list(objects)
-    if rank == 0:
-        mine.append(".metadata")
-    return describe(folder, mine)
+    data = [p.name for p in sorted(folder.glob(f"__{rank}_*.distcp"))]
+    files: dict[str, dict[str, Any]] = {}
+    for name in data:
+        as_written = writer.fs.digest_of(folder / name)
+        if as_written is not None:
+            files[name] = as_written
+    small = list(objects) + ([".metadata"] if rank == 0 else [])
+    files.update(describe(folder, [n for n in data + small if n not in files]))
+    return files
+
+
+class _HashingStream:
+    """A file DCP writes to, hashing every byte on its way to the file."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw, self.digest, self.count = raw, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        written: int = self._raw.write(data)
+        view = memoryview(data)
+        self.digest.update(view)
+        self.count += view.nbytes
+        return written
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
+        return getattr(self._raw, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local files, hashed as written: a checkpoint's bytes are never read back to be
+    hashed (a 3 GiB save: about 1.5 s fewer; see benchmarks/checkpoint_save.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, _HashingStream] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            self.written[str(path)] = hashing
+            yield hashing
+
+    def digest_of(self, path: Path) -> dict[str, Any] | None:
+        """The size and hash of ``path`` as written, or None where the bytes that went through
+        the stream are not the file's (then it is read back and hashed)."""
+        hashing = self.written.get(str(path))
+        size = path.stat().st_size
+        if hashing is None or hashing.count != size:
+            return None
+        return {"bytes": size, "sha256": hashing.digest.hexdigest()}
+
+
+class _HashingWriter(FileSystemWriter):
+    """DCP's file writer (fsync on, one file per rank, never over an earlier save), hashing."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder, sync_files=True, thread_count=1, overwrite=False)
+        self.fs: _HashingFileSystem = _HashingFileSystem()
 
 
 def _cause(err: CheckpointException, folder: Path) -> BaseException:
