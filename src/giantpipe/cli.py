@@ -29,8 +29,8 @@ NaN (sweepers such as Optuna mark the trial failed) and the other jobs go on. A 
 leaves the disk as it was: the run directory Hydra made for the job (and its empty log) goes.
 
 A run stopped by a signal exits with a documented status after saving: SIGTERM (a cluster
-preempting the job) 143, Ctrl-C 130 (a second Ctrl-C stops at once, also 130); the remaining
-jobs of a multirun are not started.
+preempting the job) 143, SIGHUP (the terminal or SSH session went away) 129, Ctrl-C 130 (a
+second Ctrl-C stops at once, also 130); the remaining jobs of a multirun are not started.
 
 Under torchrun (``pipeline.executor=distributed``) every rank composes the config, but only
 rank 0 keeps Hydra's run directory and log file: the other ranks log warnings to stderr and
@@ -70,7 +70,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from giantpipe.config import RENAMED_KEYS, ConfigError, ExperimentConfig
+from giantpipe.config import RENAMED_KEYS, ConfigError, ExperimentConfig, check_finite
 
 log = logging.getLogger("giantpipe")
 
@@ -79,6 +79,10 @@ PREEMPTED_EXIT = 143
 """Exit status of a run SIGTERM stopped after saving (128 + 15, what shells report for it)."""
 INTERRUPTED_EXIT = 130
 """Exit status of a run Ctrl-C stopped (128 + 2)."""
+HANGUP_EXIT = 129
+"""Exit status of a run SIGHUP stopped after saving (128 + 1)."""
+STOP_EXITS = {"preempted": PREEMPTED_EXIT, "hangup": HANGUP_EXIT, "interrupted": INTERRUPTED_EXIT}
+"""The summary status of a run a signal stopped -> its exit status."""
 STOPPED: list[tuple[int, str]] = []
 """(exit status, line) of a run a signal stopped; :func:`guarded` exits with it."""
 STARTED = time.time()
@@ -171,6 +175,10 @@ def to_experiment(cfg: DictConfig) -> ExperimentConfig:
     for old, new in RENAMED_KEYS.items():  # added with +KEY=..., which the schemas let through
         if OmegaConf.select(cfg, old, default=None) is not None:
             raise ConfigError(old, f"renamed to {new}")
+    for group in OPTION_GROUPS:  # their schemas live beside the builders and check no nan
+        node = cfg.get(group)
+        if isinstance(node, DictConfig):
+            check_finite(OmegaConf.to_container(node, resolve=False), group)
     try:
         experiment = OmegaConf.to_object(cfg)
     except ConfigError:
@@ -249,7 +257,7 @@ def run_job(cfg: DictConfig) -> float:
         overrides = " ".join(hydra_cfg.overrides.task) or "(none)"
         # The resolved config, headed by the command line that produced it.
         config_yaml = f"# overrides: {overrides}\n" + OmegaConf.to_yaml(cfg, resolve=True)
-        summary = train(experiment, run_dir, config_yaml)
+        summary = train(experiment, run_dir, config_yaml, derived_keys(cfg))
         if _stopped(summary, run_dir):
             return math.nan
         if experiment.sweep.objective not in summary:  # a distributed run's rank > 0
@@ -265,12 +273,38 @@ def run_job(cfg: DictConfig) -> float:
         return math.nan
 
 
+def derived_keys(cfg: DictConfig) -> list[str]:
+    """The keys of the ``model`` and ``data`` groups that an interpolation sets (e.g.
+    ``model.in_features: ${data.features}``): a resume compares their sources, not them.
+
+    Example::
+
+        derived_keys(cfg)     # ["model.classes", "model.in_features"] for recipe=mlp_quickstart
+    """
+    found = []
+    for group in OPTION_GROUPS:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig):
+            found += _interpolated(node, group)
+    return found
+
+
+def _interpolated(node: DictConfig, prefix: str) -> list[str]:
+    found = []
+    for key in map(str, node.keys()):
+        if OmegaConf.is_interpolation(node, key):
+            found.append(f"{prefix}.{key}")
+        elif isinstance(child := node._get_node(key), DictConfig):
+            found += _interpolated(child, f"{prefix}.{key}")
+    return found
+
+
 def _stopped(summary: dict[str, object], run_dir: Path) -> bool:
     """Records a run a signal stopped (after it saved), for :func:`guarded`'s exit status."""
     status = summary.get("status")
-    if status not in ("preempted", "interrupted"):
+    if status not in STOP_EXITS:
         return False
-    code = PREEMPTED_EXIT if status == "preempted" else INTERRUPTED_EXIT
+    code = STOP_EXITS[str(status)]
     line = (
         f"{status} at step {summary.get('steps')}: saved {run_dir / 'last'}; continue with "
         f"trainer.resume=true hydra.run.dir={run_dir}"
@@ -415,7 +449,7 @@ def _missing_option(err: MissingConfigException) -> str:
 
 def guarded(main: Callable[[], None], conf_dir: Path) -> None:
     """Register the schemas of ``conf_dir`` and run a ``@hydra.main`` function; report failures
-    as one line each and exit non-zero (143 / 130 for a run a signal stopped)."""
+    as one line each and exit non-zero (143 / 129 / 130 for a run a signal stopped)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         os.environ["GIANTPIPE_FULL_ERROR"] = "1"  # the user wants tracebacks: keep them
     else:

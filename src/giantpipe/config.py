@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,15 @@ SAVE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGCONT")
 MAX_CHUNKS = 2**20
 """More micro-batches than this is a typo, not a plan: refused before a schedule is built."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest ``pipeline.timeout``, for both executors: a wait longer than a week is a typo
+(and past ``threading.TIMEOUT_MAX`` a worker thread could not even wait that long)."""
+RESUME_AUTO = "auto"
+"""``trainer.resume=auto``: resume where a checkpoint exists, start where none, skip a finished
+run (see giantpipe.runner.rundir.resume_point)."""
+RESUME_CHECKED = ("trainer.seed", "model", "data")
+"""What a resume may not change unless ``trainer.resume_changed`` says the change is meant: the
+seed of the batch order, and every key of the model and the data (see
+giantpipe.runner.rundir.check_resumed_config)."""
 
 RENAMED_KEYS = {
     "pipeline.checkpoint": "pipeline.recompute",
@@ -81,6 +92,37 @@ def check_min(value: float, low: float, key: str) -> None:
 
 
 FP32_MAX = 3.4028234663852886e38
+
+
+def check_finite(value: Any, key: str) -> None:
+    """Every float in ``value`` (a number, or lists and mappings of them) is finite: ``nan`` and
+    ``inf`` are never a setting, and any other check would refuse them for the wrong reason.
+
+    Example::
+
+        check_finite(float("nan"), "optim.weight_decay")
+        # ConfigError: optim.weight_decay: must be a finite number, got nan
+    """
+    if isinstance(value, float):
+        check(math.isfinite(value), key, f"must be a finite number, got {value}")
+    elif isinstance(value, list | tuple):
+        for item in value:
+            check(
+                not isinstance(item, float) or math.isfinite(item),
+                key,
+                f"must hold finite numbers, got {list(value)}",
+            )
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            check_finite(item, f"{key}.{name}" if key else str(name))
+
+
+def check_fields_finite(schema: Any, group: str) -> None:
+    """:func:`check_finite` on every field of a config dataclass (nested ones have their own)."""
+    for item in dataclasses.fields(schema):
+        value = getattr(schema, item.name)
+        if not dataclasses.is_dataclass(value):
+            check_finite(value, f"{group}.{item.name}")
 
 
 def check_fp32(value: float, key: str) -> None:
@@ -184,6 +226,7 @@ class PipelineConfig:
     field name (e.g. logits); null: its only tensor."""
 
     def __post_init__(self) -> None:
+        check_fields_finite(self, "pipeline")
         check_min(self.chunks, 1, "pipeline.chunks")
         check(
             self.chunks <= MAX_CHUNKS,
@@ -251,11 +294,13 @@ class PipelineConfig:
     def _check_executor(self) -> None:
         check_choice(self.executor, EXECUTORS, "pipeline.executor")
         check(self.timeout > 0, "pipeline.timeout", f"must be > 0 seconds, got {self.timeout}")
+        # One cap for both executors: a worker thread cannot wait past threading.TIMEOUT_MAX
+        # (its first wait would die of an OverflowError), and a rank silent that long is named.
         check(
-            self.executor == "local" or self.timeout <= MAX_TIMEOUT_S,
+            self.timeout <= MAX_TIMEOUT_S,
             "pipeline.timeout",
-            f"must be at most {MAX_TIMEOUT_S:.0f} s (a week) under pipeline.executor=distributed, "
-            f"where a rank silent that long is named; got {self.timeout}",
+            f"must be at most {MAX_TIMEOUT_S:.0f} s (a week), how long a stage may wait for "
+            f"another before the step fails; got {self.timeout}",
         )
 
 
@@ -284,6 +329,7 @@ class LRScheduleConfig:
     """cosine: final lr as a fraction of optim.lr."""
 
     def __post_init__(self) -> None:
+        check_fields_finite(self, "optim.lr_schedule")
         check_choice(self.name, LR_SCHEDULES, "optim.lr_schedule.name")
         check_min(self.warmup_steps, 0, "optim.lr_schedule.warmup_steps")
         check_min(self.warmup_epochs, 0.0, "optim.lr_schedule.warmup_epochs")
@@ -336,6 +382,7 @@ class OptimConfig:
     """Learning-rate schedule (``pipeline.schedule`` is the pipeline's order of actions)."""
 
     def __post_init__(self) -> None:
+        check_fields_finite(self, "optim")
         check_choice(self.name, OPTIMIZERS, "optim.name")
         check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
         for key in ("lr", "weight_decay", "momentum", "eps"):
@@ -384,8 +431,15 @@ class TrainerConfig:
     to host memory; the next save, and the end of the run, wait for the write (whose failure
     is reported there)."""
     resume: Any = False
-    """false; true (``last/`` in the run directory); or a path to a checkpoint (a directory, or
-    a ``.pt`` file of the earlier format)."""
+    """false; true (``last/`` in the run directory); ``auto`` (resume where the run directory
+    holds a checkpoint, start where it holds none, skip a run that completed: one command
+    restarts a killed sweep); or a path to a checkpoint (a directory, or a ``.pt`` file of the
+    earlier format)."""
+    resume_changed: list[str] = field(default_factory=list)
+    """What a resume may change on purpose among the keys it checks against the saved run's
+    config (``trainer.seed`` and every ``model.*`` and ``data.*`` key), e.g. ``[trainer.seed]``,
+    ``[data.root]`` or a whole group, ``[data]``. Anything else (steps, evaluation, the LR
+    schedule's length, the pipeline's shape) may change freely."""
     seed: int = 0
     """Seeds python, numpy (if present) and torch, and the order of training batches."""
     grad_clip: float | None = None
@@ -405,13 +459,14 @@ class TrainerConfig:
     Under torchrun: after the second step, from every rank's timings of it."""
     save_signal: str | None = None
     """A signal that saves a checkpoint at the next step boundary and goes on, e.g. ``SIGUSR1``
-    (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), Ctrl-C stops
-    (exit 130)."""
+    (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), SIGHUP (a dropped
+    terminal) too (exit 129) unless it is the save signal, Ctrl-C stops (exit 130)."""
     overwrite: bool = False
     """A fresh run into a directory holding another run's record (metrics, summary) but no
     checkpoint: true moves that record aside (``replaced-N/``) and starts over; false refuses."""
 
     def __post_init__(self) -> None:
+        check_fields_finite(self, "trainer")
         check_optional_path(self.init_from, "trainer.init_from")
         check(
             (self.max_steps is None) != (self.max_epochs is None),
@@ -431,8 +486,9 @@ class TrainerConfig:
         check(
             isinstance(self.resume, bool | str) and self.resume != "",
             "trainer.resume",
-            f"must be true, false or a checkpoint path; got {self.resume!r}",
+            f"must be true, false, auto or a checkpoint path; got {self.resume!r}",
         )
+        self._check_resume_changed()
         if self.grad_clip is not None:
             check(self.grad_clip > 0, "trainer.grad_clip", f"must be > 0, got {self.grad_clip}")
         check(
@@ -453,6 +509,22 @@ class TrainerConfig:
         )
         if self.save_signal is not None:
             check_choice(self.save_signal, SAVE_SIGNALS, "trainer.save_signal")
+
+    def _check_resume_changed(self) -> None:
+        entries = self.resume_changed
+        check(
+            isinstance(entries, list | tuple) and all(isinstance(e, str) for e in entries),
+            "trainer.resume_changed",
+            f"must be a list of keys, e.g. [trainer.seed]; got {entries!r}",
+        )
+        for entry in entries:
+            checked = any(entry == k or entry.startswith(k + ".") for k in RESUME_CHECKED)
+            check(
+                checked,
+                "trainer.resume_changed",
+                f"{entry} is not checked on resume (only trainer.seed, model.* and data.* are); "
+                "other keys may change without it",
+            )
 
 
 # --------------------------------------------------------------------------- logger, sweep

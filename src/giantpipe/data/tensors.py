@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import pickle
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,11 +181,38 @@ class SyntheticDataConfig:
 
 
 def load_split(root: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Load ``root/split.pt``; a missing file is a ConfigError naming ``data.root``."""
+    """Load ``root/split.pt`` as data only (``weights_only``: tensors and plain values, nothing
+    that runs code); a missing, unreadable or unsafe file is a ConfigError naming ``data.root``
+    and the file.
+
+    Example::
+
+        load_split(Path("mydata"), "train")
+        # ConfigError: data.root: mydata/train.pt holds posix.system, which a data file of
+        # tensors never needs; refused without running it (...)
+    """
     path = root / f"{split}.pt"
     if not path.is_file():
         raise ConfigError("data.root", f"{path} not found (expected {split}.pt in {root})")
-    inputs, targets = torch.load(path, weights_only=True)
+    try:
+        loaded = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        unsafe = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if unsafe is None:
+            raise ConfigError("data.root", f"{path} is not a readable torch file") from err
+        raise ConfigError(
+            "data.root",
+            f"{path} holds {unsafe.group(1)}, which a data file of tensors never needs; refused "
+            "without running it (load it yourself only if you trust where it came from, and "
+            "save its tensors again: torch.save((inputs, targets), PATH))",
+        ) from err
+    except Exception as err:  # a truncated or foreign file: say which one, on one line
+        reason = " ".join(str(err).split())[:200]
+        raise ConfigError("data.root", f"{path} is not a readable torch file ({reason})") from err
+    pair = isinstance(loaded, tuple | list) and len(loaded) == 2
+    if not (pair and all(isinstance(t, Tensor) for t in loaded)):
+        raise ConfigError("data.root", f"{path} must hold a tuple (inputs, targets) of two tensors")
+    inputs, targets = loaded
     return inputs, targets
 
 

@@ -108,6 +108,8 @@ def note_failure(exc: BaseException, action: Action, device: Any) -> None:
         f"giantpipe: stage {action.stage} (device {device}) {verb} on micro-batch "
         f"{action.microbatch} ({_KINDS.get(action.kind, action.kind)})"
     )
+    # add_note is Python 3.11's (pyproject requires it): tracebacks print the note, on any
+    # exception type, and the exception stays the one the stage raised.
     if note not in getattr(exc, "__notes__", ()):  # an exception object raised again
         exc.add_note(note)
     exc._giantpipe_action = action  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,9 +55,12 @@ from giantpipe.runner.record import (
 from giantpipe.runner.rundir import (
     LAST,
     RunLock,
+    check_resumed_config,
     check_writable,
     clean_interrupted_saves,
+    finished_run,
     move_record_aside,
+    moves_record_aside,
     resume_point,
 )
 from giantpipe.runner.step import accumulate_gradients
@@ -97,7 +100,8 @@ class TrainingLoop:
         self.forecast = Forecast(world) if cfg.trainer.predict else None
         """trainer.predict: the simulator's forecast after the first step, and the measurements."""
         self.stopped: str | None = None
-        """Why the loop stopped early: ``preempted`` (SIGTERM) or ``interrupted`` (Ctrl-C)."""
+        """Why the loop stopped early: ``preempted`` (SIGTERM), ``hangup`` (SIGHUP) or
+        ``interrupted`` (Ctrl-C)."""
         self.skipped_steps = 0
         """fp16: optimizer steps the gradient scaler skipped (overflowed gradients), counted
         from this process's start (a resumed run counts from the resume)."""
@@ -425,25 +429,35 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
     return summary
 
 
-def train(cfg: ExperimentConfig, run_dir: Path, config_yaml: str) -> dict[str, Any]:
+def train(
+    cfg: ExperimentConfig, run_dir: Path, config_yaml: str, derived: Collection[str] = ()
+) -> dict[str, Any]:
     """Check, build, (resume,) train, evaluate, and write the summary; return it (on every
     process under torchrun: rank 0's).
 
     Nothing in ``run_dir`` is written until the config, the data, the model, the balance and any
-    checkpoint to resume from have all been checked (on every rank).
+    checkpoint to resume from have all been checked (on every rank). ``derived``: the keys of
+    ``config_yaml`` an interpolation sets, which a resume does not compare (see
+    giantpipe.runner.rundir.check_resumed_config).
     """
     start = time.perf_counter()
     world = open_world(cfg.pipeline)
     try:
-        return _train(cfg, world.from_rank0(run_dir), config_yaml, world, start)
+        return _train(cfg, world.from_rank0(run_dir), config_yaml, world, start, derived)
     finally:
         world.close()
 
 
 def _train(
-    cfg: ExperimentConfig, run_dir: Path, config_yaml: str, world: World, start: float
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    config_yaml: str,
+    world: World,
+    start: float,
+    derived: Collection[str],
 ) -> dict[str, Any]:
     lock = RunLock(run_dir)
+    trainer = cfg.trainer
 
     def claim() -> None:  # one run per directory, whatever else it holds
         if world.writes:
@@ -452,10 +466,11 @@ def _train(
 
     world.agree(claim)
     try:
-        resume_from = world.agree(
-            lambda: resume_point(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
-        )
-        return _checked(cfg, run_dir, config_yaml, world, start, resume_from)
+        done = world.writes and finished_run(trainer.resume, run_dir, trainer.max_steps)
+        if world.from_rank0(done):  # trainer.resume=auto: a completed run, left as it is
+            return world.from_rank0(_finished(run_dir) if world.writes else {})
+        resume_from = world.agree(lambda: resume_point(trainer.resume, run_dir, trainer.overwrite))
+        return _checked(cfg, run_dir, config_yaml, world, start, resume_from, derived)
     finally:
         if world.writes:
             lock.release()
@@ -468,6 +483,7 @@ def _checked(
     world: World,
     start: float,
     resume_from: Path | None,
+    derived: Collection[str] = (),
 ) -> dict[str, Any]:
     """Builds, restores, checks what is left to check, then runs and records the run."""
     seed_everything(cfg.trainer.seed)  # then data, then model: every rank in the same order
@@ -484,11 +500,23 @@ def _checked(
     progress = world.agree(restore_or_start)
     if resume_from is not None and progress.step >= parts.total_steps:
         return _complete(run_dir, progress.step, parts.total_steps)
-    if world.writes:  # only once what the run resumes from has been read
+    if resume_from is not None:  # the same run goes on: its seed, model and data stay
+        allowed = cfg.trainer.resume_changed
+        world.agree(
+            lambda: (
+                check_resumed_config(resume_from, progress.step, config_yaml, allowed, derived)
+                if world.writes
+                else None
+            )
+        )
+    if world.writes:  # only once what the run resumes from has been read and accepted
         clean_interrupted_saves(run_dir)
     world.agree(lambda: check_objective(cfg, parts))
     # -- checked: from here on the run writes into run_dir -----------------------------------
-    if world.writes and resume_from is None and cfg.trainer.overwrite:
+    aside = resume_from is None and moves_record_aside(
+        cfg.trainer.resume, run_dir, cfg.trainer.overwrite
+    )
+    if world.writes and aside:
         move_record_aside(run_dir)
     metrics = _open(cfg, run_dir, config_yaml, parts, progress, resume_from is not None, world)
     last_good = (resume_from, progress.step) if resume_from is not None else None
@@ -516,6 +544,16 @@ def _complete(run_dir: Path, step: int, total: int) -> dict[str, Any]:
     )
     print(f"{run_dir}: the run is complete at step {step}; nothing was changed", flush=True)
     return read_summary(run_dir) or {"status": "completed", "steps": step}
+
+
+def _finished(run_dir: Path) -> dict[str, Any]:
+    """``trainer.resume=auto`` found a completed run: say so, change nothing, return its summary
+    (a sweep gets its objective back)."""
+    summary = read_summary(run_dir) or {"status": "completed"}
+    log.info("trainer.resume=auto: the run in %s is complete; skipped", run_dir)
+    steps = summary.get("steps")
+    print(f"{run_dir}: the run is complete at step {steps}; nothing was changed", flush=True)
+    return summary
 
 
 def _open(

@@ -6,7 +6,12 @@ Decided before anything is written:
   earlier format) or another run's record without one (``metrics.jsonl``, ``summary.json``;
   ``trainer.overwrite=true`` moves that record aside into ``replaced-N/`` instead);
 - a resume needs a checkpoint, and one from elsewhere may not replace the run this directory
-  holds;
+  holds; ``trainer.resume=auto`` resumes where there is one, starts where there is none (moving
+  an unfinished run's record aside) and skips a run that completed (:func:`finished_run`), so
+  one command restarts a killed sweep;
+- a resume continues the same run: :func:`check_resumed_config` refuses a changed
+  ``trainer.seed``, ``model.*`` or ``data.*`` (against the ``config.yaml`` the run saved) unless
+  ``trainer.resume_changed`` names the change;
 - one run at a time: :class:`RunLock` (``.giantpipe.lock``, the holder's PID, host and start)
   refuses a second run naming the holder, and takes over a lock whose process is gone.
 
@@ -31,9 +36,13 @@ import re
 import shutil
 import socket
 import time
+from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
-from giantpipe.config import ConfigError
+import yaml
+
+from giantpipe.config import RESUME_AUTO, RESUME_CHECKED, ConfigError
 from giantpipe.engine.dist.shards import MANIFEST, stale
 
 log = logging.getLogger(__name__)
@@ -72,6 +81,8 @@ def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> 
         resume_point(True, Path("outputs/2024-05-01/10-00-00"))   # .../last
     """
     held = held_checkpoint(run_dir)
+    if resume == RESUME_AUTO:  # a record without a checkpoint: see moves_record_aside
+        return held
     if resume is False:
         if held is not None:
             raise ConfigError(
@@ -105,6 +116,142 @@ def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> 
             "into a new directory",
         )
     return path
+
+
+def finished_run(resume: bool | str, run_dir: Path, max_steps: int | None) -> bool:
+    """``trainer.resume=auto``: whether ``run_dir`` holds a run that completed and has nothing
+    left to do (its summary says ``completed`` and either no checkpoint can continue it or it
+    reached ``trainer.max_steps``). Such a run is skipped, unchanged.
+
+    Example::
+
+        finished_run("auto", Path("outputs/multirun/2026-12-01/10-00-00/0"), 300)   # True
+    """
+    if resume != RESUME_AUTO:
+        return False
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(summary, dict) or summary.get("status") != "completed":
+        return False
+    steps = summary.get("steps")
+    reached = max_steps is not None and isinstance(steps, int) and steps >= max_steps
+    return reached or held_checkpoint(run_dir) is None
+
+
+def moves_record_aside(resume: bool | str, run_dir: Path, overwrite: bool) -> bool:
+    """Whether a fresh start first moves another run's record aside (``replaced-N/``):
+    ``trainer.overwrite=true``, or ``trainer.resume=auto`` finding the record of a run that
+    never saved a checkpoint (nothing to resume; started over, nothing deleted)."""
+    found = any((run_dir / name).exists() for name in RECORD)
+    return overwrite or (resume == RESUME_AUTO and found)
+
+
+# -- a resume continues the same run ------------------------------------------------------------
+
+
+def saved_config(checkpoint: Path, step: int) -> Path | None:
+    """The config the run holding ``checkpoint`` was last started with at or before ``step``:
+    its ``config.yaml`` or the latest ``config.resume_S.yaml`` with ``S <= step``."""
+    folder = checkpoint.parent
+    found: dict[int, Path] = {}
+    if (folder / "config.yaml").is_file():
+        found[0] = folder / "config.yaml"
+    for path in folder.glob("config.resume_*.yaml"):
+        match = re.fullmatch(r"config\.resume_(\d+)\.yaml", path.name)
+        if match is not None and int(match.group(1)) <= step:
+            found[int(match.group(1))] = path
+    return found[max(found)] if found else None
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _within(key: str, prefixes: Collection[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def changed_keys(
+    saved: dict[str, Any], now: dict[str, Any], derived: Collection[str] = ()
+) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, value now) for every checked key that differs (see
+    ``giantpipe.config.RESUME_CHECKED``); ``derived`` keys (set by an interpolation such as
+    ``model.in_features: ${data.features}``) follow their source and are not compared.
+
+    Example::
+
+        changed_keys({"trainer": {"seed": 0}}, {"trainer": {"seed": 1}})
+        # [("trainer.seed", 0, 1)]
+    """
+    before, after = _flat(saved), _flat(now)
+    absent = object()
+    keys = sorted(k for k in before.keys() | after.keys() if _within(k, RESUME_CHECKED))
+    return [
+        (k, before.get(k, absent), after.get(k, absent))
+        for k in keys
+        if k not in derived and before.get(k, absent) != after.get(k, absent)
+    ]
+
+
+def _value(value: Any) -> str:
+    if not isinstance(value, str | int | float | bool | list | dict | None):
+        return "(absent)"
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_resumed_config(
+    checkpoint: Path,
+    step: int,
+    config_yaml: str,
+    allowed: Sequence[str] = (),
+    derived: Collection[str] = (),
+) -> None:
+    """Refuse a resume that would change what the run trains on: ``trainer.seed`` (the batch
+    order), any ``model.*`` or ``data.*`` key, compared with the config the run saved, unless
+    ``allowed`` (``trainer.resume_changed``) names the key or a group above it. One line names
+    the keys, the saved and the new values. A checkpoint without a saved config beside it (a
+    copied folder) is not checked.
+
+    Example::
+
+        check_resumed_config(run / "last", 40, new_yaml, allowed=["trainer.seed"])
+    """
+    path = saved_config(checkpoint, step)
+    if path is None:
+        log.info("no config.yaml beside %s: trainer.seed, model and data not compared", checkpoint)
+        return
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        reason = " ".join(str(err).split())[:160]
+        raise ConfigError(
+            KEY,
+            f"{path} is unreadable ({reason}), so the resume cannot be checked against the "
+            "run's config: repair it, or move it aside to resume unchecked",
+        ) from err
+    now = yaml.safe_load(config_yaml)
+    if not (isinstance(saved, dict) and isinstance(now, dict)):
+        return
+    changes = [c for c in changed_keys(saved, now, derived) if not _within(c[0], allowed)]
+    if not changes:
+        return
+    names = [key for key, _, _ in changes]
+    shown = ", ".join(f"{key} {_value(old)} -> {_value(new)}" for key, old, new in changes[:3])
+    more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+    raise ConfigError(
+        ", ".join(names[:3]) + (", ..." if more else ""),
+        f"changed from the run being resumed ({path}: {shown}{more}); a resume continues that "
+        f"run: set {'it' if len(names) == 1 else 'them'} back, or pass "
+        f"trainer.resume_changed=[{','.join(names)}] if the change is meant",
+    )
 
 
 def check_writable(run_dir: Path) -> None:

@@ -17,8 +17,9 @@ down, so no rank is left waiting on a dead one. Both are gloo groups: the runner
 Python objects and CPU tensors, which an NCCL group does not take.
 
 Stopping is agreed too. :class:`StopSignals` catches SIGTERM (a cluster preempting the job),
-Ctrl-C and ``trainer.save_signal`` between steps; :meth:`World.agree_stop` makes every rank see
-what any rank caught, so all stop (or save) after the same step. A second Ctrl-C stops at once.
+SIGHUP (the terminal or SSH session went away), Ctrl-C and ``trainer.save_signal`` between steps;
+:meth:`World.agree_stop` makes every rank see what any rank caught, so all stop (or save) after
+the same step. A second Ctrl-C stops at once.
 
 Example::
 
@@ -33,7 +34,7 @@ import datetime
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
@@ -154,9 +155,9 @@ class TorchrunWorld(World):
         dist.barrier(group=self._group)
 
     def agree_stop(self, caught: Request) -> Request:
-        flags = [caught.stop == "preempted", caught.stop == "interrupted", caught.save]
-        preempted, interrupted, save = self.sum([float(f) for f in flags])
-        kind = "preempted" if preempted else "interrupted" if interrupted else None
+        flags = [float(caught.stop == kind) for kind in STOPS] + [float(caught.save)]
+        *stops, save = self.sum(flags)
+        kind = next((k for k, n in zip(STOPS, stops, strict=True) if n), None)
         return Request(kind, bool(save))
 
     def bind(self, pipe: Any) -> None:
@@ -199,19 +200,26 @@ def open_world(cfg: PipelineConfig) -> World:
 # -- signals -----------------------------------------------------------------------------------
 
 
+STOPS = ("preempted", "hangup", "interrupted")
+"""What a signal that stops a run is called (its summary status): SIGTERM, SIGHUP, Ctrl-C, in
+the order that says which wins when the ranks (or one rank) caught several."""
+
+
 @dataclass(frozen=True)
 class Request:
     """What the signals caught ask for at the next step boundary."""
 
     stop: str | None = None
-    """``preempted`` (SIGTERM), ``interrupted`` (Ctrl-C) or None."""
+    """``preempted`` (SIGTERM), ``hangup`` (SIGHUP), ``interrupted`` (Ctrl-C) or None."""
     save: bool = False
     """``trainer.save_signal``: save a checkpoint and go on."""
 
 
 class StopSignals:
-    """Catches SIGTERM, SIGINT and the save signal while installed (main thread only), so the
-    loop can finish its step, save and stop (or save and go on); a second Ctrl-C stops at once.
+    """Catches SIGTERM, SIGHUP, SIGINT and the save signal while installed (main thread only), so
+    the loop can finish its step, save and stop (or save and go on); a second Ctrl-C stops at
+    once. SIGHUP stops like SIGTERM (a dropped SSH session must not lose the steps since the last
+    save), unless it is the save signal or the process ignores it (``nohup``: the run goes on).
 
     Example::
 
@@ -228,13 +236,19 @@ class StopSignals:
         self._stop: str | None = None
         self._save = False
         self._previous: dict[int, Any] = {}
+        self._terminals: list[int] = []
+        """stdout and stderr, where they are a terminal (known before it hangs up: after, the
+        test itself fails)."""
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            wanted = [signal.SIGTERM, signal.SIGINT]
-            wanted += [self.save_signal] if self.save_signal is not None else []
-            for signum in wanted:
+            wanted = {signal.SIGTERM, signal.SIGINT}
+            if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # under nohup: keep going
+                wanted.add(signal.SIGHUP)
+            wanted |= {self.save_signal} if self.save_signal is not None else set()
+            for signum in sorted(wanted):
                 self._previous[signum] = signal.signal(signum, self._catch)
+            self._terminals = [fd for fd in (1, 2) if os.isatty(fd)]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -243,18 +257,41 @@ class StopSignals:
         self._previous.clear()
 
     def _catch(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGTERM:
+        if signum == self.save_signal:
+            self._save = True
+        elif signum == signal.SIGTERM:
             if self.on_term is not None:
                 self.on_term()
             self._stop = "preempted"
+        elif signum == signal.SIGHUP:
+            leave_lost_terminal(self._terminals)  # before the step's next output fails (EIO)
+            self._stop = "preempted" if self._stop == "preempted" else "hangup"
         elif signum == signal.SIGINT:
             if self._stop == "interrupted":  # the second Ctrl-C: at once
                 raise KeyboardInterrupt
             self._stop = self._stop or "interrupted"
-        else:
-            self._save = True
 
     def take(self) -> Request:
         """What was caught since the last call (the stop stays: it is not undone)."""
         request, self._save = Request(self._stop, self._save), False
         return request
+
+
+def leave_lost_terminal(terminals: Sequence[int]) -> None:
+    """Points ``terminals`` (stdout and stderr where they were a terminal) at ``/dev/null``.
+
+    After SIGHUP the terminal is gone, and a write to it fails (EIO): the progress bar, the log
+    or the summary table would then fail the run after it saved. Output sent to a file or a pipe
+    (``> log``, a cluster's log) is not a terminal and is left alone; the run's own record
+    (``train.log``, ``metrics.jsonl``, ``summary.json``) is in its directory anyway.
+
+    Example::
+
+        leave_lost_terminal([fd for fd in (1, 2) if os.isatty(fd)])   # before the hang-up
+    """
+    if not terminals:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in terminals:
+        os.dup2(null, fd)
+    os.close(null)
