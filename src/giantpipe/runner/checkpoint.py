@@ -509,8 +509,11 @@ def hf_config(spec: Any, model: nn.Module | None) -> dict[str, Any] | None:
         return None
     if isinstance(model, nn.Sequential) and not hasattr(model, "original_names"):
         return None
-    with _generators_kept(), torch.device("meta"):
-        built = build_from_target(spec, "model")
+    try:
+        with _generators_kept(), torch.device("meta"):
+            built = build_from_target(spec, "model")
+    except Exception:  # noqa: BLE001 - a builder that needs real memory: no export as hf
+        return None
     config: Any = getattr(built, "config", None)
     if not hasattr(config, "to_json_string") or not hasattr(built, "save_pretrained"):
         return None
