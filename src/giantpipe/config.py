@@ -426,6 +426,10 @@ class TrainerConfig:
     """Also keep ``step_N.pt`` every N steps (0: only ``last.pt``)."""
     save_last: bool = True
     """Write ``last.pt`` at every evaluation and at the end."""
+    async_save: bool = False
+    """Write checkpoints in a background thread: the step waits only for the copy of the state
+    to host memory; the next save, and the end of the run, wait for the write (whose failure
+    is reported there)."""
     resume: Any = False
     """false; true (``last/`` in the run directory); ``auto`` (resume where the run directory
     holds a checkpoint, start where it holds none, skip a run that completed: one command

@@ -107,5 +107,5 @@ def runner_fp16(tmp: Path, steps: int) -> dict[str, Any]:
     with mock.patch.object(dist, "destroy_process_group", lambda *_, **__: None):
         summary = train(cfg, tmp / "run", "")
     last = tmp / "run" / "last"
-    saved = [safe_load(path)["grad_scaler"] for path in sorted(last.glob("state-*.pt"))]
+    saved = [safe_load(path)["grad_scaler"] for path in sorted(last.rglob("state-*.pt"))]
     return {"summary": summary, "saved": saved, "step": read_checkpoint(last)["step"]}

@@ -1,4 +1,5 @@
-"""Checkpoints by un-partitioned names: resume under another K, consolidate for the plain model."""
+"""Checkpoints by un-partitioned names: resume under another K, consolidate for the plain model,
+save in the background under the distributed executor."""
 
 from __future__ import annotations
 
@@ -71,7 +72,27 @@ def test_consolidate_reports_a_missing_manifest(tmp_path: Path, capsys) -> None:
 
 def test_load_names_what_is_missing(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(
-        json.dumps({"format": shards.FORMAT, "step": 0, "shards": []})
+        json.dumps({"format": shards.OLD_FORMAT, "step": 0, "shards": []})
     )
     with pytest.raises(KeyError, match=r"0\.weight"):
         shards.load(tmp_path, ["0.weight"])
+
+
+def test_async_saves_under_the_distributed_executor_resume_exactly(tmp_path: Path) -> None:
+    """trainer.async_save with two ranks: the background writes run their collectives on a
+    group of their own beside the steps', commit both ranks' files, and resume exactly."""
+    results = spawn(
+        "tests.distributed.checkpoint_workers:async_save_then_resume",
+        world=2,
+        tmp=tmp_path,
+        steps=4,
+    )
+    for result in results:
+        assert result["summary"]["status"] == result["again"]["status"] == "completed"
+    losses = results[0]["losses"]
+    assert len(losses["run"]) == 4 and losses["resumed"] == losses["run"][2:]
+    for name in ("step_2", "step_4", "last"):
+        manifest = json.loads((tmp_path / "run" / name / "manifest.json").read_text())
+        assert [s["rank"] for s in manifest["shards"]] == [0, 1], name
+        assert len(manifest["extra"]["state_files"]) == 2, name
+        assert manifest["step"] == (2 if name == "step_2" else 4), name

@@ -318,17 +318,21 @@ def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monk
     from tests.unit.runner.test_runner_loop import tiny
 
     saves = {"n": 0}
-    real = torch.save
+    real, real_save = torch.save, shards.save_collective
+
+    def counted_save(*args, **kwargs):
+        saves["n"] += 1
+        return real_save(*args, **kwargs)
 
     def failing_save(obj, handle, *args, **kwargs):
-        saves["n"] += 1
-        if saves["n"] > 4:  # the third checkpoint (two files each) hits a full disk
+        if saves["n"] > 2:  # the third checkpoint hits a full disk
             raise RuntimeError(
                 "[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
                 "failed writing file data/0: file write failed"
             )
         return real(obj, handle, *args, **kwargs)
 
+    monkeypatch.setattr(shards, "save_collective", counted_save)
     monkeypatch.setattr(shards.torch, "save", failing_save)
     monkeypatch.setattr(shards.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 0))
     with pytest.raises(CheckpointWriteError) as info:
@@ -354,3 +358,116 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_runs(tmp_path: 
     (line,) = errors(result)
     assert line.startswith("error: trainer.init_from:") and "never saves" in line
     assert not marker.exists()
+
+
+# -- checkpoints that are damaged, and files the run did not write (issue 22) -----------------
+
+QUICKSTART = ["recipe=mlp_quickstart"]
+
+
+def quickstart(cwd: Path, run_dir: str, *args: str) -> subprocess.CompletedProcess:
+    """``python train.py recipe=mlp_quickstart hydra.run.dir=RUN_DIR ARGS``, as a user types it."""
+    command = [sys.executable, str(REPO / "train.py"), *QUICKSTART, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(
+        [*command, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def consolidate(directory: Path, out: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "giantpipe.consolidate", str(directory), str(out)]
+    return subprocess.run(command, env=env(), capture_output=True, text=True, timeout=120)
+
+
+def test_a_damaged_manifest_is_refused_and_nothing_is_removed(tmp_path: Path) -> None:
+    """Found item 1: `R trainer.max_steps=40`, one character of last/manifest.json damaged,
+    `R trainer.resume=true` removed the weights before refusing."""
+    run_dir = tmp_path / "run"
+    done = quickstart(tmp_path, str(run_dir), "trainer.max_steps=40")
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = run_dir / "last" / "manifest.json"
+    manifest.write_text("x" + manifest.read_text()[1:])  # one character damaged
+    before = fingerprint(run_dir)
+    result = quickstart(tmp_path, str(run_dir), "trainer.resume=true")
+    (line,) = errors(result)
+    assert line.startswith(f"error: trainer.resume: {manifest} is damaged"), line
+    assert "nothing was removed" in line
+    assert fingerprint(run_dir) == before  # the weights are all there: one character to repair
+    assert "removed" not in (run_dir / "train.log").read_text()
+
+
+def test_a_run_removes_no_file_it_did_not_write(tmp_path: Path) -> None:
+    """Found item 3: `mkdir d d/step_7; echo notes > d/notes.tmp; echo x > d/step_7/step1-rank0.pt;
+    R(d)` deleted both files; with hydra.run.dir=. every *.tmp of the user's directory went."""
+    d = tmp_path / "d"
+    (d / "step_7").mkdir(parents=True)
+    (d / "notes.tmp").write_text("notes\n")
+    (d / "step_7" / "step1-rank0.pt").write_text("x\n")
+    result = quickstart(tmp_path, "d")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (d / "notes.tmp").read_text() == "notes\n"
+    assert (d / "step_7" / "step1-rank0.pt").read_text() == "x\n"
+
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "draft.tmp").write_text("mine\n")
+    result = quickstart(here, ".", "trainer.max_steps=5")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (here / "draft.tmp").read_text() == "mine\n"
+
+
+def weight_file(last: Path) -> tuple[Path, int]:
+    """The file of ``last`` holding the largest weight, and where its bytes start."""
+    model = read_checkpoint(last)["model"]
+    name = max(model, key=lambda n: model[n].numel())
+    raw = model[name].numpy().tobytes()
+    for path in sorted(p for p in last.rglob("*") if p.is_file()):
+        at = path.read_bytes().find(raw)
+        if at >= 0:
+            return path, at
+    raise AssertionError(f"no file of {last} holds {name}")
+
+
+def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(tmp_path) -> None:
+    """Found item 2: four bytes XORed in a weight were trained on (rc 0) and consolidated."""
+    run_dir = tmp_path / "run"
+    assert run(run_dir, "trainer.max_steps=4", "trainer.checkpoint_every=2").returncode == 0
+    path, at = weight_file(run_dir / "last")
+    data = bytearray(path.read_bytes())
+    for i in range(at + 8, at + 12):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    result = run(run_dir, "trainer.max_steps=6", "trainer.resume=true")
+    (line,) = errors(result)
+    kept = run_dir / "step_4"
+    assert line == (
+        f"error: trainer.resume: {path} is damaged (content hash differs from the commit "
+        f"record); resume from {kept} with trainer.resume={kept}"
+    )
+    merged = consolidate(run_dir / "last", tmp_path / "model.pt")
+    assert merged.returncode == 1 and not (tmp_path / "model.pt").exists()
+    assert merged.stderr.strip().splitlines() == [
+        f"consolidate: {path} is damaged (content hash differs from the commit record); "
+        f"export {kept} instead"
+    ]
+    # What the line says to do works: the kept step_4 resumes, into the same directory.
+    result = run(run_dir, "trainer.max_steps=6", f"trainer.resume={kept}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [step for step, _ in losses(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_truncated_shard_is_one_line_naming_it(tmp_path: Path) -> None:
+    """Found item 4: a truncated shard gave `OSError: [Errno 22] Invalid argument`, naming
+    nothing, on resume and in consolidate."""
+    run_dir = tmp_path / "run"
+    assert run(run_dir, "trainer.max_steps=2").returncode == 0
+    path, _ = weight_file(run_dir / "last")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    result = run(run_dir, "trainer.max_steps=4", "trainer.resume=true")
+    (line,) = errors(result)
+    assert line.startswith(f"error: trainer.resume: {path} is damaged (truncated: ")
+    assert "Traceback" not in result.stderr
+    merged = consolidate(run_dir / "last", tmp_path / "model.pt")
+    assert merged.returncode == 1
+    (said,) = merged.stderr.strip().splitlines()
+    assert said.startswith(f"consolidate: {path} is damaged (truncated: {len(data) // 2} of ")

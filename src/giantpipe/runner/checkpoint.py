@@ -1,27 +1,35 @@
-"""Checkpoints: one format for both executors, shards by un-partitioned names plus a manifest.
+"""Checkpoints: one format for both executors, on ``torch.distributed.checkpoint`` (DCP), by
+un-partitioned names, committed by a manifest holding every file's hash.
 
-A checkpoint is a directory (``RUN/last/``, ``RUN/step_N/``) in the shard format of
+A checkpoint is a directory (``RUN/last/``, ``RUN/step_N/``) in the format of
 :mod:`giantpipe.engine.dist.shards`, with the run's state beside the weights::
 
     last/
-      manifest.json                              the commit point; extra: step, position, files
-      step000000100-3f9c2a-rank00000.pt          weights of rank 0's stages ("0.weight", ...)
-      step000000100-3f9c2a-rank00001.pt          (torchrun; a local run writes this one shard)
-      state-step000000100-8b01de-rank00000.pt    rank 0: optimizer (by parameter name), EMA,
-      state-step000000100-8b01de-rank00001.pt    LR schedule, fp16's loss scale, RNG, step
-                                                 and data position
+      manifest.json                    the commit point: layout, step, data position, the model's
+                                       builder, and the size and sha256 of every file below
+      step000000100-3f9c2a/            one save (DCP's format)
+        .metadata                      DCP's index of the tensors
+        __0_0.distcp                   rank 0's tensors: weights ("0.weight"), the optimizer's
+                                       ("optimizer/0.weight/exp_avg"), the EMA's ("ema/0.weight")
+        __1_0.distcp                   (torchrun: one per rank; a local run writes one)
+        state-rank00000.pt             rank 0's run state: LR schedule, fp16's loss scale, RNG,
+        state-rank00001.pt             the optimizer's other values and parameter groups
 
-Every file is fsynced under a temporary name before it is moved into place, and the manifest,
-written last, makes the save count: a crash at any moment leaves the previous checkpoint whole.
-Optimizer and EMA state are keyed by parameter NAME, so a run resumes under another K, R or
-executor (a torchrun run resumes in one process and back): every rank gathers its names from
-whichever files hold them. RNG states come from the same rank where it existed.
+Every file is fsynced under a new folder before the manifest, written last, makes the save
+count: a crash at any moment leaves the previous checkpoint whole. Loading checks each file it
+reads against the manifest's hash first (a flipped byte or a truncated file is one line naming
+it, and the kept ``step_N/`` to resume from instead). Optimizer and EMA state are keyed by
+parameter NAME, so a run resumes under another K, R or executor (a torchrun run resumes in one
+process and back): every rank reads its names from whichever files hold them. RNG states come
+from the same rank where it existed. ``trainer.async_save`` copies the state to host memory in
+the step and writes it in a background thread (:class:`CheckpointWriter`).
 ``python -m giantpipe.consolidate RUN/last model.pt`` merges the weights for the plain model.
 The process's random-number generators are seeded once at the start (:func:`seed_everything`)
 and their states saved and restored here (:func:`rng_state`, :func:`restore_rng`).
 
-Files of the earlier format, one ``.pt`` holding everything (``last.pt``), still load for
-``trainer.resume`` (and for ``trainer.init_from``: :mod:`giantpipe.runner.finetune`).
+Checkpoints of the earlier formats still load for ``trainer.resume`` (and ``trainer.init_from``:
+:mod:`giantpipe.runner.finetune`): shards and run state as ``.pt`` files beside the manifest
+(``giantpipe-shards/1``), and one ``.pt`` holding everything (``last.pt``).
 
 Example::
 
@@ -32,27 +40,36 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import datetime
+import json
 import pickle
 import random
 import re
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from giantpipe.config import ConfigError
 from giantpipe.engine.dist import shards
+from giantpipe.engine.dist.layout import HOST_BACKEND
 from giantpipe.engine.dist.shards import atomic_save
+from giantpipe.runner.registry import build_from_target
 
 if TYPE_CHECKING:
     from giantpipe.runner.build import Experiment
     from giantpipe.runner.world import World
 
 __all__ = [
+    "CheckpointWriter",
     "atomic_save",
     "read_checkpoint",
     "restore",
@@ -66,6 +83,8 @@ RUN_FORMAT = "giantpipe-run/1"
 LEGACY_VERSION = 1
 LEGACY_KEYS = ("format_version", "step", "position", "model", "optimizer", "rng")
 RESUME = "trainer.resume"
+OPTIMIZER, EMA = "optimizer/", "ema/"
+"""Prefixes of the optimizer's and the EMA's tensors among the weights in DCP's files."""
 
 
 @dataclass
@@ -170,58 +189,345 @@ def check_model_fits(saved: Mapping[str, Tensor], live: Mapping[str, Tensor], pa
 # -- saving ----------------------------------------------------------------------------------
 
 
-def state_file(token: str, rank: int) -> str:
-    return f"state-{token}-rank{rank:05d}.pt"
+def state_file(rank: int) -> str:
+    """A rank's run-state file in a save's folder."""
+    return f"state-rank{rank:05d}.pt"
 
 
-def save_run(parts: Experiment, progress: Progress, directory: Path, world: World) -> None:
-    """Collective: every rank writes its run state, replica 0 its weights; rank 0 commits."""
+@dataclass
+class Staged:
+    """One save of this process, ready to write: tensors for DCP (copies in host memory when
+    the write runs in the background), the run state, rank 0's manifest fields."""
+
+    step: int
+    token: str
+    tensors: dict[str, Tensor]
+    state: dict[str, Any]
+    entry: dict[str, Any] | None
+    """This rank's manifest entry (stages, weight names); None on replicas other than 0."""
+    commit_as: tuple[dict[str, Any], dict[str, Any]] | None
+    """Rank 0: the manifest's layout fields and its run entry (``extra``)."""
+
+
+def split_optimizer(
+    optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter]
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The name-keyed optimizer state as DCP tensors (``optimizer/NAME/KEY``) and the rest
+    (other values per name, parameter groups), which the run-state file holds."""
+    by_name = optimizer_state_by_name(optimizer, names)
+    tensors: dict[str, Tensor] = {}
+    rest: dict[str, dict[str, Any]] = {}
+    for name, values in by_name["state"].items():
+        rest[name] = {}
+        for key, value in values.items():
+            if isinstance(value, Tensor):
+                tensors[f"{OPTIMIZER}{name}/{key}"] = value
+            else:
+                rest[name][key] = value
+    return tensors, {"state": rest, "param_groups": by_name["param_groups"]}
+
+
+def stage(
+    parts: Experiment,
+    progress: Progress,
+    world: World,
+    about: dict[str, Any],
+    buffers: dict[str, Tensor] | None = None,
+    copied: dict[str, Tensor] | None = None,
+) -> Staged:
+    """Collective (the save's name comes from rank 0): what this process saves. ``buffers``:
+    copy every tensor into these host buffers (the step may change the live ones during the
+    write); ``copied``: such a copy made earlier in the same step (only a step changes them)."""
     pipe, place = parts.pipe, place_of(parts.pipe)
     token = world.from_rank0(shards.new_token(progress.step))
-    leader = place.replica == 0  # replicas hold the same optimizer state and EMA
+    leader = place.replica == 0  # replicas hold the same weights, optimizer state and EMA
+    tensors: dict[str, Tensor] = {}
+    optimizer, entry = None, None
+    if leader:
+        weights = pipe.state_dict()
+        entry = {"rank": place.rank, "stages": list(place.stages), "names": list(weights)}
+        opt_tensors, optimizer = split_optimizer(parts.optimizer, parts.names)
+        tensors.update({**weights, **opt_tensors})
+        if parts.ema is not None:
+            tensors.update({f"{EMA}{n}": t for n, t in parts.ema.state_dict().items()})
     state = {
         "rank": place.rank,
         "step": progress.step,
         "position": progress.position,
         "scheduler": parts.scheduler.state_dict(),
         "rng": rng_state(),
-        "optimizer": optimizer_state_by_name(parts.optimizer, parts.names) if leader else None,
-        "ema": parts.ema.state_dict() if leader and parts.ema is not None else None,
+        "optimizer": optimizer,
+        "ema": None,  # its tensors are DCP's
         # fp16: the loss scale and its growth count, the same on every rank (one verdict)
         "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_save(state, directory / state_file(token, place.rank))
-    entry = (
-        shards.write_shard(pipe.state_dict(), directory, token, place.rank, place.stages)
-        if leader
-        else None
-    )
-    entries = world.gather(entry)
+    if copied is not None:
+        tensors = copied
+    elif buffers is not None:
+        tensors = copy_to_host(tensors, buffers)
+    else:
+        tensors = {k: t.detach().cpu() for k, t in tensors.items()}
+    if buffers is not None or copied is not None:
+        state = copy.deepcopy(state)
+    commit_as = None
     if world.rank == 0:
-        files = [state_file(token, r) for r in range(world.size)]
-        meta = {
-            "step": progress.step,
-            "balance": list(pipe.balance),
-            "schedule": pipe.schedule,
-            "chunks": pipe.chunks,
-            "workers": place.workers,
-            "replicas": place.replicas,
-            "placement": place.placement,
-        }
-        extra = {
-            "format": RUN_FORMAT,
-            "step": progress.step,
-            "position": progress.position,
-            "state_files": files,
-            "leader_ranks": list(range(world.size // place.replicas)),  # replica 0's ranks
-            "ema": parts.ema is not None,
-        }
-        shards.commit(directory, [e for e in entries if e is not None], meta, extra)
-        for path in directory.glob("state-*-rank*.pt"):
-            if path.name not in files:
-                path.unlink(missing_ok=True)
-    world.barrier()
+        commit_as = (_layout(pipe, place, progress.step), _run_entry(parts, progress, world, token))
+        commit_as[1]["model"] = about
+    return Staged(progress.step, token, tensors, state, entry, commit_as)
+
+
+def _layout(pipe: Any, place: Place, step: int) -> dict[str, Any]:
+    return {
+        "step": step,
+        "balance": list(pipe.balance),
+        "schedule": pipe.schedule,
+        "chunks": pipe.chunks,
+        "workers": place.workers,
+        "replicas": place.replicas,
+        "placement": place.placement,
+    }
+
+
+def _run_entry(parts: Experiment, progress: Progress, world: World, token: str) -> dict[str, Any]:
+    replicas = place_of(parts.pipe).replicas
+    return {
+        "format": RUN_FORMAT,
+        "step": progress.step,
+        "position": progress.position,
+        "state_files": [f"{token}/{state_file(r)}" for r in range(world.size)],
+        "leader_ranks": list(range(world.size // replicas)),  # replica 0's ranks
+        "ema": parts.ema is not None,
+    }
+
+
+def copy_to_host(tensors: dict[str, Tensor], buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` copied into ``buffers`` (host memory, kept from save to save: a fresh 1 GiB
+    costs the kernel a quarter of a million page faults every time, here slower than the copy;
+    pinned for a GPU's tensors, so the copies run asynchronously and at full speed)."""
+    copies = {}
+    for name, tensor in tensors.items():
+        buffer = buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buffers[name] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        copies[name] = buffer
+    for name in set(buffers) - set(tensors):
+        del buffers[name]
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()  # the copies are done before the step changes the tensors
+    return copies
+
+
+def write_staged(staged: Staged, directory: Path, group: Any) -> None:
+    """Collective over ``group`` (None: one process): writes ``staged`` into ``directory``
+    and commits it there (rank 0)."""
+    rank = staged.state["rank"]
+    objects = {state_file(rank): staged.state}
+    directory.mkdir(parents=True, exist_ok=True)
+    shards.save_collective(
+        directory, staged.token, staged.tensors, objects, staged.entry, staged.commit_as, group
+    )
+
+
+def host_group(pipe: Any, world: World) -> Any:
+    """The gloo group of every rank that saves run on (None in a world of one)."""
+    return pipe.groups.control if world.size > 1 else None
+
+
+def save_run(
+    parts: Experiment,
+    progress: Progress,
+    directory: Path,
+    world: World,
+    about: dict[str, Any] | None = None,
+) -> None:
+    """Collective: every rank writes its run state, replica 0 its tensors; rank 0 commits.
+    ``about``: what the manifest says of the model (:func:`model_record`)."""
+    staged = stage(parts, progress, world, about or {})
+    write_staged(staged, directory, host_group(parts.pipe, world))
+
+
+class BackgroundSaveError(RuntimeError):
+    """A checkpoint written in the background failed; ``cause`` says why (reported at the next
+    save or at the end of the run, never lost)."""
+
+    def __init__(self, directory: Path, step: int, cause: BaseException) -> None:
+        super().__init__(
+            f"the checkpoint of step {step} could not be written to {directory} "
+            f"({type(cause).__name__}: {cause})"
+        )
+        self.directory, self.step, self.cause = directory, step, cause
+
+
+class CheckpointWriter:
+    """Saves a run's checkpoints, in the step or (``asynchronous``) in a background thread.
+
+    Asynchronous: the step waits only for the copy of the state to host memory (buffers kept
+    for the run: one more copy of the state in host memory); a thread writes the files and
+    commits them, while training goes on. Our own thread rather than
+    ``dcp.async_save``: the commit (hashing every file, then the manifest) must follow the
+    write in the background too, and one code path then serves both modes. Saves of the same
+    step (``step_N/`` then ``last/``) share one copy of the tensors and queue behind it; a
+    save of another step, and :meth:`wait`, wait for the previous ones and raise their
+    failure (BackgroundSaveError).
+    Under torchrun the thread's collectives run on a gloo group of their own, so they never
+    mix with the step's.
+
+    Example::
+
+        writer = CheckpointWriter(world, asynchronous=True, on_commit=print)
+        writer.save(parts, progress, run_dir / "last")     # returns after the copy
+        writer.wait()                                      # the write is committed
+    """
+
+    def __init__(
+        self,
+        world: World,
+        asynchronous: bool = False,
+        on_commit: Callable[[Path, int], None] | None = None,
+    ) -> None:
+        self.world, self.asynchronous = world, asynchronous
+        self.on_commit = on_commit or (lambda directory, step: None)
+        self._job: _Job | None = None
+        self._group: Any = None
+        self._buffers: dict[str, Tensor] = {}
+        """Host copies of the tensors, reused by every asynchronous save of the run."""
+
+    def save(
+        self,
+        parts: Experiment,
+        progress: Progress,
+        directory: Path,
+        about: dict[str, Any] | None = None,
+    ) -> None:
+        """Saves ``parts`` at ``progress`` into ``directory`` (collective)."""
+        job, about = self._job, about or {}
+        if job is not None and job.step == progress.step:  # the same tensors: the same copy
+            job.add(directory, stage(parts, progress, self.world, about, copied=job.tensors))
+            return
+        self.wait()
+        buffers = self._buffers if self.asynchronous else None
+        staged = stage(parts, progress, self.world, about, buffers)
+        if not self.asynchronous:
+            write_staged(staged, directory, host_group(parts.pipe, self.world))
+            self.on_commit(directory, progress.step)
+            return
+        self._job = _Job(staged, self._background_group(parts.pipe), self.on_commit)
+        self._job.add(directory, staged)
+        self._job.start()
+
+    def wait(self) -> None:
+        """Returns once the save in flight (if any) is committed; raises its failure."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        job.close()
+        job.join()
+        if job.failure is not None:
+            failed, step = job.failed_at or Path("?"), job.step
+            if isinstance(job.failure, KeyboardInterrupt):
+                raise job.failure
+            raise BackgroundSaveError(failed, step, job.failure) from job.failure
+
+    def _background_group(self, pipe: Any) -> Any:
+        if self.world.size == 1:
+            return None
+        if self._group is None:  # every rank reaches its first save at the same step
+            timeout = datetime.timedelta(seconds=float(pipe.timeout))
+            self._group = dist.new_group(backend=HOST_BACKEND, timeout=timeout)
+        return self._group
+
+
+class _Job(threading.Thread):
+    """Writes the saves of one step handed to it, in order, until closed."""
+
+    def __init__(self, staged: Staged, group: Any, on_commit: Callable[[Path, int], None]):
+        super().__init__(name="giantpipe-checkpoint", daemon=True)  # Ctrl-C twice: stop at once
+        self.step, self.tensors = staged.step, staged.tensors
+        self.group, self.on_commit = group, on_commit
+        self.failure: BaseException | None = None
+        self.failed_at: Path | None = None
+        self._todo: list[tuple[Path, Staged]] = []
+        self._closed = False
+        self._ready = threading.Condition()
+
+    def add(self, directory: Path, staged: Staged) -> None:
+        with self._ready:
+            self._todo.append((directory, staged))
+            self._ready.notify()
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+
+    def run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._todo and not self._closed:
+                    self._ready.wait()
+                if not self._todo:
+                    return
+                directory, staged = self._todo.pop(0)
+            if self.failure is not None:
+                continue  # every rank failed the same save together: all skip the rest
+            try:
+                write_staged(staged, directory, self.group)
+                self.on_commit(directory, self.step)
+            except BaseException as err:  # noqa: BLE001 - reported by CheckpointWriter.wait
+                self.failure, self.failed_at = err, directory
+
+
+# -- what the manifest says of the model -------------------------------------------------------
+
+
+def model_record(spec: Any, model: nn.Module | None) -> dict[str, Any]:
+    """The model's builder (``_target_``) and, for a Hugging Face model, its config as JSON
+    (what ``python -m giantpipe.consolidate ... --format hf`` writes as ``config.json``).
+
+    Example::
+
+        model_record(cfg.model, parts.model)   # {"target": "models.hf.hf_causal_lm", ...}
+    """
+    record: dict[str, Any] = {"target": str(getattr(spec, "_target_", ""))}
+    config = hf_config(spec, model)
+    if config is not None:
+        record["hf_config"] = config
+    return record
+
+
+def hf_config(spec: Any, model: nn.Module | None) -> dict[str, Any] | None:
+    """The Hugging Face config of the model ``spec`` builds, or None for any other model.
+
+    The capture keeps the weights, not the Hugging Face module, so the builder runs again, on
+    the meta device (no memory, no weights) and with the random generators put back after.
+    A flat Sequential as built is never a Hugging Face model; nor is anything built where
+    transformers was never imported.
+    """
+    if "transformers" not in sys.modules:
+        return None
+    if isinstance(model, nn.Sequential) and not hasattr(model, "original_names"):
+        return None
+    try:
+        with _generators_kept(), torch.device("meta"):
+            built = build_from_target(spec, "model")
+    except Exception:  # noqa: BLE001 - a builder that needs real memory: no export as hf
+        return None
+    config: Any = getattr(built, "config", None)
+    if not hasattr(config, "to_json_string") or not hasattr(built, "save_pretrained"):
+        return None
+    found: dict[str, Any] = json.loads(config.to_json_string())
+    return found
+
+
+@contextlib.contextmanager
+def _generators_kept() -> Iterator[None]:
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        restore_rng(saved)
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -264,15 +570,57 @@ def safe_load(path: Path, key: str = RESUME, mmap: bool = False) -> Any:
         raise ConfigError(key, f"{path} is not a readable checkpoint ({err})") from err
 
 
-def _load(path: Path) -> Any:
-    return safe_load(path, RESUME, mmap=True)
+def _load(directory: Path, name: str, manifest: dict[str, Any]) -> Any:
+    """A run-state file of the checkpoint, checked against the manifest's hash first."""
+    shards.verify(directory, manifest, [name])
+    return safe_load(directory / name, RESUME, mmap=True)
 
 
-def run_extra(directory: Path, key: str = RESUME) -> dict[str, Any]:
-    """The run state's entry in a checkpoint directory's manifest; ConfigError naming ``key``."""
+def kept_beside(directory: Path) -> Path | None:
+    """The newest other checkpoint of the same run (``step_N/`` beside ``directory``) whose
+    manifest reads, to offer when ``directory`` is damaged."""
+    here = directory.resolve()
+    numbered = [p for p in here.parent.glob("step_*") if re.fullmatch(r"step_\d+", p.name)]
+    for path in sorted(numbered, key=lambda p: int(p.name[5:]), reverse=True):
+        if path.resolve() == here:
+            continue
+        try:
+            shards.read_manifest(path)
+        except (OSError, ValueError):
+            continue
+        return directory.parent / path.name
+    return None
+
+
+def refusal(err: shards.CheckpointDamaged, directory: Path, key: str = RESUME) -> ConfigError:
+    """One line: the damaged file, and what to do (resume from a kept ``step_N/``)."""
+    kept = kept_beside(directory)
+    if kept is not None:
+        return ConfigError(key, f"{err}; resume from {kept} with trainer.resume={kept}")
+    return ConfigError(
+        key,
+        f"{err}; nothing was removed, and no other checkpoint is kept beside it "
+        "(trainer.checkpoint_every keeps step_N/ copies)",
+    )
+
+
+@contextlib.contextmanager
+def refusing_damage(directory: Path, key: str = RESUME) -> Iterator[None]:
+    """A damaged file read inside becomes :func:`refusal`'s ConfigError."""
     try:
-        manifest = shards.read_manifest(directory)
+        yield
+    except shards.CheckpointDamaged as err:
+        raise refusal(err, directory, key) from err
+
+
+def read_run(directory: Path, key: str = RESUME) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint directory's manifest and its run entry; ConfigError naming ``key``."""
+    try:
+        with refusing_damage(directory, key):
+            manifest = shards.read_manifest(directory)
     except (OSError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
         raise ConfigError(key, f"{directory} is not a readable checkpoint ({err})") from err
     extra: dict[str, Any] = manifest.get("extra") or {}
     if extra.get("format") != RUN_FORMAT:
@@ -281,40 +629,54 @@ def run_extra(directory: Path, key: str = RESUME) -> dict[str, Any]:
             f"{directory} holds weights without run state; start a new run from them with "
             "python -m giantpipe.consolidate DIR model.pt and trainer.init_from=model.pt",
         )
-    return extra
+    return manifest, extra
+
+
+def run_extra(directory: Path, key: str = RESUME) -> dict[str, Any]:
+    """The run state's entry in a checkpoint directory's manifest; ConfigError naming ``key``."""
+    return read_run(directory, key)[1]
 
 
 def restore(parts: Experiment, path: Path, world: World) -> Progress:
     """Load a checkpoint (a directory, or a ``.pt`` file of the earlier format) into the built
-    parts; ConfigError naming trainer.resume if it does not fit."""
+    parts; ConfigError naming trainer.resume if it does not fit or a file is damaged."""
     if path.is_dir():
-        return restore_run(parts, path, world.rank)
+        with refusing_damage(path):
+            return restore_run(parts, path, world.rank)
     return restore_legacy(parts, path, whole=world.size == 1)
 
 
 def restore_run(parts: Experiment, directory: Path, rank: int) -> Progress:
     """Weights, optimizer, EMA, LR schedule and RNG for this process's names (any layout)."""
-    extra = run_extra(directory)
+    manifest, extra = read_run(directory)
     live = parts.pipe.state_dict()
-    try:
-        saved = shards.load(directory, live.keys())
-    except KeyError as err:
-        raise ConfigError(RESUME, f"{directory} does not fit this model ({err.args[0]})") from err
-    check_model_fits(saved, live, directory)
-    files = [directory / name for name in extra["state_files"]]
-    leaders = [_load(files[r]) for r in extra["leader_ranks"]]
     if parts.ema is not None and not extra.get("ema"):
         raise ConfigError("trainer.ema_decay", f"{directory} was saved without an EMA")
-    _restore_optimizer(parts, leaders, directory)
+    wanted = list(live)
+    if manifest["format"] != shards.OLD_FORMAT:  # the optimizer's and EMA's tensors: DCP's
+        held = shards.tensor_names(directory)
+        mine = {f"{OPTIMIZER}{n}/" for n in parts.names}
+        wanted += [k for k in held if k.startswith(OPTIMIZER) and k.rsplit("/", 1)[0] + "/" in mine]
+        shadow = parts.ema.shadow if parts.ema is not None else {}
+        wanted += [f"{EMA}{n}" for n in shadow]
+    try:
+        loaded = shards.load(directory, wanted)
+    except KeyError as err:
+        raise ConfigError(RESUME, f"{directory} does not fit this model ({err.args[0]})") from err
+    saved = {n: loaded[n] for n in live}
+    check_model_fits(saved, live, directory)
+    files = list(extra["state_files"])
+    leaders = [_load(directory, files[r], manifest) for r in extra["leader_ranks"]]
+    _restore_optimizer(parts, leaders, directory, loaded)
     parts.pipe.load_state_dict(saved)
     if parts.ema is not None:
-        parts.ema.load_state_dict(
-            {n: t for s in leaders for n, t in s["ema"].items() if n in parts.ema.shadow}
-        )
+        ema = {n[len(EMA) :]: t for n, t in loaded.items() if n.startswith(EMA)}
+        ema = ema or {n: t for s in leaders for n, t in s["ema"].items()}  # the earlier format
+        parts.ema.load_state_dict({n: t for n, t in ema.items() if n in parts.ema.shadow})
     parts.scheduler.load_state_dict(leaders[0]["scheduler"])
     _restore_grad_scaler(parts, leaders[0])
     if rank < len(files):  # a rank new to the layout keeps its seeded generators
-        restore_rng(_load(files[rank])["rng"])
+        restore_rng(_load(directory, files[rank], manifest)["rng"])
     return Progress(step=int(extra["step"]), position=int(extra["position"]))
 
 
@@ -326,15 +688,22 @@ def _restore_grad_scaler(parts: Experiment, state: dict[str, Any]) -> None:
         parts.grad_scaler.load_state_dict(saved)
 
 
-def _restore_optimizer(parts: Experiment, leaders: list[dict[str, Any]], directory: Path) -> None:
-    """This process's optimizer state, gathered by parameter name from the leaders' files."""
+def _restore_optimizer(
+    parts: Experiment, leaders: list[dict[str, Any]], directory: Path, tensors: dict[str, Tensor]
+) -> None:
+    """This process's optimizer state, gathered by parameter name from the leaders' files and
+    (``optimizer/NAME/KEY``) from ``tensors``."""
     mine = set(parts.names)
     per_name = {
-        name: value
+        name: dict(value)
         for s in leaders
         for name, value in s["optimizer"]["state"].items()
         if name in mine
     }
+    for key, tensor in tensors.items():
+        if key.startswith(OPTIMIZER):
+            name, slot = key[len(OPTIMIZER) :].rsplit("/", 1)
+            per_name.setdefault(name, {})[slot] = tensor
     saved_groups = leaders[0]["optimizer"]["param_groups"]
     live_groups = [
         [n for n, p in parts.names.items() if any(p is q for q in g["params"])]
@@ -398,19 +767,27 @@ def restore_legacy(parts: Experiment, path: Path, whole: bool = True) -> Progres
 def read_checkpoint(directory: Path) -> dict[str, Any]:
     """A checkpoint as one mapping, to look into: ``step``, ``position``, ``model`` (every
     weight, merged), ``ema`` (merged, or None) and the manifest's ``balance`` and ``workers``.
+    Every file read is checked against the manifest's hashes first.
 
     Example::
 
         read_checkpoint(Path("outputs/2026-12-01/10-00-00/last"))["step"]   # 120
     """
-    extra = run_extra(directory)
-    manifest = shards.read_manifest(directory)
-    leaders = [_load(directory / extra["state_files"][r]) for r in extra["leader_ranks"]]
-    ema = {n: t for s in leaders for n, t in (s["ema"] or {}).items()} if extra["ema"] else None
+    with refusing_damage(directory):
+        manifest, extra = read_run(directory)
+        model = shards.load(directory)
+        ema = None
+        if extra["ema"] and manifest["format"] == shards.OLD_FORMAT:
+            files = extra["state_files"]
+            leaders = [_load(directory, files[r], manifest) for r in extra["leader_ranks"]]
+            ema = {n: t for s in leaders for n, t in (s["ema"] or {}).items()}
+        elif extra["ema"]:
+            names = [n for n in shards.tensor_names(directory) if n.startswith(EMA)]
+            ema = {n[len(EMA) :]: t for n, t in shards.load(directory, names).items()}
     return {
         "step": int(extra["step"]),
         "position": int(extra["position"]),
-        "model": shards.load(directory),
+        "model": model,
         "ema": ema,
         "balance": manifest["balance"],
         "workers": manifest["workers"],

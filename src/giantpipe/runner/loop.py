@@ -33,7 +33,14 @@ from giantpipe.data.bundle import Batch, EvaluationError, batch_size
 from giantpipe.metrics.record import EngineStats, MetricsLogger, StepRecord
 from giantpipe.metrics.sinks import write_summary
 from giantpipe.runner.build import Experiment, build_experiment
-from giantpipe.runner.checkpoint import Progress, restore, save_run, seed_everything
+from giantpipe.runner.checkpoint import (
+    BackgroundSaveError,
+    CheckpointWriter,
+    Progress,
+    model_record,
+    restore,
+    seed_everything,
+)
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.finetune import load_initial_weights
 from giantpipe.runner.forecast import Forecast
@@ -98,11 +105,17 @@ class TrainingLoop:
         self.skipped_steps = 0
         """fp16: optimizer steps the gradient scaler skipped (overflowed gradients), counted
         from this process's start (a resumed run counts from the resume)."""
+        self.checkpoints = CheckpointWriter(world, cfg.trainer.async_save, self._committed)
+        """Writes the checkpoints, in the step or (trainer.async_save) in the background."""
+        self._about: dict[str, Any] | None = None
 
     # -- one step ---------------------------------------------------------------------------
 
-    def kept(self) -> str:
-        """Which checkpoint holds the run's last good state, for error lines."""
+    def kept(self, wait: bool = True) -> str:
+        """Which checkpoint holds the run's last good state, for error lines; ``wait``: once
+        the save written in the background (trainer.async_save), if any, is committed."""
+        if wait:
+            self._finish_quietly()
         if self.last_good is None:
             return "no checkpoint was written"
         return f"last good checkpoint: {self.last_good[0]} (step {self.last_good[1]})"
@@ -252,6 +265,7 @@ class TrainingLoop:
         problem = getattr(err, "problem", None) or f"{type(err).__name__}: {err}"
         if self.world.size == 1:
             self.save(LAST)
+            self.finish_saves()
             kept = f"the {self.progress.step} steps trained are saved in {self.run_dir / LAST}"
         else:
             kept = self.kept()
@@ -259,21 +273,44 @@ class TrainingLoop:
 
     def save(self, name: str) -> None:
         """Saves the run as ``name`` (collective): only finite weights, and a write that fails
-        (a full disk) is one line naming the path, the cause and the last good checkpoint."""
+        (a full disk) is one line naming the path, the cause and the last good checkpoint.
+        trainer.async_save: returns once the state is copied; :meth:`finish_saves` waits."""
         if not self._finite():
             raise self._fail("a weight", math.nan, self.progress.step)
         directory = self.run_dir / name
+        if self._about is None and self.world.rank == 0:
+            self._about = model_record(self.cfg.model, self.parts.model)
         try:
-            save_run(self.parts, self.progress, directory, self.world)
+            self.checkpoints.save(self.parts, self.progress, directory, self._about)
         except OSError as err:
-            reason = err.strerror or str(err)
-            raise CheckpointWriteError(
-                f"{err.filename or directory}: cannot save the checkpoint of step "
-                f"{self.progress.step} ({reason}); {self.kept()}: free the space and resume "
-                "with trainer.resume=true"
-            ) from err
-        if name == LAST:
-            self.last_good = (directory, self.progress.step)
+            raise self._write_failed(err, directory, self.progress.step) from err
+        except BackgroundSaveError as err:
+            raise self._background_failed(err) from err.cause
+
+    def finish_saves(self) -> None:
+        """Waits for the checkpoint written in the background (trainer.async_save), if any;
+        its failure is raised here, as a failed save in the step would have been."""
+        try:
+            self.checkpoints.wait()
+        except BackgroundSaveError as err:
+            raise self._background_failed(err) from err.cause
+
+    def _committed(self, directory: Path, step: int) -> None:
+        """A save is committed (in the background under trainer.async_save)."""
+        if directory.name == LAST:
+            self.last_good = (directory, step)
+
+    def _write_failed(self, err: OSError, directory: Path, step: int) -> CheckpointWriteError:
+        reason = err.strerror or str(err)
+        return CheckpointWriteError(
+            f"{err.filename or directory}: cannot save the checkpoint of step {step} "
+            f"({reason}); {self.kept()}: free the space and resume with trainer.resume=true"
+        )
+
+    def _background_failed(self, err: BackgroundSaveError) -> Exception:
+        if isinstance(err.cause, OSError):
+            return self._write_failed(err.cause, err.directory, err.step)
+        return err
 
     def _finite(self) -> bool:
         """Whether every weight of this process is finite, agreed by every process."""
@@ -286,12 +323,23 @@ class TrainingLoop:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._run()
+        except KeyboardInterrupt:
+            raise  # the second Ctrl-C: stop at once, even while a save is written
+        except BaseException:
+            self._finish_quietly()  # the save in flight commits; the first failure is the news
+            raise
+        self.finish_saves()
+
+    def _run(self) -> None:
         with StopSignals(self.cfg.trainer.save_signal, on_term=self._dying) as signals:
             try:
                 self._steps(signals)
             except KeyboardInterrupt:  # the second Ctrl-C: no save, say where the run stands
                 step = self.progress.step + 1
-                raise KeyboardInterrupt(f"stopped at once in step {step}; {self.kept()}") from None
+                kept = self.kept(wait=False)
+                raise KeyboardInterrupt(f"stopped at once in step {step}; {kept}") from None
         if self.stopped is not None:
             return
         if self.forecast is not None and self.world.writes:
@@ -299,6 +347,12 @@ class TrainingLoop:
         self.evaluate()
         if self.cfg.trainer.save_last:
             self.save(LAST)
+
+    def _finish_quietly(self) -> None:
+        try:
+            self.finish_saves()
+        except Exception as err:  # noqa: BLE001 - logged: another failure is being raised
+            log.error("%s", err)
 
     def _steps(self, signals: StopSignals) -> None:
         """Optimizer steps to the end, or to the step boundary where a signal asks to stop."""
@@ -322,6 +376,8 @@ class TrainingLoop:
         """Saves on the save signal; on a stop, saves and says so. True: stop now."""
         if request.save or request.stop:
             self.save(LAST)
+            if request.stop:  # about to leave: the save must be on disk first
+                self.finish_saves()
             why = request.stop or f"{self.cfg.trainer.save_signal} received"
             log.info("step %d: saved %s (%s)", self.progress.step, self.run_dir / LAST, why)
         self.stopped = request.stop
@@ -414,8 +470,6 @@ def _train(
         if world.from_rank0(done):  # trainer.resume=auto: a completed run, left as it is
             return world.from_rank0(_finished(run_dir) if world.writes else {})
         resume_from = world.agree(lambda: resume_point(trainer.resume, run_dir, trainer.overwrite))
-        if world.writes:
-            clean_interrupted_saves(run_dir)
         return _checked(cfg, run_dir, config_yaml, world, start, resume_from, derived)
     finally:
         if world.writes:
@@ -455,6 +509,8 @@ def _checked(
                 else None
             )
         )
+    if world.writes:  # only once what the run resumes from has been read and accepted
+        clean_interrupted_saves(run_dir)
     world.agree(lambda: check_objective(cfg, parts))
     # -- checked: from here on the run writes into run_dir -----------------------------------
     aside = resume_from is None and moves_record_aside(

@@ -15,13 +15,14 @@ Decided before anything is written:
 - one run at a time: :class:`RunLock` (``.giantpipe.lock``, the holder's PID, host and start)
   refuses a second run naming the holder, and takes over a lock whose process is gone.
 
-Then :func:`clean_interrupted_saves` removes what a killed save left behind (temporary files,
-files of a save whose manifest was never written), so only committed checkpoints remain.
+Once the checkpoint to resume from has been read, :func:`clean_interrupted_saves` removes
+what killed saves left in the run's checkpoint directories, under giantpipe's own names only.
 
 Example::
 
     checkpoint = resume_point(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
     with RunLock(run_dir) as lock:
+        ...                                  # restore from checkpoint
         clean_interrupted_saves(run_dir)
         ...                                  # the run
 """
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import time
 from collections.abc import Collection, Sequence
@@ -41,7 +43,7 @@ from typing import Any
 import yaml
 
 from giantpipe.config import RESUME_AUTO, RESUME_CHECKED, ConfigError
-from giantpipe.engine.dist.shards import MANIFEST
+from giantpipe.engine.dist.shards import MANIFEST, stale
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,8 @@ def _shown(path: Path, run_dir: Path) -> str:
 
 def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> Path | None:
     """The checkpoint to resume from (a directory, or a ``.pt`` of the earlier format), or None
-    for a fresh run; ConfigError when the request cannot be met.
+    for a fresh run; ConfigError when the request cannot be met. A checkpoint from elsewhere
+    may not replace the run ``run_dir`` holds; one of its own kept ``step_N/`` may.
 
     Example::
 
@@ -105,7 +108,8 @@ def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> 
         path = path.parent
     if not (path.is_file() or (path / MANIFEST).is_file()):
         raise ConfigError(KEY, f"no checkpoint at {path}")
-    if held is not None and not held.samefile(path):
+    own = path.is_dir() and path.resolve() in checkpoint_directories(run_dir.resolve())
+    if held is not None and not held.samefile(path) and not own:  # own: a kept step_N/
         raise ConfigError(
             KEY,
             f"{run_dir} holds another run's {_shown(held, run_dir)}; resume from a checkpoint "
@@ -376,33 +380,30 @@ class RunLock:
 # -- what a killed save leaves behind ----------------------------------------------------------
 
 
+def checkpoint_directories(run_dir: Path) -> list[Path]:
+    """The run's own checkpoint directories: ``last/`` and ``step_N/``."""
+    numbered = [p for p in run_dir.glob("step_*") if re.fullmatch(r"step_\d+", p.name)]
+    return [p for p in [run_dir / LAST, *sorted(numbered)] if p.is_dir()]
+
+
 def clean_interrupted_saves(run_dir: Path) -> int:
-    """Removes temporary files and the files of saves that never committed a manifest; returns
-    how many. Committed checkpoints are left whole."""
-    removed = [p for p in run_dir.glob("*.tmp") if p.is_file()]
-    for folder in [run_dir / LAST, *run_dir.glob("step_*")]:
-        if not folder.is_dir():
-            continue
-        removed += [p for p in folder.glob(".*.tmp") if p.is_file()]
-        committed = _committed(folder)
-        removed += [
-            p
-            for pattern in ("step*-rank*.pt", "state-*-rank*.pt")
-            for p in folder.glob(pattern)
-            if p.name not in committed
-        ]
+    """Removes what killed saves left in the run's checkpoint directories, and nothing else:
+    save folders and temporary manifests under giantpipe's own names that the directory's
+    manifest does not commit (:func:`giantpipe.engine.dist.shards.stale`). A directory whose
+    manifest cannot be read is left as it is, and so is everything outside ``last/`` and
+    ``step_N/``. Call it after the checkpoint to resume from has been read. Returns how many
+    files and folders went.
+
+    Example::
+
+        clean_interrupted_saves(Path("outputs/2026-12-01/10-00-00"))   # 1
+    """
+    removed = [path for folder in checkpoint_directories(run_dir) for path in stale(folder)]
     for path in removed:
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     if removed:
-        log.info("removed %d files of interrupted saves in %s", len(removed), run_dir)
+        log.info("removed %d leftovers of interrupted saves in %s", len(removed), run_dir)
     return len(removed)
-
-
-def _committed(folder: Path) -> set[str]:
-    """The files a checkpoint's manifest names (none without a readable manifest)."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return set()
-    files = {entry["file"] for entry in manifest.get("shards", [])}
-    return files | set((manifest.get("extra") or {}).get("state_files", []))

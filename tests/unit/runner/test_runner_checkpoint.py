@@ -1,5 +1,11 @@
-"""Checkpoint IO: atomic writes, name-keyed optimizer state, resuming under another balance."""
+"""Checkpoint IO: atomic writes, name-keyed optimizer state, resuming under another balance,
+saving in the background (trainer.async_save), and checkpoints of the earlier format."""
 
+import errno
+import json
+import os
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -8,14 +14,27 @@ from torch import nn
 
 from giantpipe.config import ConfigError
 from giantpipe.engine import GPipe
-from giantpipe.runner.build import parameter_names
+from giantpipe.engine.dist import shards
+from giantpipe.metrics.sinks import read_jsonl
+from giantpipe.runner import train
+from giantpipe.runner.build import build_experiment, parameter_names
 from giantpipe.runner.checkpoint import (
+    RUN_FORMAT,
+    CheckpointWriter,
+    Progress,
     atomic_save,
     check_model_fits,
     load_checkpoint,
     load_optimizer_state_by_name,
     optimizer_state_by_name,
+    read_checkpoint,
+    restore,
+    rng_state,
+    seed_everything,
 )
+from giantpipe.runner.loop import CheckpointWriteError
+from giantpipe.runner.world import World
+from tests.unit.runner.test_runner_loop import tiny
 
 
 class Unpicklable:
@@ -132,3 +151,127 @@ def test_unreadable_or_foreign_checkpoint_is_a_config_error(tmp_path: Path):
         load_checkpoint(foreign)
     with pytest.raises(ConfigError, match="no checkpoint at"):
         load_checkpoint(tmp_path / "absent.pt")
+
+
+# -- trainer.async_save: the step waits for the copy, not for the write ------------------------
+
+
+def stepped(cfg):
+    """A built run of ``cfg`` after one optimizer step (so the optimizer holds state)."""
+    seed_everything(0)
+    parts = build_experiment(cfg)
+    x, y = next(parts.bundle.train_batches(0, 0))
+    parts.pipe.train_step(x, y, parts.loss_fn)
+    parts.optimizer.step()
+    return parts
+
+
+def test_an_async_save_returns_before_the_write_and_saves_the_state_it_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parts = stepped(tiny(eval_every=0))
+    held, started = threading.Event(), threading.Event()
+    real = shards.save_collective
+
+    def held_write(*args, **kwargs):
+        started.set()
+        assert held.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shards, "save_collective", held_write)
+    writer = CheckpointWriter(World(), asynchronous=True)
+    before = {k: v.clone() for k, v in parts.pipe.state_dict().items()}
+    writer.save(parts, Progress(step=1, position=1), tmp_path / "last")  # the write is held
+    assert started.wait(60) and not (tmp_path / "last" / "manifest.json").exists()
+    with torch.no_grad():  # the next step changes the weights while the write waits
+        for param in parts.names.values():
+            param.add_(1.0)
+    held.set()
+    writer.wait()
+    saved = read_checkpoint(tmp_path / "last")
+    assert saved["step"] == 1 and saved["model"].keys() == before.keys()
+    assert all(torch.equal(saved["model"][k], v) for k, v in before.items())
+
+
+def test_async_saves_resume_exactly_as_synchronous_ones(tmp_path: Path) -> None:
+    cfg = tiny(max_steps=6, eval_every=0, checkpoint_every=3, log_every=1)
+    train(cfg, tmp_path / "sync", "")
+    train(replace(cfg, trainer=replace(cfg.trainer, async_save=True)), tmp_path / "async", "")
+    assert losses(tmp_path / "async") == losses(tmp_path / "sync")
+    for name in ("step_3", "last"):
+        a, b = (read_checkpoint(tmp_path / run / name)["model"] for run in ("sync", "async"))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    resumed = replace(cfg.trainer, resume=str(tmp_path / "async" / "step_3"))
+    train(replace(cfg, trainer=resumed), tmp_path / "resumed", "")
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "sync")[3:]
+
+
+def test_a_failed_background_write_is_reported_never_lost(tmp_path, monkeypatch) -> None:
+    writes = {"n": 0}
+    real = shards.write_folder
+
+    def full_disk(folder, *args, **kwargs):
+        writes["n"] += 1
+        if writes["n"] == 3:  # step_2 and last at step 2 commit; step_4 hits a full disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "__0_0.distcp"))
+        return real(folder, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "write_folder", full_disk)
+    cfg = tiny(max_steps=4, eval_every=0, checkpoint_every=2, async_save=True)
+    with pytest.raises(CheckpointWriteError) as info:  # raised at the end of the run
+        train(cfg, tmp_path, "")
+    message = str(info.value)
+    assert "\n" not in message and "No space left on device" in message
+    assert "cannot save the checkpoint of step 4" in message and "step_4/step000000004" in message
+    assert f"last good checkpoint: {tmp_path / 'last'} (step 2)" in message
+    assert read_checkpoint(tmp_path / "last")["step"] == 2
+    assert not (tmp_path / "step_4" / "manifest.json").exists()
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+# -- the earlier format ------------------------------------------------------------------------
+
+
+def write_earlier_format(directory: Path, parts, progress: Progress) -> None:
+    """A local run's checkpoint as giantpipe wrote it before DCP (giantpipe-shards/1): the
+    weights in one .pt shard, the run state (optimizer tensors included) in another."""
+    directory.mkdir(parents=True)
+    token = "step000000002-3f9c2a"
+    weights = {k: v.detach().clone() for k, v in parts.pipe.state_dict().items()}
+    torch.save(weights, directory / f"{token}-rank00000.pt")
+    state = {
+        "rank": 0,
+        "step": progress.step,
+        "position": progress.position,
+        "scheduler": parts.scheduler.state_dict(),
+        "rng": rng_state(),
+        "optimizer": optimizer_state_by_name(parts.optimizer, parts.names),
+        "ema": None,
+        "grad_scaler": None,
+    }
+    torch.save(state, directory / f"state-{token}-rank00000.pt")
+    shard = {"file": f"{token}-rank00000.pt", "rank": 0, "stages": [0, 1], "names": list(weights)}
+    extra = {"format": RUN_FORMAT, "step": progress.step, "position": progress.position}
+    extra.update(state_files=[f"state-{token}-rank00000.pt"], leader_ranks=[0], ema=False)
+    manifest = {"format": shards.OLD_FORMAT, "step": progress.step, "balance": parts.balance}
+    manifest.update(workers=2, replicas=1, placement=[0, 1], shards=[shard], extra=extra)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_the_earlier_format_resumes_exactly_and_is_saved_anew(tmp_path) -> None:
+    cfg = tiny(max_steps=4, eval_every=0, log_every=1)
+    train(cfg, tmp_path / "full", "")
+    train(replace(cfg, trainer=replace(cfg.trainer, max_steps=2)), tmp_path / "half", "")
+    parts = build_experiment(cfg)
+    progress = restore(parts, tmp_path / "half" / "last", World())
+    old = tmp_path / "old"
+    write_earlier_format(old / "last", parts, progress)
+    (old / "metrics.jsonl").write_bytes((tmp_path / "half" / "metrics.jsonl").read_bytes())
+    train(replace(cfg, trainer=replace(cfg.trainer, resume=True)), old, "")
+    assert losses(old) == losses(tmp_path / "full")
+    manifest = json.loads((old / "last" / "manifest.json").read_text())
+    assert manifest["format"] == shards.FORMAT and manifest["step"] == 4
+    assert sorted(p.name for p in (old / "last").iterdir()) == ["manifest.json", manifest["folder"]]

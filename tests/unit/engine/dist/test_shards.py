@@ -1,0 +1,148 @@
+"""Checkpoint storage on DCP in one process: every file checked against the manifest's hash,
+a manifest that checks itself, DCP's metadata unpickled without running code, and only
+giantpipe's own leftovers removed."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from giantpipe.engine.dist import shards
+from giantpipe.engine.dist.shards import CheckpointDamaged
+
+
+def weights() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"0.weight": torch.randn(32, 32), "0.bias": torch.randn(32), "2.weight": torch.randn(4)}
+
+
+def save(directory: Path, tensors: dict[str, torch.Tensor], step: int = 1) -> str:
+    """One process's save and commit, as DistributedPipe.save_checkpoint makes them."""
+    token = shards.new_token(step)
+    entry = {"rank": 0, "stages": [0], "names": list(tensors)}
+    meta = {"step": step, "balance": [3], "schedule": "gpipe", "chunks": 1, "workers": 1}
+    meta.update(replicas=1, placement=[0])
+    shards.save_collective(directory, token, tensors, {}, entry, (meta, {}), None)
+    return token
+
+
+def flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(at, at + 4):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_save_loads_back_and_names_every_file_with_its_hash(tmp_path: Path) -> None:
+    token = save(tmp_path, weights())
+    manifest = shards.read_manifest(tmp_path)
+    assert manifest["folder"] == token and manifest["format"] == shards.FORMAT
+    assert sorted(manifest["files"]) == [f"{token}/.metadata", f"{token}/__0_0.distcp"]
+    data = tmp_path / token / "__0_0.distcp"
+    assert manifest["files"][f"{token}/__0_0.distcp"]["sha256"] == shards.file_digest(data)
+    loaded = shards.load(tmp_path)
+    assert loaded.keys() == weights().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in weights().items())
+    assert shards.load(tmp_path, ["2.weight"]).keys() == {"2.weight"}
+
+
+def test_a_flipped_byte_a_truncated_or_a_missing_file_is_refused_naming_it(tmp_path) -> None:
+    token = save(tmp_path, weights())
+    data = tmp_path / token / "__0_0.distcp"
+    original = data.read_bytes()
+    flip(data, original.find(weights()["0.weight"].numpy().tobytes()) + 64)
+    with pytest.raises(CheckpointDamaged, match=rf"^{data} is damaged \(content hash differs"):
+        shards.load(tmp_path)
+    data.write_bytes(original[: len(original) // 2])
+    with pytest.raises(CheckpointDamaged, match=rf"{data} is damaged \(truncated: \d+ of"):
+        shards.load(tmp_path)
+    data.unlink()
+    with pytest.raises(CheckpointDamaged, match=rf"{data} is damaged \(missing\)"):
+        shards.consolidate(tmp_path, tmp_path / "model.pt")
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_a_manifest_changed_after_it_was_written_is_refused(tmp_path: Path) -> None:
+    save(tmp_path, weights(), step=40)
+    path = tmp_path / "manifest.json"
+    path.write_text(path.read_text().replace('"step": 40', '"step": 41'))
+    with pytest.raises(CheckpointDamaged, match="manifest.json is damaged .*its own hash"):
+        shards.read_manifest(tmp_path)
+    path.write_text("x" + path.read_text()[1:])
+    with pytest.raises(CheckpointDamaged, match="manifest.json is damaged .not valid JSON"):
+        shards.load(tmp_path)
+
+
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_metadata_that_would_run_code_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    token = save(tmp_path / "ckpt", weights())
+    marker = tmp_path / "ran"
+    metadata = tmp_path / "ckpt" / token / ".metadata"
+    metadata.write_bytes(pickle.dumps(Payload(marker)))
+    # Whoever crafts the file can fix the manifest's hashes too: the allow-list must hold.
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    manifest["files"][f"{token}/.metadata"] = shards.describe(metadata.parent, [".metadata"])[
+        ".metadata"
+    ]
+    manifest["record"] = shards.record_hash(manifest)
+    (tmp_path / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointDamaged, match=r"holds posix\.system, which DCP's metadata never"):
+        shards.load(tmp_path / "ckpt")
+    assert not marker.exists()
+
+
+def test_a_commit_removes_the_previous_save_and_only_what_giantpipe_wrote(tmp_path) -> None:
+    first = save(tmp_path, weights(), step=1)
+    foreign = tmp_path / "step000000007-abcdef"  # our name, someone else's content
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (tmp_path / "notes.tmp").write_text("mine")
+    second = save(tmp_path, weights(), step=2)
+    assert not (tmp_path / first).exists() and (tmp_path / second).is_dir()
+    assert (foreign / "notes.txt").exists() and (tmp_path / "notes.tmp").exists()
+
+    # An unreadable manifest may name any folder: the next commit removes none of them.
+    path = tmp_path / "manifest.json"
+    path.write_text(path.read_text()[:-5])
+    third = save(tmp_path, weights(), step=3)
+    assert (tmp_path / second).is_dir() and (tmp_path / third).is_dir()
+    assert shards.read_manifest(tmp_path)["folder"] == third
+
+
+def test_the_earlier_format_still_loads_and_a_bad_file_there_is_named(tmp_path: Path) -> None:
+    shard = tmp_path / "step000000002-3f9c2a-rank00000.pt"
+    torch.save(weights(), shard)
+    entries = [{"file": shard.name, "rank": 0, "stages": [0], "names": list(weights())}]
+    manifest = {"format": shards.OLD_FORMAT, "step": 2, "balance": [3], "shards": entries}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert all(torch.equal(shards.load(tmp_path)[k], v) for k, v in weights().items())
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointDamaged, match=rf"^{shard} is damaged \(torch cannot read it"):
+        shards.load(tmp_path)
+
+
+def test_data_files_are_hashed_as_written_never_read_back(tmp_path, monkeypatch) -> None:
+    read_back: list[str] = []
+    real = shards.file_digest
+
+    def digest(path: Path) -> str:
+        read_back.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(shards, "file_digest", digest)
+    token = save(tmp_path, weights())
+    assert read_back == [".metadata"]  # the small index; the tensors' file hashed on its way
+    recorded = shards.read_manifest(tmp_path)["files"][f"{token}/__0_0.distcp"]["sha256"]
+    assert recorded == real(tmp_path / token / "__0_0.distcp")
