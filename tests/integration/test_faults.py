@@ -443,6 +443,12 @@ def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(tmp_pat
         f"error: trainer.resume: {path} is damaged (content hash differs from the commit "
         f"record); resume from {kept} with trainer.resume={kept}"
     )
+    # Fine-tuning from it is refused too, naming the setting that asked for it.
+    (line,) = errors(run(tmp_path / "tuned", f"trainer.init_from={run_dir / 'last'}"))
+    assert line == (
+        f"error: trainer.init_from: {path} is damaged (content hash differs from the commit "
+        f"record); start from {kept} with trainer.init_from={kept}"
+    )
     merged = consolidate(run_dir / "last", tmp_path / "model.pt")
     assert merged.returncode == 1 and not (tmp_path / "model.pt").exists()
     assert merged.stderr.strip().splitlines() == [

@@ -596,7 +596,8 @@ def refusal(err: shards.CheckpointDamaged, directory: Path, key: str = RESUME) -
     """One line: the damaged file, and what to do (resume from a kept ``step_N/``)."""
     kept = kept_beside(directory)
     if kept is not None:
-        return ConfigError(key, f"{err}; resume from {kept} with trainer.resume={kept}")
+        verb = "resume" if key == RESUME else "start"
+        return ConfigError(key, f"{err}; {verb} from {kept} with {key}={kept}")
     return ConfigError(
         key,
         f"{err}; nothing was removed, and no other checkpoint is kept beside it "
@@ -764,17 +765,18 @@ def restore_legacy(parts: Experiment, path: Path, whole: bool = True) -> Progres
     return Progress(step=int(state["step"]), position=int(state["position"]))
 
 
-def read_checkpoint(directory: Path) -> dict[str, Any]:
+def read_checkpoint(directory: Path, key: str = RESUME) -> dict[str, Any]:
     """A checkpoint as one mapping, to look into: ``step``, ``position``, ``model`` (every
     weight, merged), ``ema`` (merged, or None) and the manifest's ``balance`` and ``workers``.
-    Every file read is checked against the manifest's hashes first.
+    Every file read is checked against the manifest's hashes first; a refusal names ``key``
+    (the setting that asked for the checkpoint).
 
     Example::
 
         read_checkpoint(Path("outputs/2026-12-01/10-00-00/last"))["step"]   # 120
     """
-    with refusing_damage(directory):
-        manifest, extra = read_run(directory)
+    with refusing_damage(directory, key):
+        manifest, extra = read_run(directory, key)
         model = shards.load(directory)
         ema = None
         if extra["ema"] and manifest["format"] == shards.OLD_FORMAT:

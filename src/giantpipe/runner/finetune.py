@@ -27,7 +27,7 @@ from torch import Tensor
 
 from giantpipe.config import ConfigError
 from giantpipe.engine.dist import shards
-from giantpipe.runner.checkpoint import RUN_FORMAT, read_checkpoint, safe_load
+from giantpipe.runner.checkpoint import RUN_FORMAT, read_checkpoint, refusing_damage, safe_load
 
 if TYPE_CHECKING:
     from giantpipe.runner.build import Experiment
@@ -47,11 +47,12 @@ def read_weights(path: Path) -> dict[str, Tensor]:
     if path.is_dir():
         if not (path / shards.MANIFEST).is_file():
             raise ConfigError(INIT, f"no checkpoint (manifest.json) in {path}")
-        extra = shards.read_manifest(path).get("extra") or {}
-        if extra.get("format") == RUN_FORMAT:
-            state = read_checkpoint(path)
-            return {**state["model"], **(state["ema"] or {})}
-        return shards.load(path)
+        with refusing_damage(path, INIT):
+            extra = shards.read_manifest(path).get("extra") or {}
+            if extra.get("format") == RUN_FORMAT:
+                state = read_checkpoint(path, INIT)
+                return {**state["model"], **(state["ema"] or {})}
+            return shards.load(path)
     if not path.is_file():
         raise ConfigError(INIT, f"no checkpoint at {path}")
     loaded: Any = safe_load(path, INIT)
