@@ -36,9 +36,9 @@ Example::
     ...                    # the schedule runs; buckets start from inside autograd
     sync.finish()          # the remaining buckets, then wait and copy back into p.grad
 
-**fp16.** A rank holds only its own stages, so its scaler sees only its own gradients. If a stage of one
-rank overflowed and the others did not, torch's scaler would skip the step there and take it
-elsewhere, and the scales would move apart: the replicas' weights, and the stages of one
+**fp16.** A rank holds only its own stages, so its scaler sees only its own gradients. If a
+stage of one rank overflowed and the others did not, torch's scaler would skip the step there
+and take it elsewhere, and the scales would move apart: the replicas' weights, and the stages of one
 pipeline, would no longer belong to one model. :class:`AgreedGradScaler` sums each rank's
 found-inf over every rank (every pipeline rank and every replica) before anyone decides::
 

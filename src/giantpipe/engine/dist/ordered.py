@@ -71,7 +71,6 @@ Example::
 
 from __future__ import annotations
 
-import datetime
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -79,9 +78,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist.faults import FailureBoard, RankFailure, explain, wait_work
+from giantpipe.engine.dist.faults import FailureBoard, wait_work
 from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.p2p import P2PMailbox, describe
+from giantpipe.engine.dist.p2p import P2PMailbox, describe, wait_receive
 from giantpipe.engine.dist.wire import Frame, KnownLayouts, encode, pack, unpack
 from giantpipe.engine.schedule import Action, dependencies
 from giantpipe.engine.workers import Key, Mailbox
@@ -313,16 +312,7 @@ class OrderedMailbox(Mailbox):
         if self.device.type == "cuda":
             work.wait()
             return
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.wait_timeout))
-        except Exception as exc:  # noqa: BLE001 - becomes a message naming the peer
-            stage = key[1] - 1 if key[0] == "act" else key[1] + 1
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            local = (
-                f"{self.layout.label()} failed to receive the payload of {describe(key)} "
-                f"from {self.layout.label(stage)}: {text}"
-            )
-            raise RankFailure(explain(self.board, local)) from exc
+        wait_receive(work, key, self.layout, self.wait_timeout, self.board)
 
     # ---- the end of a step -----------------------------------------------------------------
 

@@ -106,6 +106,31 @@ def describe(key: Key) -> str:
     return f"the {'activation' if kind == 'act' else 'gradient'} of micro-batch {m}"
 
 
+def wait_receive(
+    work: Any, key: Key, layout: Layout, timeout: float, board: FailureBoard | None
+) -> None:
+    """Waits (host) for the receive of ``key``; a failure raises RankFailure naming the peer:
+    it timed out, its connection closed, or what the backend said. Both mailboxes' receives.
+
+    Example::
+
+        wait_receive(work, ("act", 1, 0), layout, 60.0, board)
+    """
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - becomes a message naming the peer
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        stage = key[1] - 1 if key[0] == "act" else key[1] + 1
+        me, them = layout.label(), layout.label(stage)
+        if "Timed out" in text:
+            local = f"{me} timed out after {timeout:.0f}s waiting for {describe(key)} from {them}"
+        elif "closed" in text.lower() or "reset" in text.lower():
+            local = f"{them} is gone (connection closed); {me} waited for {describe(key)}"
+        else:
+            local = f"{me} failed to receive {describe(key)} from {them}: {text}"
+        raise RankFailure(explain(board, local)) from exc
+
+
 def expected_receives(actions: Sequence[Action], layout: Layout) -> dict[int, list[Key]]:
     """Keys this rank receives from each peer rank, in the order its actions consume them."""
     last = layout.num_stages - 1
@@ -335,7 +360,7 @@ class P2PMailbox(Mailbox):
         if not stream.posted:
             raise RankFailure(f"{self.layout.label()} expected no more messages from {stream.peer}")
         posted = stream.posted.popleft()
-        self._wait(posted.work, stream.peer, posted.key)
+        wait_receive(posted.work, posted.key, self.layout, self.wait_timeout, self.board)
         n, seed, key = self._check_prefix(posted, stream.peer)
         if n == 0:
             assert posted.frame is not None  # checked with the prefix
@@ -353,14 +378,14 @@ class P2PMailbox(Mailbox):
         if extra_words(head):
             extra = torch.empty(extra_words(head), dtype=torch.int64, device=self.comm_device)
             work = dist.irecv(extra, src=peer, group=self.group, tag=FOLLOW_UPS)
-            self._wait(work, peer, posted.key)
+            wait_receive(work, posted.key, self.layout, self.wait_timeout, self.board)
             extra = extra.cpu()
         frame = Frame.of(words_of(head, extra))
         self.known.received[posted.key] = frame
         return frame
 
     def _check_frame(self, posted: _Posted, peer: int) -> None:
-        self._wait(posted.work, peer, posted.key)
+        wait_receive(posted.work, posted.key, self.layout, self.wait_timeout, self.board)
         self._check_prefix(posted, peer)
 
     def _check_prefix(self, posted: _Posted, peer: int) -> tuple[int, int, Key]:
@@ -390,24 +415,6 @@ class P2PMailbox(Mailbox):
                     f"(seed {seed}, expected {self.seed}); are all ranks running the same step?",
                 )
             )
-
-    def _wait(self, work: Any, peer: int, key: Key) -> None:
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.wait_timeout))
-        except Exception as exc:  # noqa: BLE001 - becomes a message naming the peer
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            stage = key[1] - 1 if key[0] == "act" else key[1] + 1
-            me, them = self.layout.label(), self.layout.label(stage)
-            if "Timed out" in text:
-                local = (
-                    f"{me} timed out after {self.wait_timeout:.0f}s waiting for "
-                    f"{describe(key)} from {them}"
-                )
-            elif "closed" in text.lower() or "reset" in text.lower():
-                local = f"{them} is gone (connection closed); {me} waited for {describe(key)}"
-            else:
-                local = f"{me} failed to receive {describe(key)} from {them}: {text}"
-            raise RankFailure(explain(self.board, local)) from exc
 
     # ---- the end of a step ---------------------------------------------------------------
 
