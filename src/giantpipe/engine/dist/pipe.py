@@ -69,12 +69,12 @@ from giantpipe.engine.dist.faults import (
 )
 from giantpipe.engine.dist.gradsync import (
     AgreedGradScaler,
-    check_agreed,
     GradientSync,
     TiedSync,
     all_gather_rows,
     all_reduce_,
     all_reduce_sum,
+    check_agreed,
     clip_grad_norm_,
 )
 from giantpipe.engine.dist.layout import (
