@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.metrics.sinks import read_jsonl
+from giantpipe.metrics import read_jsonl
 from tests.distributed.launch import REPO, finish, train_under_torchrun
 
 pytestmark = pytest.mark.distributed

@@ -28,7 +28,7 @@ The process's random-number generators are seeded once at the start (:func:`seed
 and their states saved and restored here (:func:`rng_state`, :func:`restore_rng`).
 
 Checkpoints of the earlier formats still load for ``trainer.resume`` (and ``trainer.init_from``:
-:mod:`giantpipe.runner.finetune`): shards and run state as ``.pt`` files beside the manifest
+:func:`load_initial_weights` below): shards and run state as ``.pt`` files beside the manifest
 (``giantpipe-shards/1``), and one ``.pt`` holding everything (``last.pt``).
 
 Example::
@@ -44,6 +44,7 @@ import contextlib
 import copy
 import datetime
 import json
+import logging
 import pickle
 import random
 import re
@@ -830,3 +831,102 @@ def restore_rng(state: dict[str, Any]) -> None:
         np = sys.modules["numpy"]
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+# Fine-tuning: a new run from another run's weights (trainer.init_from).
+#
+# Fine-tuning: start a run from another run's weights (``trainer.init_from=PATH``).
+#
+# The GPipe paper's transfer experiments start from the ImageNet model and replace its softmax for
+# the new data set's classes. Here every tensor of the checkpoint whose name and shape match the
+# new model is loaded; the rest (the classifier of another class count) keep the fresh
+# initialization the builder gave them. The optimizer, the learning-rate schedule, the step and
+# the data position start anew: this is a new run, not a resume. PATH is a checkpoint directory
+# (its EMA of the weights when it kept one, with the model's buffers), a shard directory of
+# ``DistributedPipe.save_checkpoint``, a ``.pt`` checkpoint of the earlier format, or a plain
+# ``state_dict`` file. Under torchrun each rank loads its own stage's tensors.
+#
+# Example::
+#
+#     python train.py recipe=amoebanet_quickstart trainer.max_steps=100        # writes last/
+#     python train.py recipe=amoebanet_quickstart trainer.init_from=outputs/.../last \
+#         data.num_classes=5
+
+log = logging.getLogger(__name__)
+INIT = "trainer.init_from"
+
+
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """Name -> tensor from a checkpoint (its EMA when it kept one), a shard directory or a
+    plain ``state_dict`` file; anything else is a ConfigError naming trainer.init_from.
+
+    Example::
+
+        weights = read_weights(Path("outputs/2026-11-30/14-26-42/last"))
+    """
+    if path.is_dir():
+        if not (path / shards.MANIFEST).is_file():
+            raise ConfigError(INIT, f"no checkpoint (manifest.json) in {path}")
+        with refusing_damage(path, INIT):
+            extra = shards.read_manifest(path).get("extra") or {}
+            if extra.get("format") == RUN_FORMAT:
+                state = read_checkpoint(path, INIT)
+                return {**state["model"], **(state["ema"] or {})}
+            return shards.load(path)
+    if not path.is_file():
+        raise ConfigError(INIT, f"no checkpoint at {path}")
+    loaded: Any = safe_load(path, INIT)
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("model"), Mapping):
+        weights = dict(loaded["model"])
+        if isinstance(loaded.get("ema"), Mapping):
+            weights.update(loaded["ema"])
+        loaded = weights
+    if not isinstance(loaded, Mapping) or not loaded:
+        raise ConfigError(INIT, f"{path} holds no state dict (a name -> tensor mapping)")
+    return {str(k): v for k, v in loaded.items() if isinstance(v, Tensor)}
+
+
+def matching(saved: Mapping[str, Tensor], live: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The saved tensors whose name and shape the live model has.
+
+    Example::
+
+        matching({"fc.weight": torch.zeros(1000, 64)}, {"fc.weight": torch.zeros(10, 64)})  # {}
+    """
+    return {
+        name: tensor
+        for name, tensor in saved.items()
+        if name in live and tuple(live[name].shape) == tuple(tensor.shape)
+    }
+
+
+def load_initial_weights(parts: Experiment, path: Path) -> list[str]:
+    """Load the matching tensors of ``path`` into the built run; return the names left fresh.
+
+    The GPipe paper's transfer experiments start from the ImageNet model and replace its
+    softmax: every tensor whose name and shape match is loaded, the rest (a classifier of
+    another class count) keep their fresh initialization; optimizer, step and data position
+    start anew. A one-line ConfigError when nothing matches (another model, or a path to the
+    wrong run). The EMA, if any, restarts from the loaded weights.
+    """
+    live = parts.pipe.state_dict()
+    saved = read_weights(path)
+    found = matching(saved, live)
+    if not found:
+        raise ConfigError(
+            INIT,
+            f"{path} has no tensor matching this model by name and shape (checkpoint: "
+            f"{sorted(saved)[:2]}..., model: {sorted(live)[:2]}...)",
+        )
+    parts.pipe.load_state_dict({**live, **found})
+    if parts.ema is not None:
+        parts.ema.load_state_dict({n: p.detach() for n, p in parts.names.items()})
+    fresh = sorted(set(live) - set(found))
+    log.info(
+        "init_from %s: loaded %d of %d tensors; freshly initialized: %s",
+        path,
+        len(found),
+        len(live),
+        ", ".join(fresh) if fresh else "none",
+    )
+    return fresh

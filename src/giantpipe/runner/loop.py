@@ -30,19 +30,18 @@ import torch
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, EvaluationError, batch_size
-from giantpipe.metrics.record import EngineStats, MetricsLogger, StepRecord
-from giantpipe.metrics.sinks import write_summary
+from giantpipe.metrics import EngineStats, MetricsLogger, StepRecord, write_summary
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.checkpoint import (
     BackgroundSaveError,
     CheckpointWriter,
     Progress,
+    load_initial_weights,
     model_record,
     restore,
     seed_everything,
 )
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
-from giantpipe.runner.finetune import load_initial_weights
 from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.record import (
     after_step,

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from giantpipe.config import LoggerConfig
-from giantpipe.metrics.record import MetricsLogger, StepRecord, Window
-from giantpipe.metrics.sinks import (
+from giantpipe.metrics import MetricsLogger, StepRecord, Window
+from giantpipe.metrics import (
     JsonlSink,
     format_table,
     read_jsonl,

@@ -18,9 +18,8 @@ from giantpipe.data.image_bundle import GeneratedImagesDataConfig, generated_ima
 from giantpipe.data.tensors import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint import read_checkpoint
+from giantpipe.runner.checkpoint import load_initial_weights, read_checkpoint, read_weights
 from giantpipe.runner.evaluate import evaluate
-from giantpipe.runner.finetune import load_initial_weights, read_weights
 from giantpipe.runner.losses import count_top_k
 from models.amoebanet import AmoebaNetModelConfig
 from models.mlp import MlpModelConfig
