@@ -44,7 +44,6 @@ from giantpipe.runner.checkpoint import (
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.record import (
-    after_step,
     base_summary,
     check_objective,
     open_record,
@@ -317,7 +316,17 @@ class TrainingLoop:
         return self.world.sum([float(bad)])[0] == 0
 
     def after_step(self) -> None:
-        after_step(self, LAST, lambda step: f"step_{step}")
+        """The cadence after each optimizer step: every ``trainer.eval_every`` steps before the
+        end, evaluate, then refresh ``last/`` (with ``trainer.save_last``); every
+        ``trainer.checkpoint_every`` steps, write ``step_N/`` and ``last/``."""
+        trainer, step = self.cfg.trainer, self.progress.step
+        if trainer.eval_every and step % trainer.eval_every == 0 and step < self.parts.total_steps:
+            self.evaluate()
+            if trainer.save_last:
+                self.save(LAST)
+        if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
+            self.save(f"step_{step}")
+            self.save(LAST)
 
     # -- the loop ---------------------------------------------------------------------------
 
