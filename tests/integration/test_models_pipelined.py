@@ -42,7 +42,7 @@ def test_amoebanet_k3_m4_always_deferred_batch_norm_matches_plain() -> None:
         chunks=4,
         checkpoint="always",
         deferred_batch_norm=True,
-        threads_per_stage=1,
+        threads_per_worker=1,
     )
     torch.manual_seed(3)
     loss = pipe.train_step(x, y, nn.functional.cross_entropy)

@@ -21,7 +21,7 @@ def test_plan_auto_runs_the_planned_settings_and_reports_them(tmp_path: Path):
         )
     )
     log = result.stdout + result.stderr
-    assert "pipeline.plan=auto" in log and "| # | schedule | V | M | checkpoint |" in log
+    assert "pipeline.plan=auto" in log and "| # | schedule | V | M | recompute |" in log
     assert "predicted step" in log and "| measured" in log
     summary = json.loads((run_dir / "summary.json").read_text())
     choice = summary["pipeline/plan_choice"]

@@ -159,7 +159,7 @@ def test_torchvision_model_pipelined_equals_the_original(name: str) -> None:
     finally:
         torch.set_num_threads(threads)
     halves = [len(seq) // 2, len(seq) - len(seq) // 2]
-    pipe = GPipe(copy.deepcopy(seq), halves, chunks=2, threads_per_stage=1)
+    pipe = GPipe(copy.deepcopy(seq), halves, chunks=2, threads_per_worker=1)
     pipe.train_step(x, y, F.cross_entropy)
     assert_same_grads(pipe, plain)
     for key, buf in plain.state_dict().items():
