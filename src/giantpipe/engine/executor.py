@@ -89,6 +89,7 @@ from giantpipe.engine.microbatch import (
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule
+from giantpipe.engine.spec import DEFAULT_TIMEOUT
 from giantpipe.engine.stats import (
     ActionTiming,
     CudaClock,
@@ -150,7 +151,7 @@ class StepConfig:
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
     loss: LossSpec | None = None
     threads_per_worker: int | None = None
-    timeout: float = 300.0
+    timeout: float = DEFAULT_TIMEOUT
     placement: Sequence[int] | None = None  # worker of each stage; None: one stage per worker
 
 
