@@ -87,7 +87,14 @@ from giantpipe.engine.partition import BalanceError, verify_balance, verify_modu
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.rng import RngHooks, draw_step_seed
 from giantpipe.engine.schedule import Schedule, gpipe, validate
-from giantpipe.engine.spec import PipelineSpec, SpecError
+from giantpipe.engine.spec import (
+    DEFAULT_CHUNKS,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TIMEOUT,
+    PipelineSpec,
+    SpecError,
+)
 from giantpipe.engine.stats import ActionTiming, StepStats
 
 Normalizer = Callable[[TensorOrTensors], float]
@@ -104,6 +111,26 @@ def check_model(module: nn.Sequential, spec: PipelineSpec) -> None:
         verify_balance(len(module), spec.balance, len(spec.balance))
     except BalanceError as exc:
         raise SpecError("pipeline.balance", str(exc)) from exc
+
+
+_SHAPE_DEFAULTS: dict[str, object] = {
+    "chunks": DEFAULT_CHUNKS,
+    "recompute": DEFAULT_RECOMPUTE,
+    "schedule": DEFAULT_SCHEDULE,
+    "timeout": DEFAULT_TIMEOUT,
+    "deferred_batch_norm": False,
+}
+
+
+def refuse_beside_spec(given: dict[str, object]) -> None:
+    """A pipe given ``spec=`` takes its shape from it: a shape keyword set beside it (not at
+    its default, None for the others) would be ignored, so it is refused by name.
+
+    >>> refuse_beside_spec({"chunks": 1, "balance": None})
+    """
+    beside = [k for k, v in given.items() if v != _SHAPE_DEFAULTS.get(k)]
+    if beside:
+        raise ValueError(f"give spec= or {', '.join(beside)}, not both")
 
 
 @functools.lru_cache(maxsize=64)

@@ -51,6 +51,7 @@ from giantpipe.engine.base import (
     check_input,
     check_model,
     fill_drain,
+    refuse_beside_spec,
 )
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm
 from giantpipe.engine.executor import LossFn, LossSpec, StepRun
@@ -156,8 +157,8 @@ class GPipe(Pipe):
                 threads_per_worker=threads_per_worker,
                 deferred_batch_norm=deferred_batch_norm,
             )
-        elif beside := [k for k, v in given.items() if v != _DEFAULTS.get(k)]:
-            raise ValueError(f"give spec= or {', '.join(beside)}, not both")
+        else:
+            refuse_beside_spec(given)
         check_model(module, spec)
         workers = resolve_devices(spec.devices, spec.num_workers)
         verify_balance(len(module), spec.balance, len(workers) * spec.virtual_stages)
@@ -421,15 +422,6 @@ class PipelineFunction(torch.autograd.Function):
         pipe._finish(run, ctx.started)
         grads = _gather_input_grads(run, chunks, ctx.num_inputs)
         return (None, None, None, None, None, *grads)
-
-
-_DEFAULTS: dict[str, object] = {
-    "chunks": DEFAULT_CHUNKS,
-    "recompute": DEFAULT_RECOMPUTE,
-    "schedule": DEFAULT_SCHEDULE,
-    "timeout": DEFAULT_TIMEOUT,
-    "deferred_batch_norm": False,
-}
 
 
 def torchgpipe_alias(recompute: str, checkpoint: str | None) -> str:

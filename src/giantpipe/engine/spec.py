@@ -91,7 +91,8 @@ class PipelineSpec:
     timeout: float = DEFAULT_TIMEOUT
     """Seconds any wait for a neighbour may take before the step fails."""
     threads_per_worker: int | None = None
-    """Intra-op threads of each worker; None: CPU stand-ins share the caller's evenly."""
+    """Intra-op threads of each worker thread (local executor); None: CPU stand-ins share the
+    caller's evenly. A rank under torchrun keeps its process's own."""
     deferred_batch_norm: bool = False
     """BatchNorm running statistics once per mini-batch rather than per micro-batch."""
     _schedule: Schedule | None = field(default=None, init=False, repr=False, compare=False)

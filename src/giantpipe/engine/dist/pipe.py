@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.base import Normalizer, Pipe, check_model
+from giantpipe.engine.base import Normalizer, Pipe, check_model, refuse_beside_spec
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
 from giantpipe.engine.dist import shards
 from giantpipe.engine.dist.faults import (
@@ -187,8 +187,10 @@ class DistributedPipe(Pipe):
                 timeout=timeout,
                 deferred_batch_norm=deferred_batch_norm,
             )
-        elif balance is not None:
-            raise ValueError("give spec= or balance= (and the other shape arguments), not both")
+        else:
+            given: dict[str, object] = dict(balance=balance, chunks=chunks, recompute=recompute)
+            given.update(schedule=schedule, virtual_stages=virtual_stages, timeout=timeout)
+            refuse_beside_spec(dict(given, deferred_batch_norm=deferred_batch_norm))
         model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
         check_model(model, spec)
         if not spec.balance:
