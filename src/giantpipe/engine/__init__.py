@@ -33,6 +33,8 @@ Example::
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -102,3 +104,17 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(f"giantpipe.engine.{_HOMES[name]}"), name)
     globals()[name] = value  # once: later lookups do not come here
     return value
+
+
+class _Package(types.ModuleType):
+    """This package. Importing the submodule ``giantpipe.engine.gpipe`` binds it here as
+    ``gpipe``, which would hide the exported fill-drain builder of that name (the eager imports
+    bound the function last): the package keeps the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "gpipe" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
