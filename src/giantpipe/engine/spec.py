@@ -1,8 +1,7 @@
 """PipelineSpec: a pipeline's shape as one frozen value, checked once.
 
-Balance, M, V, the schedule, the re-materialization mode, the devices and the timeout used to be
-carried by about seven types (the config, the planner's candidate, the pipes' attributes, ...),
-each checking a part of them and the schedule being built three times before step 1. Now:
+Balance, M, V, the schedule, the re-materialization mode, the devices and the timeout have one
+owner, from the config or the planner to the pipes and the cost model:
 
     PipelineConfig --pipeline_spec()--> PipelineSpec --spec=--> GPipe / DistributedPipe
     planner's best candidate --.spec()--^                  pipe.spec --> perf (predict, ...)
