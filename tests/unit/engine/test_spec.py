@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -219,3 +221,22 @@ def test_one_set_of_defaults_for_the_spec_both_pipes_and_the_config() -> None:
         assert got == expected
         assert "threads_per_stage" not in params
     assert "checkpoint" not in inspect.signature(DistributedPipe).parameters
+
+
+# a parameter, keyword, field or attribute named checkpoint(s) (not a word in prose or ``code``)
+MODE_NAMED_CHECKPOINT = re.compile(
+    r"(?<![`\w])checkpoints?\s*[=:]|(?<!distributed)\.checkpoints?\b"
+)
+
+
+def test_checkpoint_names_the_mode_only_at_gpipes_door() -> None:
+    src = Path(spec_module.__file__).parents[1]
+    found = [
+        f"{path.relative_to(src)}:{number}: {line.strip()}"
+        for package in ("engine", "perf")
+        for path in sorted((src / package).rglob("*.py"))
+        if path.relative_to(src).as_posix() != "engine/gpipe.py"  # torchgpipe's alias lives there
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if MODE_NAMED_CHECKPOINT.search(line)
+    ]
+    assert found == []
