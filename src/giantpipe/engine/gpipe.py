@@ -141,24 +141,19 @@ class GPipe(Pipe):
         virtual_stages: int | None = None,
         spec: PipelineSpec | None = None,
     ) -> None:
-        given: dict[str, object] = dict(balance=balance, devices=devices, chunks=chunks)
-        given.update(recompute=recompute, checkpoint=checkpoint, schedule=schedule)
-        given.update(deferred_batch_norm=deferred_batch_norm, timeout=timeout)
-        given.update(threads_per_worker=threads_per_worker, virtual_stages=virtual_stages)
-        if spec is None:
-            spec = PipelineSpec(
-                balance=check_balance(balance),
-                chunks=chunks,
-                schedule=schedule,
-                virtual_stages=virtual_stages or 0,
-                recompute=torchgpipe_alias(recompute, checkpoint),
-                devices=None if devices is None else tuple(devices),
-                timeout=timeout,
-                threads_per_worker=threads_per_worker,
-                deferred_batch_norm=deferred_batch_norm,
-            )
-        else:
-            refuse_beside_spec(given)
+        spec = door_spec(
+            spec,
+            balance=balance,
+            devices=devices,
+            chunks=chunks,
+            recompute=recompute,
+            checkpoint=checkpoint,
+            deferred_batch_norm=deferred_batch_norm,
+            schedule=schedule,
+            timeout=timeout,
+            threads_per_worker=threads_per_worker,
+            virtual_stages=virtual_stages,
+        )
         check_model(module, spec)
         workers = resolve_devices(spec.devices, spec.num_workers)
         verify_balance(len(module), spec.balance, len(workers) * spec.virtual_stages)
@@ -422,6 +417,33 @@ class PipelineFunction(torch.autograd.Function):
         pipe._finish(run, ctx.started)
         grads = _gather_input_grads(run, chunks, ctx.num_inputs)
         return (None, None, None, None, None, *grads)
+
+
+def door_spec(spec: PipelineSpec | None, **given: Any) -> PipelineSpec:
+    """The spec a GPipe runs: ``spec``, or one made of GPipe's keyword arguments ``given``
+    (``checkpoint`` being torchgpipe's alias of ``recompute``). A keyword set beside ``spec``
+    is refused: it would be ignored.
+
+    >>> door_spec(None, balance=[1, 1], devices=None, chunks=2, recompute="except_last",
+    ...           checkpoint="never", deferred_batch_norm=False, schedule="gpipe", timeout=9,
+    ...           threads_per_worker=None, virtual_stages=None).recompute
+    'never'
+    """
+    if spec is not None:
+        refuse_beside_spec(given)
+        return spec
+    devices = given["devices"]
+    return PipelineSpec(
+        balance=check_balance(given["balance"]),
+        chunks=given["chunks"],
+        schedule=given["schedule"],
+        virtual_stages=given["virtual_stages"] or 0,
+        recompute=torchgpipe_alias(given["recompute"], given["checkpoint"]),
+        devices=None if devices is None else tuple(devices),
+        timeout=given["timeout"],
+        threads_per_worker=given["threads_per_worker"],
+        deferred_batch_norm=given["deferred_batch_norm"],
+    )
 
 
 def torchgpipe_alias(recompute: str, checkpoint: str | None) -> str:
