@@ -52,6 +52,7 @@ import ast
 import copy
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -200,10 +201,11 @@ def schema_twin(source: Path, name: str) -> type:
             value = dataclasses.MISSING if node.value is None else ast.literal_eval(node.value)
         except (ValueError, SyntaxError, NameError, TypeError) as err:
             # The command line reads schemas before importing torch: keep their fields plain.
-            raise ConfigError(where, f"{name}.{node.target.id} must have a builtin type and a "
-                              f"literal default ({err})") from err
+            problem = f"{name}.{node.target.id} must have a builtin type and a literal default"
+            raise ConfigError(where, f"{problem} ({err})") from err
+        default: Any
         if isinstance(value, list | dict | set):
-            default = dataclasses.field(default_factory=lambda v=value: copy.deepcopy(v))
+            default = dataclasses.field(default_factory=functools.partial(copy.deepcopy, value))
         else:
             default = dataclasses.field(default=value)
         fields.append((node.target.id, kind, default))
@@ -342,33 +344,37 @@ def check_fits(cfg: DictConfig, choices: dict[str, Any], conf_dir: Path | None) 
     model, data = cfg.get("model"), cfg.get("data")
     if not (isinstance(model, DictConfig) and isinstance(data, DictConfig)):
         return
-    missing = sorted(k for k in data_reads(model) if k not in data)
+    reads = data_reads(model)
+    missing = sorted(k for k in reads if k not in data)
     if not missing:
         return
     keys = ", ".join(f"data.{k}" for k in missing)
-    option = choices.get("data")
-    reads = recipe_reads(conf_dir) if conf_dir is not None else {}
-    fitting = [r for r, read in reads.items() if read <= set(map(str, data))]
-    hint = f"; use {' or '.join(f'recipe={r}' for r in fitting)}" if fitting else ""
-    raise ConfigError(
-        f"data={option}",
-        f"does not fit model={choices.get('model')} (it reads {keys}){hint}",
-    )
+    problem = f"model={choices.get('model')} reads {keys}, which it lacks"
+    if conf_dir is not None:
+        options = [d for d, fields in data_fields(conf_dir).items() if reads <= fields]
+        recipes = [r for r, read in recipe_reads(conf_dir).items() if read <= set(map(str, data))]
+        if options:
+            problem += f"; the model fits {' or '.join(f'data={d}' for d in options)}"
+        if recipes:
+            problem += f"; for this data use {' or '.join(f'recipe={r}' for r in recipes)}"
+    raise ConfigError(f"data={choices.get('data')}", problem)
 
 
 DATA_READ = re.compile(r"\$\{data\.(\w+)\}")
 """An interpolation a model option reads a data key with (``oc.select`` ones have a default)."""
 
 
-def data_reads(model: DictConfig | dict[str, Any]) -> set[str]:
+def data_reads(model: Any) -> set[str]:
     """The ``data`` keys a model option's values interpolate.
 
     Example::
 
         data_reads(OmegaConf.load("conf/model/mlp.yaml"))    # {"features", "classes"}
     """
-    container = OmegaConf.to_container(model, resolve=False) if isinstance(model, DictConfig) else model
-    values = [v for v in container.values() if isinstance(v, str)]
+    if isinstance(model, DictConfig):
+        model = OmegaConf.to_container(model, resolve=False)
+    assert isinstance(model, dict), "a model option is a mapping"
+    values = [v for v in model.values() if isinstance(v, str)]
     return {key for value in values for key in DATA_READ.findall(value)}
 
 
@@ -378,8 +384,18 @@ def recipe_reads(conf_dir: Path) -> dict[str, set[str]]:
     for path in sorted(Path(conf_dir, "recipe").glob("*.yaml")):
         model = recipe_choices(path).get("model")
         if model is not None:
-            reads[path.stem] = data_reads(yaml.safe_load(Path(conf_dir, "model", f"{model}.yaml").read_text()))
+            option = Path(conf_dir, "model", f"{model}.yaml")
+            reads[path.stem] = data_reads(yaml.safe_load(option.read_text()))
     return reads
+
+
+def data_fields(conf_dir: Path) -> dict[str, set[str]]:
+    """Data option -> the keys it holds (its schema's fields), read without importing torch."""
+    fields = {}
+    for path in sorted(Path(conf_dir, "data").glob("*.yaml")):
+        twins = option_twins(path).values()
+        fields[path.stem] = {f.name for twin in twins for f in dataclasses.fields(twin)}
+    return fields
 
 
 def recipe_choices(path: Path) -> dict[str, str]:
@@ -717,7 +733,9 @@ def usage(conf_dir: Path) -> str:
     width = max((len(p.stem) for p in recipes), default=0) + 2
     lines = [f"  {p.stem:<{width}}{recipe_summary(p)}" for p in recipes]
     groups = sorted(p for p in Path(conf_dir).iterdir() if p.is_dir() and p.name != "recipe")
-    options = [f"  {g.name:<9} {', '.join(sorted(o.stem for o in g.glob('*.yaml')))}" for g in groups]
+    options = [
+        f"  {g.name:<9} {', '.join(sorted(o.stem for o in g.glob('*.yaml')))}" for g in groups
+    ]
     main = yaml.safe_load(Path(conf_dir, "config.yaml").read_text())
     picks = [e["recipe"] for e in main.get("defaults", []) if isinstance(e, dict) and "recipe" in e]
     return USAGE.format(
