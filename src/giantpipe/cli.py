@@ -60,6 +60,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable
@@ -169,19 +170,33 @@ def option_twins(path: Path) -> dict[str, type]:
     if not wanted:
         return {}
     module_name = target.rpartition(".")[0]
-    spec = importlib.util.find_spec(module_name)  # imports the parent packages only
+    try:
+        spec = importlib.util.find_spec(module_name)  # imports the parent packages only
+    except ImportError as err:
+        raise ConfigError(str(path), f"cannot import {module_name!r} ({err})") from err
     if spec is None or spec.origin is None:
-        raise ConfigError(str(path), f"cannot find the module {module_name!r} of _target_")
-    return {name: schema_twin(Path(spec.origin), name) for name in wanted}
+        raise ConfigError(str(path), f"cannot import {module_name!r} (no such module)")
+    twins = {}
+    for name in wanted:
+        twin = schema_twin(Path(spec.origin), name)
+        if twin is None:
+            problem = f"defaults name {name}, which is neither an option of {path.parent.name}"
+            raise ConfigError(str(path), f"{problem} nor a dataclass in {module_name}")
+        builds = getattr(twin, "_target_", target)
+        if builds != target:
+            raise ConfigError(str(path), f"{name} describes {builds}, not _target_ {target}")
+        twins[name] = twin
+    return twins
 
 
 TWIN_NAMES: dict[str, Any] = {"Any": Any}
 """Names a schema's annotations may use besides the builtins (``int | None``, ``list[str]``)."""
 
 
-def schema_twin(source: Path, name: str) -> type:
+def schema_twin(source: Path, name: str) -> type | None:
     """The dataclass ``name`` of ``source`` rebuilt from its field declarations: annotations and
-    literal defaults, no methods. Marked ``__twin_of__ = (source, name)``.
+    literal defaults, no methods. Marked ``__twin_of__ = (source, name)``; None if ``source``
+    defines no dataclass of that name.
 
     Example::
 
@@ -189,8 +204,8 @@ def schema_twin(source: Path, name: str) -> type:
     """
     tree = ast.parse(source.read_text(), filename=str(source))
     found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
-    if not found:
-        raise ConfigError(str(source), f"no class {name} (named by a conf/ option's defaults)")
+    if not found or not any("dataclass" in ast.unparse(d) for d in found[0].decorator_list):
+        return None
     fields: list[tuple[str, Any, Any]] = []
     for node in found[0].body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -378,6 +393,7 @@ def data_reads(model: Any) -> set[str]:
     return {key for value in values for key in DATA_READ.findall(value)}
 
 
+@functools.cache  # conf/ does not change while a command runs; the recipe matrix test asks often
 def recipe_reads(conf_dir: Path) -> dict[str, set[str]]:
     """Recipe -> the data keys its model option reads (from conf/ alone, nothing composed)."""
     reads = {}
@@ -389,6 +405,7 @@ def recipe_reads(conf_dir: Path) -> dict[str, set[str]]:
     return reads
 
 
+@functools.cache
 def data_fields(conf_dir: Path) -> dict[str, set[str]]:
     """Data option -> the keys it holds (its schema's fields), read without importing torch."""
     fields = {}
@@ -734,7 +751,13 @@ def usage(conf_dir: Path) -> str:
     lines = [f"  {p.stem:<{width}}{recipe_summary(p)}" for p in recipes]
     groups = sorted(p for p in Path(conf_dir).iterdir() if p.is_dir() and p.name != "recipe")
     options = [
-        f"  {g.name:<9} {', '.join(sorted(o.stem for o in g.glob('*.yaml')))}" for g in groups
+        textwrap.fill(
+            ", ".join(sorted(o.stem for o in g.glob("*.yaml"))),
+            width=100,
+            initial_indent=f"  {g.name:<10}",
+            subsequent_indent=" " * 12,
+        )
+        for g in groups
     ]
     main = yaml.safe_load(Path(conf_dir, "config.yaml").read_text())
     picks = [e["recipe"] for e in main.get("defaults", []) if isinstance(e, dict) and "recipe" in e]
