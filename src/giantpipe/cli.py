@@ -725,7 +725,7 @@ def guarded(main: Callable[[], None], conf_dir: Path) -> None:
 USAGE = """\
 usage: python train.py [recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]
        python train.py -m KEY=A,B ...          a sweep: one job per value
-       python train.py [...] --cfg job         print the composed config (every key), run nothing
+       python train.py --cfg job [...]         print the composed config (every key), run nothing
 
 Recipes (recipe=NAME; the default is {default}):
 {recipes}

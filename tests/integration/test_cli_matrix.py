@@ -80,3 +80,15 @@ def test_the_twin_read_from_source_has_the_schemas_fields_types_and_defaults(opt
 def described(field: dataclasses.Field) -> tuple[str, object]:
     factory = field.default_factory
     return field.name, factory() if factory is not dataclasses.MISSING else field.default
+
+
+@pytest.mark.parametrize("model", ["hf_causal_lm", "transformer_lm", "transformer_t"])
+def test_a_language_model_on_feature_tensors_is_refused_naming_the_data_it_fits(
+    compose_with, model: str
+):
+    """Their vocabulary and length follow the data (no silent default when the data has none)."""
+    cfg = compose_with("recipe=mlp_quickstart", f"model={model}", "data=tensors", "data.root=.")
+    choices = dict(cfg.hydra.runtime.choices)
+    del cfg.hydra
+    with pytest.raises(ConfigError, match=r"data\.vocab_size.*the model fits data=(lm_tokens|tr)"):
+        check_fits(cfg, choices, CONF)

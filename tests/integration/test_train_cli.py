@@ -12,6 +12,8 @@ import pytest
 
 from giantpipe.runner.checkpoint import read_checkpoint
 
+pytestmark = pytest.mark.slow  # every test runs python train.py end to end (torch, training)
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "recipe=mlp_quickstart",  # the default job is the AmoebaNet quick start; these runs use the MLP
