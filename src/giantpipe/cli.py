@@ -8,6 +8,13 @@ which live beside their builders. :func:`to_experiment` turns the composed confi
 :class:`giantpipe.config.ExperimentConfig` (validating every group in ``__post_init__``); the job
 runs the training and hands Hydra the sweep objective.
 
+The command line answers before torch is imported: the builders' modules import torch, so the
+ConfigStore holds each option schema's twin, read from source (:func:`option_twins`: fields,
+types, defaults). A job checks, in order: the data fits the model (:func:`check_fits`), keys,
+types and the core groups' values (:func:`check_config`), then, importing the builders, the
+model's and data's own values (:func:`checked_options`); only then the runner and torch. Every
+refusal exits 2, a run that fails 1 (:data:`USAGE_EXIT`, :data:`FAILED_EXIT`).
+
 How an option finds its schema (adding a model or a data set edits no list): an option file
 ``conf/GROUP/NAME.yaml`` names its builder by ``_target_`` and, first in its defaults, a
 dataclass of the builder's module::
@@ -19,7 +26,7 @@ dataclass of the builder's module::
     _target_: models.mlp.mlp                       _target_: str = "models.mlp.mlp"
     hidden: 64                                     in_features: int = 16 ...
 
-Errors become ONE line on stderr that names the key or path, and a non-zero exit:
+Errors become ONE line on stderr that names the key or path, and exit 2 (a config error) or 1:
 
     $ python train.py trainer.foo=1
     error: trainer.foo: unknown key (Key 'foo' not in 'TrainerConfig')
