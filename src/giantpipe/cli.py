@@ -70,6 +70,7 @@ import sys
 import textwrap
 import time
 import traceback
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -196,7 +197,12 @@ def option_twins(path: Path) -> dict[str, type]:
     return twins
 
 
-TWIN_NAMES: dict[str, Any] = {"Any": Any}
+TWIN_NAMES: dict[str, Any] = {
+    "Any": Any,
+    "Literal": typing.Literal,
+    "Optional": typing.Optional,
+    "Union": typing.Union,
+}
 """Names a schema's annotations may use besides the builtins (``int | None``, ``list[str]``)."""
 
 
@@ -217,23 +223,48 @@ def schema_twin(source: Path, name: str) -> type | None:
     for node in found[0].body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
+        if "ClassVar" in ast.unparse(node.annotation):  # not a field
+            continue
         where = f"{source}:{node.lineno}"
         try:
             kind = eval(ast.unparse(node.annotation), dict(TWIN_NAMES))  # noqa: S307 - our source
-            value = dataclasses.MISSING if node.value is None else ast.literal_eval(node.value)
+            default = _twin_default(node.value)
         except (ValueError, SyntaxError, NameError, TypeError) as err:
             # The command line reads schemas before importing torch: keep their fields plain.
             problem = f"{name}.{node.target.id} must have a builtin type and a literal default"
             raise ConfigError(where, f"{problem} ({err})") from err
-        default: Any
-        if isinstance(value, list | dict | set):
-            default = dataclasses.field(default_factory=functools.partial(copy.deepcopy, value))
-        else:
-            default = dataclasses.field(default=value)
         fields.append((node.target.id, kind, default))
     twin = dataclasses.make_dataclass(name, fields)
     twin.__twin_of__ = (source, name)  # type: ignore[attr-defined]
     return twin
+
+
+FACTORIES = {"list": list, "dict": dict, "set": set, "tuple": tuple}
+"""The ``field(default_factory=NAME)`` a twin can rebuild."""
+
+
+def _twin_default(value: ast.expr | None) -> Any:
+    """A twin field's ``dataclasses.field`` from the source of a default: none, a literal,
+    ``field(default=LITERAL)``, ``field(default_factory=list)`` or ``lambda: LITERAL``."""
+    if value is None:
+        return dataclasses.field()
+    if isinstance(value, ast.Call) and ast.unparse(value.func) in ("field", "dataclasses.field"):
+        given = {k.arg: k.value for k in value.keywords}
+        factory = given.get("default_factory")
+        if isinstance(factory, ast.Name) and factory.id in FACTORIES:
+            return dataclasses.field(default_factory=FACTORIES[factory.id])
+        if isinstance(factory, ast.Lambda):
+            literal = ast.literal_eval(factory.body)
+            return dataclasses.field(default_factory=functools.partial(copy.deepcopy, literal))
+        if factory is not None:
+            raise ValueError(f"default_factory={ast.unparse(factory)} is not a builtin or literal")
+        value = given.get("default")
+        if value is None:
+            return dataclasses.field()
+    literal = ast.literal_eval(value)
+    if isinstance(literal, list | dict | set):
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, literal))
+    return dataclasses.field(default=literal)
 
 
 def register_configs(conf_dir: Path) -> None:

@@ -18,6 +18,7 @@ from giantpipe.cli import (
     option_twins,
     recipe_choices,
     register_configs,
+    schema_twin,
 )
 from giantpipe.config import ConfigError
 
@@ -92,3 +93,19 @@ def test_a_language_model_on_feature_tensors_is_refused_naming_the_data_it_fits(
     del cfg.hydra
     with pytest.raises(ConfigError, match=r"data\.vocab_size.*the model fits data=(lm_tokens|tr)"):
         check_fits(cfg, choices, CONF)
+
+
+def test_a_twin_rebuilds_field_defaults_and_refuses_what_it_cannot_read(tmp_path: Path):
+    source = tmp_path / "builder.py"
+    source.write_text(
+        "from dataclasses import dataclass, field\n\n@dataclass\nclass OptionConfig:\n"
+        "    files: list[str] = field(default_factory=list)\n"
+        "    sizes: list[int] = field(default_factory=lambda: [1, 2])\n"
+        "    name: str = field(default='x')\n    seed: int | None = None\n"
+    )
+    twin = schema_twin(source, "OptionConfig")
+    assert twin() == twin(files=[], sizes=[1, 2], name="x", seed=None)
+    assert twin().sizes is not twin().sizes
+    source.write_text(source.read_text() + "    width: int = WIDTH\n")
+    with pytest.raises(ConfigError, match="OptionConfig.width must have a builtin type"):
+        schema_twin(source, "OptionConfig")
