@@ -111,8 +111,8 @@ OPTION_GROUPS = ("model", "data")
 """Groups whose options name a builder by ``_target_`` and may be typed by its schema."""
 
 CONF_DIRS: list[Path] = []
-"""The conf/ directories :func:`register_configs` registered (the last one's recipes are read
-to name one that fits)."""
+"""The conf/ directory :func:`register_configs` registered last (its recipes are read to name
+one that fits)."""
 
 OPTION_SCHEMAS: dict[str, type] = {}
 """Schema name -> class, as registered (left out of the options a mistyped ``GROUP=`` lists)."""
@@ -280,7 +280,7 @@ def register_configs(conf_dir: Path) -> None:
             cfg = to_experiment(compose("config", ["recipe=mlp_quickstart"]))
     """
     register_run_id()
-    CONF_DIRS.append(Path(conf_dir))
+    CONF_DIRS[:] = [Path(conf_dir)]
     store = ConfigStore.instance()
     store.store(name="base_config", node=ExperimentConfig)
     for group in OPTION_GROUPS:
@@ -385,14 +385,17 @@ def _real_schema(target: str, name: str) -> type:
 
 def check_fits(cfg: DictConfig, choices: dict[str, Any], conf_dir: Path | None) -> None:
     """The data option must hold every ``data.KEY`` the model option reads
-    (``num_classes: ${data.num_classes}``); else refuse, naming the recipes whose model fits it.
+    (``num_classes: ${data.num_classes}``); else refuse, naming the data options that fit the
+    model and the recipes whose model fits the data.
 
     Run before :func:`check_config`, which would stop at the first missing key with less to say.
 
     Example::
 
         check_fits(cfg, {"model": "amoebanet_d", "data": "tensors"}, Path("conf"))
-        # ConfigError: data=tensors: does not fit model=amoebanet_d (...); use recipe=mlp_quickstart
+        # ConfigError: data=tensors: model=amoebanet_d reads data.image_size, data.num_classes,
+        # which it lacks; the model fits data=images_folder or ...; for this data use
+        # recipe=mlp_quickstart
     """
     model, data = cfg.get("model"), cfg.get("data")
     if not (isinstance(model, DictConfig) and isinstance(data, DictConfig)):
