@@ -4,9 +4,10 @@
     python benchmarks/cli_latency.py --quick      # 1 run of each; what the test suite runs
 
 Each run is a fresh ``python train.py ...`` process timed from start to exit (wall clock), in a
-scratch directory, so Python's start-up, Hydra's composition and the checks are all counted.
-The target (issue 26) is under 2 s on an idle core; a shared, loaded machine measures more, so
-the load average is printed beside the table.
+scratch directory, so Python's start-up, Hydra's composition and the checks are all counted;
+beside it the CPU seconds the process used (user + system), what it would take on an idle core.
+The target (issue 26) is under 2 s on an idle core; a shared, loaded machine measures more wall
+time, so the load average is printed beside the table.
 
     case             what runs
     bad override     train.py trainer.max_stpes=5 (a typo): exit 2, one line
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,9 +36,11 @@ CASES = {
 """Case -> (arguments of train.py, the exit status it must give)."""
 
 
-def timed_run(args: list[str], status: int, cwd: Path) -> float:
-    """Seconds one ``python train.py ARGS`` takes; fails if it exits otherwise than ``status``."""
+def timed_run(args: list[str], status: int, cwd: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``python train.py ARGS``; fails if it exits otherwise than
+    ``status``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args],
@@ -47,18 +51,22 @@ def timed_run(args: list[str], status: int, cwd: Path) -> float:
         timeout=300,
     )
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != status:
         raise SystemExit(f"train.py {' '.join(args)} exited {result.returncode}: {result.stderr}")
-    return seconds
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, cpu
 
 
-def table(repeats: int) -> list[tuple[str, float, float, float]]:
-    """(case, median, min, max) seconds over ``repeats`` runs of each case."""
+def table(repeats: int) -> list[tuple[str, float, float, float, float]]:
+    """(case, median, min, max wall seconds, median CPU seconds) over ``repeats`` runs of each."""
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for case, (args, status) in CASES.items():
-            times = [timed_run(args, status, Path(scratch)) for _ in range(repeats)]
-            rows.append((case, statistics.median(times), min(times), max(times)))
+            runs = [timed_run(args, status, Path(scratch)) for _ in range(repeats)]
+            wall = [w for w, _ in runs]
+            cpu = statistics.median(c for _, c in runs)
+            rows.append((case, statistics.median(wall), min(wall), max(wall), cpu))
     return rows
 
 
@@ -69,10 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(argv)
     repeats = 1 if options.quick else options.repeats
     rows = table(repeats)
-    print(f"| case | median s (of {repeats}) | min s | max s |")
-    print("|---|---|---|---|")
-    for case, median, low, high in rows:
-        print(f"| {case} | {median:.2f} | {low:.2f} | {high:.2f} |")
+    print(f"| case | wall s, median of {repeats} | min | max | CPU s, median |")
+    print("|---|---|---|---|---|")
+    for case, median, low, high, cpu in rows:
+        print(f"| {case} | {median:.2f} | {low:.2f} | {high:.2f} | {cpu:.2f} |")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nload average (1, 5, 15 min): {load} on {os.cpu_count()} cores")
 
