@@ -812,4 +812,9 @@ def recipe_summary(path: Path) -> str:
     for line in path.read_text().splitlines():
         if line.startswith("# Summary:"):
             return line.removeprefix("# Summary:").strip()
-    return "(no '# Summary:' line)"
+    return NO_SUMMARY
+
+
+NO_SUMMARY = "(no '# Summary:' line in its yaml)"
+"""What ``--help`` says of a recipe file without its one line (tests/integration/test_cli.py
+fails on it)."""

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from giantpipe.cli import NO_SUMMARY
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
 HEAVY = ("torch", "torchvision", "transformers")
@@ -76,7 +78,7 @@ def test_help_lists_every_recipe_with_a_line_and_the_groups_a_user_chooses(tmp_p
     lines = result.stdout.splitlines()
     for recipe in RECIPES:
         (line,) = [row for row in lines if row.split()[:1] == [recipe]]
-        assert len(line.split()) > 3, f"{recipe} has no description"
+        assert len(line.split()) > 3 and NO_SUMMARY not in line, f"{recipe}.yaml: no # Summary:"
     groups = {row.split()[0] for row in lines if row.startswith("  ") and ", " in row}
     assert {"model", "data", "pipeline", "optim"} <= groups
     assert "recipe/" not in result.stdout and "ModelConfig" not in result.stdout
