@@ -39,7 +39,8 @@ CASES = {
 def timed_run(args: list[str], status: int, cwd: Path) -> tuple[float, float]:
     """(wall, CPU) seconds of one ``python train.py ARGS``; fails if it exits otherwise than
     ``status``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    paths = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # this checkout's, then the rest
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     result = subprocess.run(

@@ -88,7 +88,8 @@ def test_help_lists_every_recipe_with_a_line_and_the_groups_a_user_chooses(tmp_p
 
 
 def run_dir(tmp_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    paths = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     command = [sys.executable, str(REPO / "train.py"), "--cfg", "hydra", "--resolve"]
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
 
