@@ -14,6 +14,8 @@ from models.amoebanet import amoebanetd
 from models.transformer import label_smoothed_cross_entropy, transformer_t
 from tests.unit.engine.engine_helpers import reference_step, step_seed
 
+pytestmark = pytest.mark.slow  # the paper's models trained pipelined against plain
+
 
 def assert_same_grads(pipe: nn.Module, plain: nn.Module, atol: float = 1e-6) -> None:
     for (name, p), (_, q) in zip(pipe.named_parameters(), plain.named_parameters()):

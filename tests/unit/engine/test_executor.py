@@ -24,6 +24,7 @@ def worker_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("giantpipe-worker")]
 
 
+@pytest.mark.slow
 def test_worker_threads_serve_every_step_and_are_gone_after_close_or_collection() -> None:
     # Threads outlive a step (a fresh thread's first action is slow), but stay bounded, named,
     # daemonic, leave the caller's intra-op threads alone, and end with the pipe.
