@@ -142,7 +142,7 @@ class HfCausalLmModelConfig:
     """Seed of the random weights."""
     config: dict[str, Any] = field(default_factory=dict)
     """Further keys of the type's config class, as they are (they win over the sizes above),
-    e.g. ``'model.config={use_parallel_residual: false}'`` for gpt_neox."""
+    e.g. ``+model.config.use_parallel_residual=false`` for gpt_neox."""
 
     def __post_init__(self) -> None:
         _check_architecture(self.architecture)
