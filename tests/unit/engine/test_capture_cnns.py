@@ -124,3 +124,15 @@ def test_cnn_default_cut_pipelined_equals_the_original(name: str) -> None:
         torch.testing.assert_close(mine[key].grad, p.grad, rtol=1e-5, atol=1e-6, msg=key)
     for key, buf in plain.state_dict().items():  # BatchNorm's running statistics too
         torch.testing.assert_close(pipe.state_dict()[key], buf, msg=key)
+
+
+class Raises(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad layer")
+
+
+def test_a_layer_that_fails_alone_is_named_while_profiling() -> None:
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), Raises())
+    with pytest.raises(ValueError, match="bad layer") as caught:
+        profile_times(seq, torch.randn(2, 4), torch.device("cpu"), repeats=1)
+    assert "giantpipe: while profiling layer 1 (Raises) alone" in caught.value.__notes__
