@@ -10,6 +10,7 @@ import pytest
 
 from giantpipe.config import ConfigError, TrainerConfig
 from giantpipe.runner import train
+from giantpipe.runner.rundir import move_record_aside
 from tests.unit.runner.test_runner_loop import tiny
 
 
@@ -35,3 +36,9 @@ def test_the_steps_asked_for_are_written_as_traces(tmp_path: Path) -> None:
 def test_trace_steps_must_be_a_list_of_steps() -> None:
     with pytest.raises(ConfigError, match="trainer.trace_steps: must be a list"):
         TrainerConfig(trace_steps=[0])
+
+
+def test_trainer_overwrite_moves_the_traces_aside_with_the_record(tmp_path: Path) -> None:
+    (tmp_path / "trace-step3.json").write_text("{}")
+    aside = move_record_aside(tmp_path)
+    assert (aside / "trace-step3.json").exists() and not (tmp_path / "trace-step3.json").exists()
