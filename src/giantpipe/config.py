@@ -463,6 +463,11 @@ class TrainerConfig:
     """After the first step, profile the stages once and log the simulator's predicted step
     time, bubble and peak memory beside the measured ones (summary: pipeline/predicted_*).
     Under torchrun: after the second step, from every rank's timings of it."""
+    trace_steps: list[int] = field(default_factory=list)
+    """Optimizer steps to write as Chrome / Perfetto traces, ``trace-stepN.json`` in the run
+    directory (e.g. ``[5]``): one track per stage (per rank under torchrun) with forward,
+    backward, recompute, wait, send and receive, beside the simulated step once
+    trainer.predict has made it (docs/profiling.md)."""
     save_signal: str | None = None
     """A signal that saves a checkpoint at the next step boundary and goes on, e.g. ``SIGUSR1``
     (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), SIGHUP (a dropped
@@ -489,6 +494,12 @@ class TrainerConfig:
             check_min(self.eval_batches, 1, "trainer.eval_batches")
         check_min(self.log_every, 1, "trainer.log_every")
         check_min(self.checkpoint_every, 0, "trainer.checkpoint_every")
+        check(
+            isinstance(self.trace_steps, list | tuple)
+            and all(isinstance(n, int) and n >= 1 for n in self.trace_steps),
+            "trainer.trace_steps",
+            f"must be a list of optimizer steps (>= 1), e.g. [5]; got {self.trace_steps!r}",
+        )
         check(
             isinstance(self.resume, bool | str) and self.resume != "",
             "trainer.resume",

@@ -164,7 +164,22 @@ class TrainingLoop:
             more = self.progress.step < parts.total_steps
             precision = self.cfg.pipeline.precision
             self.forecast.after_step(parts, precision, batches[0], stats, self.progress.step, more)
+        if self.progress.step in trainer.trace_steps:
+            self._trace(self.progress.step)
         return record
+
+    def _trace(self, step: int) -> None:
+        """trainer.trace_steps: this step (its last engine step) as a Chrome / Perfetto trace,
+        every rank's timings gathered on rank 0, beside the simulated step once predicted."""
+        from giantpipe.perf.timeline import write_trace
+
+        timings = self.world.collect(list(getattr(self.parts.pipe, "last_timings", [])))
+        if timings is None or not self.world.writes:
+            return
+        forecast = self.forecast.prediction if self.forecast is not None else None
+        simulation = forecast.simulation if forecast is not None else None
+        path = write_trace(self.run_dir / f"trace-step{step}.json", timings, simulation)
+        log.info("step %d as a trace: %s (open it in https://ui.perfetto.dev)", step, path)
 
     def update(
         self,
