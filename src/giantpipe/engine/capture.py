@@ -137,7 +137,9 @@ class Sequentialized(nn.Sequential):
     def flatten(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The input of the first piece (and of a pipe): the tensors of ``(args, kwargs)``.
 
-        >>> seq.flatten(input_ids=ids, attention_mask=mask)     # (ids, mask)
+        Example (``seq = sequentialize(model, input_ids=ids, attention_mask=mask)``)::
+
+            seq.flatten(input_ids=ids, attention_mask=mask)     # (ids, mask)
         """
         kwargs = {**self.implied, **kwargs}
         missing = set(self.kwarg_order) - set(kwargs)
@@ -502,8 +504,14 @@ def repeated_blocks(model: nn.Module) -> list[list[str]]:
     (transformer layers, residual blocks), outermost first; a container of containers (stages
     of blocks) is looked into.
 
-    >>> repeated_blocks(torchvision.models.resnet18())[0]
-    ['layer1.0', 'layer1.1']
+    >>> from torch import nn
+    >>> model = nn.Module()
+    >>> model.embed, model.head = nn.Embedding(10, 8), nn.Linear(8, 10)
+    >>> model.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    >>> repeated_blocks(model)
+    [['layers.0', 'layers.1', 'layers.2']]
+
+    A torchvision ResNet-18 gives ``[['layer1.0', 'layer1.1'], ['layer2.0', 'layer2.1'], ...]``.
     """
     groups: list[list[str]] = []
     taken: list[str] = []
