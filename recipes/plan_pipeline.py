@@ -3,7 +3,7 @@
 #           python recipes/plan_pipeline.py --model transformer-l --layers 48 --devices 8 \
 #               --memory-gib 16 --batch 32 --plot outputs/plan_transformer48.png
 # Hardware: any CPU, no GPU: the model is built on the meta device, each candidate simulated
-#           (20-60 s for the full-size models on 2 shared cores).
+#           (each table's first line gives the time planning took; results/plan/).
 # Reproduces: results/plan/ (results/README.md, "Planner's choices"): AmoebaNet-D (18, 256),
 #           batch 512 on 8 x 16 GiB: zb-h1, M=32, never, 2374 samples/s, bubble 0.44.
 """Plan a pipeline for a named model: the best balance, M, re-materialization and schedule.

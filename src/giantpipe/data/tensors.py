@@ -24,7 +24,8 @@ Example::
 
     torch.save((x_train, y_train), "mydata/train.pt")
     torch.save((x_eval, y_eval), "mydata/eval.pt")
-    # python train.py data=tensors data.root=mydata data.features=784 data.classes=10
+    # python train.py recipe=mlp_quickstart data=tensors data.root=mydata data.features=784 \
+    #     data.classes=10
 """
 
 from __future__ import annotations

@@ -282,10 +282,6 @@ class TranslationBatch:
         return self.tgt_out.eq(self.pad_id)
 
     @property
-    def num_target_tokens(self) -> int:
-        return int(self.tgt_out.ne(self.pad_id).sum())
-
-    @property
     def num_tokens(self) -> int:
         """Padded positions, counted as for ``max_tokens``: B * max(S, T)."""
         return self.src_tokens.shape[0] * max(self.src_tokens.shape[1], self.tgt_in.shape[1])

@@ -39,6 +39,7 @@ captured gradient so nothing is counted twice.
 
 Example::
 
+    >>> from torch import nn
     >>> layer = nn.Linear(4, 4)
     >>> x = torch.randn(2, 4, requires_grad=True)
     >>> y = layer(x)

@@ -138,7 +138,9 @@ class Sequentialized(nn.Sequential):
     def flatten(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The input of the first piece (and of a pipe): the tensors of ``(args, kwargs)``.
 
-        >>> seq.flatten(input_ids=ids, attention_mask=mask)     # (ids, mask)
+        Example (``seq = sequentialize(model, input_ids=ids, attention_mask=mask)``)::
+
+            seq.flatten(input_ids=ids, attention_mask=mask)     # (ids, mask)
         """
         kwargs = {**self.implied, **kwargs}
         missing = set(self.kwarg_order) - set(kwargs)
@@ -553,10 +555,15 @@ def repeated_blocks(model: nn.Module) -> list[list[str]]:
     composite blocks win over groups of single layers (MobileNet's inverted residuals over its
     classifier's two Linear layers).
 
-    >>> repeated_blocks(torchvision.models.resnet18())[0]
-    ['layer1.0', 'layer1.1']
-    >>> repeated_blocks(torchvision.models.mobilenet_v3_small())[0][:3]
-    ['features.0', 'features.1', 'features.2']
+    >>> from torch import nn
+    >>> model = nn.Module()
+    >>> model.embed, model.head = nn.Embedding(10, 8), nn.Linear(8, 10)
+    >>> model.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    >>> repeated_blocks(model)
+    [['layers.0', 'layers.1', 'layers.2']]
+
+    A torchvision ResNet-18 gives ``[['layer1.0', 'layer1.1'], ['layer2.0', 'layer2.1'], ...]``,
+    a MobileNetV3-small ``[['features.0', 'features.1', 'features.2', ...], ...]``.
     """
     groups: list[list[str]] = []
     taken: list[str] = []

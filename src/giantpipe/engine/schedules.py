@@ -166,8 +166,8 @@ def zb_v(num_workers: int, num_microbatches: int, virtual_stages: int = 2) -> Sc
     >>> s = zb_v(2, 2)
     >>> s.placement
     (0, 1, 1, 0)
-    >>> [str(a) for a in s.actions[0]][:5]
-    ['F0@0', 'F1@0', 'F0@3', 'B0@3', 'W0@3']
+    >>> [str(a) for a in s.actions[0]][:5]    # 3 activations held (< 2K): F1@3 before W0@3
+    ['F0@0', 'F1@0', 'F0@3', 'B0@3', 'F1@3']
     """
     k, m, v = num_workers, num_microbatches, virtual_stages
     _check_sizes(k, m, v)

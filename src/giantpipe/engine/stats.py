@@ -26,6 +26,7 @@ Example::
     ...                            num_microbatches=4, memory_kind="saved_activations")
     >>> round(s.bubble, 2), round(s.expected_bubble, 2)
     (0.3, 0.2)
+    >>> from torch import nn
     >>> layer = nn.Linear(256, 256)
     >>> meter = SavedTensorMeter(exclude=layer.parameters())
     >>> with meter:
@@ -150,6 +151,7 @@ class StepStats:
 def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     """The storages of ``tensors``, as :class:`SavedTensorMeter` tells them apart.
 
+    >>> from torch import nn
     >>> layer = nn.Linear(2, 2)
     >>> len(storage_keys(layer.parameters()))
     2

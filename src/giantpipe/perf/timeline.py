@@ -8,6 +8,8 @@ by :func:`plot_measured`, so the two can be set side by side.
 
 Example::
 
+    >>> from giantpipe.engine.schedules import one_f_one_b
+    >>> from giantpipe.perf.simulate import StageCost, simulate
     >>> sim = simulate(one_f_one_b(2, 3), [StageCost(forward=1.0, backward=1.0)] * 2)
     >>> print(render_text(sim))
     worker 0 | F0 F1 .  B0 F2 B1 .  B2

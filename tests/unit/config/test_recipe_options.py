@@ -114,15 +114,16 @@ def test_the_quickstart_on_your_folder_keeps_its_size_and_takes_folder_settings(
     assert OPTION_SCHEMAS["ImageFolderDataConfig"]  # typed by the folder option's schema
 
 
-def test_the_readme_commands_for_your_own_data_compose_as_typed() -> None:
+def test_the_docs_commands_for_your_own_data_compose_as_typed() -> None:
     import re
     import shlex
 
-    readme = (CONF.parent / "README.md").read_text()
-    section = readme.split("### Your own data", 1)[1].split("\n### ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "README 'Your own data' has no bash block"
-    commands = block.group(1).replace("\\\n", " ").strip().splitlines()
+    doc = (CONF.parent / "docs" / "your-data.md").read_text()
+    sections = doc.split("\n## ")[1:3]  # Images, A parallel corpus
+    blocks = [re.search(r"```bash\n(.*?)```", s, re.S) for s in sections]
+    assert all(blocks), "docs/your-data.md: Images and corpus need a bash block each"
+    lines = [ln for b in blocks if b for ln in b.group(1).replace("\\\n", " ").splitlines()]
+    commands = [ln for ln in lines if ln.startswith("python train.py")]
     assert len(commands) == 2
     for command in commands:
         words = shlex.split(command)

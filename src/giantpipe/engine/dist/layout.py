@@ -170,9 +170,10 @@ def build_groups(layout: Layout, timeout: float, device: torch.device | str) -> 
     process group: a second pipeline of the same shape reuses them (creating a gloo group
     connects every pair of its ranks, which takes a while).
 
-    >>> groups = build_groups(layout, 60.0, torch.device("cuda", 0))
-    >>> dist.get_backend(groups.p2p), dist.get_backend(groups.control)
-    ('nccl', 'gloo')
+    Example (on every rank of a ``"cpu:gloo,cuda:nccl"`` world)::
+
+        groups = build_groups(layout, 60.0, torch.device("cuda", 0))
+        dist.get_backend(groups.p2p), dist.get_backend(groups.control)   # ('nccl', 'gloo')
     """
     backend = device_backend(device)
     key = (layout.world_size, layout.workers, timeout, backend)
@@ -219,7 +220,9 @@ def tied_group(
     parameter, whose gradients it sums on ``device``); every rank creates every replica's
     group, in the same order, as ``new_group`` requires.
 
-    >>> tied_group(layout, [0, 3], 60.0, "cpu")  # ranks 0 and 3 of replica 0, 4, 7 of replica 1
+    Example (on every rank of a world of 8: K=4 pipeline ranks x R=2 replicas)::
+
+        tied_group(layout, [0, 3], 60.0, "cpu")  # ranks 0 and 3 of replica 0, 4 and 7 of replica 1
     """
     backend = device_backend(device)
     key = (layout.world_size, layout.workers, timeout, tuple(workers), backend)
@@ -296,8 +299,10 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     """``device``, or by default ``cuda:LOCAL_RANK`` where CUDA is available, else the CPU. A
     bare ``"cuda"`` is this rank's GPU too (not cuda:0 on every rank).
 
-    >>> resolve_device("cuda")   # under torchrun, on the rank with LOCAL_RANK=2
-    device(type='cuda', index=2)
+    >>> resolve_device("cpu"), resolve_device("cuda:1")
+    (device(type='cpu'), device(type='cuda', index=1))
+
+    Under torchrun, on the rank with ``LOCAL_RANK=2``, ``resolve_device("cuda")`` is ``cuda:2``.
     """
     local = int(os.environ.get("LOCAL_RANK", 0))
     if device is not None:

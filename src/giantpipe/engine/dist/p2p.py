@@ -153,6 +153,7 @@ def sends_to(actions: Sequence[Action], layout: Layout, dst: int) -> list[Key]:
 
     Example::
 
+        >>> from giantpipe.engine.schedules import build_schedule
         >>> plan = build_schedule("1f1b", 2, 2)
         >>> sends_to(plan.actions[1], Layout(2, 0, 2, plan.placement), dst=0)
         [('grad', 0, 0), ('grad', 0, 1)]
@@ -182,6 +183,7 @@ def receive_plan(
 
     Example::
 
+        >>> from giantpipe.engine.schedules import build_schedule
         >>> plan = build_schedule("1f1b", 2, 2)
         >>> receive_plan(plan.actions, Layout(2, 1, 2, plan.placement))
         ((0, (('act', 1, 0), ('act', 1, 1))),)

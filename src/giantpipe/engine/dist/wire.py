@@ -213,8 +213,8 @@ class Frame:
     Example::
 
         >>> frame = Frame.of(encode(torch.ones(4))[0])
-        >>> frame.offsets, frame.nbytes              # after the 512-byte header
-        ((512,), 528)
+        >>> frame.offsets, frame.nbytes    # 16 bytes after the 512-byte header, padded to 64
+        ((512,), 576)
     """
 
     words: tuple[int, ...]
