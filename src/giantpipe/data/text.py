@@ -102,7 +102,7 @@ def expand_files(patterns: Sequence[str]) -> list[Path]:
             if is_saved_dataset(path):
                 found.append(path)
             elif path.is_dir():
-                inside = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+                inside = sorted(p for p in path.rglob("*") if _readable(p, path))
                 if not inside:
                     raise ConfigError("data.files", f"{path} holds no {'/'.join(SUFFIXES)} file")
                 found += inside
@@ -113,6 +113,12 @@ def expand_files(patterns: Sequence[str]) -> list[Path]:
             else:
                 found.append(path)
     return list(dict.fromkeys(found))  # a file two patterns match is read once
+
+
+def _readable(path: Path, folder: Path) -> bool:
+    """A file of a known format in ``folder``, outside hidden folders (the tokenizer cache)."""
+    hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
+    return path.suffix in SUFFIXES and path.is_file() and not hidden
 
 
 def _txt_documents(path: Path, mode: str) -> Iterator[Document]:
@@ -242,7 +248,7 @@ class Vocabulary:
 
     Example::
 
-        vocab = Vocabulary.load("corpus/.giantpipe_cache/spm-ab12...-500.model")
+        vocab = Vocabulary.load(Path("corpus/.giantpipe_cache/spm-ab12...-500.model"))
         vocab.encode("the dog sees a cat")     # [17, 9, ...]
         vocab.size, vocab.eos_id               # (500, 2)
     """
