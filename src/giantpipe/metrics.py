@@ -191,14 +191,17 @@ class TensorBoardSink:
         sink.close()          # tensorboard --logdir outputs
     """
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, resumed_at: int = 0) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise ImportError(
                 "logger.tensorboard=true needs tensorboard: pip install 'giantpipe[tensorboard]'"
             ) from err
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        # A resumed run hides the events past its checkpoint that the interrupted one wrote,
+        # as metrics.jsonl is cut back: every step is shown once.
+        purge = resumed_at + 1 if resumed_at else None
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def log(self, record: dict[str, Any], step: int) -> None:
         for key, value in record.items():
@@ -603,7 +606,9 @@ class MetricsLogger:
         self.log_every = log_every
         self.run_dir = run_dir
         self.jsonl = JsonlSink(run_dir / "metrics.jsonl") if cfg.jsonl else None
-        self.tensorboard = TensorBoardSink(run_dir / "tensorboard") if cfg.tensorboard else None
+        self.tensorboard = (
+            TensorBoardSink(run_dir / "tensorboard", start_step) if cfg.tensorboard else None
+        )
         # The lines of this process, for curves.png when there is no metrics.jsonl to read.
         self.lines: list[dict[str, Any]] = []
         self.wandb = (

@@ -91,3 +91,27 @@ def test_sweep_table_lists_every_job_against_its_objective(tmp_path: Path) -> No
     assert "| 1 | 2 | completed | 0.5 |" in md.read_text()
     assert png.read_bytes().startswith(PNG)
     assert math.isnan(float(csv.read_text().splitlines()[1].rsplit(",", 1)[1]))
+
+
+def test_starting_over_moves_the_curves_and_events_aside_with_the_record(tmp_path: Path) -> None:
+    from giantpipe.runner.rundir import move_record_aside
+
+    run(tmp_path, tensorboard=True)
+    aside = move_record_aside(tmp_path)
+    assert (aside / "curves.png").is_file() and list((aside / "tensorboard").iterdir())
+    assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "curves.png").exists()
+
+
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(tmp_path, tensorboard=True)  # steps 1-4 logged at 2 and 4; say it stopped after step 2
+    cfg = LoggerConfig(progress="none", tensorboard=True)
+    resumed = MetricsLogger(cfg, tmp_path, 4, 2, 2, name="t", config={})
+    for step in (3, 4):
+        resumed.train_step(record(step, loss=9.0))
+    resumed.close({"steps": 4})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(2, 1.5), (4, 9.0)]
