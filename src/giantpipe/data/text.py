@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import re
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,18 +339,19 @@ def cache_dir_for(paths: Sequence[Path], cache_dir: str | None, run_dir: Path | 
     try:
         beside.mkdir(exist_ok=True)
         return beside
-    except OSError:
+    except OSError as err:
         if run_dir is None:
-            raise
+            raise ConfigError("data.cache_dir", f"cannot write {beside} ({err.strerror})") from err
         return run_dir / "tokenizer"
 
 
 def vocabulary(
     tokenizer: str | None, train_texts: Sequence[str], cache: Path, key: str, vocab_size: int,
-    seed: int,
+    seed: int, run_dir: Path | None = None,
 ) -> Vocabulary:  # fmt: skip
-    """``data.tokenizer`` when given, else the SentencePiece model cached under ``key`` (trained
-    now when absent); a tokenizer with more ids than ``data.vocab_size`` is a ConfigError."""
+    """``data.tokenizer`` when given, else the SentencePiece model cached under ``key``, or the
+    copy a run keeps of it (trained now when neither is there); a tokenizer with more ids than
+    ``data.vocab_size`` is a ConfigError."""
     if tokenizer:
         path = Path(tokenizer).expanduser()
         if not path.exists():
@@ -358,12 +360,17 @@ def vocabulary(
             )
         vocab = Vocabulary.load(path)
     else:
-        model_file = cache / f"spm-{key[:16]}-{vocab_size}.model"
-        reused = model_file.is_file()
-        if not reused:
+        name = f"spm-{key[:16]}-{vocab_size}.model"
+        # The run keeps a copy under the same name, so a resume finds the very tokenizer it
+        # trained with even when the cache beside the data is gone (a retrained one could differ).
+        kept = [d / name for d in (cache, run_dir) if d is not None and (d / name).is_file()]
+        model_file = kept[0] if kept else cache / name
+        if not kept:
             train_sentencepiece(train_texts, model_file, vocab_size, seed)
+        if run_dir is not None and not (run_dir / name).is_file():
+            shutil.copyfile(model_file, run_dir / name)
         vocab = Vocabulary.load(model_file)
-        log.info("tokenizer: %s %s (%d pieces)", "reusing" if reused else "trained",
+        log.info("tokenizer: %s %s (%d pieces)", "reusing" if kept else "trained",
                  model_file, vocab.size)  # fmt: skip
     if vocab.size > vocab_size:
         raise ConfigError(
@@ -459,7 +466,7 @@ def read_text_corpus(
         f"{content_hash(paths)} {text_field} {txt_documents} {valid_fraction} {seed}".encode()
     ).hexdigest()
     cache = cache_dir_for(paths, cache_dir, run_dir)
-    vocab = vocabulary(tokenizer, train_texts, cache, key, vocab_size, seed)
+    vocab = vocabulary(tokenizer, train_texts, cache, key, vocab_size, seed, run_dir)
     train_rows, valid_rows = pack(train_texts, vocab, seq_len), pack(valid_texts, vocab, seq_len)
     return TextCorpus(vocab, train_rows, valid_rows, len(documents), len(valid))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,26 @@ def test_transformer_lm_on_text_beats_the_unigram_baseline(corpus: Path, tmp_pat
     )
     perplexity, baseline = beats_unigram(lm_config(model, corpus, tmp_path, 40), corpus, tmp_path)
     assert perplexity < 0.5 * baseline, (perplexity, baseline)
+
+
+def test_a_resumed_run_sees_the_same_batches_even_without_the_cache(corpus, tmp_path) -> None:
+    from models.transformer_lm import TransformerLMModelConfig
+
+    model = TransformerLMModelConfig(
+        num_layers=2, d_model=16, ffn_dim=32, num_heads=2, vocab_size=128, max_len=32
+    )
+    cfg = lm_config(model, corpus, tmp_path / "cache", 4)
+    cfg.trainer.log_every, cfg.trainer.checkpoint_every = 1, 2
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+    train(cfg, tmp_path / "full", "")
+    cfg.trainer.max_steps = 2
+    train(cfg, tmp_path / "part", "")
+    shutil.rmtree(tmp_path / "cache")  # the run's own copy of the tokenizer is used
+    cfg.trainer.max_steps, cfg.trainer.resume = 4, True
+    train(cfg, tmp_path / "part", "")
+    assert losses(tmp_path / "part") == losses(tmp_path / "full")
+    assert not (tmp_path / "cache").exists()
