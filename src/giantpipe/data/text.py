@@ -393,11 +393,9 @@ def pack(texts: Sequence[str], vocab: Vocabulary, seq_len: int) -> Tensor:
 
         rows = pack(["a b c", "d e"], vocab, seq_len=4)   # inputs rows[:, :-1], targets rows[:, 1:]
     """
-    ids: list[int] = []
-    for doc in texts:
-        ids += vocab.encode(doc)
-        ids.append(vocab.eos_id)
-    stream = torch.tensor(ids, dtype=torch.long)
+    # One tensor per document (a Python list of every id would take ~10x the memory).
+    parts = [torch.tensor([*vocab.encode(doc), vocab.eos_id], dtype=torch.long) for doc in texts]
+    stream = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
     rows = (len(stream) - 1) // seq_len
     if rows < 1:
         return torch.empty(0, seq_len + 1, dtype=torch.long)
