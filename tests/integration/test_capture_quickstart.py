@@ -40,6 +40,6 @@ def test_the_torchvision_quick_start_trains(name: str, tmp_path: Path) -> None:
 def test_an_unknown_causal_lm_type_is_refused_by_name(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     result = train("recipe=llama_quickstart", "model.architecture=gpt_nope", cwd=tmp_path)
-    line = one_error_line(result)  # exit 1, as every other bad value of a key
-    assert result.returncode == 1
+    line = one_error_line(result)  # exit 2, as every other config error
+    assert result.returncode == 2
     assert line.startswith("error: model.architecture: 'gpt_nope' is not a model type"), line

@@ -60,7 +60,7 @@ def test_a_pipelined_step_and_its_simulation_as_one_trace(tmp_path: Path) -> Non
     pipe = GPipe(model, [2, 1, 1], devices=["cpu"] * 3, chunks=3, checkpoint="always")
     pipe.train_step(torch.randn(6, 8), torch.arange(6) % 4, F.cross_entropy)
     pipe.close()
-    sim = simulate(pipe.step_schedule(), [StageCost(1e-3, 2e-3)] * 3, checkpoint="always")
+    sim = simulate(pipe.step_schedule(), [StageCost(1e-3, 2e-3)] * 3, recompute="always")
     events = load(write_trace(tmp_path / "trace-step1.json", [pipe.last_timings], sim))
 
     stages = {f"stage {s}" for s in range(3)}
