@@ -31,6 +31,10 @@ Errors become ONE line on stderr that names the key or path, and exit 2 (a confi
     $ python train.py trainer.foo=1
     error: trainer.foo: unknown key (Key 'foo' not in 'TrainerConfig')
 
+A multirun ends with ``sweep.md`` / ``sweep.csv`` / ``sweep.png`` in its sweep directory: each
+job's swept overrides against ``sweep.objective`` (:class:`SweepTable`, a Hydra callback that
+conf/config.yaml names under ``hydra.callbacks``).
+
 Set HYDRA_FULL_ERROR=1 for the full traceback. In a multirun a failing job is logged, returns
 NaN (sweepers such as Optuna mark the trial failed) and the other jobs go on. A refused config
 leaves the disk as it was: the run directory Hydra made for the job (and its empty log) goes.
@@ -79,6 +83,7 @@ import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -728,6 +733,42 @@ def _missing_option(err: MissingConfigException) -> str:
         return _first_line(str(err))
     shown = ", ".join(o for o in err.options if o not in OPTION_SCHEMAS)
     return f"{group}={option}: no such option" + (f" (available: {shown})" if shown else "")
+
+
+class SweepTable(Callback):
+    """Hydra callback: at the end of a multirun, the sweep's table and plot in its directory
+    (:func:`giantpipe.metrics.write_sweep_table`), and the table on stdout.
+
+    Example (conf/config.yaml)::
+
+        hydra:
+          callbacks:
+            sweep_table:
+              _target_: giantpipe.cli.SweepTable
+    """
+
+    def __init__(self) -> None:
+        self.launched: dict[int, list[str]] = {}
+        """Job number -> its overrides, for jobs refused before they left a directory."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        job = OmegaConf.select(config, "hydra.job.num", default=None)
+        if job is not None and job_return.overrides is not None:
+            self.launched[int(job)] = list(job_return.overrides)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from giantpipe.metrics import write_sweep_table
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        objective = str(OmegaConf.select(config, "sweep.objective", default="eval/loss"))
+        try:
+            written = write_sweep_table(sweep_dir, objective, self.launched)
+        except Exception as err:  # noqa: BLE001 - a summary must never fail the sweep
+            log.warning("sweep table not written: %s: %s", type(err).__name__, err)
+            return
+        if written:
+            print(written[0].read_text(), flush=True)
+            log.info("sweep table and plot: %s", ", ".join(str(p) for p in written))
 
 
 def guarded(main: Callable[[], None], conf_dir: Path) -> None:

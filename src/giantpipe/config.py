@@ -549,7 +549,8 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    """Where metrics go: progress bar, ``metrics.jsonl``, optionally Weights & Biases."""
+    """Where metrics go: progress bar, ``metrics.jsonl``, optionally Weights & Biases and
+    TensorBoard."""
 
     progress: str = "auto"
     """``auto`` (a tqdm bar when stdout is a terminal), ``tqdm`` (always) or ``none``."""
@@ -561,6 +562,8 @@ class LoggerConfig:
     """W&B project name."""
     wandb_mode: str = "offline"
     """``offline`` (no network; sync later with ``wandb sync``), ``online`` or ``disabled``."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars to ``RUN_DIR/tensorboard`` (needs ``tensorboard``)."""
 
     def __post_init__(self) -> None:
         check_choice(self.progress, PROGRESS_STYLES, "logger.progress")

@@ -8,7 +8,13 @@ One optimizer step's figures (:class:`StepRecord`), the :class:`Window` that ave
   (:func:`read_jsonl` reads it back, :func:`truncate_after_step` trims it for a resume);
 - :class:`WandbSink`: Weights & Biases (``logger=wandb``); offline mode needs no network; each
   run (each sweep job too) opens its own W&B run and finishes it in :meth:`WandbSink.close`;
-- :func:`write_summary` and :func:`format_table`: the end-of-run summary.
+- :class:`TensorBoardSink`: a TensorBoard event file in ``RUN_DIR/tensorboard``
+  (``logger.tensorboard=true``; ``tensorboard --logdir outputs`` shows every run);
+- :func:`write_summary` and :func:`format_table`: the end-of-run summary;
+- :func:`plot_curves`: ``curves.png``, the training loss and the evaluation figures against the
+  step, drawn when a run closes (beside the timelines);
+- :func:`write_sweep_table`: at the end of a multirun, ``sweep.md`` / ``sweep.csv`` (each job's
+  overrides, status and objective) and ``sweep.png`` (the objective against each swept key).
 
 Imported by the runner (and scripts reading ``metrics.jsonl``); imports nothing of giantpipe
 but ``giantpipe.config`` (the engine's step statistics are duck-typed, see :class:`EngineStats`).
@@ -171,6 +177,51 @@ class WandbSink:
         self._wandb.finish()
 
 
+# --------------------------------------------------------------------------- TensorBoard
+
+
+class TensorBoardSink:
+    """Scalars to a TensorBoard event file under ``log_dir`` (``torch.utils.tensorboard``, which
+    needs the ``tensorboard`` package: ``pip install 'giantpipe[tensorboard]'``).
+
+    Example::
+
+        sink = TensorBoardSink(run_dir / "tensorboard")
+        sink.log({"train/loss": 1.9, "train/busy_time_s": [0.1, 0.2]}, step=10)
+        sink.close()          # tensorboard --logdir outputs
+    """
+
+    def __init__(self, log_dir: Path, resumed_at: int = 0) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError(
+                "logger.tensorboard=true needs tensorboard: pip install 'giantpipe[tensorboard]'"
+            ) from err
+        # A resumed run hides the events past its checkpoint that the interrupted one wrote,
+        # as metrics.jsonl is cut back: every step is shown once.
+        purge = resumed_at + 1 if resumed_at else None
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        for key, value in record.items():
+            if isinstance(value, bool) or not isinstance(value, int | float | list):
+                continue
+            values = value if isinstance(value, list) else [value]
+            names = (
+                [f"{key}/stage{i}" for i in range(len(values))]
+                if isinstance(value, list)
+                else [key]
+            )
+            for name, number in zip(names, values):
+                if isinstance(number, int | float) and not isinstance(number, bool):
+                    self._writer.add_scalar(name, number, global_step=step)
+        self._writer.flush()  # a crash loses nothing already logged
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 # --------------------------------------------------------------------------- summary.json
 
 _LABELS = {
@@ -256,6 +307,169 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(clean, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- pictures
+
+
+def _pyplot() -> Any:
+    import matplotlib  # imported here: only the pictures need it
+
+    matplotlib.use("Agg")  # files only, never a window (servers have no display)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """``path`` (PNG): training loss and every evaluation figure against the optimizer step,
+    from metrics.jsonl's records; the evaluation figures on a panel of their own. None when
+    there is nothing to draw.
+
+    Example::
+
+        plot_curves(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "curves.png")
+    """
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and "loss" in r]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    names = sorted(  # besides the loss, which shares the training loss's panel
+        {k for r in evals for k, v in r.items() if k not in ("kind", "step", "loss") and _number(v)}
+    )
+    if not train and not evals:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2 if names else 1, figsize=(11 if names else 6, 4), squeeze=False)
+    loss_ax = axes[0][0]
+    if train:
+        loss_ax.plot(*zip(*train), label="train loss", color="tab:blue")
+    if any("loss" in r for r in evals):
+        points = [(r["step"], r["loss"]) for r in evals if "loss" in r]
+        loss_ax.plot(*zip(*points), "o-", label="eval loss", color="tab:red")
+    loss_ax.set(xlabel="optimizer step", ylabel="loss", title="loss")
+    loss_ax.legend()
+    if names:
+        other = axes[0][1]
+        for name in names:
+            points = [(r["step"], r[name]) for r in evals if _number(r.get(name))]
+            other.plot(*zip(*points), "o-", label=f"eval {name}")
+        other.set(xlabel="optimizer step", title="evaluation")
+        other.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _as_float(value: Any) -> float:
+    """A summary value as a number; nan for text that is not one (``"nan"`` reads as nan)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _overrides(config_yaml: Path) -> dict[str, str]:
+    """``key=value`` pairs of the ``# overrides:`` line the runner heads config.yaml with."""
+    first = config_yaml.read_text().partition("\n")[0] if config_yaml.is_file() else ""
+    words = first.removeprefix("# overrides:").split() if first.startswith("# overrides:") else []
+    return dict(w.split("=", 1) for w in words if "=" in w)
+
+
+def sweep_rows(
+    sweep_dir: Path, objective: str, launched: dict[int, list[str]] | None = None
+) -> list[dict[str, Any]]:
+    """One row per job of a multirun: the job directories (``0``, ``1``, ...) with their
+    overrides (config.yaml's first line), status and ``objective`` (summary.json), and the jobs of
+    ``launched`` (number -> overrides, as Hydra launched them) that left no directory: refused
+    configs, whose directory the entry point removes (status ``refused``, objective nan)."""
+    jobs = {int(d.name): d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()}
+    rows = []
+    for number in sorted(set(jobs) | set(launched or {})):
+        summary: dict[str, Any] = {"status": "refused"}
+        overrides = dict(
+            o.lstrip("+").split("=", 1) for o in (launched or {}).get(number, []) if "=" in o
+        )
+        if number in jobs:
+            overrides = _overrides(jobs[number] / "config.yaml") or overrides
+            try:
+                summary = json.loads((jobs[number] / "summary.json").read_text())
+            except (OSError, ValueError):
+                summary = {"status": "missing"}
+        value = summary.get(objective, math.nan)
+        row: dict[str, Any] = {"job": number, **overrides, "status": summary.get("status")}
+        row[objective] = _as_float(value)
+        rows.append(row)
+    return rows
+
+
+def write_sweep_table(
+    sweep_dir: Path, objective: str, launched: dict[int, list[str]] | None = None
+) -> list[Path]:
+    """``sweep.md``, ``sweep.csv`` and ``sweep.png`` in ``sweep_dir``: each job's swept keys (the
+    overrides that differ between jobs), status and objective, and the objective plotted against
+    each swept key. Returns the files written (none for a directory without jobs).
+
+    Example::
+
+        write_sweep_table(Path("outputs/multirun/2026-12-03/13-05-00"), "eval/loss")
+        # | job | pipeline.chunks | status | eval/loss |
+        # | 0   | 1               | completed | 0.52 |
+    """
+    rows = sweep_rows(sweep_dir, objective, launched)
+    if not rows:
+        return []
+    keys = [
+        k
+        for k in dict.fromkeys(k for r in rows for k in r)
+        if k not in ("job", "status", objective)
+    ]
+    swept = [k for k in keys if len({str(r.get(k)) for r in rows}) > 1] or keys
+    columns = ["job", *swept, "status", objective]
+    cells = [[_cell(r.get(c, "")) for c in columns] for r in rows]
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(line) + " |" for line in cells]
+    md, csv = sweep_dir / "sweep.md", sweep_dir / "sweep.csv"
+    md.write_text(f"Sweep {sweep_dir}: {objective} per job\n\n" + "\n".join(table) + "\n")
+    csv.write_text("\n".join(",".join(_csv(c) for c in line) for line in [columns, *cells]) + "\n")
+    written = [md, csv]
+    picture = _plot_sweep(rows, swept, objective, sweep_dir / "sweep.png")
+    return written + ([picture] if picture else [])
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _csv(text: str) -> str:
+    return f'"{text}"' if any(c in text for c in ',"') else text
+
+
+def _plot_sweep(
+    rows: list[dict[str, Any]], swept: list[str], objective: str, path: Path
+) -> Path | None:
+    """The objective against each swept key, one panel per key (numbers on a numeric axis,
+    anything else as categories)."""
+    if not swept:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(swept), figsize=(4.5 * len(swept), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], swept):
+        points = [(str(r.get(key, "")), r[objective]) for r in rows]
+        try:
+            xs: list[Any] = [float(x) for x, _ in points]
+        except ValueError:
+            xs = [x for x, _ in points]
+        ax.plot(xs, [y for _, y in points], "o")
+        ax.set(xlabel=key, ylabel=objective)
+    fig.suptitle(f"{objective} per job")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 class EngineStats(Protocol):
@@ -390,7 +604,13 @@ class MetricsLogger:
         config: dict[str, Any],
     ) -> None:
         self.log_every = log_every
+        self.run_dir = run_dir
         self.jsonl = JsonlSink(run_dir / "metrics.jsonl") if cfg.jsonl else None
+        self.tensorboard = (
+            TensorBoardSink(run_dir / "tensorboard", start_step) if cfg.tensorboard else None
+        )
+        # The lines of this process, for curves.png when there is no metrics.jsonl to read.
+        self.lines: list[dict[str, Any]] = []
         self.wandb = (
             WandbSink(cfg.wandb_project, cfg.wandb_mode, run_dir, name, config)
             if cfg.wandb
@@ -405,11 +625,16 @@ class MetricsLogger:
         self._last_step: int | None = None
 
     def _emit(self, line: dict[str, Any]) -> None:
+        self.lines.append({k: v for k, v in line.items() if k in ("kind", "step", "loss")
+                           or line["kind"] == "eval"})  # fmt: skip
         if self.jsonl is not None:
             self.jsonl.write(line)
+        prefix = f"{line['kind']}/"
         if self.wandb is not None:
-            prefix = f"{line['kind']}/"
             self.wandb.log({prefix + k: v for k, v in line.items()}, step=line["step"])
+        if self.tensorboard is not None:
+            figures = {prefix + k: v for k, v in line.items() if k not in ("kind", "step")}
+            self.tensorboard.log(figures, step=line["step"])
 
     def train_step(self, record: StepRecord) -> dict[str, Any] | None:
         """Account one optimizer step; on a logging step, write and return its line."""
@@ -453,8 +678,20 @@ class MetricsLogger:
         return only.figures()
 
     def close(self, summary: dict[str, Any]) -> None:
+        """Close the sinks and draw ``curves.png`` (a failed drawing is a warning, no more)."""
         self.bar.close()
         if self.jsonl is not None:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.close(summary)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        # metrics.jsonl holds the steps before a resume too; the lines only this process's.
+        records = read_jsonl(self.jsonl.path) if self.jsonl is not None else self.lines
+        try:
+            drawn = plot_curves(records, self.run_dir / "curves.png")
+        except Exception as err:  # noqa: BLE001 - a picture must never fail a finished run
+            log.warning("curves.png not drawn: %s: %s", type(err).__name__, err)
+            return
+        if drawn is not None:
+            log.info("loss and evaluation curves: %s", drawn)

@@ -7,7 +7,8 @@ in ``bundle``) with its schema dataclass beside it.
   ``images_random``, ``images_folder``);
 - ``corpus`` (parallel corpora as files: yours read with errors naming the file and line, the
   generated multilingual one written), ``translation`` (shared vocabulary, token batches),
-  ``bleu`` (decoding and BLEU) and ``translation_bundle`` (``data=translation``).
+  ``bleu`` (decoding and BLEU) and ``translation_bundle`` (``data=translation``);
+- ``text``: your own text files as packed language-model batches (``data=text``).
 
 Imported by the runner (``bundle``) and, through a config's ``_target_``, by the entry point.
 Imports ``giantpipe.config`` and nothing else of giantpipe: never the engine, the runner or

@@ -281,9 +281,10 @@ def move_record_aside(run_dir: Path) -> Path:
     aside = run_dir / f"replaced-{n}"
     aside.mkdir()
     for path in sorted(run_dir.iterdir()):
-        if path.name in RECORD or path.name.startswith(
-            ("config", "timeline_", "trace-step", "error.txt")
-        ):
+        # The pictures, traces and TensorBoard events too: a new run appending events to the
+        # old ones would draw both runs as one.
+        drawn = ("config", "timeline_", "trace-step", "error.txt", "curves.png", "tensorboard")
+        if path.name in RECORD or path.name.startswith(drawn):
             path.rename(aside / path.name)
     log.info("trainer.overwrite: the earlier record of %s moved to %s", run_dir, aside)
     return aside

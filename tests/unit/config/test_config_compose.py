@@ -46,6 +46,11 @@ def data_overrides(option: str, tmp_path: Path) -> list[str]:
             "data.batch_size=4",
             "data.num_workers=0",
         ]
+    if option == "text":
+        paragraphs = [f"Paragraph {i}: the dog sees the cat near the river." for i in range(20)]
+        (tmp_path / "a.txt").write_text("\n\n".join(paragraphs))
+        files = f"data.files=[{tmp_path}/*.txt]"
+        return [files, "data.seq_len=8", "data.batch_size=2", "data.vocab_size=60"]
     if option != "tensors":
         return []
     torch.save((torch.randn(128, 16), torch.randint(0, 8, (128,))), tmp_path / "train.pt")
