@@ -6,7 +6,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[3] / "src" / "giantpipe"
 BELOW_THE_ENTRY = [
     "runner",
-    "metrics",
+    "metrics.py",
+    "data/text.py",
     "data/bundle.py",
     "data/tensors.py",
     "config.py",
