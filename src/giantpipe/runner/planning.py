@@ -29,8 +29,10 @@ import functools
 import logging
 import math
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -48,7 +50,7 @@ from giantpipe.perf.costs import (
     meta_sample,
     per_sample,
 )
-from giantpipe.perf.planner import Candidate, DeviceSpec, format_table, plan
+from giantpipe.perf.planner import Candidate, DeviceSpec, Progress, format_table, plan
 from giantpipe.perf.predict import executor_overhead
 from giantpipe.runner.losses import LossFn
 from giantpipe.runner.step import autocast
@@ -95,7 +97,8 @@ def plan_pipeline(
         layer_times=timer,
         overhead=overhead,
     )
-    candidates = search(spec)
+    with progress_bar() as progress:
+        candidates = search(spec, top=TOP, progress=progress)
     if not candidates:
         raise _nothing_fits(search(replace(spec, memory_bytes=math.inf)), spec, size, k)
     best = candidates[0]
@@ -103,7 +106,7 @@ def plan_pipeline(
     log.info(
         "pipeline.plan=auto (%.1fs): %d configurations fit %.3g GiB per device (batch %d, K=%d, "
         "M in %s); the best %d, by simulation on measured layer times:\n%s",
-        *(seconds, len(candidates), budget / GIB, size, k, chunks, min(TOP, len(candidates))),
+        *(seconds, candidates.fitting, budget / GIB, size, k, chunks, len(candidates)),
         format_table(candidates[:TOP]),
     )
     planned = replace(
@@ -114,7 +117,7 @@ def plan_pipeline(
         schedule=best.schedule,
         virtual_stages=best.virtual_stages,
     )
-    return planned, describe(best, budget, len(candidates))
+    return planned, describe(best, budget, candidates.fitting)
 
 
 def _measure(
@@ -172,6 +175,33 @@ def _nothing_fits(unbounded: list[Candidate], spec: DeviceSpec, size: int, k: in
         "pipeline.memory_budget_gib",
         problem + ": raise it, add devices (pipeline.num_devices) or lower data.batch_size",
     )
+
+
+@contextmanager
+def progress_bar(enabled: bool | None = None) -> Iterator[Progress]:
+    """A tqdm bar on stderr that :func:`~giantpipe.perf.planner.plan` advances (``progress=``):
+    each configuration is checked, then simulated or ruled out by its bound. ``enabled=None``:
+    only when stderr is a terminal (logs and CI stay clean).
+
+    Example::
+
+        with progress_bar() as progress:
+            best = plan(layers, 8, 512, device, top=10, progress=progress)[0]
+    """
+    from tqdm import tqdm  # only the planner's callers need it
+
+    with tqdm(desc="planning", unit="config", file=sys.stderr, disable=_off(enabled)) as bar:
+
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        yield advance
+
+
+def _off(enabled: bool | None) -> bool | None:
+    # tqdm's disable=None: off when the stream is not a terminal
+    return None if enabled is None else not enabled
 
 
 # --------------------------------------------------------------------------- search space
