@@ -5,7 +5,9 @@ cost. For contiguous stages that problem has an exact, cheap solution (:func:`so
 the policies below only differ in what a layer's cost is:
 
 - :func:`balance_by_params`: parameter count (no sample needed);
-- :func:`balance_by_time`: measured forward + backward time of each layer on a sample batch;
+- :func:`balance_by_time`: measured forward + backward time of each layer on a sample batch
+  (the median of repeated runs; when they spread too far to trust, a warning names the layers
+  and the balance falls back to forward FLOPs);
 - :func:`balance_by_size`: parameter bytes x ``param_scale`` (weights, grads, optimizer slots)
   plus the activation bytes each layer really saves for backward on the sample.
 
@@ -22,6 +24,7 @@ import copy
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -31,6 +34,7 @@ from torch import nn
 
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, to_device
 from giantpipe.engine.stats import SavedTensorMeter
+from giantpipe.perf.stage_profile import MAX_SPREAD, NEGLIGIBLE, Clock, TimingNoise, spread
 
 Fits = Callable[[int, int, int], bool]
 """``fits(stage, first, end)``: whether layers ``first .. end - 1`` may form stage ``stage``
@@ -157,29 +161,70 @@ def _rng_untouched(device: torch.device) -> Iterator[None]:
         yield
 
 
-def profile_times(
-    module: nn.Sequential, sample: TensorOrTensors, device: torch.device, repeats: int = 3
-) -> list[float]:
-    """Median seconds of forward + backward for each layer, the sample flowing layer to layer.
+FALLBACKS = ("flops", "params", "time")
+"""What :func:`balance_by_time` balances by when the timings are too noisy to trust."""
+
+
+def time_layers(
+    module: nn.Sequential,
+    sample: TensorOrTensors,
+    device: torch.device,
+    repeats: int = 5,
+    clock: Clock = time.perf_counter,
+) -> list[list[float]]:
+    """``repeats`` timings (seconds) of forward + backward of each layer, the sample flowing
+    layer to layer; each after a warm-up run. The backward is inside the timed window: a layer
+    may cost little forward and much backward.
 
     Each layer is profiled on a copy, so parameters, gradients and BatchNorm statistics of
     ``module`` are left untouched, and only one layer at a time occupies ``device``.
     """
     device = torch.device(device)
     x = to_device(sample, device)
-    times = []
+    samples = []
     with _rng_untouched(device):
         for layer in module:
             probe = copy.deepcopy(layer).to(device)
-            samples = []
+            runs = []
             for _ in range(repeats + 1):  # the first run warms up caches and kernels
-                start = time.perf_counter()
+                start = clock()
                 y = _forward_backward(probe, x)
                 _sync(device)
-                samples.append(time.perf_counter() - start)
-            times.append(statistics.median(samples[1:]))
+                runs.append(clock() - start)
+            samples.append(runs[1:])
             x = y
-    return times
+    return samples
+
+
+def profile_times(
+    module: nn.Sequential,
+    sample: TensorOrTensors,
+    device: torch.device,
+    repeats: int = 5,
+    clock: Clock = time.perf_counter,
+) -> list[float]:
+    """Median seconds of forward + backward for each layer (:func:`time_layers`)."""
+    return [statistics.median(runs) for runs in time_layers(module, sample, device, repeats, clock)]
+
+
+def untrusted_layers(
+    samples: Sequence[Sequence[float]],
+    max_spread: float = MAX_SPREAD,
+    negligible: float = NEGLIGIBLE,
+) -> list[int]:
+    """Layers whose repeated timings spread more than ``max_spread`` (:func:`spread`), among
+    those that take at least ``negligible`` of the total median time.
+
+    >>> untrusted_layers([[1.0, 1.0, 1.1], [1.0, 3.0, 2.0], [1e-5, 1e-3, 1e-4]])
+    [1]
+    """
+    medians = [statistics.median(runs) if runs else 0.0 for runs in samples]
+    total = sum(medians)
+    return [
+        i
+        for i, (runs, median) in enumerate(zip(samples, medians))
+        if median >= negligible * total and spread(runs) > max_spread
+    ]
 
 
 def balance_by_time(
@@ -187,13 +232,78 @@ def balance_by_time(
     module: nn.Sequential,
     sample: TensorOrTensors,
     device: torch.device | str = "cpu",
-    repeats: int = 3,
+    repeats: int = 5,
+    max_spread: float = MAX_SPREAD,
+    fallback: str = "flops",
+    clock: Clock = time.perf_counter,
 ) -> list[int]:
-    """Balances by measured forward + backward time of each layer on ``sample``.
+    """Balances by measured forward + backward time of each layer on ``sample``: the median of
+    ``repeats`` timings per layer.
 
-    ``sample`` should be one micro-batch, the size each stage really processes.
+    ``sample`` should be one micro-batch, the size each stage really processes. When a layer's
+    timings spread more than ``max_spread`` (:func:`untrusted_layers`: a busy machine), a
+    :class:`TimingNoise` warning names the layers and the balance follows ``fallback``:
+    ``"flops"`` (forward FLOPs per layer, counted on the meta device; parameters where that
+    fails), ``"params"`` (:func:`balance_by_params`) or ``"time"`` (the medians all the same).
+
+    Example::
+
+        balance = balance_by_time(4, model, x[:8])   # e.g. [5, 6, 6, 7]
     """
-    return solve_balance(profile_times(module, sample, torch.device(device), repeats), partitions)
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS} (got {fallback!r})")
+    samples = time_layers(module, sample, torch.device(device), repeats, clock)
+    noisy = untrusted_layers(samples, max_spread)
+    costs, used = [statistics.median(runs) for runs in samples], "time"
+    if noisy and fallback != "time":
+        costs, used = _fallback_costs(module, sample, fallback)
+    if noisy:
+        message = _noise_message(module, samples, noisy, max_spread, used)
+        warnings.warn(message, TimingNoise, stacklevel=2)
+    return solve_balance(costs, partitions)
+
+
+def _fallback_costs(
+    module: nn.Sequential, sample: TensorOrTensors, fallback: str
+) -> tuple[list[float], str]:
+    if fallback == "flops":
+        from giantpipe.perf.costs import measure_layers, meta_copy, meta_sample  # cycle-free
+
+        try:
+            with _rng_untouched(torch.device("cpu")):
+                layers = measure_layers(meta_copy(module), meta_sample(sample, _batch(sample)))
+            return [c.flops for c in layers], "flops"
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # an op without a meta kernel: parameters are always countable
+    return [float(sum(p.numel() for p in layer.parameters())) for layer in module], "params"
+
+
+def _batch(sample: TensorOrTensors) -> int:
+    return int(as_tuple(sample)[0].shape[0])
+
+
+def _noise_message(
+    module: nn.Sequential,
+    samples: Sequence[Sequence[float]],
+    noisy: Sequence[int],
+    max_spread: float,
+    used: str,
+) -> str:
+    named = ", ".join(
+        f"{i} ({type(module[i]).__name__}, {spread(samples[i]):.0%})" for i in noisy[:8]
+    )
+    more = f" and {len(noisy) - 8} more" if len(noisy) > 8 else ""
+    instead = {
+        "flops": "balancing by forward FLOPs instead",
+        "params": "balancing by parameter count instead",
+        "time": "balancing by the medians anyway (fallback='time')",
+    }[used]
+    return (
+        f"balance_by_time: the timings of layer {named}{more} spread more than "
+        f"max_spread={max_spread:.0%} (interquartile range over median of {len(samples[0])} "
+        f"runs; the machine is busy): {instead}; time on a quieter machine, raise repeats, "
+        "or give the balance"
+    )
 
 
 def profile_sizes(
