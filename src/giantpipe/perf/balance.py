@@ -177,23 +177,39 @@ def time_layers(
     may cost little forward and much backward.
 
     Each layer is profiled on a copy, so parameters, gradients and BatchNorm statistics of
-    ``module`` are left untouched, and only one layer at a time occupies ``device``.
+    ``module`` are left untouched. On a CPU the repeats go round the layers (layer 0, 1, ...,
+    then again), so a burst of load from elsewhere lands on one run of many layers, which the
+    median drops, not on every run of one layer; on a GPU only one layer's copy at a time
+    occupies ``device``, its runs back to back.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1 (got {repeats})")
     device = torch.device(device)
     x = to_device(sample, device)
-    samples = []
+    samples: list[list[float]] = []
+    kept: list[tuple[nn.Module, TensorOrTensors]] = []
     with _rng_untouched(device):
         for layer in module:
             probe = copy.deepcopy(layer).to(device)
-            runs = []
-            for _ in range(repeats + 1):  # the first run warms up caches and kernels
-                start = clock()
-                y = _forward_backward(probe, x)
-                _sync(device)
-                runs.append(clock() - start)
-            samples.append(runs[1:])
+            y = _timed(probe, x, device, clock)[0]  # the warm-up: caches, kernels
+            if device.type == "cpu":
+                kept.append((probe, x))
+            else:
+                samples.append([_timed(probe, x, device, clock)[1] for _ in range(repeats)])
             x = y
+        if kept:
+            rounds = [[_timed(p, inp, device, clock)[1] for p, inp in kept] for _ in range(repeats)]
+            samples = [list(runs) for runs in zip(*rounds)]
     return samples
+
+
+def _timed(
+    layer: nn.Module, x: TensorOrTensors, device: torch.device, clock: Clock
+) -> tuple[TensorOrTensors, float]:
+    start = clock()
+    y = _forward_backward(layer, x)
+    _sync(device)
+    return y, clock() - start
 
 
 def profile_times(
