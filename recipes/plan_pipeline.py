@@ -27,8 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without ins
 from giantpipe.engine.recompute import MODES  # noqa: E402
 from giantpipe.engine.schedules import SCHEDULE_NAMES  # noqa: E402
 from giantpipe.perf.costs import measure_layers  # noqa: E402
-from giantpipe.perf.planner import DeviceSpec, format_table, plan  # noqa: E402
-from giantpipe.runner.planning import progress_bar  # noqa: E402
+from giantpipe.perf.planner import DeviceSpec, format_table, plan, progress_bar  # noqa: E402
 from recipes.model_sizes import NAMES, build  # noqa: E402
 
 GIB = 2**30

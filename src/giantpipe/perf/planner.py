@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from giantpipe.engine.microbatch import split_sizes
@@ -439,3 +441,30 @@ def format_table(candidates: Sequence[Candidate]) -> str:
             f"| {peaks} |"
         )
     return "\n".join(lines)
+
+
+@contextmanager
+def progress_bar(enabled: bool | None = None) -> Iterator[Progress]:
+    """A tqdm bar on stderr that :func:`~giantpipe.perf.planner.plan` advances (``progress=``):
+    each configuration is checked, then simulated or ruled out by its bound. ``enabled=None``:
+    only when stderr is a terminal (logs and CI stay clean).
+
+    Example::
+
+        with progress_bar() as progress:
+            best = plan(layers, 8, 512, device, top=10, progress=progress)[0]
+    """
+    from tqdm import tqdm  # only when a bar is asked for: the planner itself needs none
+
+    with tqdm(desc="planning", unit="config", file=sys.stderr, disable=_off(enabled)) as bar:
+
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        yield advance
+
+
+def _off(enabled: bool | None) -> bool | None:
+    # tqdm's disable=None: off when the stream is not a terminal
+    return None if enabled is None else not enabled

@@ -29,10 +29,8 @@ import functools
 import logging
 import math
 import os
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -50,7 +48,7 @@ from giantpipe.perf.costs import (
     meta_sample,
     per_sample,
 )
-from giantpipe.perf.planner import Candidate, DeviceSpec, Progress, format_table, plan
+from giantpipe.perf.planner import Candidate, DeviceSpec, format_table, plan, progress_bar
 from giantpipe.perf.predict import executor_overhead
 from giantpipe.runner.losses import LossFn
 from giantpipe.runner.step import autocast
@@ -175,33 +173,6 @@ def _nothing_fits(unbounded: list[Candidate], spec: DeviceSpec, size: int, k: in
         "pipeline.memory_budget_gib",
         problem + ": raise it, add devices (pipeline.num_devices) or lower data.batch_size",
     )
-
-
-@contextmanager
-def progress_bar(enabled: bool | None = None) -> Iterator[Progress]:
-    """A tqdm bar on stderr that :func:`~giantpipe.perf.planner.plan` advances (``progress=``):
-    each configuration is checked, then simulated or ruled out by its bound. ``enabled=None``:
-    only when stderr is a terminal (logs and CI stay clean).
-
-    Example::
-
-        with progress_bar() as progress:
-            best = plan(layers, 8, 512, device, top=10, progress=progress)[0]
-    """
-    from tqdm import tqdm  # only the planner's callers need it
-
-    with tqdm(desc="planning", unit="config", file=sys.stderr, disable=_off(enabled)) as bar:
-
-        def advance(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
-        yield advance
-
-
-def _off(enabled: bool | None) -> bool | None:
-    # tqdm's disable=None: off when the stream is not a terminal
-    return None if enabled is None else not enabled
 
 
 # --------------------------------------------------------------------------- search space
