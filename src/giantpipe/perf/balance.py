@@ -161,6 +161,10 @@ def _rng_untouched(device: torch.device) -> Iterator[None]:
         yield
 
 
+AGREEMENT = 0.8
+"""Share of the runs whose own timings must give the medians' cut for :func:`balance_by_time` to
+trust it (4 of 5: one disturbed run is the median's to drop)."""
+
 FALLBACKS = ("flops", "params", "time")
 """What :func:`balance_by_time` balances by when the timings are too noisy to trust."""
 
@@ -231,7 +235,7 @@ def untrusted_layers(
     """Layers whose repeated timings spread more than ``max_spread`` (:func:`spread`), among
     those that take at least ``negligible`` of the total median time.
 
-    >>> untrusted_layers([[1.0, 1.0, 1.1], [1.0, 3.0, 2.0], [1e-5, 1e-3, 1e-4]])
+    >>> untrusted_layers([[1.0, 1.0, 1.1], [1.0, 4.0, 2.0], [1e-5, 1e-3, 1e-4]])
     [1]
     """
     medians = [statistics.median(runs) if runs else 0.0 for runs in samples]
@@ -257,8 +261,10 @@ def balance_by_time(
     ``repeats`` timings per layer.
 
     ``sample`` should be one micro-batch, the size each stage really processes. When a layer's
-    timings spread more than ``max_spread`` (:func:`untrusted_layers`: a busy machine), a
-    :class:`TimingNoise` warning names the layers and the balance follows ``fallback``:
+    timings spread more than ``max_spread`` (:func:`untrusted_layers`), or the runs' own
+    timings give the medians' cut in fewer than :data:`AGREEMENT` of them (:func:`agreement`:
+    a near tie on a busy machine), a :class:`TimingNoise` warning names the layers and the
+    balance follows ``fallback``:
     ``"flops"`` (forward FLOPs per layer, counted on the meta device; parameters where that
     fails), ``"params"`` (:func:`balance_by_params`) or ``"time"`` (the medians all the same).
 
@@ -270,13 +276,30 @@ def balance_by_time(
         raise ValueError(f"fallback must be one of {FALLBACKS} (got {fallback!r})")
     samples = time_layers(module, sample, torch.device(device), repeats, clock)
     noisy = untrusted_layers(samples, max_spread)
-    costs, used = [statistics.median(runs) for runs in samples], "time"
-    if noisy and fallback != "time":
+    balance = solve_balance([statistics.median(runs) for runs in samples], partitions)
+    agree = agreement(samples, partitions, balance)
+    if not noisy and agree >= AGREEMENT:
+        return balance
+    used = "time"
+    if fallback != "time":
         costs, used = _fallback_costs(module, sample, fallback)
-    if noisy:
-        message = _noise_message(module, samples, noisy, max_spread, used)
-        warnings.warn(message, TimingNoise, stacklevel=2)
-    return solve_balance(costs, partitions)
+        balance = solve_balance(costs, partitions)
+    message = _noise_message(module, samples, noisy, max_spread, used, agree)
+    warnings.warn(message, TimingNoise, stacklevel=2)
+    return balance
+
+
+def agreement(samples: Sequence[Sequence[float]], partitions: int, balance: list[int]) -> float:
+    """The share of runs whose own timings (run r of every layer) give ``balance``: a cut that
+    rests on a near tie between two cuts moves from run to run on a busy machine.
+
+    >>> agreement([[1.0, 3.0], [2.0, 2.0], [2.0, 2.0]], 2, [2, 1])  # run 1: [1, 2]
+    0.5
+    """
+    runs = [
+        solve_balance([layer[r] for layer in samples], partitions) for r in range(len(samples[0]))
+    ]
+    return sum(b == balance for b in runs) / len(runs)
 
 
 def _fallback_costs(
@@ -304,21 +327,32 @@ def _noise_message(
     noisy: Sequence[int],
     max_spread: float,
     used: str,
+    agree: float,
 ) -> str:
-    named = ", ".join(
-        f"{i} ({type(module[i]).__name__}, {spread(samples[i]):.0%})" for i in noisy[:8]
-    )
-    more = f" and {len(noisy) - 8} more" if len(noisy) > 8 else ""
+    def named(layers: Sequence[int]) -> str:
+        shown = [f"{i} ({type(module[i]).__name__}, {spread(samples[i]):.0%})" for i in layers]
+        return ", ".join(shown[:8]) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
+
+    problems = []
+    if noisy:
+        problems.append(
+            f"the timings of layer {named(noisy)} spread more than max_spread={max_spread:.0%} "
+            f"(interquartile range over median of {len(samples[0])} runs)"
+        )
+    if agree < AGREEMENT:
+        widest = sorted(range(len(samples)), key=lambda i: -spread(samples[i]))[:3]
+        problems.append(
+            f"the cut moves from run to run (each run's timings alone give the medians' cut in "
+            f"{agree:.0%} of them; widest spread: layer {named(widest)})"
+        )
     instead = {
         "flops": "balancing by forward FLOPs instead",
         "params": "balancing by parameter count instead",
         "time": "balancing by the medians anyway (fallback='time')",
     }[used]
     return (
-        f"balance_by_time: the timings of layer {named}{more} spread more than "
-        f"max_spread={max_spread:.0%} (interquartile range over median of {len(samples[0])} "
-        f"runs; the machine is busy): {instead}; time on a quieter machine, raise repeats, "
-        "or give the balance"
+        f"balance_by_time: {'; '.join(problems)}; the machine is busy: {instead}; time on a "
+        "quieter machine, raise repeats, or give the balance"
     )
 
 
