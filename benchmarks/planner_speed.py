@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -30,9 +31,11 @@ QUICK = "--model amoebanet-d --layers 3 --filters 16 --image-size 64 --devices 2
 QUICK += "--batch 8"
 
 
-def run_once(checkout: Path, args: str, timeout: float) -> tuple[float, str]:
-    """Wall seconds of one run, and its table (the output after the header line)."""
+def run_once(checkout: Path, args: str, timeout: float) -> tuple[float, float, str]:
+    """Wall seconds and CPU seconds (user + system: what a busy machine does not inflate as
+    much) of one run, and its table (the output after the header line)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the checkout's own code
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, str(checkout / "recipes" / "plan_pipeline.py"), *args.split()],
@@ -43,9 +46,11 @@ def run_once(checkout: Path, args: str, timeout: float) -> tuple[float, str]:
         timeout=timeout,
     )
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     if done.returncode != 0:
         raise SystemExit(f"plan_pipeline.py failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return seconds, done.stdout.split("\n", 1)[1]
+    return seconds, cpu, done.stdout.split("\n", 1)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,13 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     command, runs = (QUICK, 1) if args.quick else (README, args.runs)
     print(f"python recipes/plan_pipeline.py {command}")
     print(f"checkout {args.checkout}, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    times, tables = [], set()
+    times, cpus, tables = [], [], set()
     for i in range(runs):
-        seconds, table = run_once(args.checkout, command, args.timeout)
+        seconds, cpu, table = run_once(args.checkout, command, args.timeout)
         times.append(seconds)
+        cpus.append(cpu)
         tables.add(table)
-        print(f"run {i + 1}: {seconds:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
-    print(f"median of {runs}: {statistics.median(times):.1f} s; same table every run: ", end="")
+        load = os.getloadavg()[0]
+        print(f"run {i + 1}: {seconds:.1f} s wall, {cpu:.1f} s CPU (load {load:.1f})", flush=True)
+    print(
+        f"median of {runs}: {statistics.median(times):.1f} s wall, "
+        f"{statistics.median(cpus):.1f} s CPU; same table every run: ",
+        end="",
+    )
     print("yes" if len(tables) == 1 else f"NO ({len(tables)} different)")
     rows = [line for line in next(iter(tables)).splitlines() if line.strip()]
     print("\n".join(rows[:4]))  # the header, and the best two
