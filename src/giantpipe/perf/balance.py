@@ -193,9 +193,10 @@ def time_layers(
     samples: list[list[float]] = []
     kept: list[tuple[nn.Module, TensorOrTensors]] = []
     with _rng_untouched(device):
-        for layer in module:
+        for index, layer in enumerate(module):
             probe = copy.deepcopy(layer).to(device)
-            y = _timed(probe, x, device, clock)[0]  # the warm-up: caches, kernels
+            with _naming(index, layer):
+                y = _timed(probe, x, device, clock)[0]  # the warm-up: caches, kernels
             if device.type == "cpu":
                 kept.append((probe, x))
             else:
@@ -245,6 +246,16 @@ def untrusted_layers(
         for i, (runs, median) in enumerate(zip(samples, medians))
         if median >= negligible * total and spread(runs) > max_spread
     ]
+
+
+@contextmanager
+def _naming(index: int, layer: nn.Module) -> Iterator[None]:
+    """A layer that fails on its own input (a leaf that requires grad) is named in the note."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"giantpipe: while profiling layer {index} ({type(layer).__name__}) alone")
+        raise
 
 
 def balance_by_time(
