@@ -3,7 +3,7 @@
 #           python recipes/plan_pipeline.py --model transformer-l --layers 48 --devices 8 \
 #               --memory-gib 16 --batch 32 --plot outputs/plan_transformer48.png
 # Hardware: any CPU, no GPU: the model is built on the meta device, each candidate simulated
-#           (each table's first line gives the time planning took; results/plan/).
+#           (results/planner_speed.md has the time it takes; a progress bar on stderr meanwhile).
 # Reproduces: results/plan/ (results/README.md, "Planner's choices"): AmoebaNet-D (18, 256),
 #           batch 512 on 8 x 16 GiB: zb-h1, M=32, never, 2374 samples/s, bubble 0.44.
 """Plan a pipeline for a named model: the best balance, M, re-materialization and schedule.
@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without ins
 from giantpipe.engine.recompute import MODES  # noqa: E402
 from giantpipe.engine.schedules import SCHEDULE_NAMES  # noqa: E402
 from giantpipe.perf.costs import measure_layers  # noqa: E402
-from giantpipe.perf.planner import DeviceSpec, format_table, plan  # noqa: E402
+from giantpipe.perf.planner import DeviceSpec, format_table, plan, progress_bar  # noqa: E402
 from recipes.model_sizes import NAMES, build  # noqa: E402
 
 GIB = 2**30
@@ -63,7 +63,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES), choices=SCHEDULE_NAMES)
     p.add_argument("--recompute", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--chunks", nargs="+", type=int, help="M to try (default: powers of two)")
-    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (the fastest)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.add_argument("--plot", help="write the best candidate's simulated timeline (PNG) here")
     return p.parse_args(argv)
 
@@ -84,23 +85,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     model, sample = build(args.model, args.layers, args.filters, args.image_size, args.seq_len)
     layers = measure_layers(model, sample)
-    candidates = plan(
-        layers,
-        args.devices,
-        args.batch,
-        device_spec(args),
-        schedules=args.schedules,
-        chunks=args.chunks,
-        recompute=args.recompute,
-        optimizer_slots=args.optimizer_slots,
-    )
+    with progress_bar(enabled=not args.quiet) as progress:
+        candidates = plan(
+            layers,
+            args.devices,
+            args.batch,
+            device_spec(args),
+            schedules=args.schedules,
+            chunks=args.chunks,
+            recompute=args.recompute,
+            optimizer_slots=args.optimizer_slots,
+            top=args.top,
+            progress=progress,
+        )
     params = sum(c.params for c in layers)
     print(
         f"{args.model} ({len(layers)} layers, {params / 1e6:.1f}M parameters, "
         f"{sum(c.flops for c in layers) / 1e9:.1f} GFLOP forward per sample) on "
         f"{args.devices} x {args.memory_gib:g} GiB, {args.peak_tflops:g} TFLOP/s, "
         f"{args.bandwidth_gbps:g} GB/s; batch {args.batch}; "
-        f"{len(candidates)} configurations fit ({time.perf_counter() - started:.1f}s)\n"
+        f"{candidates.fitting} configurations fit ({time.perf_counter() - started:.1f}s)\n"
     )
     if not candidates:
         print("nothing fits: add devices or memory, or lower the batch size")

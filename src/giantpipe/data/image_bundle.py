@@ -179,8 +179,8 @@ def random_images(
     seed: int = 0,
 ) -> DataBundle:
     """One batch of standard-normal pixels and uniform labels, repeated: nothing to load or
-    learn, so a run measures the model and the pipeline alone. ``epoch_size`` (ImageNet's by
-    default) only sets how many steps an "epoch" is.
+    learn, so a run measures the model and the pipeline alone; the evaluation runs on the next
+    batch drawn. ``epoch_size`` (ImageNet's by default) only sets how many steps an "epoch" is.
 
     Example::
 
@@ -191,9 +191,14 @@ def random_images(
     images = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
     labels = torch.randint(num_classes, (batch_size,), generator=generator)
     batch: Batch = (images, labels)
+    # evaluation on the next batch of the stream, not the one trained on (it would be memorised)
+    held_out: Batch = (
+        torch.randn(batch_size, 3, image_size, image_size, generator=generator),
+        torch.randint(num_classes, (batch_size,), generator=generator),
+    )
     return DataBundle(
         train_batches=lambda _seed, _position: itertools.repeat(batch),
-        eval_batches=lambda: [batch],
+        eval_batches=lambda: [held_out],
         batches_per_epoch=max(1, epoch_size // batch_size),
         loss="cross_entropy",
         metric=METRIC,

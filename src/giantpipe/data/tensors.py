@@ -296,9 +296,19 @@ def token_walks(table: Tensor, batch_size: int, length: int, generator: torch.Ge
     return tokens
 
 
-def token_batch(table: Tensor, batch_size: int, seq_len: int, seed: int, index: int) -> Batch:
-    """Batch number ``index`` of the stream ``seed``: (tokens, next tokens), [B, seq_len] each."""
+def token_batch(
+    table: Tensor, batch_size: int, seq_len: int, seed: int, index: int, held_out: bool = False
+) -> Batch:
+    """Batch number ``index`` of the stream ``seed``: (tokens, next tokens), [B, seq_len] each.
+
+    A ``held_out`` batch starts one draw into its generator's stream. Generators take 32 bits
+    of their seed, so every key ``seed * 1_000_003 + index`` is some training batch's key (with
+    the data seed 1234, trainer.seed 1235 met held-out batch 0 as its training batch 48573);
+    no training batch starts one draw in.
+    """
     generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    if held_out:
+        torch.randint(2, (1,), generator=generator)
     walk = token_walks(table, batch_size, seq_len + 1, generator)
     return walk[:, :-1].contiguous(), walk[:, 1:].contiguous()
 
@@ -331,7 +341,7 @@ def lm_tokens(
     """
     table = successor_table(vocab_size, branching, seed)
     held_out = [
-        token_batch(table, batch_size, seq_len, seed, HELD_OUT_INDEX + i)
+        token_batch(table, batch_size, seq_len, seed, HELD_OUT_INDEX + i, held_out=True)
         for i in range(eval_batches)
     ]
     return DataBundle(

@@ -5,7 +5,9 @@ cost. For contiguous stages that problem has an exact, cheap solution (:func:`so
 the policies below only differ in what a layer's cost is:
 
 - :func:`balance_by_params`: parameter count (no sample needed);
-- :func:`balance_by_time`: measured forward + backward time of each layer on a sample batch;
+- :func:`balance_by_time`: measured forward + backward time of each layer on a sample batch
+  (the median of repeated runs; when they spread too far to trust, a warning names the layers
+  and the balance falls back to forward FLOPs);
 - :func:`balance_by_size`: parameter bytes x ``param_scale`` (weights, grads, optimizer slots)
   plus the activation bytes each layer really saves for backward on the sample.
 
@@ -22,6 +24,7 @@ import copy
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -31,6 +34,7 @@ from torch import nn
 
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, to_device
 from giantpipe.engine.stats import SavedTensorMeter
+from giantpipe.perf.stage_profile import MAX_SPREAD, NEGLIGIBLE, Clock, TimingNoise, spread
 
 Fits = Callable[[int, int, int], bool]
 """``fits(stage, first, end)``: whether layers ``first .. end - 1`` may form stage ``stage``
@@ -157,30 +161,91 @@ def _rng_untouched(device: torch.device) -> Iterator[None]:
         yield
 
 
-def profile_times(
-    module: nn.Sequential, sample: TensorOrTensors, device: torch.device, repeats: int = 3
-) -> list[float]:
-    """Median seconds of forward + backward for each layer, the sample flowing layer to layer.
+AGREEMENT = 0.8
+"""Share of the runs whose own timings must give the medians' cut for :func:`balance_by_time` to
+trust it (4 of 5: one disturbed run is the median's to drop)."""
+
+FALLBACKS = ("flops", "params", "time")
+"""What :func:`balance_by_time` balances by when the timings are too noisy to trust."""
+
+
+def time_layers(
+    module: nn.Sequential,
+    sample: TensorOrTensors,
+    device: torch.device,
+    repeats: int = 5,
+    clock: Clock = time.perf_counter,
+) -> list[list[float]]:
+    """``repeats`` timings (seconds) of forward + backward of each layer, the sample flowing
+    layer to layer; each after a warm-up run. The backward is inside the timed window: a layer
+    may cost little forward and much backward.
 
     Each layer is profiled on a copy, so parameters, gradients and BatchNorm statistics of
-    ``module`` are left untouched, and only one layer at a time occupies ``device``.
+    ``module`` are left untouched. On a CPU the repeats go round the layers (layer 0, 1, ...,
+    then again), so a burst of load from elsewhere lands on one run of many layers, which the
+    median drops, not on every run of one layer; on a GPU only one layer's copy at a time
+    occupies ``device``, its runs back to back.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1 (got {repeats})")
     device = torch.device(device)
     x = to_device(sample, device)
-    times = []
+    samples: list[list[float]] = []
+    kept: list[tuple[nn.Module, TensorOrTensors]] = []
     with _rng_untouched(device):
         for index, layer in enumerate(module):
             probe = copy.deepcopy(layer).to(device)
-            samples = []
-            for _ in range(repeats + 1):  # the first run warms up caches and kernels
-                start = time.perf_counter()
-                with _naming(index, layer):
-                    y = _forward_backward(probe, x)
-                _sync(device)
-                samples.append(time.perf_counter() - start)
-            times.append(statistics.median(samples[1:]))
+            with _naming(index, layer):
+                y = _timed(probe, x, device, clock)[0]  # the warm-up: caches, kernels
+            if device.type == "cpu":
+                kept.append((probe, x))
+            else:
+                samples.append([_timed(probe, x, device, clock)[1] for _ in range(repeats)])
             x = y
-    return times
+        if kept:
+            rounds = [[_timed(p, inp, device, clock)[1] for p, inp in kept] for _ in range(repeats)]
+            samples = [list(runs) for runs in zip(*rounds)]
+    return samples
+
+
+def _timed(
+    layer: nn.Module, x: TensorOrTensors, device: torch.device, clock: Clock
+) -> tuple[TensorOrTensors, float]:
+    start = clock()
+    y = _forward_backward(layer, x)
+    _sync(device)
+    return y, clock() - start
+
+
+def profile_times(
+    module: nn.Sequential,
+    sample: TensorOrTensors,
+    device: torch.device,
+    repeats: int = 5,
+    clock: Clock = time.perf_counter,
+) -> list[float]:
+    """Median seconds of forward + backward for each layer (:func:`time_layers`)."""
+    return [statistics.median(runs) for runs in time_layers(module, sample, device, repeats, clock)]
+
+
+def untrusted_layers(
+    samples: Sequence[Sequence[float]],
+    max_spread: float = MAX_SPREAD,
+    negligible: float = NEGLIGIBLE,
+) -> list[int]:
+    """Layers whose repeated timings spread more than ``max_spread`` (:func:`spread`), among
+    those that take at least ``negligible`` of the total median time.
+
+    >>> untrusted_layers([[1.0, 1.0, 1.1], [1.0, 4.0, 2.0], [1e-5, 1e-3, 1e-4]])
+    [1]
+    """
+    medians = [statistics.median(runs) if runs else 0.0 for runs in samples]
+    total = sum(medians)
+    return [
+        i
+        for i, (runs, median) in enumerate(zip(samples, medians))
+        if median >= negligible * total and spread(runs) > max_spread
+    ]
 
 
 @contextmanager
@@ -198,13 +263,108 @@ def balance_by_time(
     module: nn.Sequential,
     sample: TensorOrTensors,
     device: torch.device | str = "cpu",
-    repeats: int = 3,
+    repeats: int = 5,
+    max_spread: float = MAX_SPREAD,
+    fallback: str = "flops",
+    clock: Clock = time.perf_counter,
 ) -> list[int]:
-    """Balances by measured forward + backward time of each layer on ``sample``.
+    """Balances by measured forward + backward time of each layer on ``sample``: the median of
+    ``repeats`` timings per layer.
 
-    ``sample`` should be one micro-batch, the size each stage really processes.
+    ``sample`` should be one micro-batch, the size each stage really processes. When a layer's
+    timings spread more than ``max_spread`` (:func:`untrusted_layers`), or the runs' own
+    timings give the medians' cut in fewer than :data:`AGREEMENT` of them (:func:`agreement`:
+    a near tie on a busy machine), a :class:`TimingNoise` warning names the layers and the
+    balance follows ``fallback``:
+    ``"flops"`` (forward FLOPs per layer, counted on the meta device; parameters where that
+    fails), ``"params"`` (:func:`balance_by_params`) or ``"time"`` (the medians all the same).
+
+    Example::
+
+        balance = balance_by_time(4, model, x[:8])   # e.g. [5, 6, 6, 7]
     """
-    return solve_balance(profile_times(module, sample, torch.device(device), repeats), partitions)
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS} (got {fallback!r})")
+    samples = time_layers(module, sample, torch.device(device), repeats, clock)
+    noisy = untrusted_layers(samples, max_spread)
+    balance = solve_balance([statistics.median(runs) for runs in samples], partitions)
+    agree = agreement(samples, partitions, balance)
+    if not noisy and agree >= AGREEMENT:
+        return balance
+    used = "time"
+    if fallback != "time":
+        costs, used = _fallback_costs(module, sample, fallback)
+        balance = solve_balance(costs, partitions)
+    message = _noise_message(module, samples, noisy, max_spread, used, agree)
+    warnings.warn(message, TimingNoise, stacklevel=2)
+    return balance
+
+
+def agreement(samples: Sequence[Sequence[float]], partitions: int, balance: list[int]) -> float:
+    """The share of runs whose own timings (run r of every layer) give ``balance``: a cut that
+    rests on a near tie between two cuts moves from run to run on a busy machine.
+
+    >>> agreement([[1.0, 3.0], [2.0, 2.0], [2.0, 2.0]], 2, [2, 1])  # run 1: [1, 2]
+    0.5
+    """
+    runs = [
+        solve_balance([layer[r] for layer in samples], partitions) for r in range(len(samples[0]))
+    ]
+    return sum(b == balance for b in runs) / len(runs)
+
+
+def _fallback_costs(
+    module: nn.Sequential, sample: TensorOrTensors, fallback: str
+) -> tuple[list[float], str]:
+    if fallback == "flops":
+        from giantpipe.perf.costs import measure_layers, meta_copy, meta_sample  # cycle-free
+
+        try:
+            with _rng_untouched(torch.device("cpu")):
+                layers = measure_layers(meta_copy(module), meta_sample(sample, _batch(sample)))
+            return [c.flops for c in layers], "flops"
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # an op without a meta kernel: parameters are always countable
+    return [float(sum(p.numel() for p in layer.parameters())) for layer in module], "params"
+
+
+def _batch(sample: TensorOrTensors) -> int:
+    return int(as_tuple(sample)[0].shape[0])
+
+
+def _noise_message(
+    module: nn.Sequential,
+    samples: Sequence[Sequence[float]],
+    noisy: Sequence[int],
+    max_spread: float,
+    used: str,
+    agree: float,
+) -> str:
+    def named(layers: Sequence[int]) -> str:
+        shown = [f"{i} ({type(module[i]).__name__}, {spread(samples[i]):.0%})" for i in layers]
+        return ", ".join(shown[:8]) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
+
+    problems = []
+    if noisy:
+        problems.append(
+            f"the timings of layer {named(noisy)} spread more than max_spread={max_spread:.0%} "
+            f"(interquartile range over median of {len(samples[0])} runs)"
+        )
+    if agree < AGREEMENT:
+        widest = sorted(range(len(samples)), key=lambda i: -spread(samples[i]))[:3]
+        problems.append(
+            f"the cut moves from run to run (each run's timings alone give the medians' cut in "
+            f"{agree:.0%} of them; widest spread: layer {named(widest)})"
+        )
+    instead = {
+        "flops": "balancing by forward FLOPs instead",
+        "params": "balancing by parameter count instead",
+        "time": "balancing by the medians anyway (fallback='time')",
+    }[used]
+    return (
+        f"balance_by_time: {'; '.join(problems)}; the machine is busy: {instead}; time on a "
+        "quieter machine, raise repeats, or give the balance"
+    )
 
 
 def profile_sizes(

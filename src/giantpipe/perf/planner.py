@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +48,7 @@ from giantpipe.engine.schedules import SCHEDULE_NAMES, VIRTUAL_STAGES, build_sch
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.perf.costs import LayerCost
-from giantpipe.perf.simulate import Simulation, StageCost, simulate
+from giantpipe.perf.simulate import Simulation, StageCost, peak_activations, simulate
 
 GIB = 2**30
 
@@ -119,7 +121,9 @@ def plan(
     optimizer_slots: int = 1,
     layer_times: LayerTimes | None = None,
     overhead: float = 0.0,
-) -> list[Candidate]:
+    top: int | None = None,
+    progress: Progress | None = None,
+) -> Ranked:
     """Every configuration that fits, fastest first (ties: least peak memory).
 
     ``chunks`` defaults to the powers of two up to ``batch_size``; ``virtual_stages`` applies
@@ -129,66 +133,206 @@ def plan(
     ``recompute`` lists the re-materialization modes to try.
     ``layer_times`` replaces the device model's seconds by measured ones (memory still comes
     from ``layers``); ``overhead`` is added to every simulated action.
+
+    ``top``: only the ``top`` fastest, exactly ``plan(...)[:top]``, found without simulating
+    the rest: every configuration's balance and memory are checked (``.fitting`` counts those
+    that fit), but a configuration whose busiest worker alone (a lower bound of the step) takes
+    longer than the ``top``-th fastest step found so far cannot rank and is not replayed.
+    ``progress(done, total)`` is called as configurations are checked and simulated.
     """
     options = chunks or [2**i for i in range(batch_size.bit_length()) if 2**i <= batch_size]
     budget = device.memory_bytes * (1 - device.reserve)
-    found = []
     measured = _Measured(layer_times, overhead) if layer_times is not None else None
-    for name, m, mode in itertools.product(schedules, options, recompute):
+    search = _Search(layers, batch_size, device, optimizer_slots, measured)
+    grid = search_space(num_devices, len(layers), schedules, virtual_stages, options, recompute)
+    total = 2 * len(grid)  # each configuration is checked, then simulated or ruled out
+    tick = progress if progress is not None else (lambda done, total: None)
+    fitting: list[tuple[float, int, _Fitted]] = []
+    for index, (name, m, v, mode) in enumerate(grid):
+        fitted = search.fit(search.schedule(name, num_devices, m, v), mode, budget)
+        if fitted is not None:
+            fitting.append((fitted.lower_bound(), index, fitted))
+        tick(index + 1, total)
+    fitting.sort(key=lambda f: (f[0], f[1]))
+    found: list[tuple[tuple[float, int], int, Candidate]] = []
+    for done, (bound, index, fitted) in enumerate(fitting, len(grid) + 1):
+        if top is not None and len(found) >= top and _cannot_rank(bound, found, top):
+            break
+        candidate = fitted.simulate()
+        # sort is stable: equal keys keep the order in which the configurations were tried
+        found.append(
+            ((-candidate.samples_per_s, max(candidate.peak_memory_bytes)), index, candidate)
+        )
+        if top is not None:
+            found.sort(key=lambda f: (f[0], f[1]))
+        tick(done, total)
+    tick(total, total)
+    found.sort(key=lambda f: (f[0], f[1]))
+    ranked = Ranked(c for _, _, c in found[:top])
+    ranked.fitting = len(fitting)
+    return ranked
+
+
+def _cannot_rank(bound: float, found: list, top: int) -> bool:
+    # The simulated step is at least the busiest worker's own work; the margin covers the
+    # rounding of summing the same seconds in another order, so ties are always simulated.
+    slowest_kept = found[top - 1][2].step_time_s
+    return bound * (1 - 1e-9) > slowest_kept
+
+
+class Ranked(list[Candidate]):
+    """:func:`plan`'s answer: the candidates, fastest first, and ``fitting``, how many
+    configurations fit (more than the list holds when ``plan`` was asked for its ``top``)."""
+
+    fitting: int = 0
+
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: configurations simulated so far, out of how many."""
+
+
+def search_space(
+    num_devices: int,
+    num_layers: int,
+    schedules: Sequence[str],
+    virtual_stages: Sequence[int],
+    chunks: Sequence[int],
+    recompute: Sequence[str],
+) -> list[tuple[str, int, int, str]]:
+    """Every (schedule, M, V, mode) :func:`plan` simulates, in the order it tries them.
+
+    >>> search_space(2, 8, ["gpipe", "interleaved"], [2], [1, 2], ["never"])
+    [('gpipe', 1, 1, 'never'), ('gpipe', 2, 1, 'never'), ('interleaved', 2, 2, 'never')]
+    """
+    grid = []
+    for name, m, mode in itertools.product(schedules, chunks, recompute):
         fixed = (VIRTUAL_STAGES.get(name, 1),)  # zb-v: its V shape needs exactly 2
         for v in virtual_stages if name == "interleaved" else fixed:
-            if num_devices * v > len(layers) or (name == "interleaved" and m % num_devices):
+            if num_devices * v > num_layers or (name == "interleaved" and m % num_devices):
                 continue
-            schedule = build_schedule(name, num_devices, m, v)
-            candidate = _evaluate(
-                layers, schedule, batch_size, device, mode, budget, optimizer_slots, measured
-            )
-            if candidate is not None:
-                found.append(candidate)
-    found.sort(key=lambda c: (-c.samples_per_s, max(c.peak_memory_bytes)))
-    return found
+            grid.append((name, m, v, mode))
+    return grid
 
 
-def _evaluate(
-    layers: Sequence[LayerCost],
-    schedule: Schedule,
-    batch_size: int,
-    device: DeviceSpec,
-    mode: str,
-    budget: float,
-    slots: int,
-    measured: _Measured | None = None,
-) -> Candidate | None:
-    micro = split_sizes(batch_size, schedule.num_microbatches)[0]  # the largest one
-    per_layer = [_layer_cost(c, micro, device, slots, first=i == 0) for i, c in enumerate(layers)]
-    if measured is not None:
-        per_layer = measured.apply(per_layer, micro)
-    recomputed = 0.0 if mode == "never" else 1.0
-    times = [c.forward + c.backward + recomputed * c.recompute for c in per_layer]
-    memory = _stage_memory(per_layer, layers, micro, pressure(schedule, mode))
-    # a worker of an interleaved schedule holds V stages: give each its share of the budget
-    share = budget / schedule.virtual_stages
-    try:
-        balance = solve_balance(times, schedule.num_stages, lambda *cut: memory(*cut) <= share)
-    except NoFit:
-        return None
-    bounds = list(itertools.accumulate([0, *balance]))
-    costs = [combine(per_layer[a:b], layers[a:b], micro) for a, b in itertools.pairwise(bounds)]
-    sim = simulate(schedule, costs, mode, measured.overhead if measured is not None else 0.0)
-    if max(sim.peak_memory_bytes) > budget:
-        return None
-    return Candidate(
-        schedule.name,
-        schedule.virtual_stages,
-        schedule.num_microbatches,
-        mode,
-        balance,
-        sim.step_time,
-        sim.samples_per_second(batch_size),
-        sim.bubble,
-        sim.peak_memory_bytes,
-        sim,
-    )
+class _Search:
+    """What every configuration of one search shares, computed once: each schedule (ZB-V's
+    list schedule is the costliest part of a configuration; three modes use the same one), its
+    memory pressure per mode, and the per-layer costs per micro-batch size."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerCost],
+        batch_size: int,
+        device: DeviceSpec,
+        slots: int,
+        measured: _Measured | None,
+    ) -> None:
+        self.layers, self.batch_size, self.device = layers, batch_size, device
+        self.slots, self.measured = slots, measured
+        self._schedules: dict[tuple[str, int, int, int], Schedule] = {}
+        self._pressure: dict[tuple[int, str], list[list[tuple[int, int]]]] = {}
+        self._per_layer: dict[int, list[StageCost]] = {}
+
+    def schedule(self, name: str, k: int, m: int, v: int) -> Schedule:
+        key = (name, k, m, v)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(name, k, m, v)
+        return self._schedules[key]
+
+    def pressure(self, schedule: Schedule, mode: str) -> list[list[tuple[int, int]]]:
+        key = (id(schedule), mode)  # schedules are kept in self._schedules: ids stay unique
+        if key not in self._pressure:
+            self._pressure[key] = pressure(schedule, mode)
+        return self._pressure[key]
+
+    def per_layer(self, micro: int) -> list[StageCost]:
+        if micro not in self._per_layer:
+            device, slots = self.device, self.slots
+            costs = [
+                _layer_cost(c, micro, device, slots, first=i == 0)
+                for i, c in enumerate(self.layers)
+            ]
+            if self.measured is not None:
+                costs = self.measured.apply(costs, micro)
+            self._per_layer[micro] = costs
+        return self._per_layer[micro]
+
+    def fit(self, schedule: Schedule, mode: str, budget: float) -> _Fitted | None:
+        """The balance and peak memory of one configuration; None if it does not fit."""
+        micro = split_sizes(self.batch_size, schedule.num_microbatches)[0]  # the largest one
+        per_layer, layers = self.per_layer(micro), self.layers
+        recomputed = 0.0 if mode == "never" else 1.0
+        times = [c.forward + c.backward + recomputed * c.recompute for c in per_layer]
+        memory = _stage_memory(per_layer, layers, micro, self.pressure(schedule, mode))
+        # a worker of an interleaved schedule holds V stages: give each its share of the budget
+        share = budget / schedule.virtual_stages
+        try:
+            balance = solve_balance(times, schedule.num_stages, lambda *cut: memory(*cut) <= share)
+        except NoFit:
+            return None
+        bounds = list(itertools.accumulate([0, *balance]))
+        costs = [combine(per_layer[a:b], layers[a:b], micro) for a, b in itertools.pairwise(bounds)]
+        overhead = self.measured.overhead if self.measured is not None else 0.0
+        fitted = _Fitted(schedule, mode, balance, costs, overhead, self.batch_size)
+        if max(fitted.peak_memory()) > budget:
+            return None
+        return fitted
+
+
+@dataclass(frozen=True)
+class _Fitted:
+    """A configuration that fits, before its step is simulated."""
+
+    schedule: Schedule
+    mode: str
+    balance: list[int]
+    costs: list[StageCost]
+    overhead: float
+    batch_size: int
+
+    def peak_memory(self) -> list[int]:
+        """The simulator's peak bytes per device (they do not depend on the timing)."""
+        stop = recompute_stop(self.mode, self.schedule.num_microbatches)
+        static = [0] * self.schedule.num_workers
+        for stage, cost in enumerate(self.costs):
+            static[self.schedule.placement[stage]] += cost.static_bytes
+        peaks = peak_activations(self.schedule, self.costs, stop)
+        return [a + s for a, s in zip(peaks, static)]
+
+    def lower_bound(self) -> float:
+        """Seconds the busiest worker works (its actions cannot overlap): no step is shorter."""
+        stop = recompute_stop(self.mode, self.schedule.num_microbatches)
+        split = {(a.stage, a.microbatch) for w in self.schedule.actions for a in w if a.kind == "W"}
+        busy = []
+        for worker in self.schedule.actions:
+            total = 0.0
+            for a in worker:
+                c, replay = self.costs[a.stage], a.microbatch < stop
+                if a.kind == "F":
+                    total += c.forward_no_grad if replay else c.forward
+                elif a.kind == "B":
+                    total += c.backward_input if (a.stage, a.microbatch) in split else c.backward
+                    total += c.recompute if replay and c.recompute > 0 else 0.0
+                else:
+                    total += c.weight
+                total += self.overhead
+            busy.append(total)
+        return max(busy)
+
+    def simulate(self) -> Candidate:
+        sim = simulate(self.schedule, self.costs, self.mode, self.overhead)
+        return Candidate(
+            self.schedule.name,
+            self.schedule.virtual_stages,
+            self.schedule.num_microbatches,
+            self.mode,
+            self.balance,
+            sim.step_time,
+            sim.samples_per_second(self.batch_size),
+            sim.bubble,
+            sim.peak_memory_bytes,
+            sim,
+        )
 
 
 def _stage_memory(
@@ -318,3 +462,30 @@ def format_table(candidates: Sequence[Candidate]) -> str:
             f"| {peaks} |"
         )
     return "\n".join(lines)
+
+
+@contextmanager
+def progress_bar(enabled: bool | None = None) -> Iterator[Progress]:
+    """A tqdm bar on stderr that :func:`~giantpipe.perf.planner.plan` advances (``progress=``):
+    each configuration is checked, then simulated or ruled out by its bound. ``enabled=None``:
+    only when stderr is a terminal (logs and CI stay clean).
+
+    Example::
+
+        with progress_bar() as progress:
+            best = plan(layers, 8, 512, device, top=10, progress=progress)[0]
+    """
+    from tqdm import tqdm  # only when a bar is asked for: the planner itself needs none
+
+    with tqdm(desc="planning", unit="config", file=sys.stderr, disable=_off(enabled)) as bar:
+
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        yield advance
+
+
+def _off(enabled: bool | None) -> bool | None:
+    # tqdm's disable=None: off when the stream is not a terminal
+    return None if enabled is None else not enabled

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedule import Action, Schedule, dependencies, gpipe
 
-__all__ = ["Simulation", "StageCost", "TimedAction", "gpipe", "simulate"]  # gpipe: for examples
+# gpipe: for the examples
+__all__ = ["Simulation", "StageCost", "TimedAction", "gpipe", "peak_activations", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def simulate(
         busy[t.worker] += t.busy
     k = schedule.num_workers
     bubble = max(0.0, 1.0 - sum(busy) / (k * span)) if span > 0 else 0.0
-    activations = _peak_activations(schedule, costs, stop)
+    activations = peak_activations(schedule, costs, stop)
     static = [0] * k
     for stage, cost in enumerate(costs):
         static[schedule.placement[stage]] += cost.static_bytes
@@ -173,6 +174,10 @@ class _Replay:
         self.pre_done = [False] * k
         self.t = 0.0
         self.timeline: list[TimedAction] = []
+        # Per worker and action: what it waits for (with the send time when it crosses
+        # workers), and when it may start once all of that is done (fixed from then on).
+        self.needs = [[self._needs(a) for a in worker] for worker in schedule.actions]
+        self.ready_at: list[float | None] = [None] * k
 
     def run(self) -> list[TimedAction]:
         total = sum(len(w) for w in self.schedule.actions)
@@ -204,7 +209,7 @@ class _Replay:
             if a.kind == "B" and replay and cost.recompute > 0 and not self.pre_done[w]:
                 self._begin(w, "pre", cost.recompute)
                 continue
-            ready = self._arrival(a)
+            ready = self._arrival(w)
             if ready is None:
                 continue
             if ready > self.t:
@@ -225,16 +230,26 @@ class _Replay:
             self.started[w] = self.t
         self.phase[w], self.left[w] = phase, seconds
 
-    def _arrival(self, a: Action) -> float | None:
-        """When everything ``a`` needs is at its worker; None while something is not done."""
-        ready = 0.0
+    def _needs(self, a: Action) -> list[tuple[Action, float]]:
         placement = self.schedule.placement
+        needs = []
         for d in dependencies(a, self.schedule.num_stages):
-            if d not in self.end:
-                return None
             boundary = min(d.stage, a.stage)
             crossing = placement[d.stage] != placement[a.stage]
-            ready = max(ready, self.end[d] + (self.costs[boundary].send if crossing else 0.0))
+            needs.append((d, self.costs[boundary].send if crossing else 0.0))
+        return needs
+
+    def _arrival(self, w: int) -> float | None:
+        """When everything worker ``w``'s next action needs is at ``w``; None while something
+        is not done."""
+        if self.ready_at[w] is not None:
+            return self.ready_at[w]
+        ready = 0.0
+        for d, send in self.needs[w][self.cursor[w]]:
+            if d not in self.end:
+                return None
+            ready = max(ready, self.end[d] + send)
+        self.ready_at[w] = ready
         return ready
 
     def _advance(self, running: list[int], dt: float, speed: float) -> None:
@@ -255,11 +270,12 @@ class _Replay:
                 TimedAction(a, w, self.started[w], self.t, self.busy[w], self.replayed[w])
             )
             self.cursor[w] += 1
+            self.ready_at[w] = None
             self.phase[w], self.pre_done[w] = "", False
             self.busy[w] = self.replayed[w] = 0.0
 
 
-def _peak_activations(schedule: Schedule, costs: Sequence[StageCost], stop: int) -> list[int]:
+def peak_activations(schedule: Schedule, costs: Sequence[StageCost], stop: int) -> list[int]:
     """Per worker, the most activation bytes held at once (the executor's accounting)."""
     split = {(a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"}
     peaks = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -42,6 +43,34 @@ from giantpipe.engine.rng import rng_context
 from giantpipe.engine.stats import SavedTensorMeter
 from giantpipe.perf.simulate import StageCost
 
+Clock = Callable[[], float]
+"""Seconds from an arbitrary origin (``time.perf_counter``; tests inject their own)."""
+
+MAX_SPREAD = 0.5
+"""Largest interquartile range of repeated timings, as a share of their median, that
+:func:`~giantpipe.perf.balance.balance_by_time` and the planner's measurements trust (a busy
+machine spreads them far wider)."""
+
+NEGLIGIBLE = 0.01
+"""Layers under this share of the total time cannot move a cut: their spread is not judged."""
+
+
+class TimingNoise(UserWarning):
+    """Repeated timings spread too far to trust (a busy machine)."""
+
+
+def spread(runs: Sequence[float]) -> float:
+    """Interquartile range of repeated timings over their median (0: all equal).
+
+    >>> spread([1.0, 1.0, 1.0, 1.0, 1.0]), spread([1.0, 1.0, 2.0, 3.0, 3.0])
+    (0.0, 1.0)
+    """
+    if len(runs) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(runs, n=4, method="inclusive")
+    median = statistics.median(runs)
+    return (q3 - q1) / median if median > 0 else 0.0
+
 
 def profile_stages(
     stages: Sequence[nn.Sequential],
@@ -53,11 +82,17 @@ def profile_stages(
     repeats: int = 3,
     threads: int | None = None,
     optimizer_slots: int = 0,
+    clock: Clock = time.perf_counter,
+    names: Sequence[str] | None = None,
 ) -> list[StageCost]:
     """One :class:`StageCost` per stage, the micro-batch ``sample`` flowing stage to stage.
 
     ``static_bytes`` counts parameters x (2 + ``optimizer_slots``): weights, gradients and the
-    optimizer's per-parameter state (1 for momentum or RMSProp, 2 for Adam).
+    optimizer's per-parameter state (1 for momentum or RMSProp, 2 for Adam). Each time is the
+    median of ``repeats`` runs; where a stage's runs spread more than :data:`MAX_SPREAD` (a
+    busy machine), a :class:`TimingNoise` warning names the stage (``names[s]``, else "stage
+    s") and the actions, and the medians are kept (the planner has no other figure for this
+    machine's seconds).
     """
     inputs = stage_inputs(stages, devices, sample)
     costs = []
@@ -66,10 +101,11 @@ def profile_stages(
             last = s == len(stages) - 1
             loss = _loss(loss_fn, target, loss_scale, devices[s]) if last else None
             fields, y = on_worker_thread(
-                partial(_profile_stage, stage, inputs[s], devices[s], s == 0, loss, repeats),
+                partial(_profile_stage, stage, inputs[s], devices[s], s == 0, loss, repeats, clock),
                 threads,
                 devices,
             )
+            _warn_noise(names[s] if names else f"stage {s}", fields.pop("runs"))
             send = 0.0 if last else _send_time(y, devices[s], devices[s + 1], repeats)
             params = sum(p.numel() * p.element_size() for p in stage.parameters())
             static = params * (2 + optimizer_slots)
@@ -107,8 +143,9 @@ def _profile_stage(
     first: bool,
     loss: Callable[[Any], Any] | None,
     repeats: int,
+    clock: Clock = time.perf_counter,
 ) -> tuple[dict[str, Any], Any]:
-    probe = _Probe(stage, make_leaves(move(x, device), first), device, loss)
+    probe = _Probe(stage, make_leaves(move(x, device), first), device, loss, clock)
     saved = [p.grad for p in probe.params]
     for p in probe.params:
         p.grad = None  # backward accumulates in place: profile on fresh gradients
@@ -127,23 +164,38 @@ def _profile_stage(
 
 
 def _timings(probe: _Probe, repeats: int) -> dict[str, Any]:
-    """Median seconds of each way the executor runs the stage (after a warm-up each)."""
-    device = probe.device
-    forward = median_time(probe.metered, repeats, device)
+    """Median seconds of each way the executor runs the stage (after a warm-up each), and under
+    ``runs`` every timing, for the spread."""
+    device, clock = probe.device, probe.clock
+    runs: dict[str, list[float]] = {}
+    runs["forward"] = timings(probe.metered, repeats, device, clock)
     with torch.no_grad():
-        forward_no_grad = median_time(probe.run, repeats, device)
+        runs["forward_no_grad"] = timings(probe.run, repeats, device, clock)
     with recomputing(probe.stage):
-        recompute = median_time(probe.metered, repeats, device)
-    backward = statistics.median([probe.full_backward() for _ in range(repeats + 1)][1:])
+        runs["recompute"] = timings(probe.metered, repeats, device, clock)
+    runs["backward"] = [probe.full_backward() for _ in range(repeats + 1)][1:]
     halves = [probe.split_backward() for _ in range(repeats + 1)][1:]
-    return {
-        "forward": forward,
-        "forward_no_grad": forward_no_grad,
-        "recompute": recompute,
-        "backward": backward,
-        "backward_input": statistics.median(h[0] for h in halves),
-        "weight": statistics.median(h[1] for h in halves),
-    }
+    runs["backward_input"] = [h[0] for h in halves]
+    runs["weight"] = [h[1] for h in halves]
+    fields: dict[str, Any] = {name: statistics.median(r) for name, r in runs.items()}
+    fields["runs"] = runs
+    return fields
+
+
+def _warn_noise(stage: str, runs: dict[str, list[float]]) -> None:
+    total = statistics.median(runs["forward"]) + statistics.median(runs["backward"])
+    noisy = [
+        f"{name} {spread(r):.0%}"
+        for name, r in runs.items()
+        if statistics.median(r) >= NEGLIGIBLE * total and spread(r) > MAX_SPREAD
+    ]
+    if noisy:
+        warnings.warn(
+            f"{stage}: timings spread more than {MAX_SPREAD:.0%} (interquartile range "
+            f"over median; the machine is busy): {', '.join(noisy)}; the medians are kept",
+            TimingNoise,
+            stacklevel=3,
+        )
 
 
 class _Probe:
@@ -155,9 +207,11 @@ class _Probe:
         leaves: Any,
         device: torch.device,
         loss: Callable[[Any], Any] | None,
+        clock: Clock = time.perf_counter,
     ) -> None:
         self.stage, self.leaves, self.device, self.loss = stage, leaves, device, loss
         self.params = list(stage.parameters())
+        self.clock = clock
 
     def run(self) -> Any:
         y = self.stage(self.leaves)
@@ -170,17 +224,17 @@ class _Probe:
 
     def full_backward(self) -> float:
         tensors, out_grads = self._grads(self.metered())
-        start = time.perf_counter()
+        start = self.clock()
         torch.autograd.backward(tensors, out_grads)
-        return _sync(self.device, time.perf_counter) - start
+        return _sync(self.device, self.clock) - start
 
     def split_backward(self) -> tuple[float, float]:
         tensors, out_grads = self._grads(self.metered())
-        start = time.perf_counter()
+        start = self.clock()
         _, weight = backward_input(tensors, out_grads, as_tuple(self.leaves), self.params)
-        middle = _sync(self.device, time.perf_counter)
+        middle = _sync(self.device, self.clock)
         weight.run()
-        return middle - start, _sync(self.device, time.perf_counter) - middle
+        return middle - start, _sync(self.device, self.clock) - middle
 
     def _grads(self, y: Any) -> tuple[list[torch.Tensor], list[Any]]:
         if self.loss is not None:
@@ -189,13 +243,23 @@ class _Probe:
         return pair_gradients(as_tuple(y), ones, self.device)
 
 
-def median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+def timings(
+    fn: Callable[[], Any], repeats: int, device: torch.device, clock: Clock = time.perf_counter
+) -> list[float]:
+    """Seconds of ``repeats`` runs of ``fn``, after a warm-up run (caches, kernels)."""
     samples = []
-    for _ in range(repeats + 1):  # the first run warms up caches and kernels
-        start = time.perf_counter()
+    for _ in range(repeats + 1):
+        start = clock()
         fn()
-        samples.append(_sync(device, time.perf_counter) - start)
-    return statistics.median(samples[1:])
+        samples.append(_sync(device, clock) - start)
+    return samples[1:]
+
+
+def median_time(
+    fn: Callable[[], Any], repeats: int, device: torch.device, clock: Clock = time.perf_counter
+) -> float:
+    """Median seconds of ``repeats`` runs of ``fn`` (:func:`timings`)."""
+    return statistics.median(timings(fn, repeats, device, clock))
 
 
 def _send_time(y: Any, src: torch.device, dst: torch.device, repeats: int) -> float:

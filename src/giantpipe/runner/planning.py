@@ -50,7 +50,7 @@ from giantpipe.perf.costs import (
     meta_sample,
     per_sample,
 )
-from giantpipe.perf.planner import Candidate, DeviceSpec, format_table, plan
+from giantpipe.perf.planner import Candidate, DeviceSpec, format_table, plan, progress_bar
 from giantpipe.perf.predict import executor_overhead
 from giantpipe.runner.losses import LossFn
 from giantpipe.runner.step import autocast
@@ -98,7 +98,8 @@ def plan_pipeline(
         layer_times=timer,
         overhead=overhead,
     )
-    candidates = search(spec)
+    with progress_bar() as progress:
+        candidates = search(spec, top=TOP, progress=progress)
     if not candidates:
         raise _nothing_fits(search(replace(spec, memory_bytes=math.inf)), spec, size, k)
     best = candidates[0]
@@ -106,7 +107,7 @@ def plan_pipeline(
     log.info(
         "pipeline.plan=auto (%.1fs): %d configurations fit %.3g GiB per device (batch %d, K=%d, "
         "M in %s); the best %d, by simulation on measured layer times:\n%s",
-        *(seconds, len(candidates), budget / GIB, size, k, chunks, min(TOP, len(candidates))),
+        *(seconds, candidates.fitting, budget / GIB, size, k, chunks, len(candidates)),
         format_table(candidates[:TOP]),
     )
     chosen = best.spec(
@@ -114,7 +115,7 @@ def plan_pipeline(
         timeout=cfg.pipeline.timeout,
         deferred_batch_norm=cfg.pipeline.deferred_batch_norm,
     )
-    return chosen, describe(best, budget, len(candidates))
+    return chosen, describe(best, budget, candidates.fitting)
 
 
 def planned(cfg: PipelineConfig, spec: PipelineSpec) -> PipelineConfig:
