@@ -604,7 +604,7 @@ def _generate_distributed(
     if len(layout.local_stages) != 1:
         raise ValueError("generation runs one stage per rank (virtual stages: not supported)")
     index, count = layout.local_stages[0], layout.num_stages
-    stage = StageCaches(list(pipe.partitions[0].children()), pipe.device)
+    stage = StageCaches(list(pipe.partitions[index].children()), pipe.device)
     last_rank = layout.rank_of_stage(count - 1)
     searches = Searches(decoding) if index == count - 1 else None
     if count == 1:
