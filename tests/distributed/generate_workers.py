@@ -1,0 +1,65 @@
+"""What each rank runs in tests/distributed/test_generate.py: decoding through a
+DistributedPipe (one stage per rank) against the plain model's uncached reference decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
+from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.generate import Decoding, generate, split_rows
+from models.transformer import transformer_lm, transformer_t
+
+BOS, EOS, PAD = 2, 3, 0
+
+
+def seq2seq() -> nn.Sequential:
+    torch.manual_seed(1)
+    model = transformer_t(2, 48, 4, d_model=32, head_dim=8, vocab_size=37, max_len=48, dropout=0.0)
+    return model.eval()
+
+
+def lm() -> nn.Sequential:
+    torch.manual_seed(3)
+    return transformer_lm(3, d_model=32, ffn_dim=48, num_heads=4, vocab_size=41, max_len=48).eval()
+
+
+def translate(tmp: Path, balance: list[int], chunks: int) -> dict[str, Any]:
+    """Greedy and beam through the pipe (sources only where stage 0 is) and the references."""
+    torch.manual_seed(7)
+    src = torch.randint(4, 37, (7, 6))
+    src[3, 4:] = PAD
+    plain = seq2seq()
+    steps = _max_steps(plain, src, None)  # type: ignore[arg-type]
+    reference = {
+        "greedy": greedy_decode(plain, src),
+        "beam": beam_search(plain, src, beam_size=3, length_penalty=0.6),
+    }
+    pipe = DistributedPipe(seq2seq(), balance, chunks=chunks, timeout=30)
+    held = sum(p.numel() for p in pipe.parameters())
+    prompts = None
+    if pipe.needs_inputs:
+        prompts = [(s, torch.full((len(s), 1), BOS)) for s in split_rows(src, chunks)]
+    got = {}
+    for name, beam in (("greedy", 1), ("beam", 3)):
+        decoding = Decoding(beam_size=beam, length_penalty=0.6, eos_id=EOS, pad_id=PAD)
+        out = generate(pipe, prompts, [steps] * chunks, decoding, timeout=30)
+        got[name] = [row for chunk in out for row in chunk]
+    total = sum(p.numel() for p in plain.parameters())
+    return {"got": got, "reference": reference, "held": held, "total": total}
+
+
+def sample(tmp: Path, balance: list[int]) -> dict[str, Any]:
+    """Sampling through the pipe and in one process, same seed."""
+    prompts = split_rows(
+        torch.randint(0, 41, (4, 5), generator=torch.Generator().manual_seed(0)), 2
+    )
+    decoding = Decoding(temperature=0.9, top_k=8, seed=4)
+    alone = generate(lm(), prompts, [10, 10], decoding)
+    pipe = DistributedPipe(lm(), balance, chunks=2, timeout=30)
+    got = generate(pipe, prompts if pipe.needs_inputs else None, [10, 10], decoding, timeout=30)
+    return {"got": got, "alone": alone}
