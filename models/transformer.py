@@ -220,6 +220,11 @@ class SourceTargetEmbedding(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
         self.dropout = nn.Dropout(dropout)
 
+    @property
+    def max_len(self) -> int:
+        """Longest sequence the position table covers (what decoding may reach)."""
+        return int(self.positions.shape[0])
+
     def _embed(self, table: nn.Embedding, tokens: Tensor) -> tuple[Tensor, Tensor]:
         x = table(tokens) * self.scale + self.positions[: tokens.shape[1]]
         return self.dropout(x), tokens.eq(self.pad_id)

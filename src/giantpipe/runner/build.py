@@ -261,7 +261,10 @@ def build_experiment(
         pipe = build_distributed_pipe(model, pipeline, balance, own)
         world.bind(pipe)
         inputs_to = targets_to = own
-    keep = world.rank == 0 and (world.size == 1 or bundle.evaluate_model is not None)
+    # Rank 0 keeps the whole plain model under torchrun only for a whole-model evaluation that
+    # cannot run through the pipe (held-out BLEU can: it decodes stage by stage).
+    gathers = bundle.evaluate_model is not None and not hasattr(bundle.evaluate_model, "takes_pipe")
+    keep = world.rank == 0 and (world.size == 1 or gathers)
     return _training_parts(
         cfg,
         bundle,

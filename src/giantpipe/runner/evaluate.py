@@ -6,9 +6,11 @@ of each batch, those holding the last stage score the outputs, and the tallies a
 the world, so every process returns the figures of the whole evaluation set. The local executor
 is a world of one, where the sums and the count are its own.
 
-The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`)
-needs every layer in one process: under torchrun, rank 0 gathers the other ranks' weights into
-its copy of the plain model first (see :func:`whole_model_figures`).
+The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`):
+a hook that takes the pipe (``takes_pipe``, as held-out BLEU) runs on every rank and decodes
+through the stages, no rank holding more than its own; any other needs every layer in one
+process: under torchrun, rank 0 gathers the other ranks' weights into its copy of the plain
+model first (see :func:`whole_model_figures`).
 
 Example::
 
@@ -141,12 +143,17 @@ def whole_model_figures(
 ) -> dict[str, float | str]:
     """The data's own evaluation of the whole model (e.g. BLEU), on every process.
 
-    Under torchrun the ranks of replica 0 send their weights to rank 0, which loads them into
-    its plain model and runs the evaluation; the figures then reach every rank.
+    A hook that takes the pipe (``takes_pipe``) runs on every rank, through the stages (held-out
+    BLEU decodes with each stage's caches). For any other, under torchrun the ranks of replica
+    0 send their weights to rank 0, which loads them into its plain model and runs the
+    evaluation; the figures then reach every rank.
     """
     hook = bundle.evaluate_model
     if hook is None:
         return {}
+    if getattr(hook, "takes_pipe", False):
+        through_pipe: dict[str, float | str] = world.from_rank0(hook(pipe))
+        return through_pipe
     if world.size > 1:
         held = pipe.state_dict() if pipe.replica == 0 else {}
         state = {k: v.detach().cpu() for k, v in held.items()}

@@ -17,6 +17,8 @@ from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.generate import Decoding, StageCaches, generate, split_rows
 from models.transformer import transformer_lm, transformer_t
 
+torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
+
 BOS, EOS, PAD = 2, 3, 0
 BALANCES = {1: [6], 2: [3, 3], 3: [2, 2, 2], 4: [1, 2, 2, 1]}  # 2 + 2L children, L = 2
 CASES = list(itertools.product([1, 2, 3, 4], [1, 2, 3, 4]))

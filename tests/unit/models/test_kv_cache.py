@@ -13,6 +13,8 @@ from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from models.transformer import transformer_lm, transformer_t
 
+torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
+
 BOS, EOS, PAD = 2, 3, 0
 
 
