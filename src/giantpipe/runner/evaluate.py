@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from itertools import islice
@@ -108,7 +109,8 @@ def evaluate(
     world: World | None = None,
 ) -> dict[str, float]:
     """Loss (without label smoothing: the plain NLL or MSE) and the bundle's metric
-    (``accuracy``; for ``top5`` both ``accuracy`` and ``top5``), on every process.
+    (``accuracy``; for ``top5`` both ``accuracy`` and ``top5``), on every process; for a loss
+    per token (:func:`per_token`) also ``perplexity``, exp(loss).
 
     ``devices``: inputs go to the first, outputs are scored where they come out.
     """
@@ -135,7 +137,16 @@ def evaluate(
                 add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
     finally:
         pipe.train(was_training)
-    return _figures(world.sum(tally.as_list()), bundle.metric)
+    figures = _figures(world.sum(tally.as_list()), bundle.metric)
+    if per_token(bundle):
+        figures["perplexity"] = math.exp(min(figures["loss"], 80.0))  # exp(mean token NLL)
+    return figures
+
+
+def per_token(bundle: DataBundle) -> bool:
+    """Whether the loss is a mean cross-entropy per token (language models, translation), of
+    which perplexity is the exponential."""
+    return bundle.loss == "cross_entropy" and bundle.tokens_per_batch is not None
 
 
 def whole_model_figures(
