@@ -221,8 +221,8 @@ def is_pipe(model: nn.Module) -> bool:
 
 def _positions(pipe: nn.Module) -> int:
     """The position table's size, read where stage 0 is (its child 0, the embedding)."""
-    partitions: list[nn.Sequential] = getattr(pipe, "partitions")  # noqa: B009 - typed here
-    embedding = partitions[0][0]
+    partitions: list[nn.Module] = getattr(pipe, "partitions", None) or [pipe]  # plain: 1 stage
+    embedding = next(iter(partitions[0].children()))
     positions = getattr(embedding, "max_len", None)
     if positions is None:
         raise TypeError(
@@ -243,12 +243,12 @@ def pipelined_decode(
     eos_id: int = 3,
     pad_id: int = 0,
 ) -> list[list[int]]:
-    """:func:`greedy_decode` (``beam_size=1``) or :func:`beam_search` through a pipe's stages,
-    each keeping the key/value caches of its layers, the rows cut into ``pipe.chunks``
-    micro-batches that follow each other through the stages. Token for token the reference's
-    output (the same stopping rules, length penalty and ``max_len`` default). Under torchrun
-    every rank of the pipeline calls it (``src_tokens`` is read where stage 0 is) and gets the
-    result.
+    """:func:`greedy_decode` (``beam_size=1``) or :func:`beam_search` through a pipe's stages
+    (or a plain model's children, one stage), each keeping the key/value caches of its layers,
+    the rows cut into ``pipe.chunks`` micro-batches that follow each other through the stages.
+    Token for token the reference's output (the same stopping rules, length penalty and
+    ``max_len`` default). Under torchrun every rank of the pipeline calls it (``src_tokens`` is
+    read where stage 0 is) and gets the result.
 
     Example::
 
