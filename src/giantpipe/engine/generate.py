@@ -174,9 +174,9 @@ class StageCaches:
 
 
 class Search(Protocol):
-    def advance(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:
-        """Given the logits [rows, V] of this step: (next tokens [rows', 1], order [rows']),
-        or None when the micro-batch is done."""
+    def advance(self, logits: Tensor) -> tuple[Tensor, Tensor | None] | None:
+        """Given the logits [rows, V] of this step: (next tokens [rows', 1], order [rows'] or
+        None when every row goes on as it is), or None when the micro-batch is done."""
         ...
 
     def result(self) -> Tokens: ...
@@ -222,17 +222,19 @@ class RowSearch:
         probs = _filtered(logits, self.decoding).softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
-    def advance(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:
+    def advance(self, logits: Tensor) -> tuple[Tensor, Tensor | None] | None:
         picked = self._pick(logits.cpu()).tolist()
         keep = []
         for row, token in enumerate(picked):
             self.tokens[self.alive[row]].append(token)
             if token != self.decoding.eos_id:
                 keep.append(row)
+        every = len(keep) == len(self.alive)
         self.alive = [self.alive[row] for row in keep]
         if not keep or len(self.tokens[self.alive[0]]) >= self.steps:
             return None
-        return torch.tensor([[picked[row]] for row in keep]), torch.tensor(keep)
+        # every row goes on: no order, so that no stage copies its caches for nothing
+        return torch.tensor([[picked[row]] for row in keep]), None if every else torch.tensor(keep)
 
     def result(self) -> Tokens:
         return [_trim(t, self.decoding.eos_id, self.decoding.pad_id) for t in self.tokens]
@@ -265,7 +267,7 @@ class BeamSearch:
         size = self.decoding.beam_size
         return [i for i, b in enumerate(self.beams) if len(b.done) < size and b.live]
 
-    def advance(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:
+    def advance(self, logits: Tensor) -> tuple[Tensor, Tensor | None] | None:
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
         start = 0
         for i in self._active():  # the rows are the live beams of the active sentences
