@@ -410,6 +410,7 @@ class HeldOutBleu:
     """
 
     takes_pipe = True
+    config_key = "data.bleu_sentences"  # what asked for it, if the model cannot generate
 
     def __init__(
         self,

@@ -327,6 +327,7 @@ class WalkSamples:
     """
 
     takes_pipe = True  # the runner hands it the pipe, on every rank
+    config_key = "data.eval_samples"  # what asked for it, if the model cannot generate
 
     def __init__(self, table: Tensor, prompts: Tensor, length: int) -> None:
         self.table, self.prompts, self.length = table, prompts, length
@@ -412,8 +413,9 @@ class LMTokensDataConfig:
     """Seed of the successor table and the held-out batches."""
     eval_samples: int = 0
     """At every evaluation, continue this many fixed prompts (held-out walks' first 8 tokens)
-    by 24 tokens, cached greedy decoding through the pipe: logged as ``samples``, with ``sample_valid``
-    (share of generated steps the successor table allows). 0: none; at most data.batch_size."""
+    by 24 tokens, cached greedy decoding through the pipe: logged as ``samples``, with
+    ``sample_valid`` (share of generated steps the successor table allows). 0: none; at most
+    data.batch_size."""
 
     def __post_init__(self) -> None:
         check_min(self.eval_samples, 0, "data.eval_samples")

@@ -125,11 +125,18 @@ def check_cached(layers: Sequence[nn.Module]) -> None:
     TypeError: generation needs forward_cached(inputs, cache) on every child; Linear lacks it
     """
     for layer in layers:
-        if not callable(getattr(layer, "forward_cached", None)):
+        if callable(getattr(layer, "forward_cached", None)):
+            continue
+        if isinstance(layer, torch.fx.GraphModule):  # a piece cut by engine.capture
             raise TypeError(
-                "generation needs forward_cached(inputs, cache) on every child; "
-                f"{type(layer).__name__} lacks it"
+                "generation needs forward_cached(inputs, cache) on every child; a piece "
+                "captured by sequentialize (a Hugging Face causal LM: llama, gpt2, ...) has no "
+                "key/value cache yet; models.transformer_lm and models.transformer have"
             )
+        raise TypeError(
+            "generation needs forward_cached(inputs, cache) on every child; "
+            f"{type(layer).__name__} lacks it"
+        )
 
 
 def _to(value: Value, device: torch.device) -> Value:

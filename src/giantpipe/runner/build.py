@@ -33,6 +33,7 @@ from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.engine.base import Pipe
 from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
+from giantpipe.engine.generate import check_cached
 from giantpipe.engine.microbatch import as_tuple
 from giantpipe.runner.losses import LossFn, build_loss
 from giantpipe.runner.optim import WeightEMA, build_grad_scaler, build_optimizer, lr_multiplier
@@ -251,6 +252,7 @@ def build_experiment(
         return bundle, model, decided
 
     bundle, model, decided = world.agree(model_and_plan)
+    check_generates(cfg, bundle, model)
     pipeline, plan_choice, balance = world.from_rank0(decided)  # profiled once, on rank 0
     workers = len(balance) // pipeline.virtual_stages
     pipe: Pipe
@@ -276,6 +278,20 @@ def build_experiment(
         balance,
         plan_choice,
     )
+
+
+def check_generates(cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential) -> None:
+    """An evaluation that decodes through the pipe (held-out BLEU, LM samples) needs a model
+    whose children can keep key/value caches: refused up front, naming the key that asked."""
+    hook = bundle.evaluate_model
+    if not getattr(hook, "takes_pipe", False):
+        return
+    try:
+        check_cached(list(model))
+    except TypeError as err:
+        arch = getattr(cfg.model, "architecture", None)
+        named = f"model {arch!r}: " if arch else ""
+        raise ConfigError(getattr(hook, "config_key", "model._target_"), named + str(err)) from err
 
 
 def _training_parts(
