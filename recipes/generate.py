@@ -2,8 +2,11 @@
 
 Command:     python recipes/generate.py RUN/last --prompt "12 7 9"            # transformer_lm
              python recipes/generate.py RUN/last --prompt "the dog ." --to xa  # transformer_t
+             torchrun --nproc_per_node=2 recipes/generate.py RUN/last --prompt "12 7 9"
 Hardware:    CPU (or a GPU: --device cuda); --stages K cuts the model into K stages, one worker
              thread each, and the prompts into --chunks M micro-batches that follow each other.
+             Under torchrun: one stage per process (K = world size), each rank building and
+             loading only its own layers (DistributedPipe); rank 0 prints.
 Reproduces:  the greedy (or --beam N, or --temperature T sampled) continuation of each prompt,
              one line per prompt; the same tokens whatever K and M (greedy and beam).
 
@@ -17,6 +20,7 @@ data.vocab_dir), translated into --to.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,12 +36,18 @@ from giantpipe.engine.generate import Decoding, generate
 from giantpipe.runner.checkpoint import matching, read_weights
 
 
-def load_model(checkpoint: Path) -> tuple[nn.Sequential, dict[str, Any]]:
-    """The run's model (from the config.yaml beside the checkpoint) with the saved weights."""
+def read_config(checkpoint: Path) -> dict[str, Any]:
+    """The run's resolved config (config.yaml beside the checkpoint)."""
     config_file = checkpoint.parent / "config.yaml"
     if not config_file.is_file():
         sys.exit(f"no config.yaml beside {checkpoint}: the run's model cannot be rebuilt")
-    cfg = yaml.safe_load(config_file.read_text())
+    cfg: dict[str, Any] = yaml.safe_load(config_file.read_text())
+    return cfg
+
+
+def load_model(checkpoint: Path) -> tuple[nn.Sequential, dict[str, Any]]:
+    """The run's model (from the config.yaml beside the checkpoint) with the saved weights."""
+    cfg = read_config(checkpoint)
     model = instantiate(cfg["model"])
     if not isinstance(model, nn.Sequential):
         sys.exit(f"{cfg['model']['_target_']} builds no flat Sequential; generation needs one")
@@ -49,6 +59,26 @@ def load_model(checkpoint: Path) -> tuple[nn.Sequential, dict[str, Any]]:
         sys.exit(f"{checkpoint} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
     model.load_state_dict(found)
     return model.eval(), cfg
+
+
+def distributed_pipe(checkpoint: Path, cfg: dict, chunks: int) -> tuple[nn.Module, bool]:
+    """This rank's stage of the model (built on meta, only its layers allocated and loaded)."""
+    import torch.distributed as dist
+
+    from giantpipe.engine.dist.layout import init_distributed
+    from giantpipe.engine.dist.pipe import DistributedPipe
+
+    init_distributed()
+    with torch.device("meta"):  # the children's count only: no weights anywhere
+        layers = len(instantiate(cfg["model"]))
+    balance = even_balance(layers, dist.get_world_size())
+    pipe = DistributedPipe(lambda: instantiate(cfg["model"]), balance, chunks=chunks, init=None)
+    own = pipe.state_dict()
+    found = matching(read_weights(checkpoint), own)
+    if set(found) != set(own):
+        sys.exit(f"{checkpoint} lacks tensors of rank {dist.get_rank()}'s stage")
+    pipe.load_state_dict(found)
+    return pipe.eval(), dist.get_rank() == 0
 
 
 def even_balance(layers: int, stages: int) -> list[int]:
@@ -105,19 +135,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=1, help="M: micro-batches")
     parser.add_argument("--device", default="cpu", help="device of every stage")
     args = parser.parse_args(argv)
-    model, cfg = load_model(args.checkpoint)
-    pipe: nn.Module = model.to(args.device)
-    if args.stages > 1 or args.chunks > 1:
-        balance = even_balance(len(model), args.stages)
-        pipe = GPipe(model, balance, devices=[args.device] * args.stages, chunks=args.chunks)
-    if hasattr(model, "encode"):  # an encoder-decoder: models.transformer.EncoderDecoder
+    printing = True
+    if "RANK" in os.environ:  # under torchrun: one stage per process
+        cfg = read_config(args.checkpoint)
+        pipe, printing = distributed_pipe(args.checkpoint, cfg, args.chunks)
+        seq2seq = cfg["model"]["_target_"].endswith("transformer_t")
+    else:
+        model, cfg = load_model(args.checkpoint)
+        pipe = model.to(args.device)
+        if args.stages > 1 or args.chunks > 1:
+            balance = even_balance(len(model), args.stages)
+            pipe = GPipe(model, balance, devices=[args.device] * args.stages, chunks=args.chunks)
+        seq2seq = hasattr(model, "encode")
+    if seq2seq:  # an encoder-decoder: models.transformer.EncoderDecoder
         if args.to is None:
             sys.exit("a translation model needs --to LANG (the target language)")
         lines = translate(pipe, args.prompt, cfg, args)
     else:
         lines = continue_tokens(pipe, args.prompt, args)
     for prompt, line in zip(args.prompt, lines, strict=True):
-        print(f"{prompt} -> {line}")
+        if printing:
+            print(f"{prompt} -> {line}")
 
 
 if __name__ == "__main__":

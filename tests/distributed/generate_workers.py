@@ -54,14 +54,15 @@ def translate(tmp: Path, balance: list[int], chunks: int) -> dict[str, Any]:
 
 
 def sample(tmp: Path, balance: list[int]) -> dict[str, Any]:
-    """Sampling through the pipe and in one process, same seed."""
+    """Sampling through the pipe and in one process, same seed; every rank passes the prompts
+    (as recipes/generate.py does), which only stage 0 may take in."""
     prompts = split_rows(
         torch.randint(0, 41, (4, 5), generator=torch.Generator().manual_seed(0)), 2
     )
     decoding = Decoding(temperature=0.9, top_k=8, seed=4)
     alone = generate(lm(), prompts, [10, 10], decoding)
     pipe = DistributedPipe(lm(), balance, chunks=2, timeout=30)
-    got = generate(pipe, prompts if pipe.needs_inputs else None, [10, 10], decoding, timeout=30)
+    got = generate(pipe, prompts, [10, 10], decoding, timeout=30)  # prompts on every rank too
     return {"got": got, "alone": alone}
 
 

@@ -373,7 +373,7 @@ def serve_stage(
 ) -> None:
     """One stage's part of a call: its messages in arrival order until every micro-batch is
     done (stage 0 counts them and sends ``end`` around; the others stop when it comes)."""
-    pending, finished = list(prompts), 0
+    pending, finished = list(prompts) if first else [], 0  # prompts go in at stage 0 only
     if first and not pending:  # nothing to decode: the others hear it at once
         if not last:
             link.send(Message(-1, None, end=True))
@@ -389,7 +389,7 @@ def serve_stage(
             finished += first
             if not last:
                 link.send(message)
-            if first and finished == len(prompts):
+            if first and finished == len(prompts):  # every micro-batch is done
                 if not last:
                     link.send(Message(-1, None, end=True))
                 return
