@@ -28,6 +28,19 @@ def test_two_ranks_two_micro_batches_greedy_and_beam_equal_the_reference(tmp_pat
     assert results[0]["held"] + results[1]["held"] == results[0]["total"]
 
 
+def test_two_stages_times_two_replicas_each_decode_on_their_own(tmp_path: Path) -> None:
+    results = spawn(
+        "tests.distributed.generate_workers:translate",
+        world=4,
+        tmp=tmp_path,
+        timeout=180,
+        balance=[3, 3],
+        chunks=2,
+    )
+    for result in results:  # both pipelines (ranks 0-1 and 2-3) decode, neither waits on the other
+        assert result["got"] == result["reference"]
+
+
 def test_three_ranks_sampling_equals_one_process(tmp_path: Path) -> None:
     results = spawn(
         "tests.distributed.generate_workers:sample", world=3, tmp=tmp_path, balance=[2, 2, 1]
