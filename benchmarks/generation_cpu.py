@@ -3,6 +3,7 @@ uncached decoder, on a 12-layer decoder-only Transformer (models/transformer_lm.
 
     python benchmarks/generation_cpu.py            # output lengths 32, 128, 512: ~15 min idle
     python benchmarks/generation_cpu.py --quick    # lengths 32 and 128, fewer pipes: minutes
+    python benchmarks/generation_cpu.py --lengths 512 --pipes 2,1 2,2 --no-hf --out OUT
 
 Every case decodes the same prompts (ROWS prompts of 8 tokens, greedy, no </s>: every row makes
 exactly L tokens) with the same random weights, in a process of its own (forked), and reports
@@ -147,11 +148,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="lengths 32 and 128, fewer pipes")
     parser.add_argument("--out", default="results/generation_cpu", help="OUT.md and OUT.png")
     parser.add_argument("--no-hf", action="store_true", help="leave out the Hugging Face peer")
+    parser.add_argument("--lengths", type=int, nargs="+", help="output lengths (overrides)")
+    parser.add_argument("--pipes", nargs="+", help="K,M pairs, e.g. 2,1 2,2 (overrides)")
     args = parser.parse_args()
-    lengths = [32, 128] if args.quick else [32, 128, 512]
+    lengths = args.lengths or ([32, 128] if args.quick else [32, 128, 512])
     pipes = [(2, 1), (2, 2), (4, 1), (4, 4)] if args.quick else [
         (k, m) for k in (2, 4) for m in (1, 2, 4)
     ]  # fmt: skip
+    if args.pipes:
+        pipes = [(int(k), int(m)) for k, m in (p.split(",") for p in args.pipes)]
     cases = ["plain, no cache", "plain, cache", *[f"gp K={k} M={m}" for k, m in pipes]]
     if not args.no_hf:
         cases.append("hf generate")

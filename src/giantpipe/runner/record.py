@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from giantpipe.config import ConfigError, ExperimentConfig
-from giantpipe.metrics import MetricsLogger
-from giantpipe.metrics import format_table, truncate_after_step, write_summary
+from giantpipe.metrics import MetricsLogger, format_table, truncate_after_step, write_summary
 from giantpipe.runner.rundir import save_config
 
 TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")
