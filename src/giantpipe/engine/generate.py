@@ -430,14 +430,18 @@ def _worker(
     task: Callable[[], None], device: torch.device, threads: int | None
 ) -> Callable[[], None]:
     def run() -> None:
+        before = torch.get_num_threads()
         if threads is not None and device.type == "cpu":
             torch.set_num_threads(threads)  # stand-ins share the cores, as the executor's
-        with torch.no_grad():
-            if device.type == "cuda":
-                with torch.cuda.device(device):
+        try:
+            with torch.no_grad():
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        task()
+                else:
                     task()
-            else:
-                task()
+        finally:
+            torch.set_num_threads(before)  # as the executor's workers: the count given back
 
     return run
 
