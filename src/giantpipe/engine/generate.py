@@ -55,6 +55,7 @@ __all__ = [
     "generate",
     "split_rows",
     "check_cached",
+    "one_stage_per_worker",
 ]
 
 Value = Any  # a tensor or a tuple of tensors (a stage boundary), or a token tensor [B, t]
@@ -519,6 +520,17 @@ def generate(
         return [results[m] for m in range(len(results))]
     finally:
         pipe.train(was_training)
+
+
+def one_stage_per_worker(pipe: nn.Module) -> bool:
+    """Whether generation can run through ``pipe``: each worker (thread or rank) holds one
+    stage, as generation needs (virtual stages, as interleaved schedules cut, do not).
+
+    >>> one_stage_per_worker(nn.Sequential(nn.Linear(2, 2)))
+    True
+    """
+    placement = list(getattr(pipe, "placement", [0]))
+    return len(set(placement)) == len(placement)
 
 
 def _local_stages(pipe: nn.Module) -> list[StageCaches]:

@@ -252,8 +252,8 @@ def build_experiment(
         return bundle, model, decided
 
     bundle, model, decided = world.agree(model_and_plan)
-    check_generates(cfg, bundle, model)
     pipeline, plan_choice, balance = world.from_rank0(decided)  # profiled once, on rank 0
+    check_generates(cfg, bundle, model, pipeline.virtual_stages)
     workers = len(balance) // pipeline.virtual_stages
     pipe: Pipe
     if world.size == 1:
@@ -265,7 +265,8 @@ def build_experiment(
         inputs_to = targets_to = own
     # Rank 0 keeps the whole plain model under torchrun only for a whole-model evaluation that
     # cannot run through the pipe (held-out BLEU can: it decodes stage by stage).
-    gathers = bundle.evaluate_model is not None and not hasattr(bundle.evaluate_model, "takes_pipe")
+    through_pipe = hasattr(bundle.evaluate_model, "takes_pipe") and pipeline.virtual_stages == 1
+    gathers = bundle.evaluate_model is not None and not through_pipe
     keep = world.rank == 0 and (world.size == 1 or gathers)
     return _training_parts(
         cfg,
@@ -280,12 +281,14 @@ def build_experiment(
     )
 
 
-def check_generates(cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential) -> None:
+def check_generates(
+    cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential, virtual_stages: int
+) -> None:
     """An evaluation that decodes through the pipe (held-out BLEU, LM samples) needs a model
     whose children can keep key/value caches: refused up front, naming the key that asked."""
     hook = bundle.evaluate_model
-    if not getattr(hook, "takes_pipe", False):
-        return
+    if not getattr(hook, "takes_pipe", False) or virtual_stages != 1:
+        return  # with virtual stages the runner evaluates the whole plain model instead
     try:
         check_cached(list(model))
     except TypeError as err:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, DataBundle, batch_size
 from giantpipe.engine.base import Pipe
+from giantpipe.engine.generate import one_stage_per_worker
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
 from giantpipe.runner.step import autocast, replica_slice, to_device
 from giantpipe.runner.world import World
@@ -155,14 +156,15 @@ def whole_model_figures(
     """The data's own evaluation of the whole model (e.g. BLEU), on every process.
 
     A hook that takes the pipe (``takes_pipe``) runs on every rank, through the stages (held-out
-    BLEU decodes with each stage's caches). For any other, under torchrun the ranks of replica
+    BLEU decodes with each stage's caches), unless a worker holds several stages (virtual
+    stages: generation runs one per worker). For any other, under torchrun the ranks of replica
     0 send their weights to rank 0, which loads them into its plain model and runs the
     evaluation; the figures then reach every rank.
     """
     hook = bundle.evaluate_model
     if hook is None:
         return {}
-    if getattr(hook, "takes_pipe", False):
+    if getattr(hook, "takes_pipe", False) and one_stage_per_worker(pipe):
         through_pipe: dict[str, float | str] = world.from_rank0(hook(pipe))
         return through_pipe
     if world.size > 1:
