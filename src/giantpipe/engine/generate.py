@@ -11,10 +11,11 @@ M >= K)::
     last:    logits -> search -> (next tokens, which rows go on) ---> stage 0
 
 A message is ``(m, value, order)``: ``order`` says which rows of the previous step each row
-continues (beam search picks the parents of its new beams, finished sentences leave), and every
-stage reorders its caches with it before running the value; a value of None says micro-batch m
-is done (the stages drop its caches). The search (:class:`Decoding`: greedy, beam with GNMT
-length penalty, or sampling with temperature, top-k, top-p) runs where the logits are.
+continues (beam search picks the parents of its new beams, finished sentences leave; None when
+every row goes on), and every stage reorders its caches with it before running the value; a
+value of None says micro-batch m is done (the stages drop its caches). The search
+(:class:`Decoding`: greedy, beam with GNMT length penalty, or sampling with temperature, top-k,
+top-p) runs where the logits are.
 
 The model's children offer ``forward_cached(inputs, cache) -> (outputs, cache)``: cache None on
 the first call (the prompt), then what they returned, with ``cache.reorder(index)``; the last
@@ -103,7 +104,8 @@ class Decoding:
 @dataclass
 class Message:
     """What travels the ring for micro-batch ``m``: a stage's output, or (to stage 0) the next
-    tokens; ``value`` None: m is done. ``order``: rows of the previous step each row continues.
+    tokens; ``value`` None: m is done. ``order``: rows of the previous step each row continues
+    (None: every row, as it was).
     ``steps``: the most tokens m may generate (read by the last stage on m's first message).
     ``end``: the last message of a call (every micro-batch done)."""
 
