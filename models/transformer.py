@@ -17,9 +17,11 @@ encoder's final LayerNorm to ``src_x`` (pre-norm stacks need one).
 
 The Sequential is an :class:`EncoderDecoder`, which also offers what decoding needs without the
 engine (``encode``, ``decode_logits``, ``max_len``), so BLEU evaluation reaches the model only
-through the model object. The decoder-only Transformer-L lives in ``models.transformer_lm``
-(re-exported here); the shared blocks and the two stabilizers (``ffn_init_scale``,
-``logit_clip``) in ``models.transformer_layers``.
+through the model object. Every child also offers ``forward_cached(inputs, cache)``
+(incremental decoding: the encoder runs once, each decoder layer keeps a :class:`DecoderCache`),
+which :mod:`giantpipe.engine.generate` runs through the pipeline's stages. The decoder-only
+Transformer-L lives in ``models.transformer_lm`` (re-exported here); the shared blocks and the
+two stabilizers (``ffn_init_scale``, ``logit_clip``) in ``models.transformer_layers``.
 
 Example::
 
