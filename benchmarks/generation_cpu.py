@@ -4,6 +4,7 @@ uncached decoder, on a 12-layer decoder-only Transformer (models/transformer_lm.
     python benchmarks/generation_cpu.py            # output lengths 32, 128, 512: ~15 min idle
     python benchmarks/generation_cpu.py --quick    # lengths 32 and 128, fewer pipes: minutes
     python benchmarks/generation_cpu.py --lengths 512 --pipes 2,1 2,2 --no-hf --out OUT
+    python benchmarks/generation_cpu.py --d-model 256 --rows 32 --skip-uncached ...  # wider
 
 Every case decodes the same prompts (ROWS prompts of 8 tokens, greedy, no </s>: every row makes
 exactly L tokens) with the same random weights, in a process of its own (forked), and reports
@@ -144,13 +145,18 @@ def stage0_share(k: int, length: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
+    global D_MODEL, ROWS  # set from the options, read by the forked cases
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="lengths 32 and 128, fewer pipes")
     parser.add_argument("--out", default="results/generation_cpu", help="OUT.md and OUT.png")
     parser.add_argument("--no-hf", action="store_true", help="leave out the Hugging Face peer")
     parser.add_argument("--lengths", type=int, nargs="+", help="output lengths (overrides)")
     parser.add_argument("--pipes", nargs="+", help="K,M pairs, e.g. 2,1 2,2 (overrides)")
+    parser.add_argument("--d-model", type=int, default=D_MODEL, help="model width (FFN 4x)")
+    parser.add_argument("--rows", type=int, default=ROWS, help="prompts decoded at once")
+    parser.add_argument("--skip-uncached", action="store_true", help="cached cases only")
     args = parser.parse_args()
+    D_MODEL, ROWS = args.d_model, args.rows
     lengths = args.lengths or ([32, 128] if args.quick else [32, 128, 512])
     pipes = [(2, 1), (2, 2), (4, 1), (4, 4)] if args.quick else [
         (k, m) for k in (2, 4) for m in (1, 2, 4)
@@ -158,6 +164,8 @@ def main() -> None:
     if args.pipes:
         pipes = [(int(k), int(m)) for k, m in (p.split(",") for p in args.pipes)]
     cases = ["plain, no cache", "plain, cache", *[f"gp K={k} M={m}" for k, m in pipes]]
+    if args.skip_uncached:
+        cases.remove("plain, no cache")
     if not args.no_hf:
         cases.append("hf generate")
     results: dict[tuple[str, int], dict[str, Any]] = {}
@@ -204,14 +212,14 @@ def render(
                 cells += [r["error"][:60], "-"]
                 continue
             cells += [f"{ROWS * n / r['seconds']:.0f}", f"{r['peak_mb']:.1f}"]
-            ref = results["plain, no cache", n].get("tokens")
+            ref = results.get(("plain, no cache", n), results["plain, cache", n]).get("tokens")
             if case != "hf generate" and ref is not None:
                 same.append(r["tokens"] == ref)
         shown = "n/a (other weights)" if case == "hf generate" else str(all(same))
         lines.append(f"| {case} | " + " | ".join(cells) + f" | {shown} |")
     lines += ["", "Ratios (tokens/s):", ""]
     for n in lengths:
-        base, cached = results["plain, no cache", n], results["plain, cache", n]
+        base, cached = results.get(("plain, no cache", n), {}), results["plain, cache", n]
         if "seconds" in base and "seconds" in cached:
             lines.append(
                 f"- L={n}: plain with cache / without: {base['seconds'] / cached['seconds']:.2f}x"
