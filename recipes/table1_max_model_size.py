@@ -198,7 +198,7 @@ def table(
         row("paper's model here: predicted peak per device (GiB)",
             [paper_check(family, c, paper[c.label][0], opt) for c in columns])  # fmt: skip
     row("M, re-materialization, micro-batch",
-        [f"{p.setting.chunks}, {p.setting.checkpoint}, {micro_batch(family, p.setting)}"
+        [f"{p.setting.chunks}, {p.setting.recompute}, {micro_batch(family, p.setting)}"
          for p in sizes])  # fmt: skip
     row("balance", [_fmt_balance(p) for p in sizes])
     row("M measured as", [c.result.stages[0].microbatches for c in columns])

@@ -259,11 +259,11 @@ def fit_batch(
     batch = m
     while batch <= max_batch:
         found = plan(layers, k, batch, device, schedules=("gpipe",), chunks=(m,),
-                     checkpoints=("always", "except_last"))  # fmt: skip
+                     recompute=("always", "except_last"))  # fmt: skip
         if not found:
             break  # larger batches need more memory still
         if best is None or found[0].samples_per_s > best[1]:
-            best = (batch, found[0].samples_per_s, found[0].checkpoint)
+            best = (batch, found[0].samples_per_s, found[0].recompute)
         batch *= 2
     return best
 

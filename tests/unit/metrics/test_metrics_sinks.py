@@ -6,9 +6,11 @@ from types import SimpleNamespace
 import pytest
 
 from giantpipe.config import LoggerConfig
-from giantpipe.metrics import MetricsLogger, StepRecord, Window
 from giantpipe.metrics import (
     JsonlSink,
+    MetricsLogger,
+    StepRecord,
+    Window,
     format_table,
     read_jsonl,
     truncate_after_step,
