@@ -17,9 +17,11 @@ encoder's final LayerNorm to ``src_x`` (pre-norm stacks need one).
 
 The Sequential is an :class:`EncoderDecoder`, which also offers what decoding needs without the
 engine (``encode``, ``decode_logits``, ``max_len``), so BLEU evaluation reaches the model only
-through the model object. The decoder-only Transformer-L lives in ``models.transformer_lm``
-(re-exported here); the shared blocks and the two stabilizers (``ffn_init_scale``,
-``logit_clip``) in ``models.transformer_layers``.
+through the model object. Every child also offers ``forward_cached(inputs, cache)``
+(incremental decoding: the encoder runs once, each decoder layer keeps a :class:`DecoderCache`),
+which :mod:`giantpipe.engine.generate` runs through the pipeline's stages. The decoder-only
+Transformer-L lives in ``models.transformer_lm`` (re-exported here); the shared blocks and the
+two stabilizers (``ffn_init_scale``, ``logit_clip``) in ``models.transformer_layers``.
 
 Example::
 
@@ -43,10 +45,13 @@ from torch import Tensor, nn
 from models.checks import check, check_min
 from models.transformer_layers import (
     FeedForward,
+    KVCache,
     MultiHeadAttention,
     OutputHead,
+    Seen,
     SelfAttentionLayer,
     attention_mask,
+    causal_block,
     check_dropouts,
     check_stabilizers,
     count_parameters,
@@ -58,6 +63,7 @@ from models.transformer_lm import transformer_lm
 
 __all__ = [
     "EncoderDecoder",
+    "DecoderCache",
     "TransformerTModelConfig",
     "transformer_t",
     "transformer_lm",
@@ -76,6 +82,34 @@ class EncoderLayer(SelfAttentionLayer):
     def forward(self, inputs: Batch4) -> Batch4:
         src_x, src_pad, tgt_x, tgt_pad = inputs
         return self.block(src_x, attention_mask(src_pad)), src_pad, tgt_x, tgt_pad
+
+    def forward_cached(self, inputs: Batch4, cache: Seen | None) -> tuple[Batch4, Seen]:
+        """Incremental decoding: encodes the source on the first call; later calls (an empty
+        source, the new target positions) pass through."""
+        if cache is not None:
+            return inputs, cache
+        return self(inputs), Seen(inputs[0].shape[1])
+
+
+@dataclass
+class DecoderCache:
+    """A decoder layer's cache: its self-attention's keys and values (grown every step) with
+    which of those positions are tokens (not padding), and the cross-attention's keys and
+    values over the source (computed once) with the source's mask."""
+
+    self_kv: KVCache
+    tgt_keep: Tensor  # [B, T], False at target padding
+    cross_kv: KVCache
+    src_allowed: Tensor  # [B, 1, 1, S]
+
+    def reorder(self, index: Tensor) -> DecoderCache:
+        index = index.to(self.src_allowed.device)
+        return DecoderCache(
+            self.self_kv.reorder(index),
+            self.tgt_keep.index_select(0, index),
+            self.cross_kv.reorder(index),
+            self.src_allowed.index_select(0, index),
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -116,6 +150,48 @@ class DecoderLayer(nn.Module):
         x = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return src_x, src_pad, x, tgt_pad
 
+    def forward_cached(
+        self, inputs: Batch4, cache: DecoderCache | None
+    ) -> tuple[Batch4, DecoderCache]:
+        """Incremental decoding. The first call (``cache`` None) takes the 4-tuple with the
+        encoded source and the target prefix, and keeps the source's keys and values; later
+        calls take the new target positions only (the source may be empty: it is cached).
+        Target padding is not masked here: decoding drops finished rows instead of padding them.
+
+        Example::
+
+            state, cache = layer.forward_cached((src_x, src_pad, prefix_x, prefix_pad), None)
+            state, cache = layer.forward_cached((empty, empty_pad, new_x, new_pad), cache)
+        """
+        src_x, src_pad, x, tgt_pad = inputs
+        if cache is None:
+            if self.memory_norm is not None:
+                src_x = self.memory_norm(src_x)
+            cross_kv, src_allowed = self.cross_attn.keys_values(src_x), attention_mask(src_pad)
+        else:
+            cross_kv, src_allowed = cache.cross_kv, cache.src_allowed
+        h = self.self_attn_norm(x)
+        self_kv, keep = self.self_attn.keys_values(h), ~tgt_pad
+        if cache is not None:
+            self_kv = cache.self_kv.extend(self_kv.key, self_kv.value)
+            keep = torch.cat([cache.tgt_keep, keep], dim=1)
+        x = x + self.dropout(self.self_attn.attend(h, self_kv, _allowed(keep, x.shape[1])))
+        h = self.cross_attn_norm(x)
+        x = x + self.dropout(self.cross_attn.attend(h, cross_kv, src_allowed))
+        x = x + self.dropout(self.ffn(self.ffn_norm(x)))
+        return (src_x, src_pad, x, tgt_pad), DecoderCache(self_kv, keep, cross_kv, src_allowed)
+
+
+def _allowed(keep: Tensor, queries: int) -> Tensor:
+    """Self-attention mask [B, 1, queries, T] of the last ``queries`` positions: causal, no
+    padding keys, a row with every key masked attending everywhere (as :func:`attention_mask`,
+    so that cached decoding masks exactly what the whole-prefix forward does)."""
+    allowed = keep[:, None, None, :]
+    block = causal_block(queries, keep.shape[1], keep.device)
+    if block is not None:
+        allowed = allowed & block
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
+
 
 class SourceTargetEmbedding(nn.Module):
     """Child 0: token embeddings * sqrt(D) + sinusoidal positions, dropout; builds the masks.
@@ -146,6 +222,11 @@ class SourceTargetEmbedding(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
         self.dropout = nn.Dropout(dropout)
 
+    @property
+    def max_len(self) -> int:
+        """Longest sequence the position table covers (what decoding may reach)."""
+        return int(self.positions.shape[0])
+
     def _embed(self, table: nn.Embedding, tokens: Tensor) -> tuple[Tensor, Tensor]:
         x = table(tokens) * self.scale + self.positions[: tokens.shape[1]]
         return self.dropout(x), tokens.eq(self.pad_id)
@@ -161,6 +242,25 @@ class SourceTargetEmbedding(nn.Module):
     def forward(self, inputs: tuple[Tensor, Tensor]) -> Batch4:
         src_tokens, tgt_tokens = inputs
         return (*self.embed_source(src_tokens), *self.embed_target(tgt_tokens))
+
+    def forward_cached(
+        self, inputs: tuple[Tensor, Tensor] | Tensor, cache: Seen | None
+    ) -> tuple[Batch4, Seen]:
+        """Incremental decoding: first ``(src_tokens, prefix)``, then the new target tokens
+        [B, t] alone, embedded after the ``cache.length`` positions seen; the source comes out
+        empty (the decoder layers cached theirs)."""
+        if cache is None:
+            assert isinstance(inputs, tuple), "the first call takes (src_tokens, prefix)"
+            return self(inputs), Seen(inputs[1].shape[1])
+        assert isinstance(inputs, Tensor), "later calls take the new target tokens"
+        start, end = cache.length, cache.length + inputs.shape[1]
+        if end > self.positions.shape[0]:
+            raise ValueError(f"position {end - 1} is past model.max_len={self.positions.shape[0]}")
+        tgt_x = self.tgt_tokens(inputs) * self.scale + self.positions[start:end]
+        empty_x = tgt_x.new_zeros(tgt_x.shape[0], 0, tgt_x.shape[2])
+        empty_pad = inputs.new_zeros(inputs.shape[0], 0, dtype=torch.bool)
+        state = (empty_x, empty_pad, self.dropout(tgt_x), inputs.eq(self.pad_id))
+        return state, Seen(end)
 
 
 class EncoderDecoder(nn.Sequential):

@@ -14,11 +14,19 @@ Example::
 
     head = OutputHead(d_model=32, vocab_size=100, logit_clip=30.0)
     logits = head(torch.randn(2, 5, 32))          # |logits| <= 30
+
+Incremental decoding: the children that generation runs offer ``forward_cached(inputs, cache)
+-> (outputs, cache)``; ``cache`` is None on the first call (the whole prompt) and then what the
+previous call returned (each later call gets only the new positions). Every cache has
+``reorder(index)``: the rows to keep, in their new order (beam search picks the parents of its
+new beams; finished sentences leave). :class:`KVCache` holds one attention's keys and values,
+:class:`Seen` only how many positions a child has seen (an embedding's next position).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +37,8 @@ from models.checks import check, check_choice, check_fraction
 Batch4 = tuple[Tensor, Tensor, Tensor, Tensor]
 
 __all__ = [
+    "KVCache",
+    "Seen",
     "sinusoidal_positions",
     "attention_mask",
     "MultiHeadAttention",
@@ -74,6 +84,55 @@ def attention_mask(key_pad: Tensor | None, causal_len: int | None = None) -> Ten
     return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
+@dataclass
+class KVCache:
+    """Keys and values [B, heads, T, head_dim] of one attention, for the positions seen so far.
+
+    Example::
+
+        cache = KVCache(k, v).extend(k_new, v_new)   # T grows by k_new.shape[2]
+        cache = cache.reorder(torch.tensor([1, 1]))  # row 1 twice (two beams of one parent)
+    """
+
+    key: Tensor
+    value: Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.key.shape[2])
+
+    def extend(self, key: Tensor, value: Tensor) -> KVCache:
+        return KVCache(torch.cat([self.key, key], dim=2), torch.cat([self.value, value], dim=2))
+
+    def reorder(self, index: Tensor) -> KVCache:
+        index = index.to(self.key.device)
+        return KVCache(self.key.index_select(0, index), self.value.index_select(0, index))
+
+
+@dataclass
+class Seen:
+    """The cache of a child that keeps no tensors: how many positions it has seen (an
+    embedding's next position; an encoder layer's source, encoded once)."""
+
+    length: int
+
+    def reorder(self, index: Tensor) -> Seen:
+        return self
+
+
+def causal_block(queries: int, keys: int, device: torch.device) -> Tensor | None:
+    """Mask [1, 1, queries, keys] for the last ``queries`` of ``keys`` positions attending to
+    themselves and earlier ones; None for a single query (it sees every key).
+
+    >>> causal_block(2, 3, torch.device("cpu")).int().tolist()
+    [[[[1, 1, 0], [1, 1, 1]]]]
+    """
+    if queries == 1:
+        return None
+    ones = torch.ones(queries, keys, dtype=torch.bool, device=device)
+    return ones.tril(diagonal=keys - queries)[None, None]
+
+
 class MultiHeadAttention(nn.Module):
     """Attention of width ``num_heads * head_dim`` (it widens with the number of heads).
 
@@ -98,10 +157,18 @@ class MultiHeadAttention(nn.Module):
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
-    def forward(self, query: Tensor, memory: Tensor, allowed: Tensor) -> Tensor:
-        q = self._heads(self.q_proj(query))
-        k, v = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
-        if self.training and self.attn_dropout.p > 0:
+    def keys_values(self, memory: Tensor) -> KVCache:
+        """The keys and values of ``memory`` [B, T, D], split into heads (what a cache keeps)."""
+        return KVCache(self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory)))
+
+    def forward(self, query: Tensor, memory: Tensor, allowed: Tensor | None) -> Tensor:
+        return self.attend(query, self.keys_values(memory), allowed)
+
+    def attend(self, query: Tensor, kv: KVCache, allowed: Tensor | None) -> Tensor:
+        """Attention of ``query`` [B, Tq, D] over keys and values already projected
+        (``allowed`` [B|1, 1, Tq|1, Tk] or None: every key)."""
+        q, k, v = self._heads(self.q_proj(query)), kv.key, kv.value
+        if self.training and self.attn_dropout.p > 0 and allowed is not None:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
             weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
             out = self.attn_dropout(weights) @ v
@@ -147,6 +214,16 @@ class SelfAttentionLayer(nn.Module):
         x = x + self.dropout(self.self_attn(h, h, allowed))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
+    def causal_block_cached(self, x: Tensor, cache: KVCache | None) -> tuple[Tensor, KVCache]:
+        """:meth:`block` with causal attention for new positions ``x`` [B, t, D] after those
+        in ``cache`` (None: none before); returns the states and the grown cache."""
+        h = self.self_attn_norm(x)
+        kv = self.self_attn.keys_values(h)
+        kv = kv if cache is None else cache.extend(kv.key, kv.value)
+        allowed = causal_block(x.shape[1], kv.length, x.device)
+        x = x + self.dropout(self.self_attn.attend(h, kv, allowed))
+        return x + self.dropout(self.ffn(self.ffn_norm(x))), kv
+
 
 def clip_logits(logits: Tensor, cap: float | None, mode: str = "tanh") -> Tensor:
     """Bound |logits| by ``cap``: ``cap * tanh(logits / cap)`` or ``clamp(-cap, cap)``."""
@@ -182,6 +259,11 @@ class OutputHead(nn.Module):
     def forward(self, inputs: Batch4 | Tensor) -> Tensor:
         x = inputs[2] if isinstance(inputs, tuple) else inputs
         return clip_logits(self.proj(self.norm(x)), self.logit_clip, self.logit_clip_mode)
+
+    def forward_cached(self, inputs: Batch4 | Tensor, cache: None) -> tuple[Tensor, None]:
+        """Incremental decoding: logits [B, 1, V] of the last position only (no state)."""
+        x = inputs[2] if isinstance(inputs, tuple) else inputs
+        return self(x[:, -1:]), None
 
 
 def ffn_factor(ffn_init_scale: float | str | None, num_layers: int) -> float:

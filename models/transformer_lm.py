@@ -22,7 +22,9 @@ from torch import Tensor, nn
 
 from models.checks import check, check_min
 from models.transformer_layers import (
+    KVCache,
     OutputHead,
+    Seen,
     SelfAttentionLayer,
     check_dropouts,
     check_stabilizers,
@@ -41,6 +43,17 @@ class DecoderOnlyLayer(SelfAttentionLayer):
         causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
         return self.block(x, causal[None, None])
 
+    def forward_cached(self, x: Tensor, cache: KVCache | None) -> tuple[Tensor, KVCache]:
+        """Incremental decoding: states of the new positions ``x`` [B, t, D] given the keys and
+        values of the earlier ones (None: the prompt); equals ``forward`` on the whole prefix.
+
+        Example::
+
+            y, cache = layer.forward_cached(x[:, :-1], None)
+            last, cache = layer.forward_cached(x[:, -1:], cache)   # == layer(x)[:, -1:]
+        """
+        return self.causal_block_cached(x, cache)
+
 
 class LMEmbedding(nn.Module):
     """Child 0 of Transformer-L: tokens [B, T] -> states [B, T, D] (sinusoidal positions)."""
@@ -55,7 +68,20 @@ class LMEmbedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return self.dropout(self.tokens(tokens) * self.scale + self.positions[: tokens.shape[1]])
+        return self.embed(tokens, 0)
+
+    def embed(self, tokens: Tensor, start: int) -> Tensor:
+        """States of ``tokens`` [B, t] at positions start .. start + t - 1."""
+        end = start + tokens.shape[1]
+        if end > self.positions.shape[0]:
+            raise ValueError(f"position {end - 1} is past model.max_len={self.positions.shape[0]}")
+        x = self.tokens(tokens) * self.scale + self.positions[start:end]
+        return self.dropout(x)
+
+    def forward_cached(self, tokens: Tensor, cache: Seen | None) -> tuple[Tensor, Seen]:
+        """Incremental decoding: the new tokens [B, t] after the ``cache.length`` seen."""
+        start = 0 if cache is None else cache.length
+        return self.embed(tokens, start), Seen(start + tokens.shape[1])
 
 
 def transformer_lm(

@@ -3,7 +3,10 @@
 Decoding needs no engine and no import of the model's code: it reaches the model only through
 what the model object offers (:class:`Seq2Seq`: ``encode`` once per batch, ``decode_logits`` once
 per generated position on the whole prefix, ``max_len``), as ``models.transformer``'s
-``EncoderDecoder`` does. No key/value cache: decoding stays exact and simple at O(T^2) cost.
+``EncoderDecoder`` does. No key/value cache: decoding stays exact and simple at O(T^2) cost;
+it is the reference. A pipe (``GPipe`` or ``DistributedPipe``) decodes through its stages with
+each stage's key/value caches instead (:func:`pipelined_decode`, :mod:`giantpipe.engine.generate`),
+token for token as the reference does, with no whole copy of the model anywhere.
 :class:`HeldOutBleu` is the translation bundle's ``evaluate_model``.
 
 Example::
@@ -29,11 +32,13 @@ from torch import Tensor, nn
 from giantpipe.data.bundle import EvaluationError
 from giantpipe.data.corpus import split_pair
 from giantpipe.data.translation import SharedVocabulary, eval_batches
+from giantpipe.engine.generate import Decoding, generate, split_rows
 
 __all__ = [
     "Seq2Seq",
     "greedy_decode",
     "beam_search",
+    "pipelined_decode",
     "corpus_bleu",
     "BleuReport",
     "evaluate_bleu",
@@ -92,7 +97,7 @@ def _trim(ids: Sequence[int], eos_id: int, pad_id: int) -> list[int]:
 
 @torch.no_grad()
 def greedy_decode(
-    model: nn.Sequential,
+    model: nn.Module,
     src_tokens: Tensor,
     *,
     max_len: int | None = None,
@@ -162,7 +167,7 @@ def _advance(beams: _Beams, logprobs: Tensor, beam_size: int, eos_id: int, alpha
 
 @torch.no_grad()
 def beam_search(
-    model: nn.Sequential,
+    model: nn.Module,
     src_tokens: Tensor,
     *,
     beam_size: int = 4,
@@ -209,6 +214,59 @@ def beam_search(
     return results
 
 
+def is_pipe(model: nn.Module) -> bool:
+    """Whether ``model`` is a pipe whose stages decode with caches (it has ``partitions``)."""
+    return hasattr(model, "partitions")
+
+
+def _positions(pipe: nn.Module) -> int:
+    """The position table's size, read where stage 0 is (its child 0, the embedding)."""
+    partitions: list[nn.Module] = getattr(pipe, "partitions", None) or [pipe]  # plain: 1 stage
+    embedding = next(iter(partitions[0].children()))
+    positions = getattr(embedding, "max_len", None)
+    if positions is None:
+        raise TypeError(
+            f"decoding through a pipe needs child 0 to tell its max_len (e.g. "
+            f"models.transformer's SourceTargetEmbedding); {type(embedding).__name__} does not"
+        )
+    return int(positions)
+
+
+def pipelined_decode(
+    pipe: nn.Module,
+    src_tokens: Tensor | None,
+    *,
+    beam_size: int = 1,
+    length_penalty: float = 0.6,
+    max_len: int | None = None,
+    bos_id: int = 2,
+    eos_id: int = 3,
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """:func:`greedy_decode` (``beam_size=1``) or :func:`beam_search` through a pipe's stages
+    (or a plain model's children, one stage), each keeping the key/value caches of its layers,
+    the rows cut into ``pipe.chunks`` micro-batches that follow each other through the stages.
+    Token for token the reference's output (the same stopping rules, length penalty and
+    ``max_len`` default). Under torchrun every rank of the pipeline calls it (``src_tokens`` is
+    read where stage 0 is) and gets the result.
+
+    Example::
+
+        pipe = GPipe(model, balance=[3, 3], devices=["cpu", "cpu"], chunks=2)
+        hyps = pipelined_decode(pipe, batch.src_tokens, beam_size=4)   # == beam_search(model, ..)
+    """
+    prompts, steps = None, []
+    if src_tokens is not None and getattr(pipe, "needs_inputs", True):
+        wanted = max_len if max_len is not None else int(1.5 * src_tokens.shape[1]) + 10
+        limit = max(1, min(wanted, _positions(pipe) - 1))
+        chunks = split_rows(src_tokens, int(getattr(pipe, "chunks", 1)))
+        prompts = [(s, torch.full((s.shape[0], 1), bos_id, dtype=s.dtype)) for s in chunks]
+        steps = [limit] * len(prompts)
+    decoding = Decoding(beam_size, length_penalty, eos_id=eos_id, pad_id=pad_id)
+    out = generate(pipe, prompts, steps, decoding, timeout=float(getattr(pipe, "timeout", 300.0)))
+    return [row for chunk in out for row in chunk]
+
+
 def corpus_bleu(
     hypotheses: Sequence[str], references: Sequence[str], force: bool = False
 ) -> tuple[float, str]:
@@ -247,7 +305,7 @@ def _score(
 
 
 def _translate_pair(
-    model: nn.Sequential,
+    model: nn.Module,
     vocab: SharedVocabulary,
     examples: Sequence[tuple[str, str]],
     pair: str,
@@ -263,6 +321,7 @@ def _translate_pair(
     """
     lang = vocab.lang_id(split_pair(pair)[1])
     device = next(model.parameters()).device
+    piped = is_pipe(model)
     keep = None if max_source_len is None else max(max_source_len - 2, 1)
     encoded = [
         ([lang, *vocab.encode(s)[:keep], vocab.eos_id], vocab.encode(t)) for s, t in examples
@@ -270,10 +329,14 @@ def _translate_pair(
     hyps: list[str] = [""] * len(examples)
     generated = 0
     for indices, batch in eval_batches(encoded, pair, max_tokens):
-        src = batch.src_tokens.to(device)
-        if beam_size == 1:
-            out = greedy_decode(model, src)
+        if piped:  # stage 0 takes the tokens to its device
+            out = pipelined_decode(
+                model, batch.src_tokens, beam_size=beam_size, length_penalty=length_penalty
+            )
+        elif beam_size == 1:
+            out = greedy_decode(model, batch.src_tokens.to(device))
         else:
+            src = batch.src_tokens.to(device)
             out = beam_search(model, src, beam_size=beam_size, length_penalty=length_penalty)
         for index, ids in zip(indices, out, strict=True):
             hyps[index] = vocab.decode(ids)
@@ -282,7 +345,7 @@ def _translate_pair(
 
 
 def evaluate_bleu(
-    model: nn.Sequential,
+    model: nn.Module,
     vocab: SharedVocabulary,
     corpus: Corpus,
     *,
@@ -336,11 +399,18 @@ class HeldOutBleu:
     ``bleu_zero_shot/<pair>`` and their mean ``bleu_zero_shot``, never in ``bleu``. A failure
     is an :class:`~giantpipe.data.bundle.EvaluationError` naming ``eval_set``.
 
+    Given a pipe (``takes_pipe``: the runner hands it the pipe, not a whole model) it decodes
+    through the stages with their caches; under torchrun every rank of the pipeline calls it.
+
     Example::
 
         scorer = HeldOutBleu(vocab, {"en-xa": [("the dog .", "hanu .")]}, beam_size=1)
         scorer(model)["bleu/en-xa"]
+        scorer(pipe)["bleu/en-xa"]                 # the same figure, decoded stage by stage
     """
+
+    takes_pipe = True
+    config_key = "data.bleu_sentences"  # what asked for it, if the model cannot generate
 
     def __init__(
         self,
@@ -364,7 +434,7 @@ class HeldOutBleu:
         shown = ", ".join(f"{p} {b:.1f}" for p, b in copy.per_pair.items())
         log.info("copy-the-source baseline BLEU %.2f (%s)", copy.average, shown)
 
-    def __call__(self, model: nn.Sequential) -> dict[str, float | str]:
+    def __call__(self, model: nn.Module) -> dict[str, float | str]:
         try:
             report = evaluate_bleu(
                 model,

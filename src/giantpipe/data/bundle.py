@@ -27,7 +27,8 @@ Figures that need more than the engine's forward (BLEU from decoding held-out se
 from ``evaluate_model``: at every evaluation the runner calls it with the un-partitioned model,
 the very object the model's builder returned (the same modules the pipeline trains, EMA weights
 swapped in when configured), so what that object offers besides ``forward`` (an encoder-decoder's
-``encode`` and ``decode_logits``) is there; it logs what the hook returns under ``eval/``.
+``encode`` and ``decode_logits``) is there; it logs what the hook returns under ``eval/``. A
+hook with ``takes_pipe = True`` (held-out BLEU) is called with the pipe instead, on every rank.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class DataBundle:
     """targets -> the number the summed loss is divided by (e.g. non-pad tokens); None: mean."""
     tokens_per_batch: Callable[[Batch], int] | None = None
     """batch -> tokens in it, for tokens/s; None when tokens do not apply."""
-    evaluate_model: Callable[[nn.Sequential], dict[str, float | str]] | None = None
+    evaluate_model: Callable[[nn.Module], dict[str, float | str]] | None = None
     """model -> extra evaluation figures (e.g. ``{"bleu": 31.2, "bleu/en-de": 29.8}``); strings
     (e.g. a sacreBLEU signature) go to the log and the summary, numbers to the metrics too.
     It raises :class:`EvaluationError` (naming the evaluation set) when it fails."""

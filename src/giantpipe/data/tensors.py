@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from giantpipe.config import ConfigError, check, check_choice, check_fits_memory, check_min
 from giantpipe.data.bundle import Batch, DataBundle
@@ -323,6 +323,43 @@ def token_stream(
         index += 1
 
 
+class WalkSamples:
+    """``evaluate_model`` of ``data=lm_tokens`` with ``eval_samples`` > 0: the model continues a
+    fixed list of prompts (the first ``PROMPT_TOKENS`` of held-out walks) greedily, through the
+    pipe's stages with their key/value caches (:mod:`giantpipe.engine.generate`). Returns the
+    samples as text (``samples``: logged, in the summary) and ``sample_valid``, the share of
+    generated steps the successor table allows (1.0: the model learnt the walks; about
+    branching / vocab_size untrained).
+
+    Example::
+
+        hook = WalkSamples(table, prompts=held_out[0][0][:3, :8], length=16)
+        hook(pipe)     # {"samples": "12 7 ... -> 40 3 ...", "sample_valid": 0.97}
+    """
+
+    takes_pipe = True  # the runner hands it the pipe, on every rank
+    config_key = "data.eval_samples"  # what asked for it, if the model cannot generate
+
+    def __init__(self, table: Tensor, prompts: Tensor, length: int) -> None:
+        self.table, self.prompts, self.length = table, prompts, length
+
+    def __call__(self, pipe: nn.Module) -> dict[str, float | str]:
+        from giantpipe.engine.generate import Decoding, generate
+
+        out = generate(pipe, [self.prompts], [self.length], Decoding())[0]
+        lines, allowed, steps = [], 0, 0
+        for prompt, tokens in zip(self.prompts.tolist(), out, strict=True):
+            walk = prompt[-1:] + tokens
+            for a, b in zip(walk, walk[1:], strict=False):
+                allowed += int(b in self.table[a].tolist())
+                steps += 1
+            lines.append(" ".join(map(str, prompt)) + " -> " + " ".join(map(str, tokens)))
+        return {"samples": " | ".join(lines), "sample_valid": allowed / max(steps, 1)}
+
+
+PROMPT_TOKENS, SAMPLE_TOKENS = 8, 24
+
+
 def lm_tokens(
     vocab_size: int = 32000,
     seq_len: int = 1024,
@@ -331,6 +368,7 @@ def lm_tokens(
     eval_batches: int = 2,
     branching: int = 4,
     seed: int = 1234,
+    eval_samples: int = 0,
 ) -> DataBundle:
     """Generated language-model batches (fields: ``LMTokensDataConfig``).
 
@@ -344,6 +382,13 @@ def lm_tokens(
         token_batch(table, batch_size, seq_len, seed, HELD_OUT_INDEX + i, held_out=True)
         for i in range(eval_batches)
     ]
+    samples = None
+    if eval_samples > 0:
+        first = held_out[0][0]
+        assert isinstance(first, Tensor)
+        size = min(PROMPT_TOKENS, seq_len // 2)  # prompt and sample within seq_len positions
+        length = min(SAMPLE_TOKENS, seq_len - size)
+        samples = WalkSamples(table, first[:eval_samples, :size], length)
     return DataBundle(
         train_batches=lambda run_seed, position: token_stream(
             table, batch_size, seq_len, run_seed, position
@@ -353,6 +398,7 @@ def lm_tokens(
         loss="cross_entropy",
         metric="accuracy",
         tokens_per_batch=lambda batch: batch[1].numel(),  # type: ignore[union-attr]
+        evaluate_model=samples,
     )
 
 
@@ -376,8 +422,19 @@ class LMTokensDataConfig:
     """Each token has this many possible successors, so the loss can fall to ln(branching)."""
     seed: int = 1234
     """Seed of the successor table and the held-out batches."""
+    eval_samples: int = 0
+    """At every evaluation, continue this many fixed prompts (held-out walks' first 8 tokens)
+    by 24 tokens, cached greedy decoding through the pipe: logged as ``samples``, with
+    ``sample_valid`` (share of generated steps the successor table allows). 0: none; at most
+    data.batch_size."""
 
     def __post_init__(self) -> None:
+        check_min(self.eval_samples, 0, "data.eval_samples")
+        check(
+            self.eval_samples <= self.batch_size,
+            "data.eval_samples",
+            f"must be <= data.batch_size ({self.batch_size}), got {self.eval_samples}",
+        )
         for key in ("vocab_size", "batches_per_epoch", "eval_batches", "branching"):
             check_min(getattr(self, key), 1, f"data.{key}")
         check_min(self.seq_len, 2, "data.seq_len")

@@ -16,6 +16,8 @@ What lives here, one concept per module:
   named submodules);
 - the two pipes: :class:`GPipe` (:mod:`.gpipe`, a worker thread per device) and
   ``DistributedPipe`` (:mod:`.dist`, a process per device), which share :mod:`.base`.
+- generation through either pipe, each stage keeping its layers' key/value caches
+  (:mod:`.generate`: greedy, beam and sampled decoding, micro-batches circling the stages).
 
 Nothing here imports Hydra, the runner, ``models`` or the cost model (:mod:`giantpipe.perf`),
 but for ``GPipe.predict``, which imports ``giantpipe.perf.predict`` when called. Anything may

@@ -33,6 +33,7 @@ from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.engine.base import Pipe
 from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
+from giantpipe.engine.generate import check_cached
 from giantpipe.engine.microbatch import as_tuple
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.losses import LossFn, build_loss
@@ -252,6 +253,7 @@ def build_experiment(
     # planned, profiled and checked once, on rank 0; the others receive the spec as made
     pipeline, plan_choice, spec = world.from_rank0(decided)
     balance, workers = list(spec.balance), spec.num_workers
+    check_generates(cfg, bundle, model, spec.virtual_stages)
     pipe: Pipe
     if world.size == 1:
         pipe = build_pipe(model, spec)
@@ -260,7 +262,11 @@ def build_experiment(
         pipe = build_distributed_pipe(model, spec, own)
         world.bind(pipe)
         inputs_to = targets_to = own
-    keep = world.rank == 0 and (world.size == 1 or bundle.evaluate_model is not None)
+    # Rank 0 keeps the whole plain model under torchrun only for a whole-model evaluation that
+    # cannot run through the pipe (held-out BLEU can: it decodes stage by stage).
+    through_pipe = hasattr(bundle.evaluate_model, "takes_pipe") and spec.virtual_stages == 1
+    gathers = bundle.evaluate_model is not None and not through_pipe
+    keep = world.rank == 0 and (world.size == 1 or gathers)
     return _training_parts(
         cfg,
         bundle,
@@ -272,6 +278,22 @@ def build_experiment(
         balance,
         plan_choice,
     )
+
+
+def check_generates(
+    cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential, virtual_stages: int
+) -> None:
+    """An evaluation that decodes through the pipe (held-out BLEU, LM samples) needs a model
+    whose children can keep key/value caches: refused up front, naming the key that asked."""
+    hook = bundle.evaluate_model
+    if not getattr(hook, "takes_pipe", False) or virtual_stages != 1:
+        return  # with virtual stages the runner evaluates the whole plain model instead
+    try:
+        check_cached(list(model))
+    except TypeError as err:
+        arch = getattr(cfg.model, "architecture", None)
+        named = f"model {arch!r}: " if arch else ""
+        raise ConfigError(getattr(hook, "config_key", "model._target_"), named + str(err)) from err
 
 
 def _training_parts(

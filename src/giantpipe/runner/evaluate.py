@@ -6,9 +6,11 @@ of each batch, those holding the last stage score the outputs, and the tallies a
 the world, so every process returns the figures of the whole evaluation set. The local executor
 is a world of one, where the sums and the count are its own.
 
-The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`)
-needs every layer in one process: under torchrun, rank 0 gathers the other ranks' weights into
-its copy of the plain model first (see :func:`whole_model_figures`).
+The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`):
+a hook that takes the pipe (``takes_pipe``, as held-out BLEU) runs on every rank and decodes
+through the stages, no rank holding more than its own; any other needs every layer in one
+process: under torchrun, rank 0 gathers the other ranks' weights into its copy of the plain
+model first (see :func:`whole_model_figures`).
 
 Example::
 
@@ -18,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from itertools import islice
@@ -28,6 +31,7 @@ from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, DataBundle, batch_size
 from giantpipe.engine.base import Pipe
+from giantpipe.engine.generate import one_stage_per_worker
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
 from giantpipe.runner.step import autocast, replica_slice, to_device
 from giantpipe.runner.world import World
@@ -106,7 +110,8 @@ def evaluate(
     world: World | None = None,
 ) -> dict[str, float]:
     """Loss (without label smoothing: the plain NLL or MSE) and the bundle's metric
-    (``accuracy``; for ``top5`` both ``accuracy`` and ``top5``), on every process.
+    (``accuracy``; for ``top5`` both ``accuracy`` and ``top5``), on every process; for a loss
+    per token (:func:`per_token`) also ``perplexity``, exp(loss).
 
     ``devices``: inputs go to the first, outputs are scored where they come out.
     """
@@ -133,7 +138,16 @@ def evaluate(
                 add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
     finally:
         pipe.train(was_training)
-    return _figures(world.sum(tally.as_list()), bundle.metric)
+    figures = _figures(world.sum(tally.as_list()), bundle.metric)
+    if per_token(bundle):
+        figures["perplexity"] = math.exp(min(figures["loss"], 80.0))  # exp(mean token NLL)
+    return figures
+
+
+def per_token(bundle: DataBundle) -> bool:
+    """Whether the loss is a mean cross-entropy per token (language models, translation), of
+    which perplexity is the exponential."""
+    return bundle.loss == "cross_entropy" and bundle.tokens_per_batch is not None
 
 
 def whole_model_figures(
@@ -141,12 +155,18 @@ def whole_model_figures(
 ) -> dict[str, float | str]:
     """The data's own evaluation of the whole model (e.g. BLEU), on every process.
 
-    Under torchrun the ranks of replica 0 send their weights to rank 0, which loads them into
-    its plain model and runs the evaluation; the figures then reach every rank.
+    A hook that takes the pipe (``takes_pipe``) runs on every rank, through the stages (held-out
+    BLEU decodes with each stage's caches), unless a worker holds several stages (virtual
+    stages: generation runs one per worker). For any other, under torchrun the ranks of replica
+    0 send their weights to rank 0, which loads them into its plain model and runs the
+    evaluation; the figures then reach every rank.
     """
     hook = bundle.evaluate_model
     if hook is None:
         return {}
+    if getattr(hook, "takes_pipe", False) and one_stage_per_worker(pipe):
+        through_pipe: dict[str, float | str] = world.from_rank0(hook(pipe))
+        return through_pipe
     if world.size > 1:
         held = pipe.state_dict() if pipe.replica == 0 else {}
         state = {k: v.detach().cpu() for k, v in held.items()}

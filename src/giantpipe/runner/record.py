@@ -174,6 +174,8 @@ def figures_of(cfg: ExperimentConfig, parts: Any) -> set[str]:
         keys.add("eval/top5")
     if bundle.tokens_per_batch is not None:
         keys.add("train/tokens_per_s")
+    if bundle.loss == "cross_entropy" and bundle.tokens_per_batch is not None:
+        keys.add("eval/perplexity")  # runner.evaluate.per_token
     if cfg.trainer.predict:
         keys |= {f"pipeline/{k}" for k in PREDICTED}
     return keys

@@ -1,0 +1,112 @@
+"""What each rank runs in tests/distributed/test_generate.py: decoding through a
+DistributedPipe (one stage per rank) against the plain model's uncached reference decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
+from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.generate import Decoding, generate, split_rows
+from models.transformer import transformer_lm, transformer_t
+
+BOS, EOS, PAD = 2, 3, 0
+
+
+def seq2seq() -> nn.Sequential:
+    torch.manual_seed(1)
+    model = transformer_t(2, 48, 4, d_model=32, head_dim=8, vocab_size=37, max_len=48, dropout=0.0)
+    return model.eval()
+
+
+def lm() -> nn.Sequential:
+    torch.manual_seed(3)
+    return transformer_lm(3, d_model=32, ffn_dim=48, num_heads=4, vocab_size=41, max_len=48).eval()
+
+
+def translate(tmp: Path, balance: list[int], chunks: int) -> dict[str, Any]:
+    """Greedy and beam through the pipe (sources only where stage 0 is) and the references."""
+    torch.manual_seed(7)
+    src = torch.randint(4, 37, (7, 6))
+    src[3, 4:] = PAD
+    plain = seq2seq()
+    steps = _max_steps(plain, src, None)  # type: ignore[arg-type]
+    reference = {
+        "greedy": greedy_decode(plain, src),
+        "beam": beam_search(plain, src, beam_size=3, length_penalty=0.6),
+    }
+    pipe = DistributedPipe(seq2seq(), balance, chunks=chunks, timeout=30)
+    held = sum(p.numel() for p in pipe.parameters())
+    prompts = None
+    if pipe.needs_inputs:
+        prompts = [(s, torch.full((len(s), 1), BOS)) for s in split_rows(src, chunks)]
+    got = {}
+    for name, beam in (("greedy", 1), ("beam", 3)):
+        decoding = Decoding(beam_size=beam, length_penalty=0.6, eos_id=EOS, pad_id=PAD)
+        out = generate(pipe, prompts, [steps] * chunks, decoding, timeout=30)
+        got[name] = [row for chunk in out for row in chunk]
+    total = sum(p.numel() for p in plain.parameters())
+    return {"got": got, "reference": reference, "held": held, "total": total}
+
+
+def sample(tmp: Path, balance: list[int]) -> dict[str, Any]:
+    """Sampling through the pipe and in one process, same seed; every rank passes the prompts
+    (as recipes/generate.py does), which only stage 0 may take in."""
+    prompts = split_rows(
+        torch.randint(0, 41, (4, 5), generator=torch.Generator().manual_seed(0)), 2
+    )
+    decoding = Decoding(temperature=0.9, top_k=8, seed=4)
+    alone = generate(lm(), prompts, [10, 10], decoding)
+    pipe = DistributedPipe(lm(), balance, chunks=2, timeout=30)
+    got = generate(pipe, prompts, [10, 10], decoding, timeout=30)  # prompts on every rank too
+    return {"got": got, "alone": alone}
+
+
+# The translation quick start shrunk to seconds (as tests/distributed/test_runner_features.py).
+TRANSLATION = [
+    "recipe=transformer_quickstart",
+    "model.num_layers=1",
+    "model.ffn_dim=32",
+    "model.num_heads=2",
+    "model.d_model=16",
+    "model.head_dim=8",
+    "data.generated_languages=2",
+    "data.generated_train_sizes=[300,60]",
+    "data.generated_eval_size=6",
+    "data.vocab_size=200",
+    "data.max_tokens=256",
+    "data.bleu_sentences=3",
+    "logger.progress=none",
+]
+
+
+def translation_config(*extra: str) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    from giantpipe.cli import register_configs, to_experiment
+    from tests.distributed.launch import REPO
+
+    register_configs(REPO / "conf")
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return to_experiment(compose("config", [*TRANSLATION, *extra]))
+
+
+def held_out_bleu(tmp: Path, run_dir: str, executor: str) -> dict[str, Any]:
+    """The runner's experiment (built as train.py builds it) and its held-out BLEU figures:
+    whether this rank kept a whole plain model, and how many parameters it holds."""
+    from giantpipe.runner.build import build_experiment
+    from giantpipe.runner.checkpoint import seed_everything
+    from giantpipe.runner.evaluate import whole_model_figures
+    from giantpipe.runner.world import TorchrunWorld, World
+
+    cfg = translation_config(f"pipeline.executor={executor}", "pipeline.timeout=30")
+    world = TorchrunWorld(30.0) if executor == "distributed" else World()
+    seed_everything(cfg.trainer.seed)  # as train() does: then data, then model
+    parts = build_experiment(cfg, Path(run_dir), world)
+    figures = whole_model_figures(parts.pipe, parts.model, parts.bundle, world)
+    held = sum(p.numel() for p in parts.pipe.parameters())
+    return {"figures": figures, "kept_model": parts.model is not None, "held": held}

@@ -1,0 +1,94 @@
+"""recipes/generate.py on a saved run (config.yaml + a weights file): the continuation of each
+prompt through two stages and two micro-batches (prompts of two lengths), equal to cached
+generation of the plain model prompt by prompt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from giantpipe.engine.generate import Decoding, generate
+from models.transformer import transformer_lm
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = {
+    "_target_": "models.transformer_lm.transformer_lm",
+    "num_layers": 2,
+    "d_model": 16,
+    "ffn_dim": 32,
+    "num_heads": 2,
+    "vocab_size": 30,
+    "max_len": 32,
+}
+
+
+def run(*args: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "generate.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={
+            "PYTHONPATH": f"{REPO / 'src'}:{REPO}",
+            "PATH": "/usr/bin:/bin",
+            "OMP_NUM_THREADS": "1",
+        },
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()
+
+
+@pytest.mark.slow
+def test_a_language_model_run_continues_its_prompts_through_two_stages(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = transformer_lm(**{k: v for k, v in MODEL.items() if k != "_target_"})
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": MODEL}))
+    prompts = ["3 4 5", "7 8 9", "1 2"]
+    lines = run(
+        str(tmp_path / "model.pt"),
+        *[f"--prompt={p}" for p in prompts],
+        "--max-new=6",
+        "--stages=2",
+        "--chunks=2",
+    )
+    plain = model.eval()
+    expected = [
+        generate(plain, [torch.tensor([[int(t) for t in p.split()]])], [6], Decoding())[0][0]
+        for p in prompts
+    ]
+    assert lines == [
+        f"{p} -> {' '.join(map(str, t))}" for p, t in zip(prompts, expected, strict=True)
+    ]
+
+
+@pytest.mark.slow
+def test_a_translation_run_translates_as_the_reference_beam_search(tmp_path: Path) -> None:
+    from giantpipe.data.bleu import beam_search
+    from giantpipe.data.corpus import load_parallel_corpus, write_synthetic_corpus
+    from giantpipe.data.translation import SharedVocabulary
+    from models.transformer import transformer_t
+
+    files = write_synthetic_corpus(tmp_path / "data", num_languages=2, train_sizes=[300, 60])
+    vocab = SharedVocabulary.train_or_load(
+        load_parallel_corpus([files["train"]]), tmp_path, vocab_size=200
+    )
+    sizes = {"num_layers": 1, "ffn_dim": 32, "num_heads": 2, "d_model": 16, "head_dim": 8}
+    sizes |= {"vocab_size": vocab.vocab_size, "max_len": 64}
+    torch.manual_seed(0)
+    model = transformer_t(**sizes).eval()
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    config = {"model": {"_target_": "models.transformer.transformer_t", **sizes}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    sentence = "the dog sees Anna ."
+    lines = run(
+        str(tmp_path / "model.pt"), f"--prompt={sentence}", "--to=xa", "--beam=2", "--stages=2"
+    )
+    src = torch.tensor([[vocab.lang_id("xa"), *vocab.encode(sentence), vocab.eos_id]])
+    expected = vocab.decode(beam_search(model, src, beam_size=2)[0])
+    assert lines == [f"{sentence} -> {expected}"]
