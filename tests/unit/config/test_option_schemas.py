@@ -49,8 +49,16 @@ def test_the_schema_follows_its_builder(option: str):
     assert set(fields) <= set(params)
     assert {n for n, p in params.items() if p.default is p.empty} <= set(fields)
     for name, field in fields.items():
-        if params[name].default is not params[name].empty:
-            assert field.default == params[name].default, f"{schema.__name__}.{name}"
+        builder = params[name].default
+        if builder is params[name].empty:
+            continue
+        if field.default_factory is not dataclasses.MISSING:
+            # A mapping of further keys: the schema's empty dict is the builder's None (none given).
+            assert field.default_factory() in ({}, []) and builder is None, (
+                f"{schema.__name__}.{name}"
+            )
+        else:
+            assert field.default == builder, f"{schema.__name__}.{name}"
 
 
 @pytest.mark.parametrize(
