@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from giantpipe.config import ConfigError, ExperimentConfig
-from giantpipe.metrics import MetricsLogger
-from giantpipe.metrics import format_table, truncate_after_step, write_summary
+from giantpipe.metrics import MetricsLogger, format_table, truncate_after_step, write_summary
 from giantpipe.runner.rundir import save_config
 
 TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")
@@ -36,6 +35,8 @@ PIPELINE_FIGURES = (
     "bubble",
     "expected_bubble",
     "busy_time_s",
+    "recompute_share",
+    "stage_imbalance",
     "peak_memory_bytes",
     "memory_kind",
     "clock",
@@ -201,6 +202,7 @@ def figures_of(cfg: ExperimentConfig, parts: Any) -> set[str]:
     keys = {"steps", "wall_time_s", "train/loss", "eval/loss"}
     keys |= {f"train/{k}" for k in TRAIN_FIGURES if k != "tokens_per_s"}
     keys |= {f"pipeline/{k}" for k in ("bubble", "expected_bubble", "chunks", "world_size")}
+    keys |= {"pipeline/recompute_share", "pipeline/stage_imbalance"}
     bundle = parts.bundle
     if bundle.metric in ("accuracy", "top5"):
         keys.add("eval/accuracy")
