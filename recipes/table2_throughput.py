@@ -500,13 +500,14 @@ def device_table(model: Model, r: Results, preset: str) -> tuple[str, list[str]]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     notes = []
     for cell in model.cells:
-        paper = PAPER[model.key][cell]
-        row = [str(cell[0]), str(cell[1]), f"{paper:g}", f"{ideal(cell, base):.2f}"]
+        paper = PAPER[model.key].get(cell)  # --quick runs cells the paper has not
+        row = [str(cell[0]), str(cell[1]), "-" if paper is None else f"{paper:g}",
+               f"{ideal(cell, base):.2f}"]  # fmt: skip
         if cell in dev:
             fit = r.device_sim[cell]
             row += [f"{fit.batch}, {list(fit.balance)}, {fit.samples_per_s:.1f} ({dev[cell]:.2f})",
-                    residual(dev[cell], paper)]  # fmt: skip
-            if abs(dev[cell] / paper - 1) > TOLERANCE:
+                    "-" if paper is None else residual(dev[cell], paper)]  # fmt: skip
+            if paper is not None and abs(dev[cell] / paper - 1) > TOLERANCE:
                 notes.append(f"K={cell[0]}, M={cell[1]} vs paper: {missing(model.key, cell)}")
         else:
             row += ["does not fit", "-"]
@@ -548,7 +549,8 @@ def within(model: Model, r: Results) -> str:
     """How many simulated cells are within the tolerance of the quoted ones."""
     base = (model.ks[0], model.ms[0])
     dev = normalized({c: f.samples_per_s for c, f in r.device_sim.items()}, base)
-    ok = sum(abs(dev[c] / PAPER[model.key][c] - 1) <= TOLERANCE for c in dev)
+    paper = PAPER[model.key]
+    ok = sum(abs(dev[c] / paper[c] - 1) <= TOLERANCE for c in dev if c in paper)
     text = f"{ok} of {len(model.cells)} paper cells within {TOLERANCE:.0%}"
     if r.torchgpipe_sim:
         tg = sum(abs(r.torchgpipe_sim[c] / TORCHGPIPE[c][1] - 1) <= TOLERANCE
