@@ -19,10 +19,11 @@ Timelines of the simulated steps and of each configuration's last measured step 
 outputs/schedules_cpu/ as PNG ({schedule}_k2_m{M}.png, {schedule}_k2_m{M}_measured.png).
 
 Beside the MLP, the paper's two models at small sizes (``--no-models`` leaves them out,
-``--models-only`` runs them alone; ``--quick`` leaves them out unless ``--models-only``): AmoebaNet-D (6, 16) on 32 px images, 10 classes, and a 4-layer Transformer LM
-(d 64, FFN 256, 4 heads, 512-token vocabulary, 32 tokens), each cut into two halves of its
-layers, batch 64, GPipe at M = 8 and 32 with re-materialization 'always' (the paper's), measured
-and forecast the same way: the forecast error on the paper's models, not only on an MLP.
+``--models-only`` runs them alone; ``--quick`` leaves them out unless ``--models-only``):
+AmoebaNet-D (6, 16) on 32 px images, 10 classes, and a 4-layer Transformer LM (d 64, FFN 256,
+4 heads, 512-token vocabulary, 32 tokens), each cut into two halves of its layers, batch 64,
+GPipe at M = 8 and 32 with re-materialization 'always' (the paper's), measured and forecast the
+same way: the forecast error on the paper's models, not only on an MLP.
 """
 
 from __future__ import annotations
