@@ -138,7 +138,7 @@ PRESETS = {
     "tpu-like": Preset(
         "TPU-like core (assumed)", 61.5e12, 32, 450e9, 70e9, 0.5, 0.0, 100e-6, 0.0, 0.05,
         {"peak_flops": "assumed: Google Cloud TPU v3 docs, 123 TFLOPS bf16 per chip, 2 cores "
-                       "(the paper names no accelerator for Table 2)",
+                       "(the paper says TPUs for Table 2, not which version)",
          "memory_gib": "assumed: one TPU v3 chip's 32 GiB HBM (a 16 GiB core cannot hold "
                        "Transformer-48 at K=2: 2.55B parameters x 12 bytes)",
          "memory_bandwidth": "assumed: half of a TPU v3 chip's 900 GB/s HBM",
