@@ -103,7 +103,10 @@ class Preset:
                            self.half_batch, self.layer_overhead)  # fmt: skip
 
 
-P40_FIT = "fitted: least worst residual over torchgpipe's 9 P40 cells (docs/paper-tables.md)"
+P40_FIT = (
+    "fitted: least worst residual over torchgpipe's P40 cells but K=4, M=4, which no setting "
+    "reaches (docs/paper-tables.md)"
+)
 PRESETS = {
     "p40": Preset(
         "Tesla P40 24GB, PCIe", 12e12, 24, 346e9, 6e9, 0.33, 0.0, 200e-6, 0.0, 0.1,
