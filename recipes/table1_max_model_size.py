@@ -350,6 +350,7 @@ def paper_table(
         [(f"{family.describe(c.largest.layers, c.largest.width)} "
           f"{_fmt_params(c.largest.params)}") if c.largest else "none fits"
          for c in columns])  # fmt: skip
+    notes = [paper_note(c, paper[c.label][3]) for c in columns if not c.fits]
     title = (f"### {family.name}: the paper's models at the paper's settings, "
              f"{budget / GIB:.0f} GiB per device")  # fmt: skip
     settings = (
@@ -365,7 +366,20 @@ def paper_table(
         )  # fmt: skip
         + " The largest model is the deepest that fits at the column's width, predicted."
     )
-    return "\n".join([title, "", settings, "", *rows, ""]) + "\n"
+    return "\n".join([title, "", settings, "", *rows, "", *[f"- {n}" for n in notes]]) + "\n"
+
+
+def paper_note(column: PaperColumn, paper_activations: float) -> str:
+    """Why a paper's model does not fit here: by how much, and its activations against the
+    paper's (the paper's memory columns are totals over devices, in GB)."""
+    activations = (sum(column.size.predicted) - 12 * column.size.params) / GIB
+    return (
+        f"{column.label} does not fit: {column.peak / GIB:.2f} GiB per device, "
+        f"{column.peak / column.usable:.1f}x the usable {column.usable / GIB:.2f} GiB; its "
+        f"activations here, {activations:.2f} GiB, are {activations / paper_activations:.1f}x "
+        f"the paper's {paper_activations} GB (setting "
+        f"M={column.size.setting.chunks}, {column.size.setting.checkpoint})"
+    )
 
 
 def measured_how() -> str:

@@ -179,7 +179,9 @@ def test_a_paper_column_fits_within_the_budget_less_the_reserve(recipe: ModuleTy
     usable = int(16 * 2**30 * (1 - 0.1))
     column = recipe.PaperColumn("Pipeline-2", size, usable)
     assert column.peak == 9 * 2**30 and column.fits
-    assert not recipe.PaperColumn("Pipeline-2", size, 8 * 2**30).fits  # reserve eats it
+    over = recipe.PaperColumn("Pipeline-2", size, 8 * 2**30)
+    assert not over.fits  # the reserve eats it
+    assert recipe.paper_note(over, 3.2).startswith("Pipeline-2 does not fit: 9.00 GiB per device")
 
 
 @pytest.mark.slow
