@@ -493,10 +493,10 @@ class DistributedPipe(Pipe):
         """The global loss on every rank; the step's statistics in ``last_stats``.
 
         Every rank of the pipeline contributes a row, ``[loss, wall, span, busy, peak,
-        recompute]`` (busy and recompute: its stages' seconds; peak: saved activations on CPU, the allocator's on CUDA); after one
-        all-gather each holds the whole table, so the loss (the last stage's row) and the
-        statistics are the same on every rank. Rows and the loss are host numbers: they go
-        over the host groups.
+        recompute]`` (busy and recompute: its stages' seconds; peak: saved activations on CPU,
+        the allocator's on CUDA); after one all-gather each holds the whole table, so the loss
+        (the last stage's row) and the statistics are the same on every rank. Rows and the
+        loss are host numbers: they go over the host groups.
         """
         layout, on_cuda = self.layout, self.device.type == "cuda"
         if on_cuda:
