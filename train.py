@@ -4,9 +4,11 @@
     python train.py pipeline.chunks=8 trainer.max_steps=50
     python train.py -m pipeline.chunks=1,4,8      # a sweep: one job per value
 
-Runs land in outputs/DATE/TIME (multiruns in outputs/multirun/DATE/TIME/N). See conf/ and
-src/giantpipe/cli.py (which also finds the schemas of conf/'s model and data options beside
-their builders, in models/ and giantpipe.data).
+    python train.py --help                        # the recipes and the groups' options
+
+Runs land in outputs/DATE/TIME.MICROSECONDS-PID (multiruns in outputs/multirun/.../N). The config
+is checked before torch is imported: a usage or config error exits 2 at once, a failed run 1.
+See docs/command-line.md, conf/ and src/giantpipe/cli.py.
 """
 
 from pathlib import Path

@@ -74,7 +74,7 @@ def worker(rank, rendezvous, out):
     )
     torch.manual_seed(1)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    pipe = DistributedPipe(mlp, [blocks // 2] * 2, chunks=chunks, checkpoint="never", timeout=120)
+    pipe = DistributedPipe(mlp, [blocks // 2] * 2, chunks=chunks, recompute="never", timeout=120)
     def step():
         pipe.zero_grad(set_to_none=True)
         pipe.train_step(x if pipe.needs_inputs else None, y if pipe.needs_targets else None,

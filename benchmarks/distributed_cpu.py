@@ -153,7 +153,7 @@ def giantpipe_steps(setup: Setup, chunks: int, x: torch.Tensor, y: torch.Tensor)
             setup.build,
             [setup.blocks // stages] * stages,
             chunks=chunks,
-            checkpoint="never",
+            recompute="never",
             schedule=name,
             virtual_stages=v,
             timeout=300,

@@ -90,7 +90,7 @@ def world_checks(opts: Options, k: int) -> list[Row]:
             continue  # a schedule that needs more ranks
         pipe = DistributedPipe(lambda: mask_model(sizes), even_balance(len(model), k * v),
                                chunks=chunks, schedule=schedule, virtual_stages=v,
-                               checkpoint="except_last", device=device, seed=INIT,
+                               recompute="except_last", device=device, seed=INIT,
                                deferred_batch_norm=True, timeout=RANK_TIMEOUT,
                                transport="ordered")  # fmt: skip
         torch.manual_seed(SEED)

@@ -269,7 +269,7 @@ def _dist_steps(name: str, setup: Setup, rank: int, m: int, balance: list[int]
     for schedule in ("gpipe", "1f1b"):
         try:
             pipe = DistributedPipe(lambda: model_of(name, setup.quick), balance, chunks=m,
-                                   checkpoint="never", schedule=schedule, timeout=300)  # fmt: skip
+                                   recompute="never", schedule=schedule, timeout=300)  # fmt: skip
         except ValueError:
             continue
 

@@ -173,7 +173,7 @@ def giantpipe_methods(
 
         methods.append(Method(f"gp-local-{schedule}{suffix}", local_step, local))
         pipe = DistributedPipe(
-            copy.deepcopy(seq), balance, chunks=setup.chunks, checkpoint="never",
+            copy.deepcopy(seq), balance, chunks=setup.chunks, recompute="never",
             schedule=schedule, init=None, timeout=600,
         )  # fmt: skip
 

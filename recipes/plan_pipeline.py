@@ -61,7 +61,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="optimizer state per parameter: 1 RMSProp/momentum (12 B/param), 2 Adam",
     )
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES), choices=SCHEDULE_NAMES)
-    p.add_argument("--checkpoints", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--recompute", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--chunks", nargs="+", type=int, help="M to try (default: powers of two)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--plot", help="write the best candidate's simulated timeline (PNG) here")
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device_spec(args),
         schedules=args.schedules,
         chunks=args.chunks,
-        checkpoints=args.checkpoints,
+        recompute=args.recompute,
         optimizer_slots=args.optimizer_slots,
     )
     params = sum(c.params for c in layers)
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = plot_timeline(
             best.simulation,
             args.plot,
-            title=f"{args.model}: {best.schedule}, M={best.chunks}, {best.checkpoint} (simulated)",
+            title=f"{args.model}: {best.schedule}, M={best.chunks}, {best.recompute} (simulated)",
         )
         print(f"\ntimeline of the best candidate: {out}")
     return 0

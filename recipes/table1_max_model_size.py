@@ -210,7 +210,7 @@ def table(
         row("paper's model here: predicted peak per device (GiB)",
             [paper_check(family, c, paper[c.label][0], opt) for c in columns])  # fmt: skip
     row("M, re-materialization, micro-batch",
-        [f"{p.setting.chunks}, {p.setting.checkpoint}, {micro_batch(family, p.setting)}"
+        [f"{p.setting.chunks}, {p.setting.recompute}, {micro_batch(family, p.setting)}"
          for p in sizes])  # fmt: skip
     row("balance", [_fmt_balance(p) for p in sizes])
     row("M measured as", [c.result.stages[0].microbatches for c in columns])
@@ -331,7 +331,7 @@ def paper_table(
     row("parameters, paper", [_fmt_params(paper[c.label][1]) for c in columns])
     row("parameters, built here", [_fmt_params(c.size.params) for c in columns])
     row("K, M, re-materialization, micro-batch",
-        [f"{c.size.setting.partitions}, {c.size.setting.chunks}, {c.size.setting.checkpoint}, "
+        [f"{c.size.setting.partitions}, {c.size.setting.chunks}, {c.size.setting.recompute}, "
          f"{micro_batch(family, c.size.setting)}" for c in columns])  # fmt: skip
     row("balance (memory-greedy)", [_fmt_balance(c.size) for c in columns])
     row("parameter memory (GB, all devices), paper", [f"{paper[c.label][2]}" for c in columns])
@@ -378,7 +378,7 @@ def paper_note(column: PaperColumn, paper_activations: float) -> str:
         f"{column.peak / column.usable:.1f}x the usable {column.usable / GIB:.2f} GiB; its "
         f"activations here, {activations:.2f} GiB, are {activations / paper_activations:.1f}x "
         f"the paper's {paper_activations} GB (setting "
-        f"M={column.size.setting.chunks}, {column.size.setting.checkpoint})"
+        f"M={column.size.setting.chunks}, {column.size.setting.recompute})"
     )
 
 

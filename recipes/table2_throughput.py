@@ -425,7 +425,7 @@ def fit_batch(
     best, batch = None, m
     while batch <= max_batch:
         found = plan(layers, k, batch, preset.spec(), schedules=("gpipe",), chunks=(m,),
-                     checkpoints=(checkpoint,), layer_times=model.layer_times(layers))  # fmt: skip
+                     recompute=(checkpoint,), layer_times=model.layer_times(layers))  # fmt: skip
         if not found:
             break  # larger batches need more memory still
         rate = device_cell(layers, k, m, batch, found[0].balance, preset, checkpoint)

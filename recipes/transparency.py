@@ -226,7 +226,7 @@ def build(
         deferred_batch_norm=cfg.pipeline.deferred_batch_norm,
         schedule=config.schedule,
         virtual_stages=v,
-        threads_per_stage=1,
+        threads_per_worker=1,
     )
     return model, pipe, pipe_step(pipe, bundle, loss_fn)
 

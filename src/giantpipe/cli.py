@@ -8,6 +8,13 @@ which live beside their builders. :func:`to_experiment` turns the composed confi
 :class:`giantpipe.config.ExperimentConfig` (validating every group in ``__post_init__``); the job
 runs the training and hands Hydra the sweep objective.
 
+The command line answers before torch is imported: the builders' modules import torch, so the
+ConfigStore holds each option schema's twin, read from source (:func:`option_twins`: fields,
+types, defaults). A job checks, in order: the data fits the model (:func:`check_fits`), keys,
+types and the core groups' values (:func:`check_config`), then, importing the builders, the
+model's and data's own values (:func:`checked_options`); only then the runner and torch. Every
+refusal exits 2, a run that fails 1 (:data:`USAGE_EXIT`, :data:`FAILED_EXIT`).
+
 How an option finds its schema (adding a model or a data set edits no list): an option file
 ``conf/GROUP/NAME.yaml`` names its builder by ``_target_`` and, first in its defaults, a
 dataclass of the builder's module::
@@ -19,7 +26,7 @@ dataclass of the builder's module::
     _target_: models.mlp.mlp                       _target_: str = "models.mlp.mlp"
     hidden: 64                                     in_features: int = 16 ...
 
-Errors become ONE line on stderr that names the key or path, and a non-zero exit:
+Errors become ONE line on stderr that names the key or path, and exit 2 (a config error) or 1:
 
     $ python train.py trainer.foo=1
     error: trainer.foo: unknown key (Key 'foo' not in 'TrainerConfig')
@@ -48,16 +55,22 @@ Example (train.py)::
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
 import difflib
+import functools
 import importlib
+import importlib.util
 import logging
 import math
 import os
 import re
 import sys
+import textwrap
 import time
 import traceback
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,7 +87,13 @@ from giantpipe.config import RENAMED_KEYS, ConfigError, ExperimentConfig, check_
 
 log = logging.getLogger("giantpipe")
 
-FAILURES: list[str] = []
+FAILURES: list[tuple[int, str]] = []
+"""(exit status, line) per failed job of this process; :func:`guarded` reports them and exits
+with the first status: 2 for a refused config, 1 for a run that failed."""
+USAGE_EXIT = 2
+"""Exit status of a usage or config error (a typo, a bad value, an option that does not fit)."""
+FAILED_EXIT = 1
+"""Exit status of a run that started and failed."""
 PREEMPTED_EXIT = 143
 """Exit status of a run SIGTERM stopped after saving (128 + 15, what shells report for it)."""
 INTERRUPTED_EXIT = 130
@@ -87,34 +106,43 @@ STOPPED: list[tuple[int, str]] = []
 """(exit status, line) of a run a signal stopped; :func:`guarded` exits with it."""
 STARTED = time.time()
 """When this process started: a run directory made after it, and left empty, is ours."""
-"""One line per failed job of this process; :func:`guarded` reports them and exits non-zero."""
 
 OPTION_GROUPS = ("model", "data")
 """Groups whose options name a builder by ``_target_`` and may be typed by its schema."""
+
+CONF_DIRS: list[Path] = []
+"""The conf/ directory :func:`register_configs` registered last (its recipes are read to name
+one that fits)."""
 
 OPTION_SCHEMAS: dict[str, type] = {}
 """Schema name -> class, as registered (left out of the options a mistyped ``GROUP=`` lists)."""
 
 
-def option_schemas(path: Path) -> dict[str, type]:
-    """The schemas an option file names in its defaults list: dataclasses of its builder's module.
-
-    Other defaults entries (another option of the group, to extend it) are left to Hydra.
-
-    Example::
-
-        option_schemas(Path("conf/model/mlp.yaml"))    # {"MlpModelConfig": MlpModelConfig}
-    """
+def _schema_names(path: Path) -> tuple[str, list[str]]:
+    """The builder an option file names by ``_target_`` and the schemas its defaults name (other
+    defaults entries, another option of the group to extend, are left to Hydra)."""
     option = OmegaConf.load(path)
     assert isinstance(option, DictConfig), f"{path} must hold a mapping"
     target = option.get("_target_")
     names = [n for n in option.get("defaults", []) if isinstance(n, str) and n != "_self_"]
     siblings = {p.stem for p in path.parent.glob("*.yaml")}
     wanted = [n for n in names if n not in siblings]
+    if wanted and (not isinstance(target, str) or "." not in target):
+        raise ConfigError(str(path), f"names a schema ({wanted[0]}) but no _target_ builder")
+    return str(target), wanted
+
+
+def option_schemas(path: Path) -> dict[str, type]:
+    """The schemas an option file names in its defaults list: dataclasses of its builder's module
+    (importing it, and so torch: the command line reads them with :func:`option_twins` first).
+
+    Example::
+
+        option_schemas(Path("conf/model/mlp.yaml"))    # {"MlpModelConfig": MlpModelConfig}
+    """
+    target, wanted = _schema_names(path)
     if not wanted:
         return {}
-    if not isinstance(target, str) or "." not in target:
-        raise ConfigError(str(path), f"names a schema ({wanted[0]}) but no _target_ builder")
     module_name = target.rpartition(".")[0]
     try:
         module = importlib.import_module(module_name)
@@ -133,12 +161,117 @@ def option_schemas(path: Path) -> dict[str, type]:
     return schemas
 
 
+def option_twins(path: Path) -> dict[str, type]:
+    """The schemas an option file names, read from the source of the builder's module without
+    importing it: same name, fields, types and defaults, none of the checks.
+
+    Composing against these reports an unknown key or a value of the wrong type before torch is
+    imported (the builders' modules import it); :func:`checked_options` later swaps in the real
+    schemas, whose ``__post_init__`` checks the values.
+
+    Example::
+
+        twin = option_twins(Path("conf/model/mlp.yaml"))["MlpModelConfig"]
+        twin().depth      # 7, MlpModelConfig's default, torch not imported
+    """
+    target, wanted = _schema_names(path)
+    if not wanted:
+        return {}
+    module_name = target.rpartition(".")[0]
+    try:
+        spec = importlib.util.find_spec(module_name)  # imports the parent packages only
+    except ImportError as err:
+        raise ConfigError(str(path), f"cannot import {module_name!r} ({err})") from err
+    if spec is None or spec.origin is None:
+        raise ConfigError(str(path), f"cannot import {module_name!r} (no such module)")
+    twins = {}
+    for name in wanted:
+        twin = schema_twin(Path(spec.origin), name)
+        if twin is None:
+            problem = f"defaults name {name}, which is neither an option of {path.parent.name}"
+            raise ConfigError(str(path), f"{problem} nor a dataclass in {module_name}")
+        builds = getattr(twin, "_target_", target)
+        if builds != target:
+            raise ConfigError(str(path), f"{name} describes {builds}, not _target_ {target}")
+        twins[name] = twin
+    return twins
+
+
+TWIN_NAMES: dict[str, Any] = {
+    "Any": Any,
+    "Literal": typing.Literal,
+    "Optional": typing.Optional,
+    "Union": typing.Union,
+}
+"""Names a schema's annotations may use besides the builtins (``int | None``, ``list[str]``)."""
+
+
+def schema_twin(source: Path, name: str) -> type | None:
+    """The dataclass ``name`` of ``source`` rebuilt from its field declarations: annotations and
+    literal defaults, no methods. Marked ``__twin_of__ = (source, name)``; None if ``source``
+    defines no dataclass of that name.
+
+    Example::
+
+        schema_twin(Path("models/mlp.py"), "MlpModelConfig")
+    """
+    tree = ast.parse(source.read_text(), filename=str(source))
+    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    if not found or not any("dataclass" in ast.unparse(d) for d in found[0].decorator_list):
+        return None
+    fields: list[tuple[str, Any, Any]] = []
+    for node in found[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if "ClassVar" in ast.unparse(node.annotation):  # not a field
+            continue
+        where = f"{source}:{node.lineno}"
+        try:
+            kind = eval(ast.unparse(node.annotation), dict(TWIN_NAMES))  # noqa: S307 - our source
+            default = _twin_default(node.value)
+        except (ValueError, SyntaxError, NameError, TypeError) as err:
+            # The command line reads schemas before importing torch: keep their fields plain.
+            problem = f"{name}.{node.target.id} must have a builtin type and a literal default"
+            raise ConfigError(where, f"{problem} ({err})") from err
+        fields.append((node.target.id, kind, default))
+    twin = dataclasses.make_dataclass(name, fields)
+    twin.__twin_of__ = (source, name)  # type: ignore[attr-defined]
+    return twin
+
+
+FACTORIES = {"list": list, "dict": dict, "set": set, "tuple": tuple}
+"""The ``field(default_factory=NAME)`` a twin can rebuild."""
+
+
+def _twin_default(value: ast.expr | None) -> Any:
+    """A twin field's ``dataclasses.field`` from the source of a default: none, a literal,
+    ``field(default=LITERAL)``, ``field(default_factory=list)`` or ``lambda: LITERAL``."""
+    if value is None:
+        return dataclasses.field()
+    if isinstance(value, ast.Call) and ast.unparse(value.func) in ("field", "dataclasses.field"):
+        given = {k.arg: k.value for k in value.keywords}
+        factory = given.get("default_factory")
+        if isinstance(factory, ast.Name) and factory.id in FACTORIES:
+            return dataclasses.field(default_factory=FACTORIES[factory.id])
+        if isinstance(factory, ast.Lambda):
+            literal = ast.literal_eval(factory.body)
+            return dataclasses.field(default_factory=functools.partial(copy.deepcopy, literal))
+        if factory is not None:
+            raise ValueError(f"default_factory={ast.unparse(factory)} is not a builtin or literal")
+        value = given.get("default")
+        if value is None:
+            return dataclasses.field()
+    literal = ast.literal_eval(value)
+    if isinstance(literal, list | dict | set):
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, literal))
+    return dataclasses.field(default=literal)
+
+
 def register_configs(conf_dir: Path) -> None:
     """Store the schemas in Hydra's ConfigStore, before ``@hydra.main`` or ``compose``:
-    ``base_config`` (the experiment) and every schema the ``model`` / ``data`` options of
-    ``conf_dir`` name (see the module docstring). It imports the builder module of every option
-    that names a schema, so an option that cannot be imported stops every run with one line
-    naming its file. Calling it again is harmless.
+    ``base_config`` (the experiment) and the twin (:func:`option_twins`) of every schema the
+    ``model`` / ``data`` options of ``conf_dir`` name (see the module docstring). Nothing here
+    imports torch. Calling it again is harmless.
 
     Example::
 
@@ -146,15 +279,39 @@ def register_configs(conf_dir: Path) -> None:
         with initialize_config_dir(str(Path("conf").resolve()), version_base="1.3"):
             cfg = to_experiment(compose("config", ["recipe=mlp_quickstart"]))
     """
+    register_run_id()
+    CONF_DIRS[:] = [Path(conf_dir)]
     store = ConfigStore.instance()
     store.store(name="base_config", node=ExperimentConfig)
     for group in OPTION_GROUPS:
         for path in sorted(Path(conf_dir, group).glob("*.yaml")):
-            for name, schema in option_schemas(path).items():
-                if OPTION_SCHEMAS.get(name, schema) is not schema:
+            for name, twin in option_twins(path).items():
+                known = OPTION_SCHEMAS.get(name)
+                if known is not None and known.__twin_of__ != twin.__twin_of__:  # type: ignore[attr-defined]
                     raise ConfigError(str(path), f"a second schema named {name}")
-                OPTION_SCHEMAS[name] = schema
-                store.store(group=group, name=name, node=schema)
+                OPTION_SCHEMAS[name] = twin
+                store.store(group=group, name=name, node=twin)
+
+
+def register_run_id() -> None:
+    """The ``${run_id:}`` resolver of conf/config.yaml's run directories: the date, then this
+    process's start time to the microsecond and its PID, so two runs started in the same second
+    (or microsecond) never share a directory.
+
+    Example::
+
+        register_run_id()
+        OmegaConf.create({"dir": "outputs/${run_id:}"}).dir
+        # "outputs/2026-12-03/13-25-07.123456-4242"
+    """
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", lambda: RUN_ID)
+
+
+RUN_ID = time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(STARTED)) + (
+    f".{int(STARTED % 1 * 1e6):06d}-{os.getpid()}"
+)
+"""This process's run id (see :func:`register_run_id`); the same for every job of a multirun."""
 
 
 def renamed(key: str) -> str | None:
@@ -171,7 +328,14 @@ def renamed(key: str) -> str | None:
 
 
 def to_experiment(cfg: DictConfig) -> ExperimentConfig:
-    """The composed config as dataclasses (resolving interpolations, running every check)."""
+    """The composed config as dataclasses, every check run: :func:`check_config`, then the model's
+    and the data's own schemas (:func:`checked_options`, which imports their builders)."""
+    return checked_options(check_config(cfg))
+
+
+def check_config(cfg: DictConfig) -> ExperimentConfig:
+    """The composed config as dataclasses (resolving interpolations, running the core groups'
+    checks) without importing torch: ``model`` and ``data`` are still their schemas' twins."""
     for old, new in RENAMED_KEYS.items():  # added with +KEY=..., which the schemas let through
         if OmegaConf.select(cfg, old, default=None) is not None:
             raise ConfigError(old, f"renamed to {new}")
@@ -179,14 +343,128 @@ def to_experiment(cfg: DictConfig) -> ExperimentConfig:
         node = cfg.get(group)
         if isinstance(node, DictConfig):
             check_finite(OmegaConf.to_container(node, resolve=False), group)
-    try:
-        experiment = OmegaConf.to_object(cfg)
-    except ConfigError:
-        raise
-    except ValueError as err:  # a schema beside its builder: models/ raise "model.KEY: problem"
-        raise as_config_error(err) from err
+    experiment = OmegaConf.to_object(cfg)
     assert isinstance(experiment, ExperimentConfig), "conf/config.yaml must start with base_config"
+    check_known_keys(cfg, experiment)
     return experiment
+
+
+def checked_options(experiment: ExperimentConfig) -> ExperimentConfig:
+    """``experiment`` with its model and data twins replaced by their real schemas, built from
+    the same values, so their ``__post_init__`` checks run (this imports the builders' modules).
+
+    Example::
+
+        experiment = checked_options(check_config(cfg))   # model.depth=0: ConfigError
+    """
+    for group in OPTION_GROUPS:
+        spec = getattr(experiment, group)
+        twin_of = getattr(type(spec), "__twin_of__", None)
+        if twin_of is None:
+            continue
+        schema = _real_schema(spec._target_, twin_of[1])
+        values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        try:
+            setattr(experiment, group, schema(**values))
+        except ConfigError:
+            raise
+        except ValueError as err:  # a schema beside its builder: models/ raise "model.KEY: ..."
+            raise as_config_error(err) from err
+    return experiment
+
+
+def _real_schema(target: str, name: str) -> type:
+    module_name = target.rpartition(".")[0]
+    try:
+        schema = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{target}", f"cannot load the schema {name} ({err})") from err
+    assert isinstance(schema, type)
+    return schema
+
+
+def check_fits(cfg: DictConfig, choices: dict[str, Any], conf_dir: Path | None) -> None:
+    """The data option must hold every ``data.KEY`` the model option reads
+    (``num_classes: ${data.num_classes}``); else refuse, naming the data options that fit the
+    model and the recipes whose model fits the data.
+
+    Run before :func:`check_config`, which would stop at the first missing key with less to say.
+
+    Example::
+
+        check_fits(cfg, {"model": "amoebanet_d", "data": "tensors"}, Path("conf"))
+        # ConfigError: data=tensors: model=amoebanet_d reads data.image_size, data.num_classes,
+        # which it lacks; the model fits data=images_folder or ...; for this data use
+        # recipe=mlp_quickstart
+    """
+    model, data = cfg.get("model"), cfg.get("data")
+    if not (isinstance(model, DictConfig) and isinstance(data, DictConfig)):
+        return
+    reads = data_reads(model)
+    missing = sorted(k for k in reads if k not in data)
+    if not missing:
+        return
+    keys = ", ".join(f"data.{k}" for k in missing)
+    problem = f"model={choices.get('model')} reads {keys}, which it lacks"
+    if conf_dir is not None:
+        options = [d for d, fields in data_fields(conf_dir).items() if reads <= fields]
+        recipes = [r for r, read in recipe_reads(conf_dir).items() if read <= set(map(str, data))]
+        if options:
+            problem += f"; the model fits {' or '.join(f'data={d}' for d in options)}"
+        if recipes:
+            problem += f"; for this data use {' or '.join(f'recipe={r}' for r in recipes)}"
+    raise ConfigError(f"data={choices.get('data')}", problem)
+
+
+DATA_READ = re.compile(r"\$\{data\.(\w+)\}")
+"""An interpolation a model option reads a data key with (``oc.select`` ones have a default)."""
+
+
+def data_reads(model: Any) -> set[str]:
+    """The ``data`` keys a model option's values interpolate.
+
+    Example::
+
+        data_reads(OmegaConf.load("conf/model/mlp.yaml"))    # {"features", "classes"}
+    """
+    if isinstance(model, DictConfig):
+        model = OmegaConf.to_container(model, resolve=False)
+    assert isinstance(model, dict), "a model option is a mapping"
+    values = [v for v in model.values() if isinstance(v, str)]
+    return {key for value in values for key in DATA_READ.findall(value)}
+
+
+@functools.cache  # conf/ does not change while a command runs; the recipe matrix test asks often
+def recipe_reads(conf_dir: Path) -> dict[str, set[str]]:
+    """Recipe -> the data keys its model option reads (from conf/ alone, nothing composed)."""
+    reads = {}
+    for path in sorted(Path(conf_dir, "recipe").glob("*.yaml")):
+        model = recipe_choices(path).get("model")
+        if model is not None:
+            option = Path(conf_dir, "model", f"{model}.yaml")
+            reads[path.stem] = data_reads(yaml.safe_load(option.read_text()))
+    return reads
+
+
+@functools.cache
+def data_fields(conf_dir: Path) -> dict[str, set[str]]:
+    """Data option -> the keys it holds (its schema's fields), read without importing torch."""
+    fields = {}
+    for path in sorted(Path(conf_dir, "data").glob("*.yaml")):
+        twins = option_twins(path).values()
+        fields[path.stem] = {f.name for twin in twins for f in dataclasses.fields(twin)}
+    return fields
+
+
+def recipe_choices(path: Path) -> dict[str, str]:
+    """The options a recipe file picks (``override /model: mlp`` -> ``{"model": "mlp"}``)."""
+    entries = yaml.safe_load(path.read_text()).get("defaults", [])
+    picks = {}
+    for entry in entries:
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                picks[str(key).removeprefix("override ").lstrip("/")] = str(value)
+    return picks
 
 
 def as_config_error(err: ValueError) -> ValueError:
@@ -236,11 +514,11 @@ def rank_overrides(argv: list[str], rank: int) -> list[str]:
 def run_job(cfg: DictConfig) -> float:
     """Train one job; on failure record one line and return NaN instead of raising.
 
-    Raising would make Hydra print its own multi-line report and, in a multirun, stop the
-    remaining jobs; :func:`guarded` reports the recorded lines and sets the exit code.
+    The config is checked before the runner (and torch) is imported, so a typo or a bad value is
+    reported at once. Raising would make Hydra print its own multi-line report and, in a
+    multirun, stop the remaining jobs; :func:`guarded` reports the recorded lines and sets the
+    exit code.
     """
-    from giantpipe.runner import train  # after Hydra set up logging and the run directory
-
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -248,12 +526,15 @@ def run_job(cfg: DictConfig) -> float:
         _leave_as_found(run_dir)
         return math.nan
     try:
-        experiment = to_experiment(cfg)
-        check_known_keys(cfg, experiment)
+        check_fits(cfg, dict(hydra_cfg.runtime.choices), CONF_DIRS[-1] if CONF_DIRS else None)
+        experiment = check_config(cfg)
         if multirun and experiment.pipeline.executor == "distributed":
             raise ConfigError(
                 "pipeline.executor", "distributed runs one job per torchrun launch, not sweeps"
             )
+        experiment = checked_options(experiment)
+        from giantpipe.runner import train  # torch: only once the config holds
+
         overrides = " ".join(hydra_cfg.overrides.task) or "(none)"
         # The resolved config, headed by the command line that produced it.
         config_yaml = f"# overrides: {overrides}\n" + OmegaConf.to_yaml(cfg, resolve=True)
@@ -269,8 +550,14 @@ def run_job(cfg: DictConfig) -> float:
     except Exception as err:  # noqa: BLE001 - every failure becomes one reported line
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
             raise
-        FAILURES.append(_failure_line(err, run_dir, hydra_cfg, multirun))
+        code = USAGE_EXIT if is_config_error(err) else FAILED_EXIT
+        FAILURES.append((code, _failure_line(err, run_dir, hydra_cfg, multirun)))
         return math.nan
+
+
+def is_config_error(err: BaseException) -> bool:
+    """A refused config (exit 2), as opposed to a run that failed (exit 1)."""
+    return isinstance(err, ConfigError | OmegaConfBaseException | ConfigCompositionException)
 
 
 def derived_keys(cfg: DictConfig) -> list[str]:
@@ -319,7 +606,7 @@ def _failure_line(err: Exception, run_dir: Path, hydra_cfg: Any, multirun: bool)
     line = one_line(err)
     if torchrun_rank() > 0:
         line = f"rank {torchrun_rank()}: {line}"
-    elif isinstance(err, ConfigError | OmegaConfBaseException):
+    elif is_config_error(err):
         _leave_as_found(run_dir)
     elif not isinstance(err, OSError):  # a crash, not the disk: keep the traceback, if it fits
         trace = run_dir / "error.txt"
@@ -402,9 +689,9 @@ def one_line(err: BaseException) -> str:
         return _yaml_line(cause)
     if isinstance(err, OSError) and err.filename:
         return f"{err.filename}: {err.strerror or err}"
-    if isinstance(err.__cause__, OSError) and "configure handler" in str(err):
-        # Hydra could not open the log file: the run directory is not writable
-        io = err.__cause__
+    io = err.__cause__
+    if isinstance(err, ValueError) and isinstance(io, OSError) and io.filename:
+        # logging.config could not open Hydra's log file: the run directory is not writable
         return f"hydra.run.dir: cannot write {io.filename} ({io.strerror or io})"
     if isinstance(err, ConfigCompositionException):
         return _joined(str(err))
@@ -436,14 +723,10 @@ def _yaml_line(err: yaml.MarkedYAMLError) -> str:
 
 def _missing_option(err: MissingConfigException) -> str:
     """``model=foo``: an option that does not exist; list the real ones (schemas left out)."""
-    found = re.search(r"Could not find '([^']+)/([^'/]+)'", str(err))
-    if found is None:
+    group, _, option = (err.missing_cfg_file or "").rpartition("/")
+    if not group or err.options is None:  # not a GROUP=OPTION choice: the primary config
         return _first_line(str(err))
-    group, option = found.groups()
-    # Hydra lists the options as tab-indented lines after "Available options in 'GROUP':".
-    listing = str(err).partition("Available options")[2].split("Config search path")[0]
-    options = [s.strip() for s in listing.splitlines()[1:] if s.startswith("\t")]
-    shown = ", ".join(o for o in options if o not in OPTION_SCHEMAS)
+    shown = ", ".join(o for o in err.options if o not in OPTION_SCHEMAS)
     return f"{group}={option}: no such option" + (f" (available: {shown})" if shown else "")
 
 
@@ -455,6 +738,9 @@ def guarded(main: Callable[[], None], conf_dir: Path) -> None:
     else:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so the error reaches us whole
     logging.raiseExceptions = False  # a log line lost to a full disk must not end the run
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        print(usage(conf_dir))  # ours, not Hydra's: it composes nothing and names the recipes
+        sys.exit(0)
     sys.argv = rank_overrides(sys.argv, torchrun_rank())
     try:
         register_configs(conf_dir)
@@ -466,12 +752,69 @@ def guarded(main: Callable[[], None], conf_dir: Path) -> None:
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
             raise
         print(f"error: {one_line(err)}", file=sys.stderr)
-        sys.exit(2)
-    for line in FAILURES:
+        sys.exit(USAGE_EXIT)
+    for _, line in FAILURES:
         print(f"error: {line}", file=sys.stderr)
     if STOPPED:
         code, line = STOPPED[0]
         print(line, file=sys.stderr)
         sys.exit(code)
     if FAILURES:
-        sys.exit(1)
+        sys.exit(max(code for code, _ in FAILURES))  # a refused job (2) outranks a failed one
+
+
+USAGE = """\
+usage: python train.py [recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]
+       python train.py -m KEY=A,B ...          a sweep: one job per value
+       python train.py --cfg job [...]         print the composed config (every key), run nothing
+
+Recipes (recipe=NAME; the default is {default}):
+{recipes}
+
+Groups (GROUP=OPTION: a recipe picks one option of each; choose another on the command line):
+{groups}
+
+Exit status: 0 done; 1 the run failed; 2 a usage or config error (nothing trained, nothing
+written); 129, 130, 143 stopped by SIGHUP, Ctrl-C, SIGTERM (after saving).
+Runs land in outputs/DATE/TIME.MICROSECONDS-PID; more in docs/command-line.md."""
+
+
+def usage(conf_dir: Path) -> str:
+    """``python train.py --help``: the recipes, one line each (the ``# Summary:`` line of each
+    conf/recipe/NAME.yaml), and the options of each group a user chooses. Reads conf/ only.
+
+    Example::
+
+        print(usage(Path("conf")))
+    """
+    recipes = sorted(Path(conf_dir, "recipe").glob("*.yaml"))
+    width = max((len(p.stem) for p in recipes), default=0) + 2
+    lines = [f"  {p.stem:<{width}}{recipe_summary(p)}" for p in recipes]
+    groups = sorted(p for p in Path(conf_dir).iterdir() if p.is_dir() and p.name != "recipe")
+    options = [
+        textwrap.fill(
+            ", ".join(sorted(o.stem for o in g.glob("*.yaml"))),
+            width=100,
+            initial_indent=f"  {g.name:<10}",
+            subsequent_indent=" " * 12,
+        )
+        for g in groups
+    ]
+    main = yaml.safe_load(Path(conf_dir, "config.yaml").read_text())
+    picks = [e["recipe"] for e in main.get("defaults", []) if isinstance(e, dict) and "recipe" in e]
+    return USAGE.format(
+        default=picks[0] if picks else "none", recipes="\n".join(lines), groups="\n".join(options)
+    )
+
+
+def recipe_summary(path: Path) -> str:
+    """The one line a recipe file gives after ``# Summary:`` (its description in ``--help``)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("# Summary:"):
+            return line.removeprefix("# Summary:").strip()
+    return NO_SUMMARY
+
+
+NO_SUMMARY = "(no '# Summary:' line in its yaml)"
+"""What ``--help`` says of a recipe file without its one line (tests/integration/test_cli.py
+fails on it)."""

@@ -29,7 +29,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-RECOMPUTE_MODES = ("always", "except_last", "never")
+# The pipeline's defaults and limits are the engine's own (one set, giantpipe.engine.spec,
+# which imports no torch); this schema only refers to them.
+from giantpipe.engine.spec import (
+    DEFAULT_CHUNKS,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TIMEOUT,
+    MAX_CHUNKS,
+    MAX_TIMEOUT_S,
+    RECOMPUTE_MODES,
+)
+
 BALANCE_POLICIES = ("time", "memory", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICE_KEYWORDS = ("auto", "cpu", "cuda")
@@ -40,11 +51,6 @@ WANDB_MODES = ("offline", "online", "disabled")
 DIRECTIONS = ("minimize", "maximize")
 PLAN_MODES = ("auto",)
 SAVE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGCONT")
-MAX_CHUNKS = 2**20
-"""More micro-batches than this is a typo, not a plan: refused before a schedule is built."""
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""The longest ``pipeline.timeout``, for both executors: a wait longer than a week is a typo
-(and past ``threading.TIMEOUT_MAX`` a worker thread could not even wait that long)."""
 RESUME_AUTO = "auto"
 """``trainer.resume=auto``: resume where a checkpoint exists, start where none, skip a finished
 run (see giantpipe.runner.rundir.resume_point)."""
@@ -183,7 +189,7 @@ class PipelineConfig:
     """``local``: one process, a worker thread per stage. ``distributed``: one process per
     stage under torchrun (``torchrun --nproc_per_node=K train.py pipeline.executor=distributed``;
     K pipeline ranks x R replicas = the world size, see giantpipe.runner.pipeline)."""
-    timeout: float = 60.0
+    timeout: float = DEFAULT_TIMEOUT
     """Seconds any wait for another stage (a worker thread, or another rank under torchrun) may
     take before the step fails."""
     devices: Any = "auto"
@@ -193,11 +199,11 @@ class PipelineConfig:
     Null: all GPUs / listed devices; CPU stand-ins: one per stage of a listed balance, else 2."""
     balance: Any = "params"
     """Layers per stage (a list summing to the model's length) or ``time``/``memory``/``params``."""
-    chunks: int = 4
-    """M, micro-batches per mini-batch."""
-    recompute: str = "except_last"
-    """Re-materialization mode: ``always``, ``except_last`` or ``never``; passed to the engine's
-    torchgpipe-compatible ``checkpoint=`` argument (saving runs: ``trainer.checkpoint_every``)."""
+    chunks: int = DEFAULT_CHUNKS
+    """M, micro-batches per mini-batch (the pipeline groups set it: cpu_k2 4, auto 32)."""
+    recompute: str = DEFAULT_RECOMPUTE
+    """Re-materialization mode: ``always``, ``except_last`` or ``never``; the engine's
+    ``recompute`` (PipelineSpec.recompute; saving runs: ``trainer.checkpoint_every``)."""
     deferred_batch_norm: bool = False
     """Accumulate BatchNorm running statistics once per mini-batch instead of per micro-batch."""
     precision: str = "fp32"
@@ -205,7 +211,7 @@ class PipelineConfig:
     evaluation. ``fp16`` (GPUs without bf16: V100, T4) also scales the loss with a gradient
     scaler whose inf/NaN verdict every rank shares: a step whose gradients overflowed is skipped
     and the scale halved (its state is checkpointed)."""
-    schedule: str = "gpipe"
+    schedule: str = DEFAULT_SCHEDULE
     """Schedule name handed to the engine's ``train_step``."""
     virtual_stages: int = 1
     """V, model chunks per device (``interleaved``): a listed balance then has K*V entries."""
@@ -457,6 +463,11 @@ class TrainerConfig:
     """After the first step, profile the stages once and log the simulator's predicted step
     time, bubble and peak memory beside the measured ones (summary: pipeline/predicted_*).
     Under torchrun: after the second step, from every rank's timings of it."""
+    trace_steps: list[int] = field(default_factory=list)
+    """Optimizer steps to write as Chrome / Perfetto traces, ``trace-stepN.json`` in the run
+    directory (e.g. ``[5]``): one track per stage (per rank under torchrun) with forward,
+    backward, recompute, wait, send and receive, beside the simulated step once
+    trainer.predict has made it (docs/profiling.md)."""
     save_signal: str | None = None
     """A signal that saves a checkpoint at the next step boundary and goes on, e.g. ``SIGUSR1``
     (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), SIGHUP (a dropped
@@ -483,6 +494,12 @@ class TrainerConfig:
             check_min(self.eval_batches, 1, "trainer.eval_batches")
         check_min(self.log_every, 1, "trainer.log_every")
         check_min(self.checkpoint_every, 0, "trainer.checkpoint_every")
+        check(
+            isinstance(self.trace_steps, list | tuple)
+            and all(isinstance(n, int) and n >= 1 for n in self.trace_steps),
+            "trainer.trace_steps",
+            f"must be a list of optimizer steps (>= 1), e.g. [5]; got {self.trace_steps!r}",
+        )
         check(
             isinstance(self.resume, bool | str) and self.resume != "",
             "trainer.resume",

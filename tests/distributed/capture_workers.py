@@ -63,7 +63,7 @@ def gpt2_equals_the_sequentialized(
         v = virtual_stages_for(schedule, workers, chunks) or 1
         balance = solve_balance([1.0] * len(seq), workers * v)
         pipe = DistributedPipe(
-            copy.deepcopy(seq), balance, chunks=chunks, checkpoint=mode, schedule=schedule,
+            copy.deepcopy(seq), balance, chunks=chunks, recompute=mode, schedule=schedule,
             virtual_stages=v, init=None, timeout=60,
         )  # fmt: skip
         torch.manual_seed(SEED)

@@ -25,8 +25,7 @@ from giantpipe.engine.dist.wire import (
     encode,
     extra_words,
     header,
-    key_of,
-    seed_of,
+    prefix_of,
     words_of,
 )
 from giantpipe.engine.schedules import build_schedule
@@ -35,7 +34,8 @@ from giantpipe.engine.schedules import build_schedule
 def roundtrip(value: object, seed: int = 7) -> object:
     words, tensors = encode(value)
     head, extra = header(words, seed, ("grad", 3, 11))
-    assert seed_of(head) == seed and key_of(head) == ("grad", 3, 11)
+    # what the receiver reads of it (an announcement of len(words) words), as p2p reads it
+    assert prefix_of(as_bytes(head)) == (len(words), seed, ("grad", 3, 11), 0)
     assert (extra is None) == (extra_words(head) == 0)
     received, buffers = allocate(decode(words_of(head, extra)), torch.device("cpu"))
     sent = [as_bytes(t) for t in tensors if t.numel()]

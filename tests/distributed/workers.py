@@ -161,7 +161,7 @@ def equivalence(
                     model_fn(blocks),
                     balance,
                     chunks=m,
-                    checkpoint=mode,
+                    recompute=mode,
                     schedule=name,
                     virtual_stages=v,
                     seed=INIT,

@@ -104,6 +104,7 @@ def test_speed_recipe_takes_k_and_m_as_overrides():
 # -- the ImageNet recipe ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_imagenet_recipe_without_data_is_one_line_saying_where_it_goes(tmp_path: Path):
     result = train("recipe=amoebanet_imagenet", cwd=tmp_path)
     assert result.returncode != 0
@@ -124,6 +125,7 @@ def imagenet_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_imagenet_recipe_trains_from_an_image_folder(imagenet_run: Path):
     figures = summary(imagenet_run)
     assert figures["status"] == "completed" and figures["steps"] == 3
@@ -131,6 +133,7 @@ def test_imagenet_recipe_trains_from_an_image_folder(imagenet_run: Path):
     assert len(figures["pipeline/balance"]) == len(figures["pipeline/peak_memory_bytes"]) == 2
 
 
+@pytest.mark.slow
 def test_fine_tune_to_another_class_count(imagenet_run: Path, tmp_path: Path):
     write_image_folder(tmp_path / "data", num_train=24, num_val=6, image_size=32, num_classes=3)
     run_dir = tmp_path / "run"
@@ -149,6 +152,7 @@ def test_fine_tune_to_another_class_count(imagenet_run: Path, tmp_path: Path):
     assert "freshly initialized: classifier.fc.bias, classifier.fc.weight" in log
 
 
+@pytest.mark.slow
 def test_fine_tune_from_a_foreign_checkpoint_is_one_line(tmp_path: Path):
     import torch
 
@@ -188,6 +192,7 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_the_quick_start_trains_on_your_image_folder(photos: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     ok(train(*QUICK_ON_FOLDER, f"data.root={photos}", f"hydra.run.dir={run_dir}", cwd=tmp_path))
@@ -196,6 +201,7 @@ def test_the_quick_start_trains_on_your_image_folder(photos: Path, tmp_path: Pat
     assert 0.0 <= figures["eval/accuracy"] <= figures["eval/top5"] <= 1.0
 
 
+@pytest.mark.slow
 def test_the_quick_start_reads_parquet_through_datasets(photos: Path, tmp_path: Path):
     import datasets
 
@@ -209,6 +215,7 @@ def test_the_quick_start_reads_parquet_through_datasets(photos: Path, tmp_path: 
     assert "Generating train split" not in result.stderr  # logger.progress=none: no bars
 
 
+@pytest.mark.slow
 def test_an_unreadable_image_stops_the_run_with_one_line_naming_it(photos, tmp_path: Path):
     import shutil
 

@@ -14,6 +14,8 @@ from models.amoebanet import amoebanetd
 from models.transformer import label_smoothed_cross_entropy, transformer_t
 from tests.unit.engine.engine_helpers import reference_step, step_seed
 
+pytestmark = pytest.mark.slow  # the paper's models trained pipelined against plain
+
 
 def assert_same_grads(pipe: nn.Module, plain: nn.Module, atol: float = 1e-6) -> None:
     for (name, p), (_, q) in zip(pipe.named_parameters(), plain.named_parameters()):
@@ -42,7 +44,7 @@ def test_amoebanet_k3_m4_always_deferred_batch_norm_matches_plain() -> None:
         chunks=4,
         checkpoint="always",
         deferred_batch_norm=True,
-        threads_per_stage=1,
+        threads_per_worker=1,
     )
     torch.manual_seed(3)
     loss = pipe.train_step(x, y, nn.functional.cross_entropy)

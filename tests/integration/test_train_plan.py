@@ -5,7 +5,11 @@ fits in: tests/unit/runner/test_runner_plan.py; the CLI prints any ConfigError a
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.integration.test_train_cli import TINY, ok, train
+
+pytestmark = pytest.mark.slow  # python train.py with the planner: measures, simulates, trains
 
 
 def test_plan_auto_runs_the_planned_settings_and_reports_them(tmp_path: Path):
@@ -21,7 +25,7 @@ def test_plan_auto_runs_the_planned_settings_and_reports_them(tmp_path: Path):
         )
     )
     log = result.stdout + result.stderr
-    assert "pipeline.plan=auto" in log and "| # | schedule | V | M | checkpoint |" in log
+    assert "pipeline.plan=auto" in log and "| # | schedule | V | M | recompute |" in log
     assert "predicted step" in log and "| measured" in log
     summary = json.loads((run_dir / "summary.json").read_text())
     choice = summary["pipeline/plan_choice"]

@@ -109,6 +109,7 @@ def test_every_transformer_recipe_composes_with_its_paper_setting() -> None:
         assert count_parameters(build_model(lm)) == 50_358_272 * 48 + 131_072_000
 
 
+@pytest.mark.slow
 def test_translation_without_data_files_stops_with_one_line(tmp_path: Path) -> None:
     result = train("recipe=transformer_translation", cwd=tmp_path)
     assert result.returncode != 0
@@ -118,6 +119,7 @@ def test_translation_without_data_files_stops_with_one_line(tmp_path: Path) -> N
     assert "recipe=transformer_quickstart" in lines[0]
 
 
+@pytest.mark.slow
 def test_run_writes_tokens_per_s_and_bleu(runs) -> None:
     full = runs["part"]  # trained to step 4 over two commands
     train_lines = records(full, "train")
@@ -134,6 +136,7 @@ def test_run_writes_tokens_per_s_and_bleu(runs) -> None:
     assert (full / "spm.model").is_file() and (full / "corpus" / "train.tsv").is_file()
 
 
+@pytest.mark.slow
 def test_resume_reuses_the_vocabulary_and_continues_the_same_batches(runs) -> None:
     assert "vocabulary: reusing" in (runs["root"] / "resume.out").read_text()
     full = {r["step"]: r["loss"] for r in records(runs["full"], "train")}
@@ -143,6 +146,7 @@ def test_resume_reuses_the_vocabulary_and_continues_the_same_batches(runs) -> No
         assert resumed[step] == pytest.approx(full[step], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_pipelined_k3_m4_always_dropout_matches_plain_on_real_batches(tmp_path: Path) -> None:
     cfg = composed(
         *TINY, "pipeline.num_devices=3", "pipeline.recompute=always", "model.dropout=0.2"
@@ -150,6 +154,7 @@ def test_pipelined_k3_m4_always_dropout_matches_plain_on_real_batches(tmp_path: 
     pipelined_steps_equal_plain(cfg, 3, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 1])
 def test_tied_embeddings_train_pipelined_as_the_plain_model(tmp_path: Path, devices: int) -> None:
     # The softmax reuses the embedding table: layers 0 and 3 hold one parameter, on two stages
@@ -189,6 +194,7 @@ def pipelined_steps_equal_plain(cfg: ExperimentConfig, devices: int, tmp_path: P
     return parts.pipe
 
 
+@pytest.mark.slow
 def test_lm_scaling_recipe_runs_a_tiny_transformer_l(tmp_path: Path) -> None:
     cfg = composed(
         "recipe=transformer_lm_scaling",
@@ -230,6 +236,7 @@ def your_corpus(tmp_path_factory) -> dict[str, Path]:
     return {"train": files["train"], "valid": root / "valid.parquet"}
 
 
+@pytest.mark.slow
 def test_the_quick_start_trains_on_your_corpus_and_reports_bleu_per_pair(
     your_corpus: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -248,6 +255,7 @@ def test_the_quick_start_trains_on_your_corpus_and_reports_bleu_per_pair(
     assert f"held-out ({your_corpus['valid']}): 1 of 25 sentence pairs are longer than" in log
 
 
+@pytest.mark.slow
 def test_a_malformed_corpus_line_is_one_line_naming_key_file_and_line(
     your_corpus: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -48,5 +48,5 @@ def test_cli_prints_a_table(recipe: ModuleType, capsys: pytest.CaptureFixture[st
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert "| # | schedule | V | M | checkpoint | balance | samples/s" in out
+    assert "| # | schedule | V | M | recompute | balance | samples/s" in out
     assert len([line for line in out.splitlines() if line.startswith("| 3 |")]) == 1

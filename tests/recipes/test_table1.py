@@ -85,7 +85,7 @@ LOSS = StageLoss(F.cross_entropy, TensorSpec((8,), torch.long))
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_stage_step_under_fake_tensors_equals_real_cpu_tensors(checkpoint: str) -> None:
-    kwargs = dict(chunks=4, checkpoint=checkpoint, stage_index=1, num_stages=2, loss=LOSS)
+    kwargs = dict(chunks=4, recompute=checkpoint, stage_index=1, num_stages=2, loss=LOSS)
     real = measure_stage(_mlp(), SPEC, extrapolate=False, **kwargs)
     fake = measure_stage(_meta_mlp(), SPEC, extrapolate=False, **kwargs)
     assert real == fake
@@ -100,7 +100,7 @@ def test_stage_step_under_fake_tensors_equals_real_cpu_tensors(checkpoint: str) 
 def test_extrapolation_from_two_microbatches_is_exact(checkpoint: str, position: str) -> None:
     spec = TensorSpec((8, 64), torch.float32, grad=position != "first")
     loss = LOSS if position == "last" else None
-    kwargs = dict(checkpoint=checkpoint, stage_index=0 if position == "first" else 1,
+    kwargs = dict(recompute=checkpoint, stage_index=0 if position == "first" else 1,
                   num_stages=3, loss=loss)  # fmt: skip
     for chunks in (3, 6):
         direct = measure_stage(_meta_mlp(), spec, chunks=chunks, extrapolate=False, **kwargs)
@@ -116,7 +116,7 @@ def test_amoebanet_stage_fake_equals_real_and_extrapolation_is_exact() -> None:
             return amoebanetd(6, 16, num_classes=10, image_size=32)[:3]
 
     spec = TensorSpec((2, 3, 32, 32), torch.float32)
-    kwargs = dict(chunks=3, checkpoint="always")
+    kwargs = dict(chunks=3, recompute="always")
     real = measure_stage(stage("cpu"), spec, extrapolate=False, **kwargs)
     direct = measure_stage(stage("meta"), spec, extrapolate=False, **kwargs)
     extrapolated = measure_stage(stage("meta"), spec, **kwargs)
@@ -209,8 +209,8 @@ def test_quick_run_sizes_the_papers_transformers_at_the_papers_settings(quick_ru
         assert size.params == sum(p.numel() for p in model.parameters())
         assert columns[label].usable == int(16 * 2**30 * (1 - recipe.RESERVE))
     naive, one, eight = columns["Naive-1"], columns["Pipeline-1"], columns["Pipeline-8"]
-    assert (naive.size.setting.chunks, naive.size.setting.checkpoint) == (1, "never")
-    assert (one.size.setting.chunks, one.size.setting.checkpoint) == (32, "always")
+    assert (naive.size.setting.chunks, naive.size.setting.recompute) == (1, "never")
+    assert (one.size.setting.chunks, one.size.setting.recompute) == (32, "always")
     assert not naive.fits and one.fits and eight.fits  # 24 GiB of activations without M
     assert one.largest.layers > 13 and eight.largest.layers > 103
     assert one.largest.setting == one.size.setting  # the same settings

@@ -67,7 +67,7 @@ def test_plain_step_takes_the_pipeline_step_exactly(recipe: ModuleType, schedule
     plain = _model()
     pipe = GPipe(copy.deepcopy(plain), [3, 2], devices=["cpu", "cpu"], chunks=3,
                  checkpoint="except_last", deferred_batch_norm=True, schedule=schedule,
-                 threads_per_stage=1)  # fmt: skip
+                 threads_per_worker=1)  # fmt: skip
     recipe.convert_deferred_batch_norm(plain)
     recipe.install_rng_hooks(plain)
     torch.manual_seed(7)

@@ -74,6 +74,7 @@ def test_a_bad_input_is_one_line_naming_the_path_and_nothing_is_written(
     assert left == (["out.pt", "run"] if case == "exists" else ["run"])  # no temporary either
 
 
+@pytest.mark.slow
 def test_a_hugging_face_llama_exports_as_a_directory_from_pretrained_loads(tmp_path) -> None:
     """A sequentialized Llama trained two steps by the runner, exported with --format hf,
     gives the pipelined model's logits through AutoModelForCausalLM.from_pretrained."""

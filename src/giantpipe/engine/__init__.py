@@ -30,17 +30,50 @@ Example::
     print(pipe.last_stats)
 """
 
-from giantpipe.engine.base import pipeline_grad_scaler
-from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-from giantpipe.engine.capture import CaptureError, sequentialize
-from giantpipe.engine.gpipe import GPipe
-from giantpipe.engine.partition import verify_module
-from giantpipe.engine.recompute import is_recomputing
-from giantpipe.engine.rng import rng_context
-from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe
-from giantpipe.engine.schedules import build_schedule
-from giantpipe.engine.stats import StepStats
-from giantpipe.engine.workers import PipelineError, PipelineTimeout, failed_action
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from giantpipe.engine.base import pipeline_grad_scaler
+    from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+    from giantpipe.engine.capture import CaptureError, sequentialize
+    from giantpipe.engine.gpipe import GPipe
+    from giantpipe.engine.partition import verify_module
+    from giantpipe.engine.recompute import is_recomputing
+    from giantpipe.engine.rng import rng_context
+    from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe
+    from giantpipe.engine.schedules import build_schedule
+    from giantpipe.engine.spec import PipelineSpec
+    from giantpipe.engine.stats import StepStats
+    from giantpipe.engine.workers import PipelineError, PipelineTimeout, failed_action
+
+# Name -> the module that defines it, imported on first use: ``giantpipe.engine.spec`` (which
+# the config's schema reads its defaults from) then loads without torch.
+_HOMES = {
+    "Action": "schedule",
+    "CaptureError": "capture",
+    "DeferredBatchNorm": "batchnorm",
+    "GPipe": "gpipe",
+    "PipelineError": "workers",
+    "PipelineSpec": "spec",
+    "PipelineTimeout": "workers",
+    "Schedule": "schedule",
+    "StepStats": "stats",
+    "build_schedule": "schedules",
+    "convert_deferred_batch_norm": "batchnorm",
+    "expected_bubble": "schedule",
+    "failed_action": "workers",
+    "gpipe": "schedule",
+    "is_recomputing": "recompute",
+    "pipeline_grad_scaler": "base",
+    "rng_context": "rng",
+    "sequentialize": "capture",
+    "verify_module": "partition",
+}
 
 __all__ = [
     "Action",
@@ -48,6 +81,7 @@ __all__ = [
     "DeferredBatchNorm",
     "GPipe",
     "PipelineError",
+    "PipelineSpec",
     "PipelineTimeout",
     "Schedule",
     "StepStats",
@@ -62,3 +96,25 @@ __all__ = [
     "sequentialize",
     "verify_module",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'giantpipe.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"giantpipe.engine.{_HOMES[name]}"), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+class _Package(types.ModuleType):
+    """This package. Importing the submodule ``giantpipe.engine.gpipe`` binds it here as
+    ``gpipe``, which would hide the exported fill-drain builder of that name (the eager imports
+    bound the function last): the package keeps the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "gpipe" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,18 +1,23 @@
-"""What both pipes share: one set of defaults, the checks of their arguments, the loss scaling,
-the configuration of a step, deferred BatchNorm's commit and the global-norm clip.
+"""What both pipes share: their shape (a :class:`~giantpipe.engine.spec.PipelineSpec`), the
+check of the model against it, the loss scaling, the configuration of a step, deferred
+BatchNorm's commit and the global-norm clip.
 
 :class:`~giantpipe.engine.gpipe.GPipe` (a worker thread per device) and
 :class:`~giantpipe.engine.dist.pipe.DistributedPipe` (a process per device) differ only in
 transport, so everything else lives here once::
 
     Pipe                          shared                        DistributedPipe's hook
-      check_arguments()           M, mode, module, V, balance
-      step_schedule()             the validated schedule
+      spec                        balance, M, V, schedule,
+                                  recompute, timeout (checked
+                                  once, when the spec is made)
+      check_model(module, spec)   a flat Sequential, balance
+                                  summing to its length
+      step_schedule()             the spec's validated schedule
       _loss_spec()                per micro-batch loss scales   _reduce_normalizer: sum over
                                                                 replicas (global batch/tokens)
       _loss_scale(grad_scaler)    fp16: the scaler's scale, a
                                   tensor on the last device
-      _step_config(grad, loss)    StepConfig: recompute, seed,
+      step_config(grad, loss)     StepConfig: recompute, seed,
                                   autocast, timeout, placement
       _commit_batchnorm()         deferred BatchNorm, once      _merge_batchnorm: replicas'
                                                                 statistics merged first
@@ -31,9 +36,9 @@ scale, and the loss returned is unscaled (see "fp16" below)::
 Example::
 
     class MyPipe(Pipe):                   # what GPipe and DistributedPipe do in __init__
-        def __init__(self, module, balance, chunks=1):
-            args = check_arguments(module, balance, chunks, "except_last", "gpipe", None)
-            super().__init__(args, "except_last", "gpipe", DEFAULT_TIMEOUT)
+        def __init__(self, module, spec: PipelineSpec):
+            check_model(module, spec)
+            super().__init__(spec)
             self.partitions = ...; self.devices = ...; self.placement = ...
 
 **fp16.** fp16 gradients underflow; ``torch.amp.GradScaler`` multiplies the loss by a scale
@@ -69,8 +74,8 @@ weights would part: its ``grad_scaler()`` is an
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,111 +84,69 @@ from giantpipe.engine.batchnorm import commit_deferred_batch_norm
 from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, autocast_state
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, scatter
 from giantpipe.engine.partition import BalanceError, verify_balance, verify_module
-from giantpipe.engine.recompute import MODES, recompute_stop
+from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.rng import RngHooks, draw_step_seed
 from giantpipe.engine.schedule import Schedule, gpipe, validate
-from giantpipe.engine.schedules import VIRTUAL_STAGES, build_schedule, schedule_builders
+from giantpipe.engine.spec import (
+    DEFAULT_CHUNKS,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TIMEOUT,
+    PipelineSpec,
+    SpecError,
+)
 from giantpipe.engine.stats import ActionTiming, StepStats
-
-# One set of defaults for both pipes (torchgpipe's where it has one).
-DEFAULT_CHUNKS = 1
-DEFAULT_RECOMPUTE = "except_last"  # checkpoint=, the re-materialization mode (torchgpipe's name)
-DEFAULT_SCHEDULE = "gpipe"
-DEFAULT_TIMEOUT = 300.0  # seconds any wait for a neighbour (thread or rank) may take
 
 Normalizer = Callable[[TensorOrTensors], float]
 
 
-class Arguments(NamedTuple):
-    """A pipe's layout as checked: layers per stage (K*V stages), M and V."""
+def check_model(module: nn.Sequential, spec: PipelineSpec) -> None:
+    """What a spec cannot check without the model: a flat Sequential whose length the balance
+    covers (torchgpipe's TypeError / ValueError and messages).
 
-    balance: list[int]
-    chunks: int
-    virtual_stages: int
-
-    @property
-    def num_workers(self) -> int:
-        """K: the balance lists K*V stages."""
-        return len(self.balance) // self.virtual_stages
-
-
-def check_arguments(
-    module: nn.Sequential,
-    balance: Iterable[int] | None,
-    chunks: int,
-    recompute: str,
-    schedule: str,
-    virtual_stages: int | None,
-) -> Arguments:
-    """Checks a pipe's arguments in torchgpipe's order; raises ValueError (TypeError for the
-    module) naming the first bad one. ``virtual_stages=None`` means 2 for ``'interleaved'``
-    and ``'zb-v'``, 1 otherwise. The schedule itself is checked by :meth:`Pipe.__init__`,
-    the devices by GPipe (a DistributedPipe has one per rank).
-
-    >>> check_arguments(nn.Sequential(nn.ReLU(), nn.ReLU()), [1, 1], 4, "never", "gpipe", None)
-    Arguments(balance=[1, 1], chunks=4, virtual_stages=1)
+    >>> check_model(nn.Sequential(nn.ReLU(), nn.ReLU()), PipelineSpec((1, 1)))
     """
-    if balance is None:
-        raise ValueError(
-            "balance is required; compute one with giantpipe.perf.balance (balance_by_time, "
-            "balance_by_size or balance_by_params)"
-        )
-    if isinstance(chunks, float) and not float.is_integer(chunks):  # 4.0 is fine, 4.5 not
-        raise ValueError(f"number of chunks must be positive integer (chunks: {chunks})")
-    chunks = int(chunks)
-    if chunks <= 0:
-        raise ValueError("number of chunks must be positive integer")
-    # A str-like mode (an enum, a config node) is fine; the message names the public argument.
-    if str(recompute) not in MODES:
-        raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
     verify_module(module)
-    balance = list(balance)
-    v = infer_virtual_stages(schedule, virtual_stages, len(balance))
     try:
-        checked = verify_balance(len(module), balance, len(balance))
+        verify_balance(len(module), spec.balance, len(spec.balance))
     except BalanceError as exc:
-        raise ValueError(str(exc)) from exc
-    return Arguments(checked, chunks, v)
+        raise SpecError("pipeline.balance", str(exc)) from exc
 
 
-def infer_virtual_stages(schedule: str, virtual_stages: int | None, num_stages: int) -> int:
-    """V: as given, else 2 for 'interleaved' and 'zb-v', 1 otherwise; K*V must be the
-    balance's length.
+_SHAPE_DEFAULTS: dict[str, object] = {
+    "chunks": DEFAULT_CHUNKS,
+    "recompute": DEFAULT_RECOMPUTE,
+    "schedule": DEFAULT_SCHEDULE,
+    "timeout": DEFAULT_TIMEOUT,
+    "deferred_batch_norm": False,
+}
 
-    >>> infer_virtual_stages("interleaved", None, 4)
-    2
+
+def refuse_beside_spec(given: dict[str, object]) -> None:
+    """A pipe given ``spec=`` takes its shape from it: a shape keyword set beside it (not at
+    its default, None for the others) would be ignored, so it is refused by name.
+
+    >>> refuse_beside_spec({"chunks": 1, "balance": None})
     """
-    v = int(virtual_stages) if virtual_stages is not None else VIRTUAL_STAGES.get(schedule, 1)
-    if v < 1:
-        raise ValueError(f"virtual_stages must be positive (got {v})")
-    if num_stages % v:
-        raise ValueError(
-            f"with virtual_stages={v}, balance must list K*V stages (a multiple of {v}); "
-            f"got {num_stages} entries"
-        )
-    return v
+    beside = [k for k, v in given.items() if v != _SHAPE_DEFAULTS.get(k)]
+    if beside:
+        raise ValueError(f"give spec= or {', '.join(beside)}, not both")
 
 
 @functools.lru_cache(maxsize=64)
-def cached_schedule(
-    name: str,
-    workers: int,
-    chunks: int,
-    virtual_stages: int = 1,
-    placement: tuple[int, ...] | None = None,
+def fill_drain(
+    workers: int, chunks: int, virtual_stages: int, placement: tuple[int, ...]
 ) -> Schedule:
-    """:func:`~giantpipe.engine.schedules.build_schedule`, validated once per configuration
-    (a pipe asks for its schedule every step). ``placement``: fill-drain ('gpipe') over
-    another schedule's stages (the forward door of a ZB-V pipe).
+    """Fill-drain ('gpipe') over another schedule's stages, validated once per configuration:
+    what ``GPipe.forward`` (torchgpipe's door) runs whatever ``train_step``'s schedule is (a
+    ZB-V pipe places its stages in a V).
 
-    >>> cached_schedule("1f1b", 2, 4) is cached_schedule("1f1b", 2, 4)
+    >>> fill_drain(2, 4, 1, (0, 1)) is fill_drain(2, 4, 1, (0, 1))
     True
     """
-    if placement is not None:
-        schedule = gpipe(workers, chunks, virtual_stages, placement=placement)
-        validate(schedule)
-        return schedule
-    return build_schedule(name, workers, chunks, virtual_stages)
+    schedule = gpipe(workers, chunks, virtual_stages, placement=placement)
+    validate(schedule)
+    return schedule
 
 
 class Pipe(nn.Module):
@@ -199,31 +162,64 @@ class Pipe(nn.Module):
     devices: list[torch.device]
     placement: list[int]
     _rng_hooks: RngHooks
-    threads_per_stage: int | None = None
 
-    def __init__(self, args: Arguments, recompute: str, schedule: str, timeout: float) -> None:
+    def __init__(self, spec: PipelineSpec) -> None:
         super().__init__()
-        self.balance: list[int] = args.balance
-        self.chunks = args.chunks
-        self.virtual_stages = args.virtual_stages
-        self.checkpoint = str(recompute)  # the re-materialization mode, torchgpipe's name
-        self.schedule = schedule
-        self.timeout = timeout
+        self._spec = spec
         self.last_stats: StepStats | None = None
         self.last_timings: list[ActionTiming] = []  # this process's actions of the last step
-        if self.balance:
-            self.step_schedule()  # fail early on a bad schedule name, M or V
-        elif schedule not in schedule_builders():  # an empty pipe (the identity) runs none
-            build_schedule(schedule, 1, 1)  # raises, naming the schedules there are
+
+    # ---- the shape, read-only: one PipelineSpec, checked (and its schedule built) once ------
+
+    @property
+    def spec(self) -> PipelineSpec:
+        """The pipeline's shape (balance, M, V, schedule, recompute, timeout, ...).
+
+        Example::
+
+            pipe = GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4)
+            pipe.spec.chunks, pipe.spec.recompute      # 4, 'except_last'
+        """
+        return self._spec
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage (K*V stages)."""
+        return list(self._spec.balance)
+
+    @property
+    def chunks(self) -> int:
+        """M, micro-batches per mini-batch."""
+        return self._spec.chunks
+
+    @property
+    def virtual_stages(self) -> int:
+        """V, stages per worker."""
+        return self._spec.virtual_stages
+
+    @property
+    def schedule(self) -> str:
+        """The name of the schedule ``train_step`` runs."""
+        return self._spec.schedule
+
+    @property
+    def recompute(self) -> str:
+        """The re-materialization mode: 'always', 'except_last' or 'never'."""
+        return self._spec.recompute
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait for a neighbour may take before the step fails."""
+        return self._spec.timeout
 
     @property
     def num_workers(self) -> int:
         """K, the number of workers (devices or ranks); ``len(self.partitions)`` is K*V."""
-        return len(self.balance) // self.virtual_stages
+        return self._spec.num_workers
 
     def step_schedule(self) -> Schedule:
-        """The validated schedule ``train_step`` runs for the current configuration."""
-        return cached_schedule(self.schedule, self.num_workers, self.chunks, self.virtual_stages)
+        """The validated schedule ``train_step`` runs (the spec's, built once)."""
+        return self._spec.step_schedule()
 
     # ---- what this process feeds (the local pipe: everything; a rank: its stages' part) -------
 
@@ -331,15 +327,20 @@ class Pipe(nn.Module):
 
     # ---- the step --------------------------------------------------------------------------
 
-    def _step_config(
-        self, grad: bool, loss: LossSpec | None, seed: int | None = None
-    ) -> StepConfig:
-        """What the executor is given; draws the step's dropout seed unless ``seed`` is set."""
+    def step_config(self, grad: bool, loss: LossSpec | None, seed: int | None = None) -> StepConfig:
+        """What the executor is given for a step; draws the step's dropout seed (from the
+        caller's RNG) unless ``seed`` is set.
+
+        Example::
+
+            config = pipe.step_config(True, None, seed=0)
+            config.recompute_stop, config.timeout        # 3, 300.0 for M=4, except_last
+        """
         self._rng_hooks.refresh()  # a dropout's p may have changed since the last step
         return StepConfig(
             stages=self.partitions,
             devices=self.devices,
-            recompute_stop=recompute_stop(self.checkpoint, self.chunks) if grad else 0,
+            recompute_stop=recompute_stop(self.recompute, self.chunks) if grad else 0,
             grad_enabled=grad,
             seed=draw_step_seed() if seed is None else seed,
             autocast=autocast_state(self.devices),
@@ -350,7 +351,7 @@ class Pipe(nn.Module):
         )
 
     def _threads_per_worker(self) -> int | None:
-        return self.threads_per_stage
+        return self._spec.threads_per_worker
 
     def _commit_batchnorm(self) -> None:
         # Deferred BatchNorm moves running statistics once per mini-batch, after all forwards.

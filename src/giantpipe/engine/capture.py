@@ -102,6 +102,7 @@ def sequentialize(
     program = _export(model, example_args, kwargs)
     graph = _Graph(program, model)
     graph.keep_layers()
+    graph.out_of_place()
     graph.select_output(output)
     cuts = _cut_positions(graph, model, split_points)
     pieces, carried = _partition(graph, cuts, tied)
@@ -399,6 +400,36 @@ class _Graph:
                 self.layers[name] = RandomOp(node.target)
                 node.op, node.target = "call_module", name
 
+    def out_of_place(self) -> None:
+        """In-place ops on values the graph computed become their out-of-place twins
+        (``relu_`` -> ``relu``, ``hardswish_``, ``add_``) wherever nothing else can tell.
+
+        A piece may start with such an op (``nn.ReLU(inplace=True)`` right after a cut), and
+        then its input is a leaf that requires grad (a stage's first piece, each piece that
+        ``balance_by_time`` profiles), which autograd refuses to change in place. Safe when the
+        changed value is fresh (no view or alias of another) and read by nobody after the op:
+        later readers already read the op's result, as export recorded them.
+        """
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for node in self.graph.nodes:
+            twin = _out_of_place_twin(node)
+            if twin is not None and self._fresh(node.args[0], node, order):
+                node.target = twin
+
+    def _fresh(self, value: Any, node: fx.Node, order: Mapping[fx.Node, int]) -> bool:
+        """``value`` is a new tensor (not an input, a parameter or a view of another: an op
+        whose result aliases none of its arguments, or a BatchNorm layer) that no node after
+        ``node`` reads."""
+        if not isinstance(value, fx.Node):
+            return False
+        op = value.target
+        if value.op == "call_module":
+            new = _is_batchnorm(self.layers.get(str(op)))
+        else:
+            new = isinstance(op, torch._ops.OpOverload) and value.op == "call_function"  # noqa: SLF001
+            new = new and not any(r.alias_info for r in op._schema.returns)  # type: ignore[union-attr]
+        return new and all(order[u] < order[node] for u in value.users if u is not node)
+
     def _collapse(self, path: str, nodes: list[fx.Node]) -> None:
         inside = set(nodes)
         own = {n for n, (fqn, _) in self.attrs.items() if fqn.startswith(path + ".")}
@@ -485,6 +516,24 @@ def _kept(module: Any) -> bool:
     return isinstance(module, nn.Module) and (_is_batchnorm(module) or uses_rng(module))
 
 
+def _out_of_place_twin(node: fx.Node) -> Any:
+    """``aten.relu.default`` for a node of ``aten.relu_.default`` (the op that changes only its
+    first argument), else None."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):  # noqa: SLF001
+        return None
+    name = op.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_") or not node.args:
+        return None
+    writes = [bool(a.alias_info and a.alias_info.is_write) for a in op._schema.arguments]
+    if writes[:1] != [True] or any(writes[1:]):
+        return None
+    twin = getattr(getattr(aten, name[:-1], None), op._overloadname, None)
+    if twin is None or len(twin._schema.arguments) != len(writes):
+        return None
+    return twin
+
+
 def _random(node: fx.Node) -> bool:
     target = node.target
     if target is _SDPA:
@@ -498,12 +547,16 @@ def _random(node: fx.Node) -> bool:
 
 
 def repeated_blocks(model: nn.Module) -> list[list[str]]:
-    """Groups of repeated blocks: the children of a ModuleList / Sequential that share a class
-    (transformer layers, residual blocks), outermost first; a container of containers (stages
-    of blocks) is looked into.
+    """Groups of repeated blocks: the children of a ModuleList / Sequential (or a subclass) that
+    share a class (transformer layers, residual blocks), outermost first. A container of plain
+    containers (stages of blocks) is looked into; a block's insides are not blocks; groups of
+    composite blocks win over groups of single layers (MobileNet's inverted residuals over its
+    classifier's two Linear layers).
 
     >>> repeated_blocks(torchvision.models.resnet18())[0]
     ['layer1.0', 'layer1.1']
+    >>> repeated_blocks(torchvision.models.mobilenet_v3_small())[0][:3]
+    ['features.0', 'features.1', 'features.2']
     """
     groups: list[list[str]] = []
     taken: list[str] = []
@@ -512,12 +565,27 @@ def repeated_blocks(model: nn.Module) -> list[list[str]]:
             continue
         children = [(f"{name}.{c}" if name else c, m) for c, m in module.named_children()]
         kinds = [type(m) for _, m in children]
-        if len(children) < 2 or isinstance(children[0][1], (nn.ModuleList, nn.Sequential)):
+        # plain containers as children: stages of blocks (EfficientNet's, Swin's), looked into
+        if len(children) < 2 or any(k in (nn.ModuleList, nn.Sequential) for k in kinds):
             continue
         if any(kinds.count(k) > 1 for k in kinds):
             groups.append([c for c, _ in children])
             taken.append(name)
-    return groups
+    block_kinds = {type(model.get_submodule(c)) for group in groups for c in group}
+    groups = [g for g in groups if not _within_kind(model, g[0], block_kinds)]
+    composite = [g for g in groups if any(_has_children(model.get_submodule(c)) for c in g)]
+    return composite or groups
+
+
+def _within_kind(model: nn.Module, name: str, kinds: set[type]) -> bool:
+    """Some module above ``name`` (not the root) is of one of ``kinds``."""
+    parts = name.split(".")
+    above = (".".join(parts[:i]) for i in range(1, len(parts) - 1))
+    return any(type(model.get_submodule(path)) in kinds for path in above)
+
+
+def _has_children(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
 
 
 def _inside(name: str, prefixes: Iterable[str]) -> bool:

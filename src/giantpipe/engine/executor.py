@@ -60,8 +60,9 @@ Example::
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -89,6 +90,7 @@ from giantpipe.engine.microbatch import (
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedule import Action, Schedule
+from giantpipe.engine.spec import DEFAULT_TIMEOUT
 from giantpipe.engine.stats import (
     ActionTiming,
     CudaClock,
@@ -150,7 +152,7 @@ class StepConfig:
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
     loss: LossSpec | None = None
     threads_per_worker: int | None = None
-    timeout: float = 300.0
+    timeout: float = DEFAULT_TIMEOUT
     placement: Sequence[int] | None = None  # worker of each stage; None: one stage per worker
 
 
@@ -298,6 +300,7 @@ class StepRun:
         if len(workers) == 1 and not own_threads:
             self._work(*workers[0], times, own_thread=False)
             return
+        _warn_if_profiler_misses_workers()
         pool = self.pool if self.pool is not None else WorkerPool()
         tasks = [partial(self._work, acts, lane, times, True) for acts, lane in workers]
         pool.run(tasks, self.cfg.timeout)
@@ -338,14 +341,15 @@ class StepRun:
         if self.clock is not None and device.type == "cuda":
             marks = self.cuda_marks[stage] = [self.clock.mark(device)]
         t0 = time.perf_counter()
-        if action.kind == "F":
-            self.forward(stage, action.microbatch)
-        elif action.kind == "B":
-            self.backward(stage, action.microbatch)
-        elif action.kind == "W":
-            self.weight(stage, action.microbatch)
-        else:
-            raise ValueError(f"the local executor cannot run action {action}")
+        with profiled(action):
+            if action.kind == "F":
+                self.forward(stage, action.microbatch)
+            elif action.kind == "B":
+                self.backward(stage, action.microbatch)
+            elif action.kind == "W":
+                self.weight(stage, action.microbatch)
+            else:
+                raise ValueError(f"the local executor cannot run action {action}")
         t1 = time.perf_counter()
         self.busy[stage] += t1 - t0
         if marks is not None and self.clock is not None:
@@ -594,6 +598,40 @@ class StepRun:
         released = self.held[stage].pop(m, 0)
         self.live[stage] -= released
         self.worker_live[self.worker_of[stage]] -= released
+
+
+_PROFILED = {"F": "forward", "B": "backward", "W": "weight"}
+
+
+def profiled(action: Action) -> AbstractContextManager[Any]:
+    """While a profiler runs, the action as a range of its own (``giantpipe forward stage 1
+    mb 3``): the ops in a ``torch.profiler`` trace then say which stage and micro-batch ran them.
+
+    Example::
+
+        with profiled(Action("F", 1, 3)):
+            stage(x)
+    """
+    # the flag of torch.profiler (any thread's); record_function costs a dispatch otherwise
+    if not torch.autograd.profiler._is_profiler_enabled:  # noqa: SLF001
+        return nullcontext()
+    kind = _PROFILED.get(action.kind, action.kind)
+    return torch.profiler.record_function(
+        f"giantpipe {kind} stage {action.stage} mb {action.microbatch}"
+    )
+
+
+def _warn_if_profiler_misses_workers() -> None:
+    # torch.profiler's default collection follows only the thread that started it: the stages'
+    # threads would be missing from its trace. profile_all_threads collects every thread (and
+    # then no thread's own flag is set, so this stays quiet).
+    if torch.autograd._profiler_enabled():  # noqa: SLF001
+        warnings.warn(
+            "giantpipe: torch.profiler records this thread only and the stages run on worker "
+            "threads; profile with experimental_config=torch.profiler._ExperimentalConfig("
+            "profile_all_threads=True) to see their ops (docs/profiling.md)",
+            stacklevel=4,
+        )
 
 
 def _checked_output(stage: int, y: Any) -> Any:

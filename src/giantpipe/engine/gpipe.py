@@ -45,16 +45,13 @@ import torch
 from torch import nn
 
 from giantpipe.engine.base import (
-    DEFAULT_CHUNKS,
-    DEFAULT_RECOMPUTE,
-    DEFAULT_SCHEDULE,
-    DEFAULT_TIMEOUT,
     Normalizer,
     Pipe,
-    cached_schedule,
-    check_arguments,
     check_batch_sizes,
     check_input,
+    check_model,
+    fill_drain,
+    refuse_beside_spec,
 )
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm
 from giantpipe.engine.executor import LossFn, LossSpec, StepRun
@@ -72,6 +69,15 @@ from giantpipe.engine.partition import (
 )
 from giantpipe.engine.rng import install_rng_hooks
 from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.spec import (
+    DEFAULT_CHUNKS,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TIMEOUT,
+    RECOMPUTE_MODES,
+    PipelineSpec,
+    check_balance,
+)
 from giantpipe.engine.stats import StepStats, device_peak, memory_kind, reset_device_peak
 from giantpipe.engine.workers import WorkerPool
 
@@ -95,9 +101,11 @@ class GPipe(Pipe):
             one GPU each run on a stream of their own). ``"cuda"`` means the current CUDA
             device. Default: every CUDA device, else CPU stand-ins.
         chunks: M, the number of micro-batches per mini-batch.
-        checkpoint: the re-materialization mode (torchgpipe's name for it), ``'always'``,
-            ``'except_last'`` or ``'never'``: which micro-batches drop their activations and
-            recompute them in backward (see :mod:`giantpipe.engine.recompute`). Not a file.
+        recompute: the re-materialization mode, ``'always'``, ``'except_last'`` or
+            ``'never'``: which micro-batches drop their activations and recompute them in
+            backward (see :mod:`giantpipe.engine.recompute`).
+        checkpoint: torchgpipe's name for ``recompute``, accepted as its alias (code written
+            for torchgpipe runs unchanged); not a file.
         deferred_batch_norm: update BatchNorm running statistics once per mini-batch.
         schedule: the schedule ``train_step`` runs: ``'gpipe'``, ``'1f1b'``, ``'interleaved'``,
             ``'zb-h1'`` or ``'zb-v'`` (``forward`` always runs fill-drain).
@@ -105,8 +113,16 @@ class GPipe(Pipe):
             ``'gpipe'``); ``balance`` then has K*V entries and ``devices`` K.
         timeout: seconds a worker may wait for a neighbour before the step fails
             (PipelineTimeout); also how long a step waits for the threads of a failed one.
-        threads_per_stage: intra-op threads of each worker; default: for CPU stand-ins, the
-            caller's threads shared evenly among the stages, else unchanged.
+        threads_per_worker: intra-op threads of each worker; default: for CPU stand-ins, the
+            caller's threads shared evenly among the workers, else unchanged.
+        spec: all of the above but the module at once, as a
+            :class:`~giantpipe.engine.spec.PipelineSpec` (what the runner and the planner
+            give); then pass no other argument. ``pipe.spec`` is the one a pipe runs.
+
+    Example::
+
+        spec = PipelineSpec(balance=(2, 1), chunks=4, schedule="1f1b", devices=("cpu", "cpu"))
+        pipe = GPipe(model, spec=spec)      # the same as GPipe(model, [2, 1], chunks=4, ...)
     """
 
     def __init__(
@@ -116,18 +132,33 @@ class GPipe(Pipe):
         *,
         devices: Iterable[Device] | None = None,
         chunks: int = DEFAULT_CHUNKS,
-        checkpoint: str = DEFAULT_RECOMPUTE,  # the re-materialization mode
+        recompute: str = DEFAULT_RECOMPUTE,
+        checkpoint: str | None = None,  # torchgpipe's alias of recompute
         deferred_batch_norm: bool = False,
         schedule: str = DEFAULT_SCHEDULE,
         timeout: float = DEFAULT_TIMEOUT,
-        threads_per_stage: int | None = None,
+        threads_per_worker: int | None = None,
         virtual_stages: int | None = None,
+        spec: PipelineSpec | None = None,
     ) -> None:
-        args = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
-        workers = resolve_devices(devices, args.num_workers)
-        verify_balance(len(module), args.balance, len(workers) * args.virtual_stages)
-        super().__init__(args, checkpoint, schedule, timeout)
-        if deferred_batch_norm:
+        spec = door_spec(
+            spec,
+            balance=balance,
+            devices=devices,
+            chunks=chunks,
+            recompute=recompute,
+            checkpoint=checkpoint,
+            deferred_batch_norm=deferred_batch_norm,
+            schedule=schedule,
+            timeout=timeout,
+            threads_per_worker=threads_per_worker,
+            virtual_stages=virtual_stages,
+        )
+        check_model(module, spec)
+        workers = resolve_devices(spec.devices, spec.num_workers)
+        verify_balance(len(module), spec.balance, len(workers) * spec.virtual_stages)
+        super().__init__(spec)
+        if spec.deferred_batch_norm:
             convert_deferred_batch_norm(module)
         for name, layer in module.named_children():
             if hasattr(self, name) and name not in self._modules:
@@ -137,9 +168,8 @@ class GPipe(Pipe):
         if names is not None:  # a sequentialized model: checkpoints keep the model's names
             names.install(self)
         # stage -> worker, as the schedule places them (an empty pipe has none)
-        self.placement = list(self.step_schedule().placement) if args.balance else []
+        self.placement = list(self.step_schedule().placement) if spec.balance else []
         self.devices = [workers[w] for w in self.placement]  # per stage
-        self.threads_per_stage = threads_per_stage
         shared = shared_parameters(module)  # before the split: copies are distinct after it
         self.partitions: list[nn.Sequential] = split_module(module, self.balance, self.devices)
         self.tied = TiedCopies(tied_copies(self.partitions, shared))
@@ -147,6 +177,17 @@ class GPipe(Pipe):
         self.last_in_flight: list[int] = []  # per stage: most micro-batches held at once
         self._worker_pool = WorkerPool()  # threads kept across steps; see close()
         self.register_load_state_dict_pre_hook(_read_torchgpipe_names)
+
+    @property
+    def checkpoint(self) -> str:
+        """torchgpipe's name for :attr:`recompute` (the re-materialization mode), kept so that
+        code written for torchgpipe reads it unchanged."""
+        return self.recompute
+
+    @property
+    def worker_pool(self) -> WorkerPool:
+        """The worker threads kept between steps (read-only; what ``predict`` replays on)."""
+        return self._worker_pool
 
     # ---- Sequential-like access ------------------------------------------------------------
 
@@ -185,18 +226,18 @@ class GPipe(Pipe):
         self._reset_peaks()
         micro = scatter(batch, self.chunks)
         grad = torch.is_grad_enabled()
-        run = StepRun(self._step_config(grad, None), micro, pool=self._worker_pool)
-        fill_drain = cached_schedule(
-            "gpipe", self.num_workers, self.chunks, self.virtual_stages, tuple(self.placement)
+        run = StepRun(self.step_config(grad, None), micro, pool=self._worker_pool)
+        forward = fill_drain(
+            self.num_workers, self.chunks, self.virtual_stages, tuple(self.placement)
         )
         if not grad:
-            run.run(fill_drain.phase("F"))
+            run.run(forward.phase("F"))
             self._commit_batchnorm()
             self._finish(run, started)
             return gather([run.results[m] for m in range(self.chunks)])
         tensors = as_tuple(input)
         phony = torch.empty(0, requires_grad=True)  # gives the output a grad_fn in any case
-        out = PipelineFunction.apply(self, run, fill_drain, started, phony, *tensors)
+        out = PipelineFunction.apply(self, run, forward, started, phony, *tensors)
         return out[0] if isinstance(run.results[0], torch.Tensor) else out
 
     # ---- front door 2: the step API --------------------------------------------------------
@@ -235,7 +276,7 @@ class GPipe(Pipe):
         spec = self._loss_spec(targets, loss_fn, loss_normalizer, self._loss_scale(grad_scaler))
         if not self.partitions:
             return _identity_step(micro, spec)
-        run = StepRun(self._step_config(True, spec), micro, pool=self._worker_pool)
+        run = StepRun(self.step_config(True, spec), micro, pool=self._worker_pool)
         self.tied.begin()
         run.run(self.step_schedule())
         self.tied.finish()
@@ -300,9 +341,10 @@ class GPipe(Pipe):
 
     def _threads_per_worker(self) -> int | None:
         cpu_workers = sum(d.type == "cpu" for d in self.worker_devices)
-        if self.threads_per_stage is None and cpu_workers > 1:
+        threads = self.spec.threads_per_worker
+        if threads is None and cpu_workers > 1:
             return max(1, torch.get_num_threads() // cpu_workers)  # stand-ins share the cores
-        return self.threads_per_stage
+        return threads
 
     def _reset_peaks(self) -> None:
         for device in set(self.devices):
@@ -377,6 +419,49 @@ class PipelineFunction(torch.autograd.Function):
         pipe._finish(run, ctx.started)
         grads = _gather_input_grads(run, chunks, ctx.num_inputs)
         return (None, None, None, None, None, *grads)
+
+
+def door_spec(spec: PipelineSpec | None, **given: Any) -> PipelineSpec:
+    """The spec a GPipe runs: ``spec``, or one made of GPipe's keyword arguments ``given``
+    (``checkpoint`` being torchgpipe's alias of ``recompute``). A keyword set beside ``spec``
+    is refused: it would be ignored.
+
+    >>> door_spec(None, balance=[1, 1], devices=None, chunks=2, recompute="except_last",
+    ...           checkpoint="never", deferred_batch_norm=False, schedule="gpipe", timeout=9,
+    ...           threads_per_worker=None, virtual_stages=None).recompute
+    'never'
+    """
+    if spec is not None:
+        refuse_beside_spec(given)
+        return spec
+    devices = given["devices"]
+    return PipelineSpec(
+        balance=check_balance(given["balance"]),
+        chunks=given["chunks"],
+        schedule=given["schedule"],
+        virtual_stages=given["virtual_stages"] or 0,
+        recompute=torchgpipe_alias(given["recompute"], given["checkpoint"]),
+        devices=None if devices is None else tuple(devices),
+        timeout=given["timeout"],
+        threads_per_worker=given["threads_per_worker"],
+        deferred_batch_norm=given["deferred_batch_norm"],
+    )
+
+
+def torchgpipe_alias(recompute: str, checkpoint: str | None) -> str:
+    """The re-materialization mode from ``recompute=`` or torchgpipe's ``checkpoint=`` (its
+    alias, refused with torchgpipe's message when it is not a mode).
+
+    >>> torchgpipe_alias("except_last", "never")
+    'never'
+    """
+    if checkpoint is None:
+        return recompute
+    if str(checkpoint) not in RECOMPUTE_MODES:
+        raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+    if recompute != DEFAULT_RECOMPUTE and recompute != checkpoint:
+        raise ValueError(f"recompute={recompute!r} and its alias checkpoint={checkpoint!r} differ")
+    return str(checkpoint)
 
 
 def _gather_input_grads(run: StepRun, chunks: int, num_inputs: int) -> list[Any]:

@@ -1,7 +1,7 @@
 """Re-materialization: which micro-batches drop their activations, and how recompute stays exact.
 
-Modes (torchgpipe's names; its argument is ``checkpoint=``, here it never means a saved file),
-for M micro-batches in training:
+Modes (``recompute=``, torchgpipe's mode names; see :mod:`giantpipe.engine.spec`), for M
+micro-batches in training:
 
     always       every micro-batch is recomputed in backward     (least memory)
     except_last  all but the last one; the last one's backward follows its forward at once,
@@ -30,7 +30,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-MODES = ("always", "except_last", "never")
+from giantpipe.engine.spec import RECOMPUTE_MODES
+
+MODES = RECOMPUTE_MODES
 
 _local = threading.local()
 
@@ -38,7 +40,9 @@ _local = threading.local()
 def recompute_stop(mode: str, chunks: int) -> int:
     """Micro-batches ``m < recompute_stop(...)`` are re-materialized in backward."""
     if mode not in MODES:
-        raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+        raise ValueError(
+            f"recompute must be one of 'always', 'except_last' or 'never', got {mode!r}"
+        )
     return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
 
 

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from giantpipe.engine.schedule import Action
+from giantpipe.engine.spec import DEFAULT_TIMEOUT
 
 __all__ = [
     "Aborted",
@@ -174,12 +175,12 @@ class WorkerPool:
         # The threads see only this list (never the pool), so dropping the pool stops them.
         self._workers: list[Worker] = []
         self._retired: list[threading.Thread] = []  # of a failed run, maybe still in a task
-        self._timeout = 300.0  # the last run's, for close()
+        self._timeout = DEFAULT_TIMEOUT  # the last run's, for close()
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _stop, self._workers)
         self._finalizer.atexit = False  # daemons die with the interpreter; never wait on one
 
-    def run(self, tasks: Sequence[Task], timeout: float = 300.0) -> None:
+    def run(self, tasks: Sequence[Task], timeout: float = DEFAULT_TIMEOUT) -> None:
         """Runs ``tasks[i]`` on thread i, all at once; returns when every task has returned.
 
         The first task to raise (or an interrupt of the caller) ends the run at once: that

@@ -21,10 +21,10 @@ door that calls :func:`giantpipe.perf.predict.predict` lazily (this package read
 through a protocol and never imports ``GPipe``). Nothing here knows a model by name: the paper's
 models and their sizes are in ``recipes/model_sizes.py``.
 
-Words: a "plan" is only the planner's choice; re-materialization is "recompute" (GPipe's
-parameter keeps torchgpipe's name, ``checkpoint``, and its values 'always', 'except_last',
-'never'); the saved-bytes *meter* is the engine's (what autograd keeps for backward), the
-memory *tracker* counts every live byte.
+Words: a "plan" is only the planner's choice; re-materialization is "recompute" everywhere
+(values 'always', 'except_last', 'never'); a pipe's shape is read from its ``spec``; the
+saved-bytes *meter* is the engine's (what autograd keeps for backward), the memory *tracker*
+counts every live byte.
 
 Example::
 

@@ -169,17 +169,28 @@ def profile_times(
     x = to_device(sample, device)
     times = []
     with _rng_untouched(device):
-        for layer in module:
+        for index, layer in enumerate(module):
             probe = copy.deepcopy(layer).to(device)
             samples = []
             for _ in range(repeats + 1):  # the first run warms up caches and kernels
                 start = time.perf_counter()
-                y = _forward_backward(probe, x)
+                with _naming(index, layer):
+                    y = _forward_backward(probe, x)
                 _sync(device)
                 samples.append(time.perf_counter() - start)
             times.append(statistics.median(samples[1:]))
             x = y
     return times
+
+
+@contextmanager
+def _naming(index: int, layer: nn.Module) -> Iterator[None]:
+    """A layer that fails on its own input (a leaf that requires grad) is named in the note."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"giantpipe: while profiling layer {index} ({type(layer).__name__}) alone")
+        raise
 
 
 def balance_by_time(

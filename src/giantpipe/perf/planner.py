@@ -27,9 +27,7 @@ Example::
     layers = measure_layers(model_on_meta, one_sample_on_meta)  # FLOPs and bytes per layer
     device = DeviceSpec(peak_flops=125e12, memory_bytes=16 * 2**30, link_bandwidth=50e9)
     best = plan(layers, num_devices=8, batch_size=512, device=device)[0]   # fastest first
-    pipe = GPipe(model, best.balance, devices=..., chunks=best.chunks,
-                 checkpoint=best.checkpoint, schedule=best.schedule,
-                 virtual_stages=best.virtual_stages)
+    pipe = GPipe(model, spec=best.spec(devices=[f"cuda:{i}" for i in range(8)]))
     print(format_table([best]))   # predicted samples/s, bubble, peak memory per device
 """
 
@@ -39,11 +37,13 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from giantpipe.engine.microbatch import split_sizes
 from giantpipe.engine.recompute import MODES, recompute_stop
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import SCHEDULE_NAMES, VIRTUAL_STAGES, build_schedule
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.perf.costs import LayerCost
 from giantpipe.perf.simulate import Simulation, StageCost, simulate
@@ -73,18 +73,38 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration, named as ``GPipe`` takes it, and what the simulator predicts for it."""
+    """One configuration, named as a PipelineSpec names it, and what the simulator predicts
+    for it."""
 
     schedule: str
     virtual_stages: int
     chunks: int
-    checkpoint: str  # GPipe's re-materialization argument: 'always', 'except_last' or 'never'
+    recompute: str  # the re-materialization mode: 'always', 'except_last' or 'never'
     balance: list[int]
     step_time_s: float
     samples_per_s: float
     bubble: float
     peak_memory_bytes: list[int]  # per device
     simulation: Simulation = field(repr=False, compare=False)
+
+    def spec(self, **fixed: Any) -> PipelineSpec:
+        """The planner's output as both pipes take it: this candidate's balance, M, V, schedule
+        and recompute; ``fixed``: the fields the planner does not choose (devices, timeout,
+        deferred_batch_norm, ...).
+
+        Example::
+
+            spec = plan(layers, 2, 64, device)[0].spec(devices=["cuda:0", "cuda:1"])
+            pipe = GPipe(model, spec=spec)
+        """
+        return PipelineSpec(
+            balance=tuple(self.balance),
+            chunks=self.chunks,
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            recompute=self.recompute,
+            **fixed,
+        )
 
 
 def plan(
@@ -95,7 +115,7 @@ def plan(
     schedules: Sequence[str] = SCHEDULE_NAMES,
     virtual_stages: Sequence[int] = (2, 4),
     chunks: Sequence[int] | None = None,
-    checkpoints: Sequence[str] = MODES,
+    recompute: Sequence[str] = MODES,
     optimizer_slots: int = 1,
     layer_times: LayerTimes | None = None,
     overhead: float = 0.0,
@@ -106,6 +126,7 @@ def plan(
     to 'interleaved' (V = 2 for 'zb-v', 1 elsewhere); ``optimizer_slots`` counts
     per-parameter optimizer state (1: RMSProp or momentum, as the paper's 12 bytes per
     parameter; 2: Adam).
+    ``recompute`` lists the re-materialization modes to try.
     ``layer_times`` replaces the device model's seconds by measured ones (memory still comes
     from ``layers``); ``overhead`` is added to every simulated action.
     """
@@ -113,7 +134,7 @@ def plan(
     budget = device.memory_bytes * (1 - device.reserve)
     found = []
     measured = _Measured(layer_times, overhead) if layer_times is not None else None
-    for name, m, mode in itertools.product(schedules, options, checkpoints):
+    for name, m, mode in itertools.product(schedules, options, recompute):
         fixed = (VIRTUAL_STAGES.get(name, 1),)  # zb-v: its V shape needs exactly 2
         for v in virtual_stages if name == "interleaved" else fixed:
             if num_devices * v > len(layers) or (name == "interleaved" and m % num_devices):
@@ -285,14 +306,14 @@ def format_table(candidates: Sequence[Candidate]) -> str:
         print(format_table(plan(layers, 8, 512, device)[:10]))
     """
     lines = [
-        "| # | schedule | V | M | checkpoint | balance | samples/s | step s | bubble "
+        "| # | schedule | V | M | recompute | balance | samples/s | step s | bubble "
         "| peak GiB per device |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, c in enumerate(candidates, 1):
         peaks = " ".join(f"{b / GIB:.1f}" for b in c.peak_memory_bytes)
         lines.append(
-            f"| {rank} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.checkpoint} "
+            f"| {rank} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.recompute} "
             f"| {c.balance} | {c.samples_per_s:.1f} | {c.step_time_s:.3f} | {c.bubble:.3f} "
             f"| {peaks} |"
         )

@@ -54,6 +54,7 @@ from giantpipe.engine.autograd import ones_gradient
 from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, batch_size, scatter
 from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.engine.workers import Key, Mailbox, WorkerPool
 from giantpipe.perf.simulate import Simulation, StageCost, simulate
@@ -70,15 +71,18 @@ class PipeView(Protocol):
 
     partitions: list[nn.Sequential]  # the stages, in order
     devices: list[torch.device]  # per stage
-    chunks: int  # M
-    checkpoint: str  # GPipe's re-materialization mode: 'always', 'except_last' or 'never'
-    _worker_pool: WorkerPool  # the pipe's worker threads, reused by the replay
 
-    def step_schedule(self) -> Schedule:
-        """The schedule ``train_step`` runs."""
+    @property
+    def spec(self) -> PipelineSpec:
+        """The pipeline's shape: M, the re-materialization mode, the schedule."""
         ...
 
-    def _step_config(self, grad: bool, loss: LossSpec | None) -> StepConfig:
+    @property
+    def worker_pool(self) -> WorkerPool:
+        """The pipe's worker threads, reused by the replay."""
+        ...
+
+    def step_config(self, grad: bool, loss: LossSpec | None) -> StepConfig:
         """The executor's configuration of a step (draws a step seed)."""
         ...
 
@@ -109,35 +113,36 @@ def predict(
     repeats: int = 3,
 ) -> Prediction:
     """Profiles ``pipe``'s stages on the first micro-batch of ``inputs``, replays each
-    worker's actions on all of them, and simulates its schedule (``pipe.step_schedule()``,
-    ``pipe.chunks``, ``pipe.checkpoint``).
+    worker's actions on all of them, and simulates its schedule (``pipe.spec``: the
+    schedule, M and the re-materialization mode).
 
     Example::
 
         prediction = predict(pipe, x, y, nn.functional.cross_entropy)
         prediction.step_time_s, prediction.bubble, prediction.peak_memory_bytes
     """
-    micros = scatter(inputs, pipe.chunks)
-    target, scale, spec = None, 1.0, None
+    spec = pipe.spec
+    micros = scatter(inputs, spec.chunks)
+    target, scale, loss = None, 1.0, None
     if targets is not None and loss_fn is not None:
-        micro_targets = scatter(targets, pipe.chunks)
+        micro_targets = scatter(targets, spec.chunks)
         target, total = micro_targets[0], batch_size(targets)
         scale = batch_size(target) / total
-        spec = LossSpec(loss_fn, micro_targets, [batch_size(t) / total for t in micro_targets])
+        loss = LossSpec(loss_fn, micro_targets, [batch_size(t) / total for t in micro_targets])
     rng = torch.get_rng_state()
-    config = pipe._step_config(True, spec)
-    torch.set_rng_state(rng)  # _step_config draws a step seed: leave the caller's RNG alone
+    config = pipe.step_config(True, loss)
+    torch.set_rng_state(rng)  # step_config draws a step seed: leave the caller's RNG alone
     threads = config.threads_per_worker
     stages, devices = pipe.partitions, pipe.devices
     costs = profile_stages(stages, devices, micros[0], target, loss_fn, scale, repeats, threads)
-    schedule = pipe.step_schedule()
+    schedule = spec.step_schedule()
     # the executor's own actions, in the schedule's order: their times replace the profile's
-    passes = max(1, math.ceil(repeats / pipe.chunks))
-    replayed = replay(config, micros, schedule, passes, pipe._worker_pool)
+    passes = max(1, math.ceil(repeats / spec.chunks))
+    replayed = replay(config, micros, schedule, passes, pipe.worker_pool)
     costs = replayed.costs(costs, config.recompute_stop)
-    overhead = executor_overhead(schedule, devices, threads, repeats, pipe._worker_pool)
+    overhead = executor_overhead(schedule, devices, threads, repeats, pipe.worker_pool)
     contention = replayed.contention
-    sim = simulate(schedule, costs, pipe.checkpoint, overhead, contention)
+    sim = simulate(schedule, costs, spec.recompute, overhead, contention)
     total = batch_size(inputs)
     return Prediction(
         sim.step_time,
@@ -235,7 +240,7 @@ def replay(
     Example::
 
         costs = profile_stages(pipe.partitions, pipe.devices, x[:8], y[:8], loss_fn, 8 / len(x))
-        config = pipe._step_config(True, LossSpec(loss_fn, scatter(y, 4), [0.25] * 4))
+        config = pipe.step_config(True, LossSpec(loss_fn, scatter(y, 4), [0.25] * 4))
         replayed = replay(config, scatter(x, 4), pipe.step_schedule())
         sim = simulate(pipe.step_schedule(), replayed.costs(costs, config.recompute_stop),
                        contention=replayed.contention)

@@ -109,7 +109,7 @@ class Simulation:
 def simulate(
     schedule: Schedule,
     costs: Sequence[StageCost],
-    checkpoint: str = "never",
+    recompute: str = "never",
     overhead: float = 0.0,
     contention: float = 1.0,
 ) -> Simulation:
@@ -122,7 +122,7 @@ def simulate(
     """
     if len(costs) != schedule.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {schedule.num_stages} stages")
-    stop = recompute_stop(checkpoint, schedule.num_microbatches)
+    stop = recompute_stop(recompute, schedule.num_microbatches)
     timeline = _timeline(schedule, costs, stop, overhead, contention)
     span = max(t.end for t in timeline) - min(t.start for t in timeline)
     busy = [0.0] * schedule.num_workers

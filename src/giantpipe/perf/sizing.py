@@ -28,7 +28,7 @@ Without re-materialization ('never') the other M - 1 micro-batches' activations 
 Example::
 
     family = AmoebaNetD(batch=128)          # recipes/model_sizes.py
-    setting = Setting("Pipeline-2", partitions=2, chunks=128, checkpoint="always")
+    setting = Setting("Pipeline-2", partitions=2, chunks=128, recompute="always")
     sizes = search(family, [setting], budget=8 * 2**30, widths=[256, 512], depths=range(6, 200, 6))
     confirmed = confirm(family, sizes, budget=8 * 2**30)
     confirmed.size.params, confirmed.stages[0].peak
@@ -96,7 +96,7 @@ class Setting:
     label: str
     partitions: int
     chunks: int
-    checkpoint: str
+    recompute: str
     schedule: str = "gpipe"
 
 
@@ -212,8 +212,8 @@ def size_model(
     costs = [template[i] for i in family.expand(layers)]
     if len(costs) < setting.partitions:
         return None
-    balance = balance_memory(costs, setting.partitions, setting.chunks, setting.checkpoint)
-    peaks = stage_peaks(costs, balance, setting.chunks, setting.checkpoint)
+    balance = balance_memory(costs, setting.partitions, setting.chunks, setting.recompute)
+    peaks = stage_peaks(costs, balance, setting.chunks, setting.recompute)
     params = sum(c.params for c in costs)
     return ModelSize(setting, layers, width, params, tuple(balance), tuple(peaks))
 
@@ -277,7 +277,7 @@ def search(
     """
     sizes: list[ModelSize] = []
     best = 0
-    order = sorted(settings, key=lambda s: (-s.chunks, s.checkpoint != "except_last"))
+    order = sorted(settings, key=lambda s: (-s.chunks, s.recompute != "except_last"))
     for setting in order:
         worse = 0
         shallowest = next(d for d in depths if len(family.expand(d)) >= setting.partitions)
@@ -304,7 +304,7 @@ def search(
 
 def _rank(size: ModelSize) -> tuple[int, bool, int]:
     # Most parameters; on a tie, no recomputation of the last micro-batch, then fewer chunks.
-    return size.params, size.setting.checkpoint == "except_last", -size.setting.chunks
+    return size.params, size.setting.recompute == "except_last", -size.setting.chunks
 
 
 def measure_size(
@@ -336,7 +336,7 @@ def measure_size(
                 model[start : start + count],
                 template[index[start]].spec,
                 chunks=setting.chunks,
-                checkpoint=setting.checkpoint,
+                recompute=setting.recompute,
                 schedule=setting.schedule,
                 stage_index=k,
                 num_stages=len(size.balance),
@@ -376,7 +376,7 @@ def confirm(
         setting = size.setting
         tried.append(
             f"{family.describe(size.layers, size.width)} at M={setting.chunks} "
-            f"{setting.checkpoint}: {max(s.peak for s in stages) / 2**30:.2f} GiB"
+            f"{setting.recompute}: {max(s.peak for s in stages) / 2**30:.2f} GiB"
         )
         smaller = size_model(family, size.setting, size.layers - step, size.width, optimizer)
         if smaller is not None and size.layers - step > 0:

@@ -24,7 +24,7 @@ Example::
     with torch.device("meta"):
         model = amoebanetd(18, 208)
     mem = measure_stage(model[:8], spec_of(torch.empty(1, 3, 224, 224)), chunks=128,
-                        checkpoint="always")
+                        recompute="always")
     mem.peak / 2**30   # GiB on this stage's device
 """
 
@@ -112,7 +112,7 @@ def measure_stage(
     spec: Spec,
     *,
     chunks: int,
-    checkpoint: str,
+    recompute: str,
     schedule: str = "gpipe",
     stage_index: int = 0,
     num_stages: int = 1,
@@ -123,7 +123,7 @@ def measure_stage(
     """Peak bytes of ``stage`` over one training step of ``chunks`` micro-batches.
 
     ``spec``: one micro-batch's input to the stage (``grad=True`` on floats unless it is the
-    first stage). ``checkpoint``: GPipe's re-materialization mode ('always', 'except_last',
+    first stage). ``recompute``: the re-materialization mode ('always', 'except_last',
     'never'). ``loss`` is given for the last stage only. ``stage`` may be on the meta device
     (a copy is materialized on the GPU if there is one, else as fake tensors), fake, or real
     CPU tensors (measured as they are).
@@ -134,7 +134,7 @@ def measure_stage(
     probe = 2 if extrapolate and schedule == "gpipe" and chunks > 2 else chunks
     with _measuring(stage) as (target, tracker, device):
         run = functools.partial(
-            _run_step, target, spec, device, tracker, recompute=checkpoint, schedule=schedule,
+            _run_step, target, spec, device, tracker, recompute=recompute, schedule=schedule,
             stage_index=stage_index, num_stages=num_stages, loss=loss,
         )  # fmt: skip
         memory = _measure(target, tracker, run, probe, optimizer)

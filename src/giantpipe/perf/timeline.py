@@ -15,12 +15,19 @@ Example::
 
     plot_timeline(sim, "outputs/1f1b_k2_m3.png", title="1F1B, K=2, M=3")
     plot_measured(pipe.last_timings, pipe.step_schedule(), "outputs/1f1b_measured.png")
+
+Both steps can also be written as one Chrome / Perfetto trace (:func:`write_trace`): one track
+per stage (per rank under torchrun), the measured step beside the simulated one::
+
+    write_trace("outputs/trace-step5.json", [pipe.last_timings], sim)
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.stats import ActionTiming
@@ -144,3 +151,119 @@ def _draw(
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+# ---- Chrome / Perfetto traces ------------------------------------------------------------------
+
+_WORK = {"F": "forward", "B": "backward", "W": "weight"}
+
+
+def write_trace(
+    path: str | Path,
+    timings: Sequence[Sequence[ActionTiming]],
+    simulation: Simulation | None = None,
+) -> Path:
+    """Writes a step as a Chrome trace (JSON: open it in https://ui.perfetto.dev or
+    chrome://tracing) at ``path`` and returns the path.
+
+    ``timings`` holds one list per rank (one process: ``[pipe.last_timings]``): each rank is a
+    process of the trace (``measured, rank r``), each stage a track (``stage s``), each action a
+    slice (``F3``) holding its parts in the order the simulator draws them: ``recompute`` (a
+    re-materialized B), ``wait`` (for the neighbour's activation or gradient), then the work
+    (``forward``, ``backward``, ``weight``); ``receive`` marks the value's arrival, ``send`` its
+    hand-off, with an arrow between the two. ``simulation`` adds the simulated step as a process
+    of its own (``simulated``), on the same tracks. Each rank's clock starts at its first action
+    (the ranks' clocks are not one clock).
+
+    >>> from giantpipe.engine.schedule import Action
+    >>> path = write_trace("/tmp/t.json", [[ActionTiming(Action("F", 0, 0), 0.0, 0.5)]])
+    >>> sorted({e["name"] for e in json.loads(path.read_text())["traceEvents"]})
+    ['F0', 'forward', 'process_name', 'thread_name', 'thread_sort_index']
+    """
+    processes = [
+        (f"measured, rank {r}" if len(timings) > 1 else "measured", _timed(t))
+        for r, t in enumerate(timings)
+    ]
+    if simulation is not None:
+        processes.append(("simulated", list(simulation.timeline)))
+    stages = 1 + max((t.action.stage for _, line in processes for t in line), default=0)
+    events: list[dict[str, Any]] = []
+    for pid, (name, timeline) in enumerate(processes):
+        events += _process_events(pid, name, timeline, stages)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return out
+
+
+def _timed(timings: Sequence[ActionTiming]) -> list[TimedAction]:
+    stages = 1 + max((t.action.stage for t in timings), default=0)
+    return measured_timeline(timings, list(range(stages)))
+
+
+def _process_events(
+    pid: int, name: str, timeline: Sequence[TimedAction], stages: int
+) -> list[dict[str, Any]]:
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
+    for s in sorted({t.action.stage for t in timeline}):
+        track = {"ph": "M", "pid": pid, "tid": s}
+        events.append({**track, "name": "thread_name", "args": {"name": f"stage {s}"}})
+        events.append({**track, "name": "thread_sort_index", "args": {"sort_index": s}})
+    for t in timeline:
+        events += _action_events(pid, t, stages)
+    return events
+
+
+def _action_events(pid: int, t: TimedAction, stages: int) -> list[dict[str, Any]]:
+    """The action's slice, its parts (each within the slice) and its receive / send."""
+    kind, s, m = t.action.kind, t.action.stage, t.action.microbatch
+    work = _WORK.get(kind, kind)
+    waited = max(0.0, (t.end - t.start) - t.busy)
+    parts = [("recompute", t.recompute), ("wait", waited), (work, 0.0)]
+    points = [_us(t.start)]  # where each part starts; the work ends the action
+    for _, seconds in parts[:-1]:
+        points.append(min(_us(t.end), points[-1] + _us(seconds)))
+    points.append(_us(t.end))
+    track = {"pid": pid, "tid": s}
+    args = {"stage": s, "microbatch": m, "kind": work}
+    events = [_slice(track, f"{kind}{m}", "action", points[0], points[-1], args)]
+    for (part, _), start, end in zip(parts, points, points[1:]):
+        if end > start or part == work:
+            events.append(_slice(track, part, part, start, end))
+    what = "activation" if kind == "F" else "gradient"
+    source = {"F": s - 1, "B": s + 1}.get(kind, -1)
+    if 0 <= source < stages:  # the value came from a neighbour
+        flow = _flow(pid, kind, m, s)
+        events.append(_mark(track, "receive", points[2], {"from stage": source, "value": what}))
+        events.append({**_arrow(track, "f", what, flow, points[2]), "bp": "e"})
+    target = {"F": s + 1, "B": s - 1}.get(kind, -1)
+    if 0 <= target < stages:  # ... and goes on to the next
+        flow = _flow(pid, kind, m, target)
+        events.append(_mark(track, "send", points[-1], {"to stage": target, "value": what}))
+        events.append(_arrow(track, "s", what, flow, points[-1]))
+    return events
+
+
+def _slice(
+    track: dict[str, int], name: str, cat: str, start: float, end: float, args: Any = None
+) -> dict[str, Any]:
+    event = {**track, "ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start}
+    return event if args is None else {**event, "args": args}
+
+
+def _mark(track: dict[str, int], name: str, ts: float, args: dict[str, Any]) -> dict[str, Any]:
+    return {**track, "ph": "i", "s": "t", "name": name, "cat": name, "ts": ts, "args": args}
+
+
+def _arrow(track: dict[str, int], ph: str, name: str, flow: int, ts: float) -> dict[str, Any]:
+    """One end of the arrow from a send to its receive (``ph`` "s": start, "f": finish)."""
+    return {**track, "ph": ph, "name": name, "cat": "flow", "id": flow, "ts": ts}
+
+
+def _flow(pid: int, kind: str, m: int, receiver: int) -> int:
+    # one arrow per value handed on: (process, kind, micro-batch, receiving stage)
+    return ((pid * 4 + "FBW".index(kind)) * 1_000_003 + m) * 10_007 + receiver
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)

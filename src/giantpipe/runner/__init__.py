@@ -6,13 +6,19 @@ torchrun started (:class:`~giantpipe.runner.world.TorchrunWorld`); the same buil
 evaluation and checkpoint format serve both. Nothing here imports Hydra or OmegaConf: it
 receives the dataclasses of ``giantpipe.config``; only ``giantpipe.cli`` imports the runner.
 
-    build.py      every part from the config (data, model, plan, balance, pipe, optimizer)
-    pipeline.py   PipelineConfig -> devices, balance, the pipe
+    build.py      every part from the config (data, model, plan, pipeline spec, pipe, optimizer)
+    pipeline.py   PipelineConfig -> devices, balance, the PipelineSpec (one function), the pipe
+    planning.py   pipeline.plan=auto: the planner on this run's model and devices
+    registry.py   objects from ``_target_`` (models and data sets as config options)
+    losses.py     the loss functions and the accuracy metric the data asks for
+    optim.py      the optimizer, fp16's gradient scaler, the LR schedule, the weights' EMA
     loop.py       the training loop and train()
     step.py       one optimizer step's engine steps (accumulation, replica slices, clipping)
     evaluate.py   evaluation, and the data's whole-model figures (BLEU)
+    forecast.py   the simulator's forecast beside the measured step, in every run
     checkpoint.py the one checkpoint format; resume; starting from weights
-    record.py     the run directory and the run's record (metrics, summary)
+    rundir.py     the run directory: where a run starts or resumes, one run at a time
+    record.py     the run's record (metrics, summary)
     world.py      who runs: one process or torchrun's
 
 Example::

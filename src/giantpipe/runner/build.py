@@ -34,18 +34,19 @@ from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.engine.base import Pipe
 from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
 from giantpipe.engine.microbatch import as_tuple
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.losses import LossFn, build_loss
 from giantpipe.runner.optim import WeightEMA, build_grad_scaler, build_optimizer, lr_multiplier
 from giantpipe.runner.pipeline import (
     build_distributed_pipe,
     build_pipe,
-    check_schedule,
     pipeline_ranks,
+    pipeline_spec,
     rank_device,
     resolve_balance,
     resolve_devices,
 )
-from giantpipe.runner.planning import plan_pipeline
+from giantpipe.runner.planning import plan_pipeline, planned
 from giantpipe.runner.registry import build_from_target
 from giantpipe.runner.world import World
 
@@ -213,23 +214,20 @@ def loss_of(cfg: ExperimentConfig, bundle: DataBundle) -> LossFn:
     )
 
 
-def plan_and_balance(
+def plan_and_spec(
     cfg: ExperimentConfig, model: nn.Sequential, bundle: DataBundle, devices: list[str]
-) -> tuple[PipelineConfig, dict[str, Any] | None, list[int]]:
-    """The pipeline as run (the planner's under plan=auto) and its balance (profiled on the
-    first device by the ``time`` and ``memory`` policies)."""
+) -> tuple[PipelineConfig, dict[str, Any] | None, PipelineSpec]:
+    """The pipeline as run (the planner's under plan=auto) and its spec: the planner's, else
+    the config's with its balance (profiled on the first device by the ``time`` and ``memory``
+    policies). The spec, and so the schedule, is made and checked once, here."""
     sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
-    pipeline, choice = cfg.pipeline, None
-    if pipeline.plan == "auto":
+    if cfg.pipeline.plan == "auto":
         loss_fn = loss_of(cfg, bundle)
-        pipeline, choice = plan_pipeline(
-            cfg, model, devices, sample_inputs, sample_targets, loss_fn
-        )
-    sample = micro_batch_sample(sample_inputs, pipeline.chunks)
-    balance = resolve_balance(pipeline, model, devices, sample)
-    v = pipeline.virtual_stages
-    check_schedule(pipeline.schedule, len(balance) // v, pipeline.chunks, v)
-    return pipeline, choice, balance
+        spec, choice = plan_pipeline(cfg, model, devices, sample_inputs, sample_targets, loss_fn)
+        return planned(cfg.pipeline, spec), choice, spec
+    sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
+    balance = resolve_balance(cfg.pipeline, model, devices, sample)
+    return cfg.pipeline, None, pipeline_spec(cfg.pipeline, balance, devices)
 
 
 def build_experiment(
@@ -247,18 +245,19 @@ def build_experiment(
     def model_and_plan() -> tuple[DataBundle, nn.Sequential, Any]:
         bundle = first or build_bundle(cfg, run_dir)
         model = build_model(cfg, bundle)
-        decided = plan_and_balance(cfg, model, bundle, devices) if world.rank == 0 else None
+        decided = plan_and_spec(cfg, model, bundle, devices) if world.rank == 0 else None
         return bundle, model, decided
 
     bundle, model, decided = world.agree(model_and_plan)
-    pipeline, plan_choice, balance = world.from_rank0(decided)  # profiled once, on rank 0
-    workers = len(balance) // pipeline.virtual_stages
+    # planned, profiled and checked once, on rank 0; the others receive the spec as made
+    pipeline, plan_choice, spec = world.from_rank0(decided)
+    balance, workers = list(spec.balance), spec.num_workers
     pipe: Pipe
     if world.size == 1:
-        pipe = build_pipe(model, pipeline, balance, devices)
+        pipe = build_pipe(model, spec)
         inputs_to, targets_to = devices[0], devices[workers - 1]
     else:
-        pipe = build_distributed_pipe(model, pipeline, balance, own)
+        pipe = build_distributed_pipe(model, spec, own)
         world.bind(pipe)
         inputs_to = targets_to = own
     keep = world.rank == 0 and (world.size == 1 or bundle.evaluate_model is not None)

@@ -147,10 +147,10 @@ class Forecast:
         sends = [0.0] * schedule.num_stages
         for i, (stage, sender, _, _) in enumerate(crossings):
             sends[stage] = probed[sender][i]
-        stop = recompute_stop(pipe.checkpoint, pipe.chunks)
+        stop = recompute_stop(pipe.recompute, pipe.chunks)
         bytes_of = [static.get(s, 0) for s in range(schedule.num_stages)]
         costs = stage_costs(timings, schedule.num_stages, stop, sends, bytes_of)
-        sim = simulate(schedule, costs, pipe.checkpoint)
+        sim = simulate(schedule, costs, pipe.recompute)
         rate = sim.samples_per_second(batch_size(batch[0]))
         self.prediction = Prediction(
             sim.step_time, rate, sim.bubble, sim.peak_memory_bytes, sim, costs, 0.0, 1.0

@@ -44,7 +44,6 @@ from giantpipe.runner.checkpoint import (
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.record import (
-    after_step,
     base_summary,
     check_objective,
     open_record,
@@ -165,7 +164,22 @@ class TrainingLoop:
             more = self.progress.step < parts.total_steps
             precision = self.cfg.pipeline.precision
             self.forecast.after_step(parts, precision, batches[0], stats, self.progress.step, more)
+        if self.progress.step in trainer.trace_steps:
+            self._trace(self.progress.step)
         return record
+
+    def _trace(self, step: int) -> None:
+        """trainer.trace_steps: this step (its last engine step) as a Chrome / Perfetto trace,
+        every rank's timings gathered on rank 0, beside the simulated step once predicted."""
+        from giantpipe.perf.timeline import write_trace
+
+        timings = self.world.collect(list(getattr(self.parts.pipe, "last_timings", [])))
+        if timings is None or not self.world.writes:
+            return
+        forecast = self.forecast.prediction if self.forecast is not None else None
+        simulation = forecast.simulation if forecast is not None else None
+        path = write_trace(self.run_dir / f"trace-step{step}.json", timings, simulation)
+        log.info("step %d as a trace: %s (open it in https://ui.perfetto.dev)", step, path)
 
     def update(
         self,
@@ -317,7 +331,17 @@ class TrainingLoop:
         return self.world.sum([float(bad)])[0] == 0
 
     def after_step(self) -> None:
-        after_step(self, LAST, lambda step: f"step_{step}")
+        """The cadence after each optimizer step: every ``trainer.eval_every`` steps before the
+        end, evaluate, then refresh ``last/`` (with ``trainer.save_last``); every
+        ``trainer.checkpoint_every`` steps, write ``step_N/`` and ``last/``."""
+        trainer, step = self.cfg.trainer, self.progress.step
+        if trainer.eval_every and step % trainer.eval_every == 0 and step < self.parts.total_steps:
+            self.evaluate()
+            if trainer.save_last:
+                self.save(LAST)
+        if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
+            self.save(f"step_{step}")
+            self.save(LAST)
 
     # -- the loop ---------------------------------------------------------------------------
 

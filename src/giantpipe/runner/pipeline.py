@@ -1,4 +1,4 @@
-"""From ``PipelineConfig`` to an engine: devices, balance, and the pipe itself.
+"""From ``PipelineConfig`` to an engine: devices, balance, the pipeline's spec and the pipe.
 
 The local executor's pipe is a :class:`~giantpipe.engine.GPipe` over K devices of this process;
 under torchrun each rank builds a :class:`~giantpipe.engine.dist.pipe.DistributedPipe` over its
@@ -8,26 +8,31 @@ own device, and the world is K pipeline ranks x R replicas::
        world size (R = 1)
 
 Everything here is checked before any training work: a bad device list, a balance that does not
-fit the model or more stages than devices is a ConfigError naming the ``pipeline.*`` key.
+fit the model or more stages than devices is a ConfigError naming the ``pipeline.*`` key. The
+config becomes a :class:`~giantpipe.engine.spec.PipelineSpec` in one place,
+:func:`pipeline_spec`, which checks M, V, the schedule (built once, there) and the timeout.
 
 Example::
 
     devices = resolve_devices(cfg.pipeline, torch.cuda.device_count())    # ["cpu", "cpu"]
     balance = resolve_balance(cfg.pipeline, model, devices, sample)       # e.g. [4, 4]
-    pipe = build_pipe(model, cfg.pipeline, balance, devices)
+    spec = pipeline_spec(cfg.pipeline, balance, devices)
+    pipe = build_pipe(model, spec)
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from giantpipe.config import ConfigError, PipelineConfig
 from giantpipe.data.bundle import Tensors
-from giantpipe.engine import GPipe, build_schedule
+from giantpipe.engine import GPipe
 from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.spec import PipelineSpec, SpecError
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 
 DEFAULT_CPU_STAND_INS = 2
@@ -173,49 +178,43 @@ def resolve_balance(
     return balance
 
 
-def check_schedule(name: str, stages: int, chunks: int, virtual_stages: int = 1) -> None:
-    """Reject a schedule the engine does not know, or one that cannot run this K, M and V."""
-    try:
-        build_schedule(name, stages, chunks, virtual_stages)
-    except ValueError as err:
-        raise ConfigError("pipeline.schedule", str(err)) from err
+def pipeline_spec(
+    cfg: PipelineConfig, balance: Sequence[int], devices: Sequence[str] | None = None
+) -> PipelineSpec:
+    """The one place a ``pipeline`` config becomes a PipelineSpec: the balance as resolved,
+    the first K of ``devices`` (the workers' devices; under torchrun, each pipeline rank's), and
+    the config's M, V, schedule, recompute, timeout and deferred BatchNorm. A bad one is a
+    ConfigError naming the key; the schedule is built and validated here, once.
 
+    Example::
 
-def build_pipe(
-    model: nn.Sequential, cfg: PipelineConfig, balance: list[int], devices: list[str]
-) -> GPipe:
-    """The local engine over the first ``len(balance) / V`` devices, with the configured M and
-    modes."""
+        spec = pipeline_spec(PipelineConfig(chunks=4, schedule="1f1b"), [2, 2], ["cpu"] * 3)
+        spec.devices, spec.step_schedule().name      # ("cpu", "cpu"), "1f1b"
+    """
     workers = len(balance) // cfg.virtual_stages
-    check_schedule(cfg.schedule, workers, cfg.chunks, cfg.virtual_stages)
-    return GPipe(
-        model,
-        balance=balance,
-        devices=devices[:workers],
-        chunks=cfg.chunks,
-        checkpoint=cfg.recompute,
-        deferred_batch_norm=cfg.deferred_batch_norm,
-        schedule=cfg.schedule,
-        virtual_stages=cfg.virtual_stages,
-        timeout=cfg.timeout,
-    )
+    try:
+        return PipelineSpec(
+            balance=tuple(balance),
+            chunks=cfg.chunks,
+            schedule=cfg.schedule,
+            virtual_stages=cfg.virtual_stages,
+            recompute=cfg.recompute,
+            devices=None if devices is None else tuple(devices[:workers]),
+            timeout=cfg.timeout,
+            deferred_batch_norm=cfg.deferred_batch_norm,
+        )
+    except SpecError as err:
+        raise ConfigError(err.key, err.message) from err
+
+
+def build_pipe(model: nn.Sequential, spec: PipelineSpec) -> GPipe:
+    """The local engine over the spec's devices, with its M, schedule and modes."""
+    return GPipe(model, spec=spec)
 
 
 def build_distributed_pipe(
-    model: nn.Sequential, cfg: PipelineConfig, balance: list[int], device: str
+    model: nn.Sequential, spec: PipelineSpec, device: str
 ) -> DistributedPipe:
     """This rank's engine (collective): it keeps its own stage of ``model``, built whole on the
     host as the local runner builds it, so that both start from the same weights."""
-    check_schedule(cfg.schedule, len(balance) // cfg.virtual_stages, cfg.chunks, cfg.virtual_stages)
-    return DistributedPipe(
-        model,
-        balance,
-        chunks=cfg.chunks,
-        checkpoint=cfg.recompute,
-        schedule=cfg.schedule,
-        virtual_stages=cfg.virtual_stages,
-        device=torch.device(device),
-        deferred_batch_norm=cfg.deferred_batch_norm,
-        init=None,
-        timeout=cfg.timeout,
-    )
+    return DistributedPipe(model, spec=spec, device=torch.device(device), init=None)

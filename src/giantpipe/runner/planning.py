@@ -18,8 +18,9 @@ Not modelled: CPU stand-ins slowing each other down (they share cores), allocato
 
 Example::
 
-    pipeline, choice = plan_pipeline(cfg, model, ["cpu", "cpu"], inputs, targets, loss_fn)
-    pipeline.balance, pipeline.chunks, pipeline.recompute, pipeline.schedule
+    spec, choice = plan_pipeline(cfg, model, ["cpu", "cpu"], inputs, targets, loss_fn)
+    spec.balance, spec.chunks, spec.recompute, spec.schedule     # what GPipe(spec=spec) runs
+    planned(cfg.pipeline, spec)            # the pipeline config as run (summary.json)
     choice["predicted_samples_per_s"]
 """
 
@@ -40,6 +41,7 @@ from torch import nn
 from giantpipe.config import ConfigError, ExperimentConfig, OptimConfig, PipelineConfig
 from giantpipe.data.bundle import Tensors, batch_size
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.perf.costs import (
     LayerCost,
     LayerTimer,
@@ -67,9 +69,10 @@ def plan_pipeline(
     inputs: Tensors,
     targets: Tensors,
     loss_fn: LossFn,
-) -> tuple[PipelineConfig, dict[str, Any]]:
-    """The pipeline config with the planner's balance, chunks, recompute, schedule and V, and
-    the choice as a dict for summary.json. ``inputs`` and ``targets`` are one training batch.
+) -> tuple[PipelineSpec, dict[str, Any]]:
+    """The planner's spec (its balance, chunks, recompute, schedule and V; the config's
+    timeout and deferred BatchNorm; ``devices``), and the choice as a dict for summary.json.
+    ``inputs`` and ``targets`` are one training batch.
 
     Leaves the model's parameters, gradients, buffers and the RNG streams as they were.
     """
@@ -106,15 +109,29 @@ def plan_pipeline(
         *(seconds, len(candidates), budget / GIB, size, k, chunks, min(TOP, len(candidates))),
         format_table(candidates[:TOP]),
     )
-    planned = replace(
-        cfg.pipeline,
-        balance=list(best.balance),
-        chunks=best.chunks,
-        recompute=best.checkpoint,
-        schedule=best.schedule,
-        virtual_stages=best.virtual_stages,
+    chosen = best.spec(
+        devices=tuple(devices),
+        timeout=cfg.pipeline.timeout,
+        deferred_batch_norm=cfg.pipeline.deferred_batch_norm,
     )
-    return planned, describe(best, budget, len(candidates))
+    return chosen, describe(best, budget, len(candidates))
+
+
+def planned(cfg: PipelineConfig, spec: PipelineSpec) -> PipelineConfig:
+    """The pipeline config as run under plan=auto: the planner's knobs in place of the config's.
+
+    Example::
+
+        planned(PipelineConfig(plan="auto"), PipelineSpec((2, 2), chunks=8)).chunks   # 8
+    """
+    return replace(
+        cfg,
+        balance=list(spec.balance),
+        chunks=spec.chunks,
+        recompute=spec.recompute,
+        schedule=spec.schedule,
+        virtual_stages=spec.virtual_stages,
+    )
 
 
 def _measure(
@@ -147,7 +164,7 @@ def describe(best: Candidate, budget: float, fitting: int) -> dict[str, Any]:
         "schedule": best.schedule,
         "virtual_stages": best.virtual_stages,
         "chunks": best.chunks,
-        "checkpoint": best.checkpoint,
+        "recompute": best.recompute,
         "balance": list(best.balance),
         "predicted_samples_per_s": best.samples_per_s,
         "predicted_step_time_s": best.step_time_s,
@@ -165,7 +182,7 @@ def _nothing_fits(unbounded: list[Candidate], spec: DeviceSpec, size: int, k: in
         lean = min(unbounded, key=lambda c: max(c.peak_memory_bytes))
         need = max(lean.peak_memory_bytes) / (1 - spec.reserve)
         problem += (
-            f"; the leanest ({lean.schedule}, M={lean.chunks}, checkpoint={lean.checkpoint}) "
+            f"; the leanest ({lean.schedule}, M={lean.chunks}, recompute={lean.recompute}) "
             f"needs {need / GIB:.3g} GiB"
         )
     return ConfigError(

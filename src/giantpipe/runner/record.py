@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.metrics import MetricsLogger, format_table, truncate_after_step, write_summary
@@ -153,39 +153,6 @@ def _close(run_dir: Path, metrics: MetricsLogger, summary: dict[str, Any]) -> No
         metrics.close(summary)
     except OSError as err:
         print(f"warning: {run_dir / 'summary.json'}: not written ({err.strerror})", file=sys.stderr)
-
-
-class Checkpointing(Protocol):
-    """What :func:`after_step` needs of a training loop (both runners' loops have it)."""
-
-    cfg: ExperimentConfig
-    progress: Any
-    parts: Any
-
-    def evaluate(self) -> None: ...
-
-    def save(self, name: str) -> None: ...
-
-
-def after_step(loop: Checkpointing, last: str, numbered: Callable[[int], str]) -> None:
-    """The cadence after each optimizer step, one rule for the local and distributed loops.
-
-    Every ``trainer.eval_every`` steps before the end: evaluate, then refresh ``last`` (with
-    ``trainer.save_last``); every ``trainer.checkpoint_every`` steps: write ``numbered(step)``
-    and ``last``. The runners differ only in names (``last.pt`` files, ``last/`` shard dirs).
-
-    Example::
-
-        after_step(self, LAST, lambda step: f"step_{step}.pt")
-    """
-    trainer, step = loop.cfg.trainer, loop.progress.step
-    if trainer.eval_every and step % trainer.eval_every == 0 and step < loop.parts.total_steps:
-        loop.evaluate()
-        if trainer.save_last:
-            loop.save(last)
-    if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
-        loop.save(numbered(step))
-        loop.save(last)
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:

@@ -281,7 +281,9 @@ def move_record_aside(run_dir: Path) -> Path:
     aside = run_dir / f"replaced-{n}"
     aside.mkdir()
     for path in sorted(run_dir.iterdir()):
-        if path.name in RECORD or path.name.startswith(("config", "timeline_", "error.txt")):
+        if path.name in RECORD or path.name.startswith(
+            ("config", "timeline_", "trace-step", "error.txt")
+        ):
             path.rename(aside / path.name)
     log.info("trainer.overwrite: the earlier record of %s moved to %s", run_dir, aside)
     return aside

@@ -73,6 +73,7 @@ def test_every_fixed_group_option_converts_to_its_schema(group, option):
     assert isinstance(getattr(cfg, group), SCHEMAS[group])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", options("model"))
 def test_every_model_target_instantiates(option):
     cfg = composed(*recipe_using("model", option), f"model={option}")
@@ -81,6 +82,7 @@ def test_every_model_target_instantiates(option):
     assert isinstance(model, torch.nn.Sequential) and len(model) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", options("data"))
 def test_every_data_target_instantiates(option, tmp_path):
     overrides = data_overrides(option, tmp_path)

@@ -29,6 +29,7 @@ def refusal(*overrides: str) -> str:
     return one_line(caught.value)
 
 
+@pytest.mark.slow
 def test_the_local_timeout_is_capped_like_the_distributed_one():
     """inf or 1e10 used to pass and kill the first step with an OverflowError blamed on stage 1:
     a worker thread cannot wait past threading.TIMEOUT_MAX. nan and negatives are refused too,

@@ -13,6 +13,7 @@ from giantpipe.config import (
     TrainerConfig,
 )
 from giantpipe.data.tensors import SyntheticDataConfig, TensorDataConfig
+from giantpipe.engine.spec import DEFAULT_CHUNKS, DEFAULT_TIMEOUT
 from models.mlp import MlpModelConfig
 
 
@@ -73,7 +74,8 @@ def test_invalid_value_names_its_key(build, key):
 
 def test_defaults_are_valid():
     cfg = ExperimentConfig(model=MlpModelConfig(), data=SyntheticDataConfig())
-    assert cfg.pipeline.chunks == 4 and cfg.trainer.max_steps == 100
+    assert cfg.pipeline.chunks == DEFAULT_CHUNKS and cfg.trainer.max_steps == 100
+    assert cfg.pipeline.timeout == DEFAULT_TIMEOUT  # the engine's own defaults
 
 
 def test_explicit_devices_and_balance_lists_are_accepted():

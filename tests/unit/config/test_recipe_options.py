@@ -71,6 +71,7 @@ def test_every_tuning_file_names_a_recipe_a_group_and_one_of_its_options() -> No
     assert not list((CONF / "recipe").glob("*/*.yaml")), "GROUP/OPTION.yaml, one level deeper"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", TUNED)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_another_option_chosen_on_the_command_line_is_taken_as_it_is(recipe, group) -> None:

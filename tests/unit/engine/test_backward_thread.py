@@ -19,11 +19,10 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.base import infer_virtual_stages
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.gpipe import PipelineFunction
 from giantpipe.engine.schedule import Action
-from giantpipe.engine.schedules import schedule_builders
+from giantpipe.engine.schedules import VIRTUAL_STAGES, schedule_builders
 
 Record = tuple[int, int, bool, Action | None]  # stage, thread, multithreading, running action
 
@@ -123,7 +122,7 @@ def test_train_step_runs_each_stage_backward_on_its_action_thread(
     schedule: str, actions: list[tuple[int, Action]]
 ) -> None:
     records: list[Record] = []
-    v = infer_virtual_stages(schedule, None, 2 * 2)
+    v = VIRTUAL_STAGES.get(schedule, 1)
     stages, chunks = 2 * v, 4
     pipe = GPipe(
         probed_model(stages, records),

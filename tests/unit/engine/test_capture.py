@@ -91,6 +91,7 @@ def assert_same_grads(pipe: nn.Module, plain: nn.Module) -> None:
         torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_outputs_gradients_and_statistics_equal_the_model() -> None:
     model = TiedLM()
     ids, mask, labels = batch()
@@ -130,6 +131,7 @@ def test_checkpoints_keep_the_models_names_both_ways(captured) -> None:
     seq.load_state_dict(model.state_dict(), strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("tied", "devices", "copies"),
     [

@@ -81,6 +81,7 @@ def assert_same_grads(pipe: nn.Module, plain: nn.Module, rtol: float = 1e-4) -> 
         torch.testing.assert_close(mine[name].grad, p.grad, rtol=rtol, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_language_model_forward_equals_the_original(language_model) -> None:
     model, seq = language_model
     ids, mask, labels = tokens()
@@ -121,6 +122,7 @@ def gpt2_with_dropout() -> nn.Sequential:
     return sequentialize(gpt2(dropout=0.1), ids, output="logits")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_gpt2_dropout_masks_are_replayed(gpt2_with_dropout, mode: str) -> None:
     ids, mask, labels = tokens()
@@ -159,7 +161,7 @@ def test_torchvision_model_pipelined_equals_the_original(name: str) -> None:
     finally:
         torch.set_num_threads(threads)
     halves = [len(seq) // 2, len(seq) - len(seq) // 2]
-    pipe = GPipe(copy.deepcopy(seq), halves, chunks=2, threads_per_stage=1)
+    pipe = GPipe(copy.deepcopy(seq), halves, chunks=2, threads_per_worker=1)
     pipe.train_step(x, y, F.cross_entropy)
     assert_same_grads(pipe, plain)
     for key, buf in plain.state_dict().items():

@@ -24,11 +24,12 @@ def worker_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("giantpipe-worker")]
 
 
+@pytest.mark.slow
 def test_worker_threads_serve_every_step_and_are_gone_after_close_or_collection() -> None:
     # Threads outlive a step (a fresh thread's first action is slow), but stay bounded, named,
     # daemonic, leave the caller's intra-op threads alone, and end with the pipe.
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1))
-    pipe = GPipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=4, threads_per_stage=1)
+    pipe = GPipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=4, threads_per_worker=1)
     x, y = torch.randn(16, 8), torch.randn(16, 1)
     threads = torch.get_num_threads()
     before = set(worker_threads())

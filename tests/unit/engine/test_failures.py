@@ -111,6 +111,7 @@ RAISED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("door", ["forward", "train_step"])
 @pytest.mark.parametrize(("kind", "message"), RAISED, ids=[k.__name__ for k, _ in RAISED])
 def test_a_stage_exception_keeps_its_type_and_gets_a_note(
@@ -140,6 +141,7 @@ def test_a_stage_exception_keeps_its_type_and_gets_a_note(
     step(pipe, door)  # the pipe is usable again
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("door", ["forward", "train_step"])
 def test_an_exception_in_backward_names_the_stage(door: str) -> None:
     class BadGrad(torch.autograd.Function):

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.base import DEFAULT_TIMEOUT, check_arguments, infer_virtual_stages
 from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.spec import DEFAULT_TIMEOUT, PipelineSpec, SpecError
 from tests.unit.engine.engine_helpers import reference_step, step_seed, tuple_batch, tuple_model
 
 
@@ -29,21 +29,21 @@ def defaults(cls: type) -> dict[str, object]:
 def test_both_pipes_have_one_set_of_defaults() -> None:
     ours, theirs = defaults(GPipe), defaults(DistributedPipe)
     shared = set(ours) & set(theirs)
-    assert {"chunks", "checkpoint", "schedule", "timeout", "virtual_stages"} <= shared
+    assert {"chunks", "recompute", "schedule", "timeout", "virtual_stages", "spec"} <= shared
     assert {name: ours[name] for name in shared} == {name: theirs[name] for name in shared}
     assert ours["timeout"] == DEFAULT_TIMEOUT == 300.0
     assert GPipe(mlp(), [3, 2], devices=["cpu", "cpu"]).timeout == DEFAULT_TIMEOUT
 
 
 def test_interleaved_infers_two_virtual_stages() -> None:
-    assert infer_virtual_stages("interleaved", None, 4) == 2
-    assert infer_virtual_stages("1f1b", None, 4) == 1
-    args = check_arguments(mlp(), [1, 1, 1, 2], 2, "never", "interleaved", None)
-    assert args.virtual_stages == 2 and args.num_workers == 2
+    assert PipelineSpec((1, 1, 1, 1), chunks=2, schedule="interleaved").virtual_stages == 2
+    assert PipelineSpec((1, 1, 1, 1), chunks=2, schedule="1f1b").virtual_stages == 1
+    spec = PipelineSpec((1, 1, 1, 2), chunks=2, recompute="never", schedule="interleaved")
+    assert spec.virtual_stages == 2 and spec.num_workers == 2
     pipe = GPipe(mlp(), [1, 1, 1, 2], devices=["cpu", "cpu"], chunks=2, schedule="interleaved")
     assert pipe.virtual_stages == 2 and pipe.num_workers == 2
-    with pytest.raises(ValueError, match="multiple of 2"):
-        check_arguments(mlp(), [2, 2, 1], 2, "never", "interleaved", None)
+    with pytest.raises(SpecError, match="multiple of 2"):
+        PipelineSpec((2, 2, 1), chunks=2, schedule="interleaved")
 
 
 def set_grads(model: nn.Module, scales: list[float]) -> None:

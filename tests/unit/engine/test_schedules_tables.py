@@ -101,6 +101,7 @@ def _sizes() -> list[tuple[str, int, int, int]]:
     return cases
 
 
+@pytest.mark.slow
 def test_every_schedule_validates_for_k_up_to_8_and_m_up_to_16() -> None:
     for name, k, m, v in _sizes():
         s = build_schedule(name, k, m, v)  # build_schedule validates

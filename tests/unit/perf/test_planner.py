@@ -67,7 +67,7 @@ def test_plan_by_hand() -> None:
         reserve=0.0,
     )
     layers = [layer() for _ in range(4)]
-    zb = plan(layers, 2, 8, device, checkpoints=["never"], schedules=["zb-h1"])[0]
+    zb = plan(layers, 2, 8, device, recompute=["never"], schedules=["zb-h1"])[0]
     assert zb.balance == [2, 2] and zb.chunks == 8
     # zero bubble: stage 1 works 8 x 6 s without a break after stage 0's first F (2 s);
     # 1F1B adds stage 0's last full backward (3 s) after stage 1's
@@ -76,10 +76,17 @@ def test_plan_by_hand() -> None:
     assert one.step_time_s == pytest.approx(2 + 8 * 6 + 3)
     # ZB-V (one layer per half stage, worker 0 holding the first and the last) waits only for
     # the first layer's F (1 s), at the same activation memory: the best of all schedules
-    best = plan(layers, 2, 8, device, checkpoints=["never"])[0]
+    best = plan(layers, 2, 8, device, recompute=["never"])[0]
     assert (best.schedule, best.balance, best.chunks) == ("zb-v", [1, 1, 1, 1], 8)
     assert best.step_time_s == pytest.approx(1 + 8 * 6)
     assert best.peak_memory_bytes == zb.peak_memory_bytes
+    # the planner's output is the spec both pipes take: its knobs, and the fields it does not
+    # choose as given
+    spec = best.spec(devices=("cpu", "cpu"), timeout=60.0)
+    assert (spec.balance, spec.chunks, spec.schedule, spec.virtual_stages, spec.recompute) == (
+        (1, 1, 1, 1), 8, "zb-v", 2, "never",
+    )  # fmt: skip
+    assert (spec.devices, spec.timeout, spec.num_workers) == (("cpu", "cpu"), 60.0, 2)
     assert best.samples_per_s == pytest.approx(8 / best.step_time_s)
 
 
@@ -95,7 +102,7 @@ def test_measured_layer_times_replace_the_device_model() -> None:
         return [(5.0 * n, 0.0, 5.0 * n)] + [(1.0 * n, 1.0 * n, 1.0 * n)] * 3
 
     layers = [layer() for _ in range(4)]
-    one = dict(schedules=["gpipe"], chunks=[2], checkpoints=["never"], layer_times=measured)
+    one = dict(schedules=["gpipe"], chunks=[2], recompute=["never"], layer_times=measured)
     best = plan(layers, 2, 4, device, **one)[0]
     assert best.balance == [1, 3]
     # micro-batches of 2: stage 0 F = 10 s, B+W = 10 s; stage 1 F = 6 s, B+W = 12 s. Fill-drain:
@@ -111,7 +118,7 @@ def test_plan_drops_what_does_not_fit_and_counts_optimizer_state() -> None:
     layers = [layer(params=100) for _ in range(4)]  # 400 B of weights per layer
     candidates = plan(layers, 2, 4, device, optimizer_slots=0)  # 2 x 400 B x 2 layers = 1600
     assert candidates and all(max(c.peak_memory_bytes) <= 2000 for c in candidates)
-    assert {c.checkpoint for c in candidates if c.schedule == "gpipe" and c.chunks == 4} == {
+    assert {c.recompute for c in candidates if c.schedule == "gpipe" and c.chunks == 4} == {
         "always",
         "except_last",
     }  # 'never' holds 4 x (10 + 2 x 100 + 10) = 880 B next to 1600, 'always' 4 x 10 + 210

@@ -60,14 +60,14 @@ def test_send_time_is_paid_on_each_boundary_crossing() -> None:
 
 def test_recompute_overlaps_the_wait_for_the_gradient() -> None:
     costs = [StageCost(forward=1.0, backward=2.0, recompute=1.0)] * 2
-    never = simulate(gpipe(2, 1), costs, checkpoint="never")
-    always = simulate(gpipe(2, 1), costs, checkpoint="always")
+    never = simulate(gpipe(2, 1), costs, recompute="never")
+    always = simulate(gpipe(2, 1), costs, recompute="always")
     # F F B B = 6; with 'always' the last stage's replay is on the critical path (+1), but
     # stage 0 replays its forward while stage 1 runs its backward: no extra time
     assert never.step_time == pytest.approx(6.0)
     assert always.step_time == pytest.approx(7.0)
     assert always.busy == [4.0, 4.0] and never.busy == [3.0, 3.0]
-    last = simulate(gpipe(1, 1), costs[:1], checkpoint="always")
+    last = simulate(gpipe(1, 1), costs[:1], recompute="always")
     assert last.step_time == pytest.approx(4.0)  # nothing to overlap with
 
 
@@ -90,10 +90,10 @@ def test_peak_memory_per_schedule_and_mode() -> None:
     cost = StageCost(1.0, 2.0, input_bytes=10, activation_bytes=100, static_bytes=1000)
     k, m = 3, 6
     assert simulate(gpipe(k, m), [cost] * k).peak_activation_bytes == [m * 110] * k
-    always = simulate(gpipe(k, m), [cost] * k, checkpoint="always")
+    always = simulate(gpipe(k, m), [cost] * k, recompute="always")
     assert always.peak_activation_bytes == [m * 10 + 100] * k
     assert always.peak_memory_bytes == [m * 10 + 100 + 1000] * k
-    last = simulate(gpipe(k, m), [cost] * k, checkpoint="except_last")
+    last = simulate(gpipe(k, m), [cost] * k, recompute="except_last")
     assert last.peak_activation_bytes == [(m - 1) * 10 + 110] * k  # B5 frees before B4 replays
     one = simulate(one_f_one_b(k, m), [cost] * k)
     assert one.peak_activation_bytes == [(k - s) * 110 for s in range(k)]
@@ -119,7 +119,7 @@ def test_text_timelines() -> None:
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     cost = StageCost(1.0, 2.0, recompute=1.0)
-    sim = simulate(zb_h1(3, 4), [cost] * 3, checkpoint="always")
+    sim = simulate(zb_h1(3, 4), [cost] * 3, recompute="always")
     out = plot_timeline(sim, tmp_path / "zb.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

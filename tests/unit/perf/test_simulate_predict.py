@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
+from giantpipe.perf.predict import predict
 from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 
 
@@ -125,3 +126,21 @@ def test_predict_profiles_batchnorm_as_trained_and_leaves_no_trace(deferred: boo
     assert torch.equal(loss_a, loss_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
     assert all(torch.equal(a, b) for a, b in zip(bufs_a, bufs_b))
+
+
+class PublicOnly:
+    """A pipe as predict may read it: its public members only (no ``_worker_pool``, no
+    ``_step_config``)."""
+
+    def __init__(self, pipe: GPipe) -> None:
+        self.partitions, self.devices, self.spec = pipe.partitions, pipe.devices, pipe.spec
+        self.worker_pool, self.step_config = pipe.worker_pool, pipe.step_config
+
+
+def test_predict_reads_a_pipe_through_its_public_members_only() -> None:
+    pipe = GPipe(mlp(), [4, 4], devices=["cpu"] * 2, chunks=4, schedule="1f1b")
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    seen = predict(PublicOnly(pipe), x, y, nn.functional.mse_loss, repeats=1)
+    direct = pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
+    assert seen.peak_memory_bytes == direct.peak_memory_bytes
+    assert seen.simulation.peak_activation_bytes == direct.simulation.peak_activation_bytes

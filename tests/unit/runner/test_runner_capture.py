@@ -28,6 +28,8 @@ from models.vision import TorchvisionModelConfig
 pytest.importorskip("transformers")
 from models.hf import HfCausalLmModelConfig, hf_causal_lm  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trains Hugging Face and torchvision models through the runner
+
 
 def llama_config(**pipeline) -> ExperimentConfig:
     return ExperimentConfig(

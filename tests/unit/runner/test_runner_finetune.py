@@ -24,6 +24,8 @@ from giantpipe.runner.losses import count_top_k
 from models.amoebanet import AmoebaNetModelConfig
 from models.mlp import MlpModelConfig
 
+pytestmark = pytest.mark.slow  # two training runs each (fine-tuning from a run)
+
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:

@@ -5,7 +5,13 @@ import torch
 from torch import nn
 
 from giantpipe.config import ConfigError, PipelineConfig
-from giantpipe.runner.pipeline import build_pipe, check_balance, resolve_balance, resolve_devices
+from giantpipe.runner.pipeline import (
+    build_pipe,
+    check_balance,
+    pipeline_spec,
+    resolve_balance,
+    resolve_devices,
+)
 
 
 def seq(n: int) -> nn.Sequential:
@@ -70,8 +76,8 @@ def test_more_stages_than_layers_is_rejected():
 
 def test_build_pipe_passes_the_settings_through():
     cfg = PipelineConfig(devices="cpu", num_devices=3, chunks=3, recompute="always")
-    pipe = build_pipe(seq(4), cfg, [2, 2], ["cpu"] * 3)
-    assert (pipe.balance, pipe.chunks, pipe.checkpoint, len(pipe.devices)) == (
+    pipe = build_pipe(seq(4), pipeline_spec(cfg, [2, 2], ["cpu"] * 3))
+    assert (pipe.balance, pipe.chunks, pipe.recompute, len(pipe.devices)) == (
         [2, 2],
         3,
         "always",
@@ -82,4 +88,4 @@ def test_build_pipe_passes_the_settings_through():
 def test_unknown_schedule_is_rejected_naming_the_key():
     cfg = PipelineConfig(devices="cpu", num_devices=2, schedule="zigzag")
     with pytest.raises(ConfigError, match="pipeline.schedule: unknown schedule 'zigzag'"):
-        build_pipe(seq(4), cfg, [2, 2], ["cpu", "cpu"])
+        pipeline_spec(cfg, [2, 2], ["cpu", "cpu"])

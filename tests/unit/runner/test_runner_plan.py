@@ -35,7 +35,7 @@ def tiny(**pipeline) -> ExperimentConfig:
     )
 
 
-def test_plan_auto_runs_the_planned_balance_chunks_checkpoint_and_schedule(tmp_path: Path):
+def test_plan_auto_runs_the_planned_balance_chunks_recompute_and_schedule(tmp_path: Path):
     # chunks=5 does not divide the batch of 12: the planner never picks it, so it shows whether
     # the run took the planned M
     cfg = tiny(plan="auto", memory_budget_gib=1.0, chunks=5, recompute="always")
@@ -43,7 +43,7 @@ def test_plan_auto_runs_the_planned_balance_chunks_checkpoint_and_schedule(tmp_p
     choice = summary["pipeline/plan_choice"]
     assert summary["status"] == "completed"
     assert choice["schedule"] in ("gpipe", "1f1b", "interleaved", "zb-h1")
-    assert choice["checkpoint"] in ("always", "except_last", "never")
+    assert choice["recompute"] in ("always", "except_last", "never")
     assert 12 % choice["chunks"] == 0  # M divides the batch of 12
     assert summary["pipeline/chunks"] == choice["chunks"]
     assert summary["pipeline/balance"] == choice["balance"]
@@ -90,10 +90,10 @@ def test_planning_leaves_parameters_statistics_and_rng_alone():
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
     cfg = tiny(plan="auto", memory_budget_gib=1.0)  # its pipeline and optim; model given here
     rng = torch.get_rng_state()
-    pipeline, choice = plan_pipeline(cfg, model, ["cpu", "cpu"], x, y, nn.functional.cross_entropy)
+    spec, choice = plan_pipeline(cfg, model, ["cpu", "cpu"], x, y, nn.functional.cross_entropy)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert 16 // choice["chunks"] >= 2  # BatchNorm: two samples per micro-batch at least
-    assert (pipeline.chunks, pipeline.schedule) == (choice["chunks"], choice["schedule"])
-    assert pipeline.devices == "cpu" and pipeline.num_devices == 2  # other keys as configured
+    assert (spec.chunks, spec.schedule) == (choice["chunks"], choice["schedule"])
+    assert spec.devices == ("cpu", "cpu") and spec.timeout == cfg.pipeline.timeout  # as configured

@@ -48,15 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.base import (
-    DEFAULT_CHUNKS,
-    DEFAULT_RECOMPUTE,
-    DEFAULT_SCHEDULE,
-    DEFAULT_TIMEOUT,
-    Normalizer,
-    Pipe,
-    check_arguments,
-)
+from giantpipe.engine.base import Normalizer, Pipe, check_model, refuse_beside_spec
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
 from giantpipe.engine.dist import shards
 from giantpipe.engine.dist.faults import (
@@ -97,6 +89,14 @@ from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
 from giantpipe.engine.partition import shared_parameters
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
 from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.spec import (
+    DEFAULT_CHUNKS,
+    DEFAULT_RECOMPUTE,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TIMEOUT,
+    PipelineSpec,
+    check_balance,
+)
 from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
 
 __all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distributed"]
@@ -131,8 +131,8 @@ class DistributedPipe(Pipe):
         module: the model, or a function that builds it (called with parameters on meta).
         balance: layers per stage (K*V stages: K pipeline ranks, V virtual stages each).
         chunks: M, micro-batches per mini-batch (per replica).
-        checkpoint: the re-materialization mode, as GPipe's (``'always'``, ``'except_last'``,
-            ``'never'``); files are ``save_checkpoint`` / ``load_checkpoint``.
+        recompute: the re-materialization mode, as GPipe's (``'always'``, ``'except_last'``,
+            ``'never'``).
         schedule: a name of :func:`giantpipe.engine.schedules.build_schedule`.
         virtual_stages: V (interleaved schedules); default 2 for ``'interleaved'``, else 1.
         device: this rank's device (default ``cuda:LOCAL_RANK`` if CUDA, else CPU).
@@ -149,6 +149,9 @@ class DistributedPipe(Pipe):
             device, every device operation in the order all ranks derive from the schedule
             (:mod:`.ordered`; it also runs on CPU, which is how the tests check NCCL's rule).
             ``'auto'``: ordered on CUDA, frames on CPU.
+        spec: balance, chunks, recompute, schedule, virtual_stages, timeout and
+            deferred_batch_norm at once (:class:`~giantpipe.engine.spec.PipelineSpec`, its
+            ``devices`` unused: a rank's is ``device``); then pass none of those.
 
     The replicas R are the world size over the K pipeline ranks the schedule needs.
     """
@@ -156,10 +159,10 @@ class DistributedPipe(Pipe):
     def __init__(
         self,
         module: ModelSource,
-        balance: Iterable[int],
+        balance: Iterable[int] | None = None,
         *,
         chunks: int = DEFAULT_CHUNKS,
-        checkpoint: str = DEFAULT_RECOMPUTE,  # the re-materialization mode
+        recompute: str = DEFAULT_RECOMPUTE,
         schedule: str = DEFAULT_SCHEDULE,
         virtual_stages: int | None = None,
         device: torch.device | str | None = None,
@@ -170,14 +173,29 @@ class DistributedPipe(Pipe):
         bucket_mb: float = 25.0,
         overlap_grad_sync: bool = True,
         transport: str = "auto",
+        spec: PipelineSpec | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
+        if spec is None:
+            spec = PipelineSpec(
+                balance=check_balance(balance),
+                chunks=chunks,
+                schedule=schedule,
+                virtual_stages=virtual_stages or 0,
+                recompute=recompute,
+                timeout=timeout,
+                deferred_batch_norm=deferred_batch_norm,
+            )
+        else:
+            given: dict[str, object] = dict(balance=balance, chunks=chunks, recompute=recompute)
+            given.update(schedule=schedule, virtual_stages=virtual_stages, timeout=timeout)
+            refuse_beside_spec(dict(given, deferred_batch_norm=deferred_batch_norm))
         model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
-        args = check_arguments(model, balance, chunks, checkpoint, schedule, virtual_stages)
-        if not args.balance:
+        check_model(model, spec)
+        if not spec.balance:
             raise ValueError("a DistributedPipe needs at least one layer (GPipe pipes none)")
-        super().__init__(args, checkpoint, schedule, timeout)
+        super().__init__(spec)
         steps = self.step_schedule()
         self.layout = Layout(
             dist.get_world_size(), dist.get_rank(), steps.num_workers, steps.placement
@@ -188,8 +206,8 @@ class DistributedPipe(Pipe):
         self.device = bind_device(resolve_device(device))
         self.transport = choose_transport(transport, self.device)
         shared = shared_parameters(model)  # tied parameters, found before the layers are copied
-        self._hold_layers(model, seed, init, deferred_batch_norm)
-        self.groups = build_groups(self.layout, timeout, self.device)
+        self._hold_layers(model, seed, init, spec.deferred_batch_norm)
+        self.groups = build_groups(self.layout, self.timeout, self.device)
         self.board = FailureBoard(default_store(), self.layout.label())
         peers = self.layout.pipeline_ranks + self.layout.replica_ranks
         self.board.watch(self.layout.rank, peers, self.layout.rank_label)
@@ -407,7 +425,7 @@ class DistributedPipe(Pipe):
         )
         seed = self._draw_seed() if self.needs_inputs else None
         # Elsewhere the seed is 0 until the first activation brings the real one.
-        config = self._step_config(grad, spec, seed=seed if seed is not None else 0)
+        config = self.step_config(grad, spec, seed=seed if seed is not None else 0)
 
         def learn_seed(value: int) -> None:
             config.seed = value

@@ -187,17 +187,6 @@ def header(
     return head, (torch.tensor(rest, dtype=torch.int64) if rest else None)
 
 
-def seed_of(head: torch.Tensor) -> int:
-    """The step seed a header carries."""
-    return int(head[1])
-
-
-def key_of(head: torch.Tensor) -> tuple[str, int, int]:
-    """The mailbox key (kind, stage, micro-batch) of the value a header announces."""
-    kind, stage, m = head[2:_FIXED].tolist()
-    return KINDS[kind], stage, m
-
-
 def extra_words(head: torch.Tensor) -> int:
     """How many description words follow the header in an extra message."""
     return max(0, int(head[0]) - INLINE)
