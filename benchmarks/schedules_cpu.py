@@ -17,21 +17,36 @@ the load of the moment cancels), measured and predicted bubble, the measured CPU
 the peak activation memory of each worker as the executor counts it, measured / predicted.
 Timelines of the simulated steps and of each configuration's last measured step go to
 outputs/schedules_cpu/ as PNG ({schedule}_k2_m{M}.png, {schedule}_k2_m{M}_measured.png).
+
+Beside the MLP, the paper's two models at small sizes (``--no-models`` leaves them out,
+``--models-only`` runs them alone; ``--quick`` leaves them out unless ``--models-only``):
+AmoebaNet-D (6, 16) on 32 px images, 10 classes, and a 4-layer Transformer LM (d 64, FFN 256,
+4 heads, 512-token vocabulary, 32 tokens), each cut into two halves of its layers, batch 64,
+GPipe at M = 8 and 32 with re-materialization 'always' (the paper's), measured and forecast the
+same way: the forecast error on the paper's models, not only on an MLP.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from giantpipe import GPipe
-from giantpipe.perf.timeline import plot_measured, plot_timeline
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]  # models/ from a checkout
+
+from giantpipe import GPipe  # noqa: E402
+from giantpipe.perf.timeline import plot_measured, plot_timeline  # noqa: E402
+from models.amoebanet import amoebanetd  # noqa: E402
+from models.transformer_lm import transformer_lm  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,7 @@ class Setup:
 
 
 FULL = Setup(width=1024, blocks=8, batch=512, chunks=(2, 4, 8), rounds=5, steps=3)
+MODEL_CHUNKS, MODEL_BATCH = (8, 32), 64  # the paper's models: M, and the mini-batch
 QUICK = Setup(width=64, blocks=8, batch=32, chunks=(2, 4), rounds=1, steps=1)
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 
@@ -81,9 +97,50 @@ def build(setup: Setup, schedule: str, v: int, chunks: int, checkpoint: str) -> 
     )
 
 
-def visit(pipe: GPipe, x: torch.Tensor, y: torch.Tensor, steps: int, into: Samples) -> None:
+def paper_model(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, Any]:
+    """A small AmoebaNet-D or Transformer LM, one mini-batch and its loss."""
+    torch.manual_seed(0)
+    if name == "amoebanet":
+        model = amoebanetd(6, 16, num_classes=10, image_size=32)
+        x = torch.randn(MODEL_BATCH, 3, 32, 32)
+        return model, x, torch.randint(0, 10, (MODEL_BATCH,)), nn.functional.cross_entropy
+    model = transformer_lm(4, d_model=64, ffn_dim=256, num_heads=4, vocab_size=512, max_len=32)
+    tokens = torch.randint(0, 512, (MODEL_BATCH, 33))
+
+    def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    return model, tokens[:, :-1], tokens[:, 1:], lm_loss
+
+
+def run_models(rounds: int, steps: int) -> dict[tuple[str, int], Samples]:
+    """The paper's models at M = 8 and 32 (GPipe, K=2, 'always'), rounds interleaved."""
+    torch.set_num_threads(2)
+    cells = {}
+    for name in ("amoebanet", "transformer"):
+        model, x, y, loss = paper_model(name)
+        half = len(model) // 2
+        for m in MODEL_CHUNKS:
+            pipe = GPipe(copy.deepcopy(model), [half, len(model) - half], devices=["cpu", "cpu"],
+                         chunks=m, checkpoint="always")  # fmt: skip
+            cells[name, m] = (pipe, x, y, loss)
+    results = {key: Samples() for key in cells}
+    for r in range(rounds):
+        for key, (pipe, x, y, loss) in cells.items():
+            visit(pipe, x, y, steps, results[key], loss)
+        print(f"paper models: round {r + 1}/{rounds} done", flush=True)
+    return results
+
+
+def visit(
+    pipe: GPipe,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    into: Samples,
+    loss: Any = nn.functional.mse_loss,
+) -> None:
     """One round of one configuration: a prediction, then a warm-up and ``steps`` steps."""
-    loss = nn.functional.mse_loss
     prediction = pipe.predict(x, y, loss)
     into.predicted.append(prediction.step_time_s)
     into.predicted_bubble.append(prediction.bubble)
@@ -123,17 +180,18 @@ def run(setup: Setup, checkpoint: str, out: Path) -> dict[tuple[str, int], Sampl
     return results
 
 
-def table(setup: Setup, results: dict[tuple[str, int], Samples]) -> str:
+def table(setup: Setup, results: dict[tuple[str, int], Samples], first: str = "schedule") -> str:
     mib = 2**20
     lines = [
-        "| schedule | M | measured samples/s | predicted samples/s | gap (paired) "
+        f"| {first} | M | measured samples/s | predicted samples/s | gap (paired) "
         "| measured bubble | predicted bubble | contention "
         "| peak act. MiB per worker (measured / predicted) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    batch = setup.batch if first == "schedule" else MODEL_BATCH
     for (s, m), r in results.items():
-        measured = setup.batch / statistics.median(r.measured)
-        predicted = setup.batch / statistics.median(r.predicted)
+        measured = batch / statistics.median(r.measured)
+        predicted = batch / statistics.median(r.predicted)
         mem = ", ".join(
             f"{a / mib:.1f} / {b / mib:.1f}" for a, b in zip(r.memory, r.predicted_memory)
         )
@@ -151,18 +209,33 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="never", choices=["always", "except_last", "never"])
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--out", type=Path, default=Path("outputs/schedules_cpu"))
+    parser.add_argument("--no-models", action="store_true",
+                        help="leave out the paper's models (AmoebaNet-D, Transformer)")  # fmt: skip
+    parser.add_argument("--models-only", action="store_true",
+                        help="only the paper's models, not the MLP's schedules")  # fmt: skip
     args = parser.parse_args()
     setup = QUICK if args.quick else FULL
     if args.rounds:
         setup = Setup(**{**setup.__dict__, "rounds": args.rounds})
     started = time.perf_counter()
-    results = run(setup, args.checkpoint, args.out)
+    if not args.models_only:
+        results = run(setup, args.checkpoint, args.out)
+        print(
+            f"\nK=2 CPU stand-ins, MLP {setup.blocks}x{setup.width}, batch {setup.batch}, "
+            f"checkpoint {args.checkpoint}, median of {setup.rounds} rounds x {setup.steps} "
+            f"steps ({time.perf_counter() - started:.0f}s)\n"
+        )
+        print(table(setup, results))
+    if args.no_models or (args.quick and not args.models_only):
+        return  # --quick: the MLP alone (the paper's models take minutes even small)
+    started = time.perf_counter()
+    models = run_models(setup.rounds, setup.steps)
     print(
-        f"\nK=2 CPU stand-ins, MLP {setup.blocks}x{setup.width}, batch {setup.batch}, "
-        f"checkpoint {args.checkpoint}, median of {setup.rounds} rounds x {setup.steps} steps "
-        f"({time.perf_counter() - started:.0f}s)\n"
+        f"\nThe paper's models, small: K=2 CPU stand-ins, GPipe, batch {MODEL_BATCH}, "
+        f"checkpoint always, median of {setup.rounds} rounds x {setup.steps} steps "
+        f"({time.perf_counter() - started:.0f}s); gap: measured step / predicted step - 1\n"
     )
-    print(table(setup, results))
+    print(table(setup, models, first="model"))
 
 
 if __name__ == "__main__":

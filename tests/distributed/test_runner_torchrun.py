@@ -74,6 +74,7 @@ def test_torchrun_trains_as_the_local_executor_and_resumes(tmp_path: Path) -> No
     assert summary["status"] == "completed" and summary["pipeline/world_size"] == 2
     assert summary["train/loss"] == pytest.approx(expected[-1], rel=1e-5)
     assert len(summary["pipeline/busy_time_s"]) == 2  # both stages, gathered on rank 0
+    assert summary["pipeline/recompute_share"] > 0  # gathered with them: recompute time
     # Rank 0 alone writes: one run directory, one summary table, one log file.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dist", "local"]
     assert sorted(tmp_path.rglob("summary.json")) == [

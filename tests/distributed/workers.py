@@ -182,6 +182,7 @@ def equivalence(
                     assert_matches(pipe, local, what + " vs GPipe", buffers=True)
                 stats = pipe.last_stats
                 assert stats is not None and len(stats.busy_time_s) == workers, what
+                assert len(stats.recompute_time_s) == workers, what  # gathered per rank
                 if pipe.sync is not None:
                     # every bucket's all-reduce started from inside the last backward (W too)
                     assert pipe.sync.early == len(pipe.sync.buckets) > 1, what

@@ -151,10 +151,37 @@ def _recipe() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
+def recipe() -> ModuleType:
+    return _recipe()
+
+
+@pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     recipe = _recipe()
     out = tmp_path_factory.mktemp("table1")
     return recipe, out, recipe.run(recipe.parse_args(["--quick", "--out", str(out)]))
+
+
+def test_paper_settings_are_the_papers_columns(recipe: ModuleType) -> None:
+    assert recipe.paper_setting("Naive-1", 32, "always") == recipe.Setting("Naive-1", 1, 1, "never")
+    assert recipe.paper_setting("Pipeline-8", 32, "always") == recipe.Setting(
+        "Pipeline-8", 8, 32, "always"
+    )
+    family = TransformerL()
+    assert recipe.paper_size(family, "1663") == (1663, 2048)
+    assert recipe.paper_size(AmoebaNetD(), "(72,512)") == (72, 512)
+    assert 0 < recipe.RESERVE < 1 and "torchgpipe" in recipe.RESERVE_SOURCE
+
+
+def test_a_paper_column_fits_within_the_budget_less_the_reserve(recipe: ModuleType) -> None:
+    setting = recipe.Setting("Pipeline-2", 2, 4, "always")
+    size = recipe.ModelSize(setting, 13, 2048, 10, (7, 8), (9 * 2**30, 7 * 2**30))
+    usable = int(16 * 2**30 * (1 - 0.1))
+    column = recipe.PaperColumn("Pipeline-2", size, usable)
+    assert column.peak == 9 * 2**30 and column.fits
+    over = recipe.PaperColumn("Pipeline-2", size, 8 * 2**30)
+    assert not over.fits  # the reserve eats it
+    assert recipe.paper_note(over, 3.2).startswith("Pipeline-2 does not fit: 9.00 GiB per device")
 
 
 @pytest.mark.slow
@@ -164,8 +191,29 @@ def test_quick_run_writes_the_table_and_the_plot(quick_run) -> None:  # type: ig
     assert "sized under fake tensors (not measured on a GPU)" in text or "measured with" in text
     for label in ("Naive-1", "Pipeline-1", "Pipeline-2", "(18,544)", "785.8M", "does not fit"):
         assert label in text
+    assert text.index("## 1. The paper's settings") < text.index("## 2. Our own search")
     assert (out / "table1.png").stat().st_size > 10_000
-    assert set(results) == {"AmoebaNet-D", "Transformer-L"}
+    assert set(results.search) == {"AmoebaNet-D", "Transformer-L"}
+    assert set(results.paper) == {"Transformer-L"}  # --quick: AmoebaNet's are minutes
+
+
+@pytest.mark.slow
+def test_quick_run_sizes_the_papers_transformers_at_the_papers_settings(quick_run) -> None:  # type: ignore[no-untyped-def]
+    recipe, _, results = quick_run
+    columns = {c.label: c for c in results.paper["Transformer-L"]}
+    family = TransformerL()
+    for label, layers in (("Naive-1", 3), ("Pipeline-1", 13), ("Pipeline-8", 103)):
+        size = columns[label].size
+        assert size.layers == layers  # the paper's own model, not a searched one
+        model = family.build(size.layers, size.width)
+        assert size.params == sum(p.numel() for p in model.parameters())
+        assert columns[label].usable == int(16 * 2**30 * (1 - recipe.RESERVE))
+    naive, one, eight = columns["Naive-1"], columns["Pipeline-1"], columns["Pipeline-8"]
+    assert (naive.size.setting.chunks, naive.size.setting.recompute) == (1, "never")
+    assert (one.size.setting.chunks, one.size.setting.recompute) == (32, "always")
+    assert not naive.fits and one.fits and eight.fits  # 24 GiB of activations without M
+    assert one.largest.layers > 13 and eight.largest.layers > 103
+    assert one.largest.setting == one.size.setting  # the same settings
 
 
 @pytest.mark.slow
@@ -173,7 +221,7 @@ def test_quick_run_fits_and_counts_parameters_as_the_models_do(quick_run) -> Non
     recipe, _, results = quick_run
     families = {"AmoebaNet-D": recipe.AmoebaNetD(), "Transformer-L": recipe.TransformerL()}
     budgets = {"AmoebaNet-D": 8 * 2**30, "Transformer-L": 16 * 2**30}
-    for name, columns in results.items():
+    for name, columns in results.search.items():
         for column in columns:
             size = column.result.size
             model = families[name].build(size.layers, size.width)  # on the meta device
@@ -181,5 +229,5 @@ def test_quick_run_fits_and_counts_parameters_as_the_models_do(quick_run) -> Non
             assert sum(s.params for s in column.result.stages) == size.params
             assert sum(size.balance) == len(model)
             assert column.fits == (column.result.peak <= budgets[name])
-    pipeline = results["Transformer-L"][-1]
+    pipeline = results.search["Transformer-L"][-1]
     assert pipeline.fits and pipeline.result.size.setting.partitions == 1

@@ -356,9 +356,10 @@ class GPipe(Pipe):
         kind = memory_kind(self.worker_devices)
         for device in {d for d in self.devices if d.type == "cuda"}:
             torch.cuda.synchronize(device)  # the step's wall time is the kernels', not launches'
-        busy = [0.0] * self.num_workers
+        busy, recompute = [0.0] * self.num_workers, [0.0] * self.num_workers
         for stage, seconds in enumerate(run.busy):
             busy[self.placement[stage]] += seconds
+            recompute[self.placement[stage]] += run.recomputed[stage]
         peaks = run.worker_peaks
         if kind == "cuda_allocator":
             peaks = [device_peak(d) for d in self.worker_devices]
@@ -371,6 +372,7 @@ class GPipe(Pipe):
             memory_kind=kind,
             virtual_stages=self.virtual_stages,
             clock="cuda_events" if run.cuda else "perf_counter",
+            recompute=recompute,
         )
         self.last_in_flight = list(run.in_flight_peaks)
         self.last_timings = list(run.timings)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -88,6 +88,9 @@ class StepStats:
     # (saved_activations on CUDA too where workers share a device; see memory_kind())
     num_microbatches: int
     clock: str = "perf_counter"  # "cuda_events" where the stages ran on CUDA (CudaClock)
+    # per worker: the part of busy time spent re-materializing forwards (the paper's Section
+    # 3.1 breakdown: recompute share, imbalance and bubble are all read off one step)
+    recompute_time_s: list[float] = field(default_factory=list)
 
     @classmethod
     def from_timings(
@@ -100,8 +103,10 @@ class StepStats:
         memory_kind: str,
         virtual_stages: int = 1,
         clock: str = "perf_counter",
+        recompute: list[float] | None = None,
     ) -> StepStats:
-        """Statistics of K workers (one entry of ``busy`` and ``peaks`` each) over a step."""
+        """Statistics of K workers (one entry of ``busy``, ``peaks`` and ``recompute`` each)
+        over a step."""
         k = len(busy)
         bubble = 1.0 - sum(busy) / (k * span) if span > 0 else 0.0
         return cls(
@@ -114,6 +119,7 @@ class StepStats:
             memory_kind=memory_kind,
             num_microbatches=num_microbatches,
             clock=clock,
+            recompute_time_s=list(recompute) if recompute is not None else [0.0] * k,
         )
 
     @classmethod
@@ -125,12 +131,14 @@ class StepStats:
         virtual_stages: int = 1,
         clock: str = "perf_counter",
     ) -> StepStats:
-        """Statistics from one row per worker, ``[wall, span, busy, peak bytes]``: what the
-        distributed executor's ranks all-gather (the slowest rank's wall and span count).
+        """Statistics from one row per worker, ``[wall, span, busy, peak bytes, recompute]``
+        (recompute optional): what the distributed executor's ranks all-gather (the slowest
+        rank's wall and span count).
 
-        >>> table = torch.tensor([[0.61, 0.60, 0.52, 3e7], [0.61, 0.58, 0.53, 2e7]])
-        >>> StepStats.from_table(table, 4, "saved_activations").peak_memory_bytes
-        [30000000, 20000000]
+        >>> table = torch.tensor([[0.61, 0.60, 0.52, 3e7, 0.1], [0.61, 0.58, 0.53, 2e7, 0.2]])
+        >>> stats = StepStats.from_table(table, 4, "saved_activations")
+        >>> stats.peak_memory_bytes, [round(r, 2) for r in stats.recompute_time_s]
+        ([30000000, 20000000], [0.1, 0.2])
         """
         return cls.from_timings(
             wall=float(table[:, 0].max()),
@@ -141,6 +149,7 @@ class StepStats:
             memory_kind=memory_kind,
             virtual_stages=virtual_stages,
             clock=clock,
+            recompute=table[:, 4].tolist() if table.shape[1] > 4 else None,
         )
 
     def as_dict(self) -> dict[str, Any]:

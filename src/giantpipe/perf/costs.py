@@ -6,8 +6,9 @@ meta device (no memory, no arithmetic: shapes only) under ``torch.utils.flop_cou
 (:func:`measure_layers`). Everything scales linearly with the micro-batch size. Uneven layers
 come out as they are: an embedding with many parameters and no FLOPs, a vocabulary head heavier
 than a Transformer layer, AmoebaNet's reduction cells and its wide, low-resolution last cells.
-Seconds come from running each layer on the real device (:class:`LayerTimer`). The planner
-(:mod:`giantpipe.perf.planner`) takes both.
+Seconds come from running each layer on the real device (:class:`LayerTimer`), or from a
+device's FLOP-and-byte model (:class:`DeviceModel`). The planner (:mod:`giantpipe.perf.planner`)
+takes either.
 
 Example::
 
@@ -21,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,6 +50,68 @@ class LayerCost:
     saved_bytes: int  # what autograd saves in the forward, beyond the layer's input
     input_saved: int  # bytes of the input that autograd saves too (kept once per stage)
     output_bytes: int  # what crosses the boundary after this layer
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Seconds of each layer's actions on one device, from the layer's FLOPs and bytes.
+
+    For a micro-batch of n samples, an action (forward, input gradient, weight gradient) of a
+    layer takes::
+
+        flops * n / (peak_flops * efficiency(n))     matmuls and convolutions
+      + traffic * n / memory_bandwidth              what the layer reads and writes
+      + layer_overhead                               kernel launches, framework bookkeeping
+
+    ``efficiency(n) = efficiency * n / (n + half_batch)``: small micro-batches leave a device
+    idle (small kernels, launch-bound), so its share of peak grows with n and saturates;
+    ``half_batch = 0`` keeps it constant. The memory term is why BatchNorm, ReLU and pooling
+    cost time without FLOPs: their traffic is the layer's input and output plus what autograd
+    saves (``saved_bytes``, which holds every intermediate of a cell), read or written once per
+    action. The two terms add (a cell's elementwise kernels run between its convolutions, not
+    under them). A forward's FLOPs are measured (:func:`measure_layers`); the input gradient and
+    the weight gradient each cost as much again (none for the model's first layer's input, none
+    for a layer without weights).
+
+    Example::
+
+        >>> layer = LayerCost(flops=2e9, params=10, param_bytes=40, input_bytes=1000,
+        ...                   saved_bytes=2000, input_saved=0, output_bytes=1000)
+        >>> device = DeviceModel(peak_flops=1e12, memory_bandwidth=1e11, efficiency=0.5)
+        >>> [round(t * 1e3, 3) for t in device.layer_times([layer, layer])(4)[1]]  # ms
+        [16.0, 16.0, 16.0]
+        >>> device.efficiency_at(4), DeviceModel(1e12, 1e11, 0.5, half_batch=4).efficiency_at(4)
+        (0.5, 0.25)
+    """
+
+    peak_flops: float  # FLOP/s at the training precision
+    memory_bandwidth: float  # bytes/s of the device's own memory
+    efficiency: float = 0.5  # share of peak reached on large micro-batches
+    half_batch: float = 0.0  # micro-batch size at which half of ``efficiency`` is reached
+    layer_overhead: float = 0.0  # seconds per layer and action
+
+    def efficiency_at(self, n: int) -> float:
+        """The share of peak FLOP/s reached at a micro-batch of ``n`` samples."""
+        return self.efficiency * n / (n + self.half_batch)
+
+    def layer_times(
+        self, layers: Sequence[LayerCost]
+    ) -> Callable[[int], list[tuple[float, float, float]]]:
+        """``times(n)``: (forward, input gradient, weight gradient) seconds per layer for a
+        micro-batch of ``n``: the ``layer_times`` the planner takes in place of measured ones."""
+
+        def times(n: int) -> list[tuple[float, float, float]]:
+            rate = self.peak_flops * self.efficiency_at(n)
+            out = []
+            for i, c in enumerate(layers):
+                compute = c.flops * n / rate
+                traffic = (c.input_bytes + c.saved_bytes + c.output_bytes) * n
+                action = compute + traffic / self.memory_bandwidth + self.layer_overhead
+                weight = compute + c.saved_bytes * n / self.memory_bandwidth
+                out.append((action, 0.0 if i == 0 else action, weight if c.params else 0.0))
+            return out
+
+        return times
 
 
 def measure_layers(

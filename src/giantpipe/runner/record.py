@@ -35,6 +35,8 @@ PIPELINE_FIGURES = (
     "bubble",
     "expected_bubble",
     "busy_time_s",
+    "recompute_share",
+    "stage_imbalance",
     "peak_memory_bytes",
     "memory_kind",
     "clock",
@@ -167,6 +169,7 @@ def figures_of(cfg: ExperimentConfig, parts: Any) -> set[str]:
     keys = {"steps", "wall_time_s", "train/loss", "eval/loss"}
     keys |= {f"train/{k}" for k in TRAIN_FIGURES if k != "tokens_per_s"}
     keys |= {f"pipeline/{k}" for k in ("bubble", "expected_bubble", "chunks", "world_size")}
+    keys |= {"pipeline/recompute_share", "pipeline/stage_imbalance"}
     bundle = parts.bundle
     if bundle.metric in ("accuracy", "top5"):
         keys.add("eval/accuracy")

@@ -237,6 +237,24 @@ def test_stats_are_recorded_for_both_doors() -> None:
     assert all(b > 0 for b in stats.busy_time_s) and all(p > 0 for p in stats.peak_memory_bytes)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_stats_split_out_the_time_spent_recomputing(checkpoint: str) -> None:
+    pipe = GPipe(
+        nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]),
+        [2, 2],
+        devices=["cpu", "cpu"],
+        chunks=4,
+        checkpoint=checkpoint,
+    )
+    pipe(torch.randn(32, 64)).sum().backward()
+    stats = pipe.last_stats
+    assert stats is not None and len(stats.recompute_time_s) == 2
+    if checkpoint == "never":
+        assert stats.recompute_time_s == [0.0, 0.0]
+    else:  # every backward re-ran its forward first, inside the stage's busy time
+        assert all(0 < r < b for r, b in zip(stats.recompute_time_s, stats.busy_time_s))
+
+
 def test_peak_activation_memory_always_vs_never() -> None:
     """Recomputing keeps only stage inputs plus one micro-batch's activations."""
     depth, width = 16, 64

@@ -11,6 +11,7 @@ from giantpipe.metrics import (
     MetricsLogger,
     StepRecord,
     Window,
+    breakdown,
     format_table,
     read_jsonl,
     truncate_after_step,
@@ -19,10 +20,12 @@ from giantpipe.metrics import (
 )
 
 
-def stats(busy, peak, bubble=0.25):
+def stats(busy, peak, bubble=0.25, recompute=None, span=1.0):
     return SimpleNamespace(
         wall_time_s=1.0,
+        span_s=span,
         busy_time_s=busy,
+        recompute_time_s=recompute if recompute is not None else [0.0] * len(busy),
         bubble=bubble,
         expected_bubble=0.2,
         peak_memory_bytes=peak,
@@ -69,6 +72,37 @@ def test_window_figures():
     assert f["step_time_s"] == 1.0
     assert f["busy_time_s"] == pytest.approx([0.1, 0.2])
     assert f["peak_memory_bytes"] == [10, 20]
+
+
+def test_breakdown_is_recompute_over_the_stage_timelines_and_busiest_over_mean():
+    # K=2 stages over a 2 s span: 4 s of timeline, 0.5 + 0.3 s of it re-materializing.
+    figures = breakdown([1.5, 1.0], [0.5, 0.3], span=2.0)
+    assert figures["recompute_share"] == pytest.approx(0.8 / 4.0)
+    assert figures["stage_imbalance"] == pytest.approx(1.5 / 1.25 - 1)
+    assert breakdown([], [], span=0.0) == {"recompute_share": 0.0, "stage_imbalance": 0.0}
+
+
+def test_window_reports_the_breakdown_over_its_steps():
+    # Two optimizer steps, the first of two engine steps (gradient accumulation): every sum
+    # runs over all three engine steps, so the figures are those of their totals.
+    first = StepRecord.from_engine(
+        [stats([0.4, 0.2], [1, 1], recompute=[0.1, 0.0], span=0.5),
+         stats([0.4, 0.2], [1, 1], recompute=[0.1, 0.1], span=0.5)],
+        step=1, loss=1.0, lr=0.1, step_time_s=1.0, samples=8, tokens=None,
+    )  # fmt: skip
+    assert first.recompute_time_s == pytest.approx([0.2, 0.1]) and first.span_s == 1.0
+    second = StepRecord.from_engine(
+        [stats([0.6, 0.6], [1, 1], recompute=[0.3, 0.2], span=1.0)],
+        step=2, loss=1.0, lr=0.1, step_time_s=1.0, samples=8, tokens=None,
+    )  # fmt: skip
+    w = Window()
+    w.add(first)
+    w.add(second)
+    f = w.figures()
+    # busy [1.4, 1.0], recompute [0.5, 0.3], span 2.0 over K=2 stages
+    assert f["recompute_share"] == pytest.approx(0.8 / 4.0)
+    assert f["stage_imbalance"] == pytest.approx(1.4 / 1.2 - 1)
+    assert f["bubble"] == pytest.approx(0.25) and f["expected_bubble"] == 0.2
 
 
 def test_jsonl_lines_are_valid_json_even_for_nan(tmp_path):

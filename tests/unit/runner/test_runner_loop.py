@@ -77,10 +77,15 @@ def test_run_writes_metrics_summary_config_and_checkpoint(tmp_path: Path, capsys
         "pipeline/bubble",
         "pipeline/expected_bubble",
         "pipeline/busy_time_s",
+        "pipeline/recompute_share",
+        "pipeline/stage_imbalance",
         "pipeline/peak_memory_bytes",
     ):
         assert key in summary, key
     assert summary["pipeline/expected_bubble"] == pytest.approx(1 / 3)  # K=2, M=2
+    # the default re-materializes (except_last): M=2 recomputes one micro-batch per stage
+    assert 0 < summary["pipeline/recompute_share"] < 1
+    assert summary["pipeline/stage_imbalance"] >= 0
     lines = read_jsonl(tmp_path / "metrics.jsonl")
     train_steps = [r["step"] for r in lines if r["kind"] == "train"]
     eval_steps = [r["step"] for r in lines if r["kind"] == "eval"]

@@ -9,8 +9,8 @@ executor (the very same ``StepRun``; only its mailbox sends to other processes, 
     every rank:  its actions; boundary values by isend/irecv, the step's dropout seed (drawn
                  where stage 0 is) riding in their headers; the replica all-reduce of gradient
                  buckets starts inside the last backward (giantpipe.engine.dist.gradsync)
-    pipeline:    one all-gather of [loss, wall, span, busy, peak memory]: the loss and the
-                 step's statistics on every rank
+    pipeline:    one all-gather of [loss, wall, span, busy, peak memory, recompute]: the loss
+                 and the step's statistics on every rank
 
 Each collective runs on a group that serves its tensors (``layout.Groups``): gradients,
 BatchNorm statistics and the norm on the device groups (NCCL on CUDA), host numbers (loss,
@@ -510,11 +510,11 @@ class DistributedPipe(Pipe):
     ) -> torch.Tensor:
         """The global loss on every rank; the step's statistics in ``last_stats``.
 
-        Every rank of the pipeline contributes a row, ``[loss, wall, span, busy, peak]``
-        (busy: its stages; peak: saved activations on CPU, the allocator's on CUDA); after one
-        all-gather each holds the whole table, so the loss (the last stage's row) and the
-        statistics are the same on every rank. Rows and the loss are host numbers: they go
-        over the host groups.
+        Every rank of the pipeline contributes a row, ``[loss, wall, span, busy, peak,
+        recompute]`` (busy and recompute: its stages' seconds; peak: saved activations on CPU,
+        the allocator's on CUDA); after one all-gather each holds the whole table, so the loss
+        (the last stage's row) and the statistics are the same on every rank. Rows and the
+        loss are host numbers: they go over the host groups.
         """
         layout, on_cuda = self.layout, self.device.type == "cuda"
         if on_cuda:
@@ -527,8 +527,9 @@ class DistributedPipe(Pipe):
             loss = all_reduce_sum(loss, group, self.timeout, self.board, "the loss")
         peak = device_peak(self.device) if on_cuda else run.worker_peaks[layout.worker]
         busy = sum(run.busy[s] for s in layout.local_stages)
+        recompute = sum(run.recomputed[s] for s in layout.local_stages)
         wall = time.perf_counter() - started
-        row = torch.tensor([loss, wall, run.span, busy, peak], dtype=torch.float64)
+        row = torch.tensor([loss, wall, run.span, busy, peak, recompute], dtype=torch.float64)
         group, ranks = self.groups.host_pipeline, layout.pipeline_ranks
         table = all_gather_rows(row, group, ranks, self.timeout, self.board)
         kind = "cuda_allocator" if on_cuda else "saved_activations"
