@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from giantpipe.data.bundle import EvaluationError
 from giantpipe.data.corpus import split_pair
 from giantpipe.data.translation import SharedVocabulary, eval_batches
-from giantpipe.engine.generate import Decoding, generate, split_rows
+from giantpipe.engine.generate import Decoding, generate, split_rows, trim_tokens
 
 __all__ = [
     "Seq2Seq",
@@ -85,16 +85,6 @@ def _max_steps(model: Seq2Seq, src_tokens: Tensor, max_len: int | None) -> int:
     return max(1, min(wanted, positions - 1))
 
 
-def _trim(ids: Sequence[int], eos_id: int, pad_id: int) -> list[int]:
-    out = []
-    for i in ids:
-        if i == eos_id:
-            break
-        if i != pad_id:
-            out.append(int(i))
-    return out
-
-
 @torch.no_grad()
 def greedy_decode(
     model: nn.Module,
@@ -129,7 +119,7 @@ def greedy_decode(
         if bool(finished.all()):
             break
     model.train(was_training)
-    return [_trim(row, eos_id, pad_id) for row in prefix[:, 1:].tolist()]
+    return [trim_tokens(row, eos_id, pad_id) for row in prefix[:, 1:].tolist()]
 
 
 def _length_penalty(length: int, alpha: float) -> float:
@@ -210,7 +200,7 @@ def beam_search(
     results = []
     for b in beams:
         pool = b.done + [(s / _length_penalty(len(t) - 1, length_penalty), t) for s, t in b.live]
-        results.append(_trim(max(pool, key=lambda item: item[0])[1][1:], eos_id, pad_id))
+        results.append(trim_tokens(max(pool, key=lambda item: item[0])[1][1:], eos_id, pad_id))
     return results
 
 

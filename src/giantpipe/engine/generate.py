@@ -192,7 +192,8 @@ class Search(Protocol):
     def result(self) -> Tokens: ...
 
 
-def _trim(ids: Sequence[int], eos_id: int | None, pad_id: int | None) -> list[int]:
+def trim_tokens(ids: Sequence[int], eos_id: int | None, pad_id: int | None) -> list[int]:
+    """A decoded row as the caller sees it: up to (not including) ``</s>``, padding left out."""
     out = []
     for i in ids:
         if i == eos_id:
@@ -247,7 +248,7 @@ class RowSearch:
         return torch.tensor([[picked[row]] for row in keep]), None if every else torch.tensor(keep)
 
     def result(self) -> Tokens:
-        return [_trim(t, self.decoding.eos_id, self.decoding.pad_id) for t in self.tokens]
+        return [trim_tokens(t, self.decoding.eos_id, self.decoding.pad_id) for t in self.tokens]
 
 
 def _length_penalty(length: int, alpha: float) -> float:
@@ -318,7 +319,7 @@ class BeamSearch:
         for b in self.beams:
             pool = b.done + [(s / _length_penalty(len(t), alpha), t) for s, t, _ in b.live]
             best = max(pool, key=lambda item: item[0])[1]
-            out.append(_trim(best, self.decoding.eos_id, self.decoding.pad_id))
+            out.append(trim_tokens(best, self.decoding.eos_id, self.decoding.pad_id))
         return out
 
 
