@@ -92,7 +92,7 @@ def run_case(case: str, length: int) -> list[list[int]]:
         return generate(model, [x], [length], Decoding())[0]
     k, m = (int(part.split("=")[1]) for part in case.split()[1:])
     balance = even(len(model), k)
-    pipe = GPipe(model, balance, devices=["cpu"] * k, chunks=m, threads_per_stage=1)
+    pipe = GPipe(model, balance, devices=["cpu"] * k, chunks=m, threads_per_worker=1)
     out = generate(pipe, split_rows(x, m), [length] * m, Decoding())
     pipe.close()
     return [row for chunk in out for row in chunk]

@@ -367,7 +367,7 @@ def checked_options(experiment: ExperimentConfig) -> ExperimentConfig:
         twin_of = getattr(type(spec), "__twin_of__", None)
         if twin_of is None:
             continue
-        schema = _real_schema(spec._target_, twin_of[1])
+        schema = _real_schema(spec._target_, *twin_of)
         values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
         try:
             setattr(experiment, group, schema(**values))
@@ -378,14 +378,31 @@ def checked_options(experiment: ExperimentConfig) -> ExperimentConfig:
     return experiment
 
 
-def _real_schema(target: str, name: str) -> type:
-    module_name = target.rpartition(".")[0]
-    try:
-        schema = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{target}", f"cannot load the schema {name} ({err})") from err
-    assert isinstance(schema, type)
-    return schema
+def _real_schema(target: str, source: Path, name: str) -> type:
+    """The schema ``name`` beside the builder ``target``; failing that, in the module the option
+    file named it from (``source``): ``model._target_=my.builder`` may keep the option's schema."""
+    error: Exception | None = None
+    for module_name in (target.rpartition(".")[0], _module_of(source)):
+        if module_name is None:
+            continue
+        try:
+            schema = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError) as err:
+            error = error or err
+            continue
+        assert isinstance(schema, type)
+        return schema
+    raise ConfigError(f"{target}", f"cannot load the schema {name} ({error})")
+
+
+def _module_of(source: Path) -> str | None:
+    """The importable name of the file ``source`` (``models/mlp.py``: ``models.mlp``), if any."""
+    path = Path(source).resolve().with_suffix("")
+    for entry in sys.path:
+        root = Path(entry or ".").resolve()
+        if path.is_relative_to(root):
+            return ".".join(path.relative_to(root).parts)
+    return None
 
 
 def check_fits(cfg: DictConfig, choices: dict[str, Any], conf_dir: Path | None) -> None:

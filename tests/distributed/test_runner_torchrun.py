@@ -84,6 +84,7 @@ def test_torchrun_trains_as_the_local_executor_and_resumes(tmp_path: Path) -> No
     assert output.count("optimizer steps") == 1
     assert sorted(p.name for p in run.iterdir()) == [
         "config.yaml",
+        "curves.png",
         "last",
         "metrics.jsonl",
         "step_3",

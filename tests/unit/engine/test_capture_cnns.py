@@ -116,7 +116,7 @@ def test_cnn_default_cut_pipelined_equals_the_original(name: str) -> None:
     finally:
         torch.set_num_threads(threads)
     first = FIRST_OF_STAGE_1.get(name, len(seq) // 2)
-    pipe = GPipe(copy.deepcopy(seq), [first, len(seq) - first], chunks=CHUNKS, threads_per_stage=1)
+    pipe = GPipe(copy.deepcopy(seq), [first, len(seq) - first], chunks=CHUNKS, threads_per_worker=1)
     loss = pipe.train_step(x, y, F.cross_entropy)
     assert loss.item() == (sum(losses) / CHUNKS).item()
     mine = dict(pipe.state_dict(keep_vars=True))

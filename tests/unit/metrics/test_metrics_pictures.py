@@ -19,7 +19,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def record(step: int, loss: float) -> StepRecord:
     stats = SimpleNamespace(
         wall_time_s=1.0,
+        span_s=1.0,
         busy_time_s=[0.1, 0.2],
+        recompute_time_s=[0.0, 0.0],
         bubble=0.25,
         expected_bubble=0.2,
         peak_memory_bytes=[10, 20],

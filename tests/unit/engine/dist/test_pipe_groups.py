@@ -53,7 +53,14 @@ def test_host_numbers_go_to_host_groups(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(pipe_module, "all_gather_rows", gather_rows)
     fake = _fake_pipe()
     DistributedPipe._reduce_normalizer(fake, 8.0)
-    run = SimpleNamespace(worker_peaks=[0, 0], busy=[0.1, 0.2], span=0.3, cuda=False, timings=[])
+    run = SimpleNamespace(
+        worker_peaks=[0, 0],
+        busy=[0.1, 0.2],
+        recomputed=[0.0, 0.0],
+        span=0.3,
+        cuda=False,
+        timings=[],
+    )
     DistributedPipe._finish(fake, run, 0.0, torch.tensor(1.5))
     assert seen == [
         ("sum", "<host_replica>", "the loss normaliser"),
