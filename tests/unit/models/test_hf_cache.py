@@ -1,0 +1,153 @@
+"""Key/value caches for Hugging Face causal LMs taken in with ``sequentialize`` (models/hf.py):
+cached, pipelined decoding through ``GPipe`` equals the plain Hugging Face model decoding
+without a cache (its full forward re-run on the whole prefix at every step), token for token,
+greedy and beam (fp32), for K = 1..4 stages and M = 1..4 micro-batches; sampling is the same
+for K = 1 and K = 3; other types, and cuts inside a decoder layer, are refused by name; a
+piece keeps only its own weights."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from giantpipe import GPipe, sequentialize
+from giantpipe.engine.generate import BeamSearch, Decoding, RowSearch, generate, split_rows
+
+pytest.importorskip("transformers")
+from models.hf import CACHED_TYPES, give_caches, hf_causal_lm  # noqa: E402
+
+torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
+
+VOCAB, LAYERS, STEPS = 50, 3, 10
+BALANCES = {1: [5], 2: [2, 3], 3: [2, 2, 1], 4: [1, 2, 1, 1]}  # embed, 3 layers, head
+# mistral with a window of 4 (prompt 5 + 10 steps): its layers mask and cache a sliding window
+ARCHITECTURES = {"gpt2": {}, "llama": {}, "mistral": {"sliding_window": 4}}
+
+
+def build(architecture: str) -> nn.Module:
+    kv_heads = None if architecture == "gpt2" else 2  # grouped queries where the type has them
+    config = ARCHITECTURES[architecture]
+    model = hf_causal_lm(architecture, LAYERS, 32, 4, VOCAB, kv_heads, max_len=64, config=config)
+    return model.eval()
+
+
+def uncached(model: nn.Module, prompts: Tensor, decoding: Decoding, m: int = 0) -> list:
+    """The reference: the engine's search on the logits of the plain model's full forward
+    over each row's whole prefix, at every step (rows reordered as the search says)."""
+    rows = len(prompts)
+    search: Any = (
+        BeamSearch(rows, STEPS, decoding)
+        if decoding.beam_size > 1
+        else RowSearch(rows, STEPS, decoding, m)
+    )
+    prefix = prompts
+    with torch.no_grad():
+        while True:
+            step = search.advance(model(input_ids=prefix).logits[:, -1])
+            if step is None:
+                return search.result()
+            tokens, order = step
+            prefix = torch.cat([prefix if order is None else prefix[order], tokens], dim=1)
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def captured(request: pytest.FixtureRequest) -> dict[str, Any]:
+    model = build(request.param)
+    prompts = torch.randint(1, VOCAB, (6, 5), generator=torch.Generator().manual_seed(5))
+    seq = sequentialize(model, prompts, output="logits")
+    give_caches(model, list(seq), seq.spans)
+    free = uncached(model, prompts, Decoding())
+    eos = free[0][2]  # the third token of row 0 ends it: rows leave the caches at their </s>
+    return {
+        "architecture": request.param,
+        "model": model,
+        "seq": seq,
+        "prompts": prompts,
+        "free": free,
+        "eos": eos,
+        "greedy": uncached(model, prompts, Decoding(eos_id=eos)),
+        "beam": uncached(model, prompts, Decoding(beam_size=3, eos_id=eos)),
+    }
+
+
+def pipelined(captured: dict[str, Any], k: int, m: int, decoding: Decoding) -> list[list[int]]:
+    seq = captured["seq"]
+    pipe = GPipe(seq, balance=BALANCES[k], devices=["cpu"] * k, chunks=m) if k > 1 else seq
+    prompts = split_rows(captured["prompts"], m)
+    out = generate(pipe, prompts, [STEPS] * len(prompts), decoding, timeout=60.0)
+    return [row for chunk in out for row in chunk]
+
+
+@pytest.mark.parametrize(("k", "m"), [(1, 1), (2, 4), (3, 2), (4, 3)])
+def test_greedy_through_the_pipe_equals_the_uncached_model(
+    captured: dict[str, Any], k: int, m: int
+) -> None:
+    assert pipelined(captured, k, m, Decoding()) == captured["free"]
+    assert pipelined(captured, k, m, Decoding(eos_id=captured["eos"])) == captured["greedy"]
+
+
+@pytest.mark.parametrize(("k", "m"), [(1, 2), (3, 3), (4, 1)])
+def test_beam_through_the_pipe_equals_the_uncached_model(
+    captured: dict[str, Any], k: int, m: int
+) -> None:
+    got = pipelined(captured, k, m, Decoding(beam_size=3, eos_id=captured["eos"]))
+    assert got == captured["beam"]
+
+
+def test_the_references_are_not_trivial(captured: dict[str, Any]) -> None:
+    assert captured["beam"] != captured["greedy"]
+    assert captured["greedy"][0] == captured["free"][0][:2]  # row 0 stopped at its </s>
+    assert len({tuple(row) for row in captured["free"]}) > 1
+
+
+def test_sampling_is_the_same_for_one_and_three_stages(captured: dict[str, Any]) -> None:
+    decoding = Decoding(temperature=0.9, top_k=8, top_p=0.95, seed=4)
+    alone = pipelined(captured, 1, 1, decoding)
+    assert pipelined(captured, 3, 1, decoding) == alone
+    assert alone == uncached(captured["model"], captured["prompts"], decoding)
+    assert alone != captured["free"]  # it sampled
+
+
+def test_every_listed_type_is_tested_here() -> None:
+    tested = {"gpt2", "llama", "mistral"}
+    assert tested <= set(CACHED_TYPES) and {CACHED_TYPES[a] for a in CACHED_TYPES} == {
+        CACHED_TYPES[a] for a in tested
+    }  # each layout has a type of its own above
+
+
+def tiny(architecture: str, **kwargs: Any) -> tuple[nn.Module, Any]:
+    model = hf_causal_lm(architecture, layers=2, width=16, heads=2, vocab_size=VOCAB).eval()
+    seq = sequentialize(model, torch.randint(0, VOCAB, (2, 4)), output="logits", **kwargs)
+    give_caches(model, list(seq), seq.spans)
+    return model, seq
+
+
+def test_another_type_is_refused_by_name_with_the_supported_ones() -> None:
+    _, seq = tiny("gpt_neox")
+    with pytest.raises(TypeError, match="'gpt_neox' has no key/value cache.*gpt2, llama"):
+        generate(seq, [torch.zeros(2, 3, dtype=torch.long)], [4], Decoding())
+
+
+def test_a_cut_inside_a_decoder_layer_is_refused() -> None:
+    _, seq = tiny("llama", split_points=["model.layers.1.mlp"])
+    with pytest.raises(TypeError, match="model.layers.1 is cut across pieces"):
+        generate(seq, [torch.zeros(2, 3, dtype=torch.long)], [4], Decoding())
+
+
+def test_a_piece_keeps_no_other_pieces_weights_alive() -> None:
+    model, seq = tiny("llama")
+    others = [weakref.ref(p) for p in [*seq[0].parameters(), *seq[2].parameters()]]
+    assert all(p() is not None for p in others)
+    kept = seq[1]  # decoder layer 0 alone, as a rank of its stage keeps it
+    del model, seq
+    gc.collect()
+    assert all(p() is None for p in others)
+    hidden = torch.randn(2, 3, 16)
+    cos, sin = torch.ones(1, 3, 8), torch.zeros(1, 3, 8)
+    out, cache = kept.forward_cached((hidden, cos, sin), None)
+    assert out[0].shape == (2, 3, 16) and cache.length == 3
