@@ -149,13 +149,18 @@ GPT2 = Layout(
     dropout="transformer.drop",
 )
 
-CACHED_TYPES: dict[str, Layout] = {
-    # found by decoding a tiny model of every type cached through the pipe and uncached whole
-    # (tests/unit/models/test_hf_cache.py; transformers 5.24): the llama family's decoder layers
-    # take (hidden, attention_mask, position_ids, cache, use_cache, position_embeddings)
-    "gpt2": GPT2,
-    "llama": LLAMA,
-}
+LLAMA_FAMILY = [
+    # Their *ForCausalLM and base-model forwards are Llama's, but for choosing each layer's mask
+    # (sliding windows) by its layer type, and their decoder layers take Llama's arguments; the
+    # cached logits of a tiny model of each (a window of 4 where the type has one) equal its
+    # full forward's (tests/unit/models/test_hf_cache.py; found with transformers 5.24). Left
+    # out: cohere, phi, persimmon (their logits differ: a scale, a partial rotary), gemma, cwm,
+    # granite, starcoder2 and the mixtures of experts (their forwards add to Llama's).
+    "apertus", "arcee", "bitnet", "diffllama", "ernie4_5", "exaone", "exaone4", "glm", "glm4",
+    "helium", "hunyuan_v1_dense", "internlm3", "iquestcoder", "jais2", "llama", "ministral",
+    "mistral", "olmo", "olmo2", "phi3", "qwen2", "qwen3",
+]  # fmt: skip
+CACHED_TYPES: dict[str, Layout] = {"gpt2": GPT2} | {name: LLAMA for name in LLAMA_FAMILY}
 """Model types whose captured pieces can keep key/value caches, and their layout; every other
 type is refused by name where generation is asked for."""
 
@@ -163,8 +168,8 @@ type is refused by name where generation is asked for."""
 def cached_types() -> list[str]:
     """The model types :func:`give_caches` serves.
 
-    >>> cached_types()[:2]
-    ['gpt2', 'llama']
+    >>> [t for t in cached_types() if t in ("gpt2", "llama", "mistral", "qwen2")]
+    ['gpt2', 'llama', 'mistral', 'qwen2']
     """
     return sorted(CACHED_TYPES)
 
