@@ -20,7 +20,9 @@ VOCAB = 50
 
 
 def llama_pieces() -> Any:
-    model = hf_causal_lm("llama", layers=3, width=32, heads=4, vocab_size=VOCAB, kv_heads=2)
+    model = hf_causal_lm(
+        "llama", 3, 32, 4, VOCAB, kv_heads=2, config={"initializer_range": 0.3}
+    )  # attention that looks at positions (at the default 0.02 it is near uniform)
     ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
     seq = sequentialize(model.eval(), ids, output="logits")
     give_caches(model, list(seq), seq.spans)
