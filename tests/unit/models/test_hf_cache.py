@@ -174,3 +174,18 @@ def test_a_piece_keeps_no_other_pieces_weights_alive() -> None:
     cos, sin = torch.ones(1, 3, 8), torch.zeros(1, 3, 8)
     out, cache = kept.forward_cached((hidden, cos, sin), None)
     assert out[0].shape == (2, 3, 16) and cache.length == 3
+
+
+def test_tied_embeddings_decode_as_the_plain_model() -> None:
+    """GPT-2 with one table for input and output: the first and last pieces share it (the
+    engine's per-stage copies), and each piece's decoder runs on the copy its piece holds."""
+    model = hf_causal_lm(
+        "gpt2", 2, 32, 4, VOCAB, tie_embeddings=True, config={"initializer_range": 0.3}
+    ).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    prompts = torch.randint(1, VOCAB, (4, 5), generator=torch.Generator().manual_seed(2))
+    seq = sequentialize(model, prompts, output="logits")
+    give_caches(model, list(seq), seq.spans)
+    pipe = GPipe(seq, balance=[2, 2], devices=["cpu"] * 2, chunks=2)
+    out = generate(pipe, split_rows(prompts, 2), [STEPS] * 2, Decoding())
+    assert [row for chunk in out for row in chunk] == uncached(model, prompts, Decoding())
