@@ -127,7 +127,8 @@ def _sizes(
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a family's parts are (submodule names) and how its decoder layer is called."""
+    """Where a family's parts are (submodule names); a family with rotary positions calls its
+    decoder layers as Llama's model does, one without as GPT-2's does."""
 
     tokens: str
     layers: str
@@ -138,6 +139,7 @@ class Layout:
     positions: str | None = None
     """A learnt position table, added to the token embeddings (gpt2)."""
     dropout: str | None = None
+    """Dropout on the embeddings (gpt2; off in generation, which runs in eval mode)."""
 
 
 LLAMA = Layout("model.embed_tokens", "model.layers", "model.norm", rotary="model.rotary_emb")
@@ -399,7 +401,8 @@ class HfCausalLmModelConfig:
     """Builder called with the other fields."""
     architecture: str = "llama"
     """Hugging Face model type that AutoModelForCausalLM builds: llama, mistral, qwen2, gpt2,
-    gpt_neox, phi, gemma, mixtral, ... (``models.hf.causal_lm_types()`` lists them)."""
+    gpt_neox, phi, gemma, mixtral, ... (``models.hf.causal_lm_types()`` lists them); those
+    of ``models.hf.cached_types()`` also generate (data.eval_samples, recipes/generate.py)."""
     layers: int = 4
     """Decoder blocks (each a piece the balance can put on any stage)."""
     width: int = 256
