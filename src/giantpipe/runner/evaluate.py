@@ -9,8 +9,9 @@ is a world of one, where the sums and the count are its own.
 The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`):
 a hook that takes the pipe (``takes_pipe``, as held-out BLEU) runs on every rank and decodes
 through the stages (any schedule: a worker with virtual stages keeps each one's caches), no
-rank holding more than its own; any other needs every layer in one process: under torchrun, rank 0 gathers the other ranks' weights into its copy of the plain
-model first (see :func:`whole_model_figures`).
+rank holding more than its own; any other needs every layer in one process: under torchrun,
+rank 0 gathers the other ranks' weights into its copy of the plain model first (see
+:func:`whole_model_figures`).
 
 Example::
 
@@ -155,9 +156,9 @@ def whole_model_figures(
     """The data's own evaluation of the whole model (e.g. BLEU), on every process.
 
     A hook that takes the pipe (``takes_pipe``) runs on every rank, through the stages (held-out
-    BLEU decodes with each stage's caches, for every schedule). For any other, under torchrun the ranks of replica
-    0 send their weights to rank 0, which loads them into its plain model and runs the
-    evaluation; the figures then reach every rank.
+    BLEU decodes with each stage's caches, for every schedule). For any other, under torchrun
+    the ranks of replica 0 send their weights to rank 0, which loads them into its plain model
+    and runs the evaluation; the figures then reach every rank.
     """
     hook = bundle.evaluate_model
     if hook is None:
