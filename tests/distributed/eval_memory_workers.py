@@ -29,10 +29,13 @@ def live_tensors() -> tuple[int, int]:
         # type(), not isinstance: a deprecated module attribute warns when asked its __class__
         if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":
             continue
+        try:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # a fake tensor (left by a torch.export in this process): no data
+            continue
         if issubclass(type(obj), nn.Parameter):
             params += obj.numel()
-        storage = obj.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
     storages.pop(0, None)  # empty tensors
     return params, sum(storages.values())
 
