@@ -129,6 +129,6 @@ def test_a_hugging_face_type_without_caches_is_refused_by_name() -> None:
     bundle = lm_tokens(vocab_size=41, seq_len=16, batch_size=2, eval_samples=1)
     cfg = SimpleNamespace(model=SimpleNamespace(architecture="gpt_neox"))
     with pytest.raises(ConfigError, match="data.eval_samples.*'gpt_neox'.*gpt2, .*llama, "):
-        check_generates(cfg, bundle, seq, virtual_stages=1)  # type: ignore[arg-type]
+        check_generates(cfg, bundle, seq)  # type: ignore[arg-type]
     no_samples = lm_tokens(vocab_size=41, seq_len=16, batch_size=2)
-    check_generates(cfg, no_samples, seq, virtual_stages=1)  # type: ignore[arg-type]
+    check_generates(cfg, no_samples, seq)  # type: ignore[arg-type]
