@@ -189,3 +189,17 @@ def test_tied_embeddings_decode_as_the_plain_model() -> None:
     pipe = GPipe(seq, balance=[2, 2], devices=["cpu"] * 2, chunks=2)
     out = generate(pipe, split_rows(prompts, 2), [STEPS] * 2, Decoding())
     assert [row for chunk in out for row in chunk] == uncached(model, prompts, Decoding())
+
+
+def test_virtual_stages_decode_as_the_uncached_model(captured: dict[str, Any]) -> None:
+    """Two workers of two interleaved virtual stages each: a piece's cache lives where it runs."""
+    pipe = GPipe(
+        captured["seq"],
+        balance=[2, 1, 1, 1],
+        devices=["cpu"] * 2,
+        chunks=2,
+        schedule="interleaved",
+        virtual_stages=2,
+    )
+    out = generate(pipe, split_rows(captured["prompts"], 2), [STEPS] * 2, Decoding())
+    assert [row for chunk in out for row in chunk] == captured["free"]
