@@ -48,6 +48,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -281,6 +282,9 @@ class Results:
 def run_sweep(model: Model, steps: int, out: Path, extra: Sequence[str] = ()) -> Path:
     """``train.py -m sweep=...`` at K=2 on CPU stand-ins; returns the sweep directory."""
     sweep_dir = out / "runs" / model.key
+    # A fresh sweep: the runner refuses a job directory that holds an earlier run's record, and
+    # ``collect`` would then read that earlier run's summary.json as if it were this run's.
+    shutil.rmtree(sweep_dir, ignore_errors=True)
     command = [
         sys.executable, str(ROOT / "train.py"), "-m", f"sweep={model.sweep}",
         f"recipe={model.recipe}", *model.stand_in, "pipeline.devices=cpu",

@@ -138,6 +138,22 @@ def test_collect_reads_completed_runs_and_skips_failed_ones(
     assert results.breakdown[(2, 4)]["bubble"] == 0.2  # the run's Section 3.1 figures
 
 
+def test_a_rerun_never_reads_the_previous_runs_summaries(
+    recipe: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The committed results hold an earlier sweep; the runner refuses those job directories
+    # (a record without a checkpoint), so a rerun must start them afresh, else ``collect``
+    # reads the earlier, completed summaries as this run's numbers.
+    model = recipe.MODELS[0]
+    stale = tmp_path / "runs" / model.key / "0"
+    stale.mkdir(parents=True)
+    (stale / "summary.json").write_text(json.dumps({"status": "completed"}))
+    monkeypatch.setattr(recipe.subprocess, "run", lambda *args, **kwargs: None)
+    sweep_dir = recipe.run_sweep(model, 2, tmp_path)
+    assert sweep_dir == tmp_path / "runs" / model.key
+    assert not list(sweep_dir.glob("*/summary.json"))
+
+
 def test_every_paper_cell_is_in_the_grid_and_quoted_once(recipe: ModuleType) -> None:
     for model in recipe.MODELS:
         assert set(recipe.PAPER[model.key]) == set(model.cells)
