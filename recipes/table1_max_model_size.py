@@ -244,7 +244,8 @@ RESERVE_SOURCE = (
 )
 # The paper does not state M for Table 1; one M for every pipeline column, stated.
 CHUNKS = {"amoebanet": 32, "transformer": 32}
-DEPTHS = {"amoebanet": range(18, 1201, 6), "transformer": range(1, 4001)}
+DEPTHS = {"amoebanet": range(6, 1201, 6), "transformer": range(1, 4001)}
+DEPTH_FROM = {"AmoebaNet-D": "(6, D)", "Transformer-L": "1 layer"}
 
 
 @dataclass
@@ -374,7 +375,8 @@ def paper_table(
             if how == "measured"
             else "."
         )  # fmt: skip
-        + " The largest model is the deepest that fits at the column's width, predicted."
+        + " The largest model is the deepest that fits at the column's width, predicted "
+        f"(depths from {DEPTH_FROM[family.name]}: 'none fits' means not even that one)."
     )
     return "\n".join([title, "", settings, "", *rows, "", *[f"- {n}" for n in notes]]) + "\n"
 
