@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -518,7 +519,7 @@ def run(args: argparse.Namespace) -> Results:
         "# GPipe Table 1: largest trainable model",
         "",
         f"Command: `{command}`, {datetime.datetime.now():%Y-%m-%d %H:%M}, torch "
-        f"{torch.__version__}; {how}.",
+        f"{torch.__version__}, load average {os.getloadavg()[0]:.1f} at start; {how}.",
         "",
         "## 1. The paper's settings",
         "",
