@@ -228,7 +228,7 @@ TOLERANCE = 0.15  # the issue's bar: each preset reproduces its measured cells w
 # -13% but sends K=8, M=4 to +78% (4 of 9 cells within 15%, as with 0). Too small to matter
 # [derived]: the optimizer step (RMSProp reads and writes 20 B a parameter: 15M parameters a
 # stage at K=8 take 0.7 ms at 450 GB/s) and link latency (10 us a message, 2 (M+K-1) = 22
-# messages at K=8, M=4: 0.2 ms) against K=8, M=4's simulated 3.2 s step; the loss is one
+# messages at K=8, M=4: 0.2 ms) against K=8, M=4's simulated 3.1 s step; the loss is one
 # 1000-way softmax a sample. Memory traffic of BatchNorm and concatenation scales with the
 # samples, as the FLOPs do, so it cannot lower M=4's gain over M=1 at a fixed K either.
 GROWS_WITH_BATCH = (
