@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         f"autograd keeps {total:.2f} GiB, {total / paper_gib:.1f}x as much.",
         f"- Of these, ReLU outputs are {totals['relu out'] / total:.0%} and max-pool int64 "
         f"indices {totals['pool idx'] / total:.0%}: both are what eager PyTorch keeps and a "
-        "compiler that fuses BatchNorm and ReLU into the convolutions (XLA on TPU) recomputes "
-        "in the fused backward instead.",
+        "compiler that fuses BatchNorm and ReLU into the convolutions (as XLA can on TPU) "
+        "recomputes in the fused backward instead.",
         f"- One tensor per convolution (its output; BatchNorm, ReLU and the pools' inputs "
         f"recomputed from it in a fused backward): {per_conv:.2f} GiB in float32 "
         f"({total / per_conv:.1f}x less), {per_conv / 2:.2f} GiB in bfloat16 "

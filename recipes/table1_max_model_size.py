@@ -398,7 +398,7 @@ NAIVE_GAP = {
         "torchgpipe's own PyTorch run of this column ran out of memory on a 24 GB P40. Eager "
         "PyTorch keeps every ReLU output (43% of it) and int64 max-pool indices (14%); one "
         "bfloat16 tensor per convolution output, what a compiler that fuses BatchNorm and ReLU "
-        "into the convolutions and recomputes them in the backward keeps (XLA on TPU), is "
+        "into the convolutions and recomputes them in the backward keeps (as XLA can on TPU), is "
         "5.52 GiB, 0.95x the paper's (results/table1/naive1_activations.md)"
     ),
 }
