@@ -225,7 +225,8 @@ TOLERANCE = 0.15  # the issue's bar: each preset reproduces its measured cells w
 # (--action-overhead-us 5000 and 20000) moves the M=4 cells the wrong way (K=2, M=4: +26% and
 # +32% against +23%); an efficiency that grows with the micro-batch (--half-batch 78, the value
 # at which a micro-batch of 128 runs 1.38x as fast per sample as one of 64) brings K=8, M=1 to
-# -13% but sends K=8, M=4 to +78% (4 of 9 cells within 15%, as with 0). Too small to matter
+# -13% but sends K=8, M=4 to +78% (4 of 9 cells within 15%, as with 0); a device of 8 or 16 GiB
+# (a TPU v2 or v3 core: smaller batches) leaves 4 of 9, M=4 at +23-49%. Too small to matter
 # [derived]: the optimizer step (RMSProp reads and writes 20 B a parameter: 15M parameters a
 # stage at K=8 take 0.7 ms at 450 GB/s) and link latency (10 us a message, 2 (M+K-1) = 22
 # messages at K=8, M=4: 0.2 ms) against K=8, M=4's simulated 3.1 s step; the loss is one
