@@ -170,6 +170,11 @@ def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -
             f"the model returns {seq.out_spec.num_leaves} values ({seq.out_spec.type}); name "
             "the one the loss takes, e.g. pipeline.output=logits",
         )
+    # A model may give its pieces key/value caches for generation (models.hf's builder offers
+    # it): called with the model while it is still whole, it keeps only each piece's own parts.
+    cache_pieces = getattr(model, "giantpipe_cache_pieces", None)
+    if callable(cache_pieces):
+        cache_pieces(model, list(seq), seq.spans)
     return seq
 
 
