@@ -43,9 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from giantpipe import GPipe
-from giantpipe.engine.generate import Decoding, generate, split_rows
-from models.transformer import transformer_lm
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]  # models/ from a checkout
+
+from giantpipe import GPipe  # noqa: E402
+from giantpipe.engine.generate import Decoding, generate, split_rows  # noqa: E402
+from models.transformer import transformer_lm  # noqa: E402
 
 LAYERS, D_MODEL, HEADS, VOCAB, ROWS, PROMPT = 12, 64, 4, 1000, 8, 8
 HF_PIPE = "hf gp K=2 M=1"
@@ -81,6 +84,7 @@ def hf_gpt2(length: int) -> nn.Module:
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=PROMPT + length, n_embd=D_MODEL, n_layer=LAYERS,
         n_head=HEADS, n_inner=4 * D_MODEL, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=0, eos_token_id=0,  # inside the vocabulary (GPT-2's own 50256 is not)
     )  # fmt: skip
     torch.manual_seed(0)
     return GPT2LMHeadModel(config).eval()
