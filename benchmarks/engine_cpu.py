@@ -4,7 +4,7 @@
     python benchmarks/engine_cpu.py --quick    # seconds; what the test suite runs
 
 Model: an 8-block MLP (Linear 1024 + ReLU per block), batch 512, K=2 stages on two CPU stand-in
-devices, checkpoint 'never', M in {1, 2, 4, 8, 16}. One training step = forward + backward.
+devices, recompute 'never', M in {1, 2, 4, 8, 16}. One training step = forward + backward.
 Side by side, in interleaved rounds (this machine is shared and noisy; we report the median):
 
     plain         the un-pipelined model on one core
@@ -89,7 +89,7 @@ def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int) 
 
 
 def gpipe_steps(
-    model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, chunks: int, checkpoint: str = "never"
+    model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, chunks: int, recompute: str = "never"
 ) -> tuple[GPipe, Callable, Callable]:
     half = len(model) // 2
     pipe = GPipe(
@@ -97,7 +97,7 @@ def gpipe_steps(
         [half, len(model) - half],
         devices=["cpu", "cpu"],
         chunks=chunks,
-        checkpoint=checkpoint,
+        recompute=recompute,
     )
 
     def forward_door() -> None:
@@ -120,7 +120,7 @@ def torchgpipe_step(
         return None
     half = len(model) // 2
     pipe = torchgpipe.GPipe(
-        model, [half, len(model) - half], devices=["cpu", "cpu"], chunks=chunks, checkpoint="never"
+        model, [half, len(model) - half], devices=["cpu", "cpu"], chunks=chunks, recompute="never"
     )
 
     def step() -> None:
@@ -213,7 +213,7 @@ def throughput_table(setup: Setup) -> str:
     methods = ["gp-forward", "gp-step", "torchgpipe", "pippy-gpipe", "pippy-1f1b"]
     lines = [
         f"MLP {setup.blocks} x Linear({setup.width}) + ReLU, batch {setup.batch}, K=2 CPU "
-        f"stand-ins, checkpoint never; median of {setup.rounds} rounds; samples/s "
+        f"stand-ins, recompute never; median of {setup.rounds} rounds; samples/s "
         "(fraction of bound)",
         "",
         "| M | plain 1 core | plain-mb 1 core | bound | "
@@ -245,7 +245,7 @@ def memory_table(setup: Setup) -> str:
     for mode in ("never", "always"):
         times, peaks = [], []
         for _ in range(max(setup.rounds, 1)):
-            pipe, _, step_door = gpipe_steps(copy.deepcopy(base), x, y, chunks, checkpoint=mode)
+            pipe, _, step_door = gpipe_steps(copy.deepcopy(base), x, y, chunks, recompute=mode)
             times.append(timed(step_door, setup.steps))
             peaks.append(max(pipe.last_stats.peak_memory_bytes))
         rows[mode] = (statistics.median(times), max(peaks))
@@ -254,7 +254,7 @@ def memory_table(setup: Setup) -> str:
         f"MLP {setup.deep_blocks} x Linear({setup.width}) + ReLU, batch {setup.batch}, K=2, "
         f"M={chunks}; peak = activation bytes saved for backward on the busiest stage",
         "",
-        "| checkpoint | step time (s) | peak activation memory (MiB) | time vs never | "
+        "| recompute | step time (s) | peak activation memory (MiB) | time vs never | "
         "memory vs never |",
         "|---|---|---|---|---|",
     ]

@@ -15,6 +15,9 @@ the RSS it started with):
     plain, cache       engine.generate on the plain Sequential (one stage, the caller's thread)
     gp K=k M=m         engine.generate through GPipe: k stages on CPU stand-ins (a worker
                        thread each), the rows cut into m micro-batches
+    gp K=2 V=2 M=2     the same with the interleaved schedule's placement: 4 stages on 2
+                       workers (stage s on worker s % 2), each worker keeping 2 stages' caches:
+                       a token's step goes round the workers twice
     hf generate        transformers' GPT-2 of the same shape, generate() with its cache (a peer)
 
 The cached cases' tokens are checked against the uncached decoder's where both ran. Below the
@@ -90,9 +93,14 @@ def run_case(case: str, length: int) -> list[list[int]]:
         return uncached(model, x, length)
     if case == "plain, cache":
         return generate(model, [x], [length], Decoding())[0]
-    k, m = (int(part.split("=")[1]) for part in case.split()[1:])
-    balance = even(len(model), k)
-    pipe = GPipe(model, balance, devices=["cpu"] * k, chunks=m, threads_per_worker=1)
+    knobs = {part.split("=")[0]: int(part.split("=")[1]) for part in case.split()[1:]}
+    k, v, m = knobs["K"], knobs.get("V", 1), knobs["M"]
+    balance = even(len(model), k * v)
+    schedule = "interleaved" if v > 1 else "gpipe"
+    pipe = GPipe(
+        model, balance, devices=["cpu"] * k, chunks=m, threads_per_worker=1, schedule=schedule,
+        virtual_stages=v if v > 1 else None,
+    )  # fmt: skip
     out = generate(pipe, split_rows(x, m), [length] * m, Decoding())
     pipe.close()
     return [row for chunk in out for row in chunk]
@@ -164,6 +172,7 @@ def main() -> None:
     if args.pipes:
         pipes = [(int(k), int(m)) for k, m in (p.split(",") for p in args.pipes)]
     cases = ["plain, no cache", "plain, cache", *[f"gp K={k} M={m}" for k, m in pipes]]
+    cases.append("gp K=2 V=2 M=2")  # virtual stages: interleaved placement
     if args.skip_uncached:
         cases.remove("plain, no cache")
     if not args.no_hf:

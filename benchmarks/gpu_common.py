@@ -35,7 +35,7 @@ from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, rng_context
 from giantpipe.engine.schedules import build_schedule, schedule_builders
 
 SEED = 7  # torch.manual_seed before every pipelined step: the step's dropout seed follows
-MODES = ("always", "except_last", "never")  # the re-materialization modes (checkpoint=)
+MODES = ("always", "except_last", "never")  # the re-materialization modes (recompute=)
 FP32_TOL = 1e-5  # relative error of any tensor, pipelined against plain, fp32
 LOW_PRECISION_FACTOR = 1.5  # bf16/fp16: the pipe's error vs fp32 at most 1.5x the plain model's
 FP32_CRITERION = f"every tensor within {FP32_TOL:.0e} relative of the plain model's"
@@ -226,7 +226,7 @@ def pipe_for(model: nn.Sequential, opts: Options, schedule: str, mode: str) -> G
     v = virtual_stages(schedule, k, chunks)
     balance = even_balance(len(model), k * v)
     return build_pipe(
-        model, opts, balance, chunks=chunks, checkpoint=mode, schedule=schedule, virtual_stages=v
+        model, opts, balance, chunks=chunks, recompute=mode, schedule=schedule, virtual_stages=v
     )
 
 

@@ -125,7 +125,7 @@ def profiled_step(opts: Options) -> tuple[Any, Any]:
     mlp = MLP.of(opts)
     devices = opts.devices(2)
     pipe = GPipe(mlp.model(), even_balance(mlp.blocks, 2), devices=devices, chunks=mlp.chunks,
-                 checkpoint="never")  # fmt: skip
+                 recompute="never")  # fmt: skip
     x, _ = mlp.batch_on(devices[0])
     y = torch.zeros_like(x, device=devices[-1])
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -197,7 +197,7 @@ def memory_row(section: Section, opts: Options, mode: str, shared: bool) -> None
     mlp = MLP.of(opts)
     devices = opts.devices(2)
     pipe = GPipe(mlp.model(), even_balance(mlp.blocks, 2), devices=devices, chunks=mlp.chunks,
-                 checkpoint=mode)  # fmt: skip
+                 recompute=mode)  # fmt: skip
     x, y = mlp.batch_on(devices[0])
     y = y.to(devices[-1])
     with closing(pipe):
@@ -211,7 +211,7 @@ def memory_row(section: Section, opts: Options, mode: str, shared: bool) -> None
     mib = ", ".join(f"{m / 2**20:.1f}/{f / 2**20:.1f} MiB" for m, f in zip(measured, forecast))
     shown = f"{', '.join(f'{r:.2f}' for r in ratios)} ({mib})"
     ok = all(low <= r <= high for r in ratios)
-    section.add(f"checkpoint {mode}: measured/forecast", ok, shown, MEMORY_CRITERION)
+    section.add(f"recompute {mode}: measured/forecast", ok, shown, MEMORY_CRITERION)
 
 
 def memory(opts: Options) -> Section:
@@ -221,7 +221,7 @@ def memory(opts: Options) -> Section:
     shared = not opts.dry and len(set(devices)) < len(devices)  # one allocator for both
     section = Section()
     for mode in ("never", "except_last"):
-        attempt(section, f"checkpoint {mode}: measured/forecast", MEMORY_CRITERION,
+        attempt(section, f"recompute {mode}: measured/forecast", MEMORY_CRITERION,
                 partial(memory_row, section, opts, mode, shared))  # fmt: skip
     if opts.dry:
         what = "saved activations per worker (the engine's meter)"

@@ -4,7 +4,7 @@
     python benchmarks/schedules_cpu.py --quick    # seconds, a smoke test
 
 Model: an 8-block MLP (Linear 1024 + ReLU per block), batch 512, K=2 workers on two CPU stand-in
-devices (one intra-op thread each), re-materialization 'never' (``--checkpoint`` to change).
+devices (one intra-op thread each), re-materialization 'never' (``--recompute`` to change).
 Schedules gpipe, 1f1b, interleaved (V=2: four stages of two blocks), zb-h1 and zb-v (V=2, the
 four stages placed in a V), M in {2, 4, 8}.
 
@@ -84,14 +84,14 @@ def mlp(width: int, blocks: int) -> nn.Sequential:
     )
 
 
-def build(setup: Setup, schedule: str, v: int, chunks: int, checkpoint: str) -> GPipe:
+def build(setup: Setup, schedule: str, v: int, chunks: int, recompute: str) -> GPipe:
     stages = 2 * v
     return GPipe(
         mlp(setup.width, setup.blocks),
         [setup.blocks // stages] * stages,
         devices=["cpu", "cpu"],
         chunks=chunks,
-        checkpoint=checkpoint,
+        recompute=recompute,
         schedule=schedule,
         virtual_stages=v,
     )
@@ -122,7 +122,7 @@ def run_models(rounds: int, steps: int) -> dict[tuple[str, int], Samples]:
         half = len(model) // 2
         for m in MODEL_CHUNKS:
             pipe = GPipe(copy.deepcopy(model), [half, len(model) - half], devices=["cpu", "cpu"],
-                         chunks=m, checkpoint="always")  # fmt: skip
+                         chunks=m, recompute="always")  # fmt: skip
             cells[name, m] = (pipe, x, y, loss)
     results = {key: Samples() for key in cells}
     for r in range(rounds):
@@ -161,11 +161,11 @@ def visit(
     into.gaps.append(statistics.median(walls) / prediction.step_time_s - 1)
 
 
-def run(setup: Setup, checkpoint: str, out: Path) -> dict[tuple[str, int], Samples]:
+def run(setup: Setup, recompute: str, out: Path) -> dict[tuple[str, int], Samples]:
     torch.set_num_threads(2)  # one intra-op thread per worker
     x, y = torch.randn(setup.batch, setup.width), torch.randn(setup.batch, setup.width)
     configs = [(s, v, m) for s, v in SCHEDULES for m in setup.chunks]
-    pipes = {(s, m): build(setup, s, v, m, checkpoint) for s, v, m in configs}
+    pipes = {(s, m): build(setup, s, v, m, recompute) for s, v, m in configs}
     results = {(s, m): Samples() for s, _, m in configs}
     for r in range(setup.rounds):
         for s, _, m in configs:
@@ -206,7 +206,9 @@ def table(setup: Setup, results: dict[tuple[str, int], Samples], first: str = "s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
-    parser.add_argument("--checkpoint", default="never", choices=["always", "except_last", "never"])
+    parser.add_argument(
+        "--recompute", "--checkpoint", default="never", choices=["always", "except_last", "never"]
+    )
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--out", type=Path, default=Path("outputs/schedules_cpu"))
     parser.add_argument("--no-models", action="store_true",
@@ -219,10 +221,10 @@ def main() -> None:
         setup = Setup(**{**setup.__dict__, "rounds": args.rounds})
     started = time.perf_counter()
     if not args.models_only:
-        results = run(setup, args.checkpoint, args.out)
+        results = run(setup, args.recompute, args.out)
         print(
             f"\nK=2 CPU stand-ins, MLP {setup.blocks}x{setup.width}, batch {setup.batch}, "
-            f"checkpoint {args.checkpoint}, median of {setup.rounds} rounds x {setup.steps} "
+            f"recompute {args.recompute}, median of {setup.rounds} rounds x {setup.steps} "
             f"steps ({time.perf_counter() - started:.0f}s)\n"
         )
         print(table(setup, results))
@@ -232,7 +234,7 @@ def main() -> None:
     models = run_models(setup.rounds, setup.steps)
     print(
         f"\nThe paper's models, small: K=2 CPU stand-ins, GPipe, batch {MODEL_BATCH}, "
-        f"checkpoint always, median of {setup.rounds} rounds x {setup.steps} steps "
+        f"recompute always, median of {setup.rounds} rounds x {setup.steps} steps "
         f"({time.perf_counter() - started:.0f}s); gap: measured step / predicted step - 1\n"
     )
     print(table(setup, models, first="model"))

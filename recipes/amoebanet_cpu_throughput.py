@@ -21,7 +21,7 @@ model, everything its forward saves). Rows: the plain model, then K=1 and K=2 fo
 
 Example output columns::
 
-    | model | K | M | balance | checkpoint | samples/s | step (s) | bubble | peak activations |
+    | model | K | M | balance | recompute | samples/s | step (s) | bubble | peak activations |
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Row:
     stages: int
     chunks: int
     balance: list[int]
-    checkpoint: str
+    recompute: str
     samples_per_s: float
     step_time_s: float
     bubble: float | None
@@ -114,7 +114,7 @@ def pipe_row(args: argparse.Namespace, balance: list[int], chunks: int) -> Row:
         balance=balance,
         devices=["cpu"] * len(balance),
         chunks=chunks,
-        checkpoint=args.checkpoint,
+        recompute=args.recompute,
         deferred_batch_norm=True,
     )
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
@@ -132,7 +132,7 @@ def pipe_row(args: argparse.Namespace, balance: list[int], chunks: int) -> Row:
         len(balance),
         chunks,
         balance,
-        args.checkpoint,
+        args.recompute,
         args.batch / seconds,
         seconds,
         stats.bubble,
@@ -144,7 +144,7 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
     head = (
         f"AmoebaNet-D ({args.layers}, {args.filters}), {args.image_size} px, batch {args.batch}, "
         f"SGD, {torch.get_num_threads()} CPU threads, {args.steps} timed steps\n\n"
-        "| model | K | M | balance | checkpoint | samples/s | step (s) | bubble | "
+        "| model | K | M | balance | recompute | samples/s | step (s) | bubble | "
         "peak activations per stage |\n|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
@@ -152,7 +152,7 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
         bubble = "-" if r.bubble is None else f"{r.bubble:.2f}"
         peaks = ", ".join(mib(b) for b in r.peak_bytes)
         lines.append(
-            f"| {r.model} | {r.stages} | {r.chunks} | {r.balance} | {r.checkpoint} | "
+            f"| {r.model} | {r.stages} | {r.chunks} | {r.balance} | {r.recompute} | "
             f"{r.samples_per_s:.2f} | {r.step_time_s:.2f} | {bubble} | {peaks} |"
         )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
@@ -168,7 +168,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="mini-batch size N")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4], help="values of M")
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
-    parser.add_argument("--checkpoint", default="except_last", help="re-materialization mode")
+    parser.add_argument(
+        "--recompute", "--checkpoint", default="except_last", help="re-materialization mode"
+    )
     parser.add_argument(
         "--threads",
         type=int,

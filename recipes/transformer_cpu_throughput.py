@@ -105,11 +105,9 @@ def plain_step(net: nn.Sequential) -> Step:
     return step
 
 
-def pipe_step(
-    net: nn.Sequential, stages: int, chunks: int, checkpoint: str = "except_last"
-) -> Step:
+def pipe_step(net: nn.Sequential, stages: int, chunks: int, recompute: str = "except_last") -> Step:
     balance = balance_by_params(stages, net) if stages > 1 else [len(net)]
-    pipe = GPipe(net, balance, devices=["cpu"] * stages, chunks=chunks, checkpoint=checkpoint)
+    pipe = GPipe(net, balance, devices=["cpu"] * stages, chunks=chunks, recompute=recompute)
     loss_fn = build_loss("cross_entropy", 0.1, 0, summed=True)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-4)
 

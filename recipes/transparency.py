@@ -222,7 +222,7 @@ def build(
         balance_by_params(config.k * v, model),
         devices=["cpu"] * config.k,
         chunks=config.m,
-        checkpoint=cfg.pipeline.recompute,
+        recompute=cfg.pipeline.recompute,
         deferred_batch_norm=cfg.pipeline.deferred_batch_norm,
         schedule=config.schedule,
         virtual_stages=v,

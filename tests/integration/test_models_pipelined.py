@@ -42,7 +42,7 @@ def test_amoebanet_k3_m4_always_deferred_batch_norm_matches_plain() -> None:
         [3, 3, 3],
         devices=["cpu"] * 3,
         chunks=4,
-        checkpoint="always",
+        recompute="always",
         deferred_batch_norm=True,
         threads_per_worker=1,
     )
@@ -80,7 +80,7 @@ def test_transformer_k3_m4_dropout_variable_lengths_matches_plain(mode: str) -> 
     model = transformer_t(
         2, 32, 2, d_model=16, head_dim=8, vocab_size=vocab, dropout=0.2, max_len=32
     )
-    pipe = GPipe(copy.deepcopy(model), [2, 2, 2], devices=["cpu"] * 3, chunks=4, checkpoint=mode)
+    pipe = GPipe(copy.deepcopy(model), [2, 2, 2], devices=["cpu"] * 3, chunks=4, recompute=mode)
     plain = copy.deepcopy(model)
 
     def loss_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,11 @@ the first call (the prompt), then what they returned, with ``cache.reorder(index
 child returns logits whose last position scores the next token (``models.transformer_layers``
 describes the convention). The engine knows nothing else of the model.
 
-Both executors: a :class:`~giantpipe.GPipe` runs one worker thread per stage on the stage's
-device; a ``DistributedPipe`` (one stage per rank) sends the messages between ranks on its host
-group, so no rank holds more than its stages' weights and caches; a plain ``nn.Sequential``
-decodes with the cache in the caller's thread.
+Both executors, any schedule's placement: a :class:`~giantpipe.GPipe` runs one thread per
+worker, a ``DistributedPipe`` one process per worker (the messages between ranks travel on its
+host group), and a worker holding V stages (interleaved, zb-v) keeps the caches of each, so a
+token's step goes round the workers V times (see "the ring" below); no rank holds more than its
+stages' weights and caches. A plain ``nn.Sequential`` decodes in the caller's thread.
 
 Example::
 
@@ -38,8 +39,10 @@ Example::
 from __future__ import annotations
 
 import datetime
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -56,7 +59,7 @@ __all__ = [
     "generate",
     "split_rows",
     "check_cached",
-    "one_stage_per_worker",
+    "held_stages",
 ]
 
 Value = Any  # a tensor or a tuple of tensors (a stage boundary), or a token tensor [B, t]
@@ -107,13 +110,15 @@ class Message:
     tokens; ``value`` None: m is done. ``order``: rows of the previous step each row continues
     (None: every row, as it was).
     ``steps``: the most tokens m may generate (read by the last stage on m's first message).
-    ``end``: the last message of a call (every micro-batch done)."""
+    ``end``: the last message of a call (every micro-batch done). ``stage``: the stage it goes
+    to (a worker may hold several)."""
 
     m: int
     value: Value
     order: Tensor | None = None
     steps: int = 0
     end: bool = False
+    stage: int = 0
 
 
 # ---- a stage: its layers and their caches --------------------------------------------------
@@ -357,70 +362,121 @@ class Searches:
 
 
 # ---- the ring ------------------------------------------------------------------------------
+#
+# The ring runs over stages, not workers: stage s sends to s + 1, the last stage to stage 0.
+# A worker holding V stages (interleaved: s on worker s % K; zb-v: s and 2K-1-s on one) serves
+# all of them from one inbox, so a decode step goes round the workers V times per token:
+#
+#     interleaved K=2 V=2:  worker 0: stages 0, 2     0 -> 1 -> 2 -> 3 -> (search) -> 0
+#                           worker 1: stages 1, 3     w0   w1   w0   w1               w0
+#     zb-v K=2:             worker 0: stages 0, 3     0 -> 1 -> 2 -> 3 -> (search) -> 0
+#                           worker 1: stages 1, 2     w0   w1   w1   w0               w0
+#
+# A message to a stage of the same worker stays in the worker's own queue (served before the
+# link, so a worker never waits on the link for work it holds itself).
 
 
 class Link(Protocol):
-    """A stage's two ends of the ring: messages from the stage before, to the stage after."""
+    """A worker's ends of the ring: a message goes to the worker of ``message.stage``;
+    ``receive`` takes the next message sent to any of this worker's stages."""
 
     def send(self, message: Message) -> None: ...
 
     def receive(self) -> Message: ...
 
 
-def serve_stage(
-    stage: StageCaches,
-    link: Link,
-    first: bool,
-    last: bool,
-    prompts: Sequence[Message],
-    searches: Searches | None,
-) -> None:
-    """One stage's part of a call: its messages in arrival order until every micro-batch is
-    done (stage 0 counts them and sends ``end`` around; the others stop when it comes)."""
-    pending, finished = list(prompts) if first else [], 0  # prompts go in at stage 0 only
-    if first and not pending:  # nothing to decode: the others hear it at once
-        if not last:
-            link.send(Message(-1, None, end=True))
-        return
-    while True:
-        message = pending.pop(0) if pending else link.receive()
-        if message.end:
-            if not last:
-                link.send(message)
-            return
-        if message.value is None:  # m is done: its caches go, and the word goes on
-            stage.drop(message.m)
-            finished += first
-            if not last:
-                link.send(message)
-            if first and finished == len(prompts):  # every micro-batch is done
-                if not last:
-                    link.send(Message(-1, None, end=True))
-                return
-            continue
-        out = stage.run(message.m, message.value, message.order)
-        if last:
-            assert searches is not None
-            out = searches.advance(Message(message.m, out, steps=message.steps))
-            link.send(out)
+class StageServer:
+    """One worker's stages (``stages``: index -> its caches, of ``count`` in the ring) for one
+    call: the messages to any of them in arrival order, until each has heard ``end`` (stage 0
+    counts the micro-batches done and sends ``end`` round; the others pass it on).
+
+    Example::
+
+        StageServer({0: first, 2: third}, 4, link, prompts, None).serve()   # worker 0 of 2
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, StageCaches],
+        count: int,
+        link: Link,
+        prompts: Sequence[Message],
+        searches: Searches | None,
+    ) -> None:
+        self.stages, self.count, self.link, self.searches = stages, count, link, searches
+        self.prompts = list(prompts) if 0 in stages else []  # prompts go in at stage 0 only
+        self.here: deque[Message] = deque(self.prompts)
+        self.open, self.finished = set(stages), 0
+
+    def serve(self) -> None:
+        if 0 in self.stages and not self.prompts:  # nothing to decode: the others hear it
+            self._end()
+        while self.open:
+            self._handle(self.here.popleft() if self.here else self.link.receive())
+
+    def _send(self, message: Message) -> None:
+        if message.stage in self.stages:
+            self.here.append(message)
         else:
-            link.send(Message(message.m, out, message.order, message.steps))
+            self.link.send(message)
+
+    def _pass_on(self, message: Message) -> None:
+        if message.stage < self.count - 1:  # the last stage is where the word stops
+            self._send(replace(message, stage=message.stage + 1))
+
+    def _end(self) -> None:
+        self.open.discard(0)
+        self._pass_on(Message(-1, None, end=True, stage=0))
+
+    def _handle(self, message: Message) -> None:
+        s = message.stage
+        if message.end:
+            self.open.discard(s)
+            self._pass_on(message)
+        elif message.value is None:  # m is done: its caches go, and the word goes on
+            self.stages[s].drop(message.m)
+            self._pass_on(message)
+            self.finished += s == 0
+            if s == 0 and self.finished == len(self.prompts):  # every micro-batch is done
+                self._end()
+        elif s == self.count - 1:  # the logits: the search picks the next tokens
+            out = self.stages[s].run(message.m, message.value, message.order)
+            assert self.searches is not None
+            reply = self.searches.advance(Message(message.m, out, steps=message.steps))
+            self._send(replace(reply, stage=0))
+        else:
+            out = self.stages[s].run(message.m, message.value, message.order)
+            self._send(Message(message.m, out, message.order, message.steps, stage=s + 1))
+
+
+class LocalPost:
+    """The ring between worker threads of one process: a :class:`Mailbox` keyed by receiving
+    worker and arrival number. A worker holding several stages hears several senders, so the
+    number is drawn under a lock by whoever sends (each sender's messages keep their order)."""
+
+    def __init__(self, box: Mailbox, placement: Sequence[int]) -> None:
+        self.box, self.placement = box, list(placement)
+        self.sent = [0] * (max(self.placement) + 1)
+        self.lock = threading.Lock()
+
+    def send(self, message: Message) -> None:
+        worker = self.placement[message.stage]
+        with self.lock:
+            self.box.put(("act", worker, self.sent[worker]), message)
+            self.sent[worker] += 1
 
 
 class LocalLink:
-    """The ring between worker threads of one process: a :class:`Mailbox` keyed by stage and
-    the count of messages the stage received (each stage has exactly one sender)."""
+    """Worker ``worker``'s ends of a :class:`LocalPost`."""
 
-    def __init__(self, box: Mailbox, stage: int, stages: int) -> None:
-        self.box, self.stage, self.next = box, stage, (stage + 1) % stages
-        self.sent = self.received = 0
+    def __init__(self, post: LocalPost, worker: int) -> None:
+        self.post, self.worker, self.received = post, worker, 0
 
     def send(self, message: Message) -> None:
-        self.box.put(("act", self.next, self.sent), message)
-        self.sent += 1
+        self.post.send(message)
 
     def receive(self) -> Message:
-        message: Message = self.box.get(("act", self.stage, self.received))
+        message: Message = self.post.box.get(("act", self.worker, self.received))
         self.received += 1
         return message
 
@@ -450,22 +506,37 @@ def _worker(
     return run
 
 
+def held_stages(placement: Sequence[int], worker: int) -> list[int]:
+    """The stages ``worker`` holds, in ring order.
+
+    >>> held_stages((0, 1, 1, 0), 0)   # zb-v, K = 2
+    [0, 3]
+    """
+    return [s for s, w in enumerate(placement) if w == worker]
+
+
 def _generate_local(
-    stages: Sequence[StageCaches], prompts: list[Message], decoding: Decoding, timeout: float
+    stages: Sequence[StageCaches],
+    placement: Sequence[int],
+    prompts: list[Message],
+    decoding: Decoding,
+    timeout: float,
 ) -> dict[int, Tokens]:
-    box, searches, k = Mailbox(timeout), Searches(decoding), len(stages)
-    threads = _threads([st.device for st in stages])
+    box, searches = Mailbox(timeout), Searches(decoding)
+    post, workers = LocalPost(box, placement), sorted(set(placement))
+    devices = [stages[held_stages(placement, w)[0]].device for w in workers]
+    threads = _threads(devices)
 
-    def task(s: int) -> Task:
+    def task(w: int) -> Task:
+        held = {s: stages[s] for s in held_stages(placement, w)}
+
         def serve() -> None:
-            link = LocalLink(box, s, k)
-            first, last = s == 0, s == k - 1
-            serve_stage(stages[s], link, first, last, prompts if first else [], searches)
+            StageServer(held, len(stages), LocalLink(post, w), prompts, searches).serve()
 
-        return _worker(serve, stages[s].device, threads)
+        return _worker(serve, devices[w], threads)
 
-    tasks = [task(s) for s in range(k)]
-    if k == 1:
+    tasks = [task(w) for w in workers]
+    if len(tasks) == 1:
         tasks[0]()  # the caller's thread: nothing to overlap
     else:
         pool = WorkerPool()
@@ -501,10 +572,12 @@ def generate(
     timeout: float = 300.0,
 ) -> list[Tokens]:
     """Decodes every micro-batch of ``prompts`` (stage 0's first inputs; see the module
-    docstring) through ``pipe``: a GPipe (one thread per stage), a DistributedPipe (one stage
-    per rank; ``prompts`` and ``steps`` are read where stage 0 is, and the result reaches every
-    rank of the pipeline) or a plain Sequential. ``steps[m]``: most tokens micro-batch m
-    generates. Returns, per micro-batch and row, the token ids without </s> and padding.
+    docstring) through ``pipe``: a GPipe (one thread per worker, serving each of its stages),
+    a DistributedPipe (one process per worker; ``prompts`` and ``steps`` are read where stage 0
+    is, and the result reaches every rank of the pipeline) or a plain Sequential. Any schedule's
+    placement: with virtual stages a worker keeps the caches of each stage it holds.
+    ``steps[m]``: most tokens micro-batch m generates. Returns, per micro-batch and row, the
+    token ids without </s> and padding.
 
     Example::
 
@@ -519,34 +592,23 @@ def generate(
         elif not messages:
             return []
         else:
-            results = _generate_local(_local_stages(pipe), messages, decoding, timeout)
+            stages, placement = _local_stages(pipe)
+            results = _generate_local(stages, placement, messages, decoding, timeout)
         return [results[m] for m in range(len(results))]
     finally:
         pipe.train(was_training)
 
 
-def one_stage_per_worker(pipe: nn.Module) -> bool:
-    """Whether generation can run through ``pipe``: each worker (thread or rank) holds one
-    stage, as generation needs (virtual stages, as interleaved schedules cut, do not).
-
-    >>> one_stage_per_worker(nn.Sequential(nn.Linear(2, 2)))
-    True
-    """
-    placement = list(getattr(pipe, "placement", [0]))
-    return len(set(placement)) == len(placement)
-
-
-def _local_stages(pipe: nn.Module) -> list[StageCaches]:
+def _local_stages(pipe: nn.Module) -> tuple[list[StageCaches], list[int]]:
+    """Every stage of a local pipe (or a plain Sequential: one) and the worker of each."""
     partitions = getattr(pipe, "partitions", None)
     if partitions is None:  # a plain Sequential: one stage, the caller's thread
         device = next((p.device for p in pipe.parameters()), torch.device("cpu"))
-        return [StageCaches(list(pipe.children()), device)]
-    placement: list[int] = list(getattr(pipe, "placement", []))
-    if len(set(placement)) != len(partitions):
-        raise ValueError("generation runs one stage per worker (virtual stages: not supported)")
-    devices: list[torch.device] = list(getattr(pipe, "devices", []))
+        return [StageCaches(list(pipe.children()), device)], [0]
+    devices: list[torch.device] = list(getattr(pipe, "devices", []))  # per stage
     pairs = zip(partitions, devices, strict=True)
-    return [StageCaches(list(part.children()), device) for part, device in pairs]
+    stages = [StageCaches(list(part.children()), device) for part, device in pairs]
+    return stages, list(getattr(pipe, "placement", range(len(stages))))
 
 
 # ---- across ranks ----------------------------------------------------------------------------
@@ -555,6 +617,7 @@ HEADER_WORDS = 64
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 DTYPES += [torch.int64, torch.int32, torch.bool, torch.uint8]
 TAG = 23  # generation's messages, apart from training's frames on the same pair of ranks
+FIXED_WORDS = 7  # m, kind, end, steps, has order, stage, tensor count; then 6 per tensor
 
 
 def _flatten(message: Message) -> tuple[list[int], list[Tensor]]:
@@ -565,7 +628,7 @@ def _flatten(message: Message) -> tuple[list[int], list[Tensor]]:
     if message.order is not None:
         tensors.append(message.order)
     words = [message.m, kind, int(message.end), message.steps, int(message.order is not None)]
-    words.append(len(tensors))
+    words += [message.stage, len(tensors)]
     for t in tensors:
         if t.dim() > 4:
             raise ValueError(f"generation sends tensors of at most 4 dimensions, got {t.dim()}")
@@ -579,43 +642,59 @@ def _flatten(message: Message) -> tuple[list[int], list[Tensor]]:
 
 class RankLink:
     """The ring between ranks, on a host (gloo) group: a message is a header of int64 words,
-    then its tensors; sends are asynchronous (a rank computes on while its bytes travel, and
-    no cycle of blocked sends can form around the ring), receives wait at most ``timeout``.
+    then its tensors, sent to the rank of ``message.stage`` (``ranks``: stage -> global rank);
+    sends are asynchronous (a rank computes on while its bytes travel, and no cycle of blocked
+    sends can form around the ring), receives wait at most ``timeout``.
+
+    A rank hears the ranks holding the stages before its own: one with one stage per rank or
+    interleaved placement (the rank before), two under zb-v (the ranks on either side). With
+    two, the header is taken from whichever sends first and the tensors then from that rank:
+    gloo keeps each sender's messages in order, so a header always meets a header.
 
     Example::
 
-        link = RankLink(pipe.groups.control, prev=3, next=1, timeout=60.0)
-        link.send(Message(0, hidden)); message = link.receive(); link.finish()
+        link = RankLink(pipe.groups.control, ranks=[0, 1, 0, 1], rank=0, timeout=60.0)
+        link.send(Message(0, hidden, stage=1)); message = link.receive(); link.finish()
     """
 
-    def __init__(self, group: Any, prev: int, next: int, timeout: float) -> None:
-        self.group, self.prev, self.next, self.timeout = group, prev, next, timeout
+    def __init__(self, group: Any, ranks: Sequence[int], rank: int, timeout: float) -> None:
+        self.group, self.ranks, self.timeout = group, list(ranks), timeout
+        held = [s for s, r in enumerate(self.ranks) if r == rank]
+        senders = {self.ranks[s - 1] for s in held} - {rank}  # stage -1: the last one
+        self.source: int | None = senders.pop() if len(senders) == 1 else None  # None: any
         self.sending: list[tuple[Any, list[Tensor]]] = []
 
     def send(self, message: Message) -> None:
         words, tensors = _flatten(message)
         parts = [torch.tensor(words, dtype=torch.int64), *tensors]
-        works = [dist.isend(t, dst=self.next, group=self.group, tag=TAG) for t in parts]
+        dst = self.ranks[message.stage]
+        works = [dist.isend(t, dst=dst, group=self.group, tag=TAG) for t in parts]
         self.sending = [s for s in self.sending if not all(w.is_completed() for w in s[0])]
         self.sending.append((works, parts))
 
-    def _receive(self, buffer: Tensor) -> Tensor:
-        work = dist.irecv(buffer, src=self.prev, group=self.group, tag=TAG)
+    def _receive(self, buffer: Tensor, source: int | None) -> int:
+        """Fills ``buffer`` from ``source`` (None: any rank); returns the sender's rank."""
+        work = dist.irecv(buffer, src=source, group=self.group, tag=TAG)
         assert work is not None  # this rank is in the group
         work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        return buffer
+        if source is not None:
+            return source
+        return dist.get_global_rank(self.group, work._source_rank())  # noqa: SLF001
 
     def receive(self) -> Message:
-        words = self._receive(torch.empty(HEADER_WORDS, dtype=torch.int64)).tolist()
-        m, kind, end, steps, has_order, count = words[:6]
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        sender = self._receive(header, self.source)
+        words = header.tolist()
+        m, kind, end, steps, has_order, stage, count = words[:FIXED_WORDS]
         tensors = []
         for i in range(count):
-            code, ndim, *dims = words[6 + 6 * i : 12 + 6 * i]
+            code, ndim, *dims = words[FIXED_WORDS + 6 * i : FIXED_WORDS + 6 * (i + 1)]
             buffer = torch.empty(dims[:ndim], dtype=DTYPES[code])
-            tensors.append(self._receive(buffer))
+            self._receive(buffer, sender)
+            tensors.append(buffer)
         order = tensors.pop() if has_order else None
         value = None if kind == 0 else tensors[0] if kind == 1 else tuple(tensors)
-        return Message(m, value, order, steps, bool(end))
+        return Message(m, value, order, steps, bool(end), stage)
 
     def finish(self) -> None:
         for works, _ in self.sending:
@@ -627,23 +706,16 @@ class RankLink:
 def _generate_distributed(
     pipe: Any, messages: list[Message], decoding: Decoding, timeout: float
 ) -> dict[int, Tokens]:
-    """This rank's stage of the ring; the last stage's results broadcast over the pipeline."""
+    """This rank's stages of the ring; the last stage's results broadcast over the pipeline."""
     layout = pipe.layout
-    if len(layout.local_stages) != 1:
-        raise ValueError("generation runs one stage per rank (virtual stages: not supported)")
-    index, count = layout.local_stages[0], layout.num_stages
-    stage = StageCaches(list(pipe.partitions[index].children()), pipe.device)
-    last_rank = layout.rank_of_stage(count - 1)
-    searches = Searches(decoding) if index == count - 1 else None
-    if count == 1:
-        results = _generate_local([stage], messages, decoding, timeout) if messages else {}
-    else:
-        prev, after = layout.rank_of_stage(index - 1), layout.rank_of_stage((index + 1) % count)
-        link = RankLink(pipe.groups.control, prev, after, timeout)
-        with torch.no_grad():
-            serve_stage(stage, link, index == 0, index == count - 1, messages, searches)
-        link.finish()
-        results = searches.results if searches is not None else {}
-    shared: list[Any] = [results]
-    dist.broadcast_object_list(shared, src=last_rank, group=pipe.groups.host_pipeline)
+    count, mine = layout.num_stages, layout.local_stages
+    held = {s: StageCaches(list(pipe.partitions[s].children()), pipe.device) for s in mine}
+    ranks = [layout.rank_of_stage(s) for s in range(count)]
+    searches = Searches(decoding) if count - 1 in held else None
+    link = RankLink(pipe.groups.control, ranks, layout.rank, timeout)
+    with torch.no_grad():
+        StageServer(held, count, link, messages, searches).serve()
+    link.finish()
+    shared: list[Any] = [searches.results if searches is not None else {}]
+    dist.broadcast_object_list(shared, src=ranks[-1], group=pipe.groups.host_pipeline)
     return dict(shared[0])

@@ -253,7 +253,7 @@ def build_experiment(
     # planned, profiled and checked once, on rank 0; the others receive the spec as made
     pipeline, plan_choice, spec = world.from_rank0(decided)
     balance, workers = list(spec.balance), spec.num_workers
-    check_generates(cfg, bundle, model, spec.virtual_stages)
+    check_generates(cfg, bundle, model)
     pipe: Pipe
     if world.size == 1:
         pipe = build_pipe(model, spec)
@@ -263,8 +263,8 @@ def build_experiment(
         world.bind(pipe)
         inputs_to = targets_to = own
     # Rank 0 keeps the whole plain model under torchrun only for a whole-model evaluation that
-    # cannot run through the pipe (held-out BLEU can: it decodes stage by stage).
-    through_pipe = hasattr(bundle.evaluate_model, "takes_pipe") and spec.virtual_stages == 1
+    # cannot run through the pipe (held-out BLEU can: it decodes stage by stage, any schedule).
+    through_pipe = hasattr(bundle.evaluate_model, "takes_pipe")
     gathers = bundle.evaluate_model is not None and not through_pipe
     keep = world.rank == 0 and (world.size == 1 or gathers)
     return _training_parts(
@@ -280,14 +280,12 @@ def build_experiment(
     )
 
 
-def check_generates(
-    cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential, virtual_stages: int
-) -> None:
+def check_generates(cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential) -> None:
     """An evaluation that decodes through the pipe (held-out BLEU, LM samples) needs a model
     whose children can keep key/value caches: refused up front, naming the key that asked."""
     hook = bundle.evaluate_model
-    if not getattr(hook, "takes_pipe", False) or virtual_stages != 1:
-        return  # with virtual stages the runner evaluates the whole plain model instead
+    if not getattr(hook, "takes_pipe", False):
+        return
     try:
         check_cached(list(model))
     except TypeError as err:

@@ -8,9 +8,10 @@ is a world of one, where the sums and the count are its own.
 
 The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`):
 a hook that takes the pipe (``takes_pipe``, as held-out BLEU) runs on every rank and decodes
-through the stages, no rank holding more than its own; any other needs every layer in one
-process: under torchrun, rank 0 gathers the other ranks' weights into its copy of the plain
-model first (see :func:`whole_model_figures`).
+through the stages (any schedule: a worker with virtual stages keeps each one's caches), no
+rank holding more than its own; any other needs every layer in one process: under torchrun,
+rank 0 gathers the other ranks' weights into its copy of the plain model first (see
+:func:`whole_model_figures`).
 
 Example::
 
@@ -31,7 +32,6 @@ from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, DataBundle, batch_size
 from giantpipe.engine.base import Pipe
-from giantpipe.engine.generate import one_stage_per_worker
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
 from giantpipe.runner.step import autocast, replica_slice, to_device
 from giantpipe.runner.world import World
@@ -156,15 +156,14 @@ def whole_model_figures(
     """The data's own evaluation of the whole model (e.g. BLEU), on every process.
 
     A hook that takes the pipe (``takes_pipe``) runs on every rank, through the stages (held-out
-    BLEU decodes with each stage's caches), unless a worker holds several stages (virtual
-    stages: generation runs one per worker). For any other, under torchrun the ranks of replica
-    0 send their weights to rank 0, which loads them into its plain model and runs the
-    evaluation; the figures then reach every rank.
+    BLEU decodes with each stage's caches, for every schedule). For any other, under torchrun
+    the ranks of replica 0 send their weights to rank 0, which loads them into its plain model
+    and runs the evaluation; the figures then reach every rank.
     """
     hook = bundle.evaluate_model
     if hook is None:
         return {}
-    if getattr(hook, "takes_pipe", False) and one_stage_per_worker(pipe):
+    if getattr(hook, "takes_pipe", False):
         through_pipe: dict[str, float | str] = world.from_rank0(hook(pipe))
         return through_pipe
     if world.size > 1:

@@ -22,7 +22,7 @@ from giantpipe.perf.balance import solve_balance
 from tests.unit.engine.engine_helpers import reference_step, step_seed
 
 MODES = ["always", "except_last", "never"]
-# (schedule, K, V, M, checkpoint): every schedule and every mode, K = 2, 3, 4
+# (schedule, K, V, M, recompute): every schedule and every mode, K = 2, 3, 4
 CASES = [
     ("gpipe", 2, 1, 4, "always"),
     ("1f1b", 4, 1, 4, "except_last"),
@@ -107,7 +107,7 @@ def test_language_model_pipelined_equals_the_original(
         solve_balance([1.0] * len(seq), k * v),
         devices=["cpu"] * k,
         chunks=chunks,
-        checkpoint=mode,
+        recompute=mode,
         schedule=schedule,
         virtual_stages=v,
     )
@@ -128,7 +128,7 @@ def test_gpt2_dropout_masks_are_replayed(gpt2_with_dropout, mode: str) -> None:
     ids, mask, labels = tokens()
     seq = gpt2_with_dropout
     plain, ref_loss = reference_step(seq, ids, labels, 4, step_seed(7), token_loss)
-    pipe = GPipe(copy.deepcopy(seq), [2, 2], devices=["cpu"] * 2, chunks=4, checkpoint=mode)
+    pipe = GPipe(copy.deepcopy(seq), [2, 2], devices=["cpu"] * 2, chunks=4, recompute=mode)
     torch.manual_seed(7)
     loss = pipe.train_step(ids, labels, token_loss)
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5)

@@ -57,7 +57,7 @@ def test_two_identical_runs_give_bitwise_identical_gradients() -> None:
     for _ in range(2):
         model = tuple_model()
         inputs, target = tuple_batch()
-        pipe = GPipe(model, [2, 2, 2], devices=["cpu"] * 3, chunks=4, checkpoint="except_last")
+        pipe = GPipe(model, [2, 2, 2], devices=["cpu"] * 3, chunks=4, recompute="except_last")
         torch.manual_seed(123)
         pipe.train_step(inputs, target, nn.functional.cross_entropy)
         grads.append([p.grad.clone() for p in pipe.parameters()])
@@ -69,7 +69,7 @@ def test_dropout_masks_replayed_by_recompute() -> None:
     """always (recompute with dropout) and never (no recompute) give the same gradients."""
     grads = {}
     for mode in ["always", "never"]:
-        pipe = GPipe(tuple_model(), [3, 3], devices=["cpu"] * 2, chunks=3, checkpoint=mode)
+        pipe = GPipe(tuple_model(), [3, 3], devices=["cpu"] * 2, chunks=3, recompute=mode)
         inputs, target = tuple_batch()
         torch.manual_seed(7)
         pipe.train_step(inputs, target, nn.functional.cross_entropy)
@@ -100,7 +100,7 @@ def test_a_stage_updating_a_saved_buffer_in_forward_still_steps(schedule: str) -
     model = nn.Sequential(nn.Linear(8, 8), TouchesItsBuffer(8), nn.Linear(8, 8), nn.Linear(8, 8))
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     pipe = GPipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=4, schedule=schedule,
-                 checkpoint="never")  # fmt: skip
+                 recompute="never")  # fmt: skip
     pipe.train_step(x, y, nn.functional.mse_loss)
     done, _ = reference_step(model, x, y, 4, 0, nn.functional.mse_loss)
     for a, b in zip(pipe.parameters(), done.parameters()):
@@ -116,7 +116,7 @@ def test_a_dropout_switched_on_after_building_the_pipe_is_seeded_and_replayed() 
     grads = {}
     for mode in ["always", "never"]:
         torch.manual_seed(0)
-        pipe = GPipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=3, checkpoint=mode)
+        pipe = GPipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=3, recompute=mode)
         drops = [pipe.partitions[0][1], pipe.partitions[1][1]]
         assert all(not d._forward_pre_hooks for d in drops)  # off: no hooks
         for d in drops:
@@ -191,7 +191,7 @@ def test_is_recomputing_is_true_only_during_recompute() -> None:
         [1, 1],
         devices=["cpu"] * 2,
         chunks=2,
-        checkpoint="except_last",
+        recompute="except_last",
     )
     pipe(torch.randn(4, 2)).sum().backward()
     assert seen == [False, False, True]  # two forwards, then micro-batch 0 replayed
@@ -226,7 +226,7 @@ def test_stats_are_recorded_for_both_doors() -> None:
         [2, 2],
         devices=["cpu", "cpu"],
         chunks=4,
-        checkpoint="never",
+        recompute="never",
     )
     pipe(torch.randn(16, 32)).sum().backward()
     stats = pipe.last_stats
@@ -237,19 +237,19 @@ def test_stats_are_recorded_for_both_doors() -> None:
     assert all(b > 0 for b in stats.busy_time_s) and all(p > 0 for p in stats.peak_memory_bytes)
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_stats_split_out_the_time_spent_recomputing(checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["always", "never"])
+def test_stats_split_out_the_time_spent_recomputing(recompute: str) -> None:
     pipe = GPipe(
         nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]),
         [2, 2],
         devices=["cpu", "cpu"],
         chunks=4,
-        checkpoint=checkpoint,
+        recompute=recompute,
     )
     pipe(torch.randn(32, 64)).sum().backward()
     stats = pipe.last_stats
     assert stats is not None and len(stats.recompute_time_s) == 2
-    if checkpoint == "never":
+    if recompute == "never":
         assert stats.recompute_time_s == [0.0, 0.0]
     else:  # every backward re-ran its forward first, inside the stage's busy time
         assert all(0 < r < b for r, b in zip(stats.recompute_time_s, stats.busy_time_s))
@@ -262,9 +262,7 @@ def test_peak_activation_memory_always_vs_never() -> None:
     model = nn.Sequential(*layers)
     peaks = {}
     for mode in ["never", "always"]:
-        pipe = GPipe(
-            copy.deepcopy(model), [8, 8], devices=["cpu", "cpu"], chunks=8, checkpoint=mode
-        )
+        pipe = GPipe(copy.deepcopy(model), [8, 8], devices=["cpu", "cpu"], chunks=8, recompute=mode)
         pipe.train_step(torch.randn(64, width), torch.randn(64, width), nn.functional.mse_loss)
         peaks[mode] = max(pipe.last_stats.peak_memory_bytes)
     # never holds, per stage, every micro-batch's input and saved activations; measure one

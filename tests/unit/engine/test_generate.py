@@ -128,6 +128,6 @@ def test_a_hugging_face_model_taken_in_with_sequentialize_is_refused_by_name() -
     bundle = lm_tokens(vocab_size=41, seq_len=16, batch_size=2, eval_samples=1)
     cfg = SimpleNamespace(model=SimpleNamespace(architecture="gpt2"))
     with pytest.raises(ConfigError, match="data.eval_samples.*model 'gpt2'"):
-        check_generates(cfg, bundle, seq, virtual_stages=1)  # type: ignore[arg-type]
+        check_generates(cfg, bundle, seq)  # type: ignore[arg-type]
     no_samples = lm_tokens(vocab_size=41, seq_len=16, batch_size=2)
-    check_generates(cfg, no_samples, seq, virtual_stages=1)  # type: ignore[arg-type]
+    check_generates(cfg, no_samples, seq)  # type: ignore[arg-type]

@@ -52,8 +52,8 @@ def assert_grads(plain: nn.Module, pipe: nn.Module, what: str) -> None:
             )
 
 
-@pytest.mark.parametrize(("schedule", "checkpoint"), [("gpipe", "always"), ("zb-h1", "never")])
-def test_fp16_scaler_equals_plain_model_with_overflows(schedule: str, checkpoint: str) -> None:
+@pytest.mark.parametrize(("schedule", "recompute"), [("gpipe", "always"), ("zb-h1", "never")])
+def test_fp16_scaler_equals_plain_model_with_overflows(schedule: str, recompute: str) -> None:
     plain = mlp()
     pipe = GPipe(
         copy.deepcopy(plain),
@@ -61,7 +61,7 @@ def test_fp16_scaler_equals_plain_model_with_overflows(schedule: str, checkpoint
         devices=["cpu", "cpu"],
         chunks=4,
         schedule=schedule,
-        checkpoint=checkpoint,
+        recompute=recompute,
     )
     settings = {"init_scale": 2.0**10, "growth_interval": 1}  # the scale moves every step
     plain_scaler = torch.amp.GradScaler("cpu", **settings)

@@ -58,7 +58,7 @@ def test_schedule_matches_plain_model(schedule: str, k: int, v: int, chunks: int
         balance,
         devices=["cpu"] * k,
         chunks=chunks,
-        checkpoint=mode,
+        recompute=mode,
         schedule=schedule,
         virtual_stages=v,
     )
@@ -116,9 +116,7 @@ def test_recompute_runs_once_per_microbatch_with_split_backward() -> None:
             return x * 2
 
     model = nn.Sequential(nn.Linear(4, 4), Probe(), nn.Linear(4, 4), nn.Linear(4, 1))
-    pipe = GPipe(
-        model, [2, 2], devices=["cpu"] * 2, chunks=3, checkpoint="always", schedule="zb-h1"
-    )
+    pipe = GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=3, recompute="always", schedule="zb-h1")
     pipe.train_step(torch.randn(6, 4), torch.randn(6, 1), nn.functional.mse_loss)
     # stage 0 runs F0 F1 B0 W0 F2 B1 W1 B2 W2: each B recomputes once, no W recomputes
     assert calls == [False, False, True, False, True, True]
@@ -145,7 +143,7 @@ def peaks(schedule: str, k: int, chunks: int) -> tuple[list[int], list[int]]:
         [8 // k] * k,
         devices=["cpu"] * k,
         chunks=chunks,
-        checkpoint="never",
+        recompute="never",
         schedule=schedule,
     )
     pipe.train_step(
@@ -182,7 +180,7 @@ def test_split_backward_releases_the_graph_after_w(mode: str) -> None:
             return y * 2
 
     model = nn.Sequential(nn.Linear(4, 4), Keep(), nn.Linear(4, 4), Keep(), nn.Linear(4, 1))
-    pipe = GPipe(model, [2, 3], devices=["cpu"] * 2, chunks=3, checkpoint=mode, schedule="zb-h1")
+    pipe = GPipe(model, [2, 3], devices=["cpu"] * 2, chunks=3, recompute=mode, schedule="zb-h1")
     pipe.train_step(torch.randn(6, 4), torch.randn(6, 1), nn.functional.mse_loss)
     gc.collect()
     assert refs and all(r() is None for r in refs)
@@ -207,7 +205,7 @@ def test_a_split_b_with_nothing_to_hand_on_and_its_w_next_runs_the_whole_backwar
     plain = copy.deepcopy(model)
     x_plain = x.detach().clone().requires_grad_(input_grad)
     nn.functional.mse_loss(plain(x_plain), y).backward()
-    pipe = GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=4, checkpoint="never",
+    pipe = GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=4, recompute="never",
                  schedule="zb-h1")  # fmt: skip
     loss = pipe.train_step(x, y, nn.functional.mse_loss)
     # zb-h1, K=2: stage 0 runs F0 F1 B0 W0 F2 B1 W1 ...; its data needs no gradient, so each
