@@ -7,6 +7,13 @@ Sequential the engine cuts, with ``giantpipe.sequentialize``. Needs the ``hf`` e
 (``pip install -e ".[hf]"``); this module imports transformers only when a model is built.
 :class:`HfCausalLmModelConfig` is the schema of ``model=hf_causal_lm``.
 
+Generation: the captured pieces of the types in :data:`CACHED_TYPES` can keep key/value caches
+(:func:`give_caches`). Training runs the captured graph, unchanged; each piece also gets a
+``forward_cached(inputs, cache)`` (the convention of ``models.transformer_layers``) that runs the
+original Hugging Face submodules the piece spans, on the piece's own parameters: embeddings (and
+rotary positions) in the first piece, its decoder layers with a Hugging Face ``DynamicCache`` of
+their own, final norm and ``lm_head`` on the last position in the last piece.
+
 Example::
 
     from models.hf import hf_causal_lm
@@ -17,6 +24,8 @@ Example::
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +85,8 @@ def hf_causal_lm(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: nn.Module = transformers.AutoModelForCausalLM.from_config(made)
+    # what the runner calls once the model is captured (a plain function: no cycle to the model)
+    setattr(model, "giantpipe_cache_pieces", give_caches)  # noqa: B010 - not a module field
     return model
 
 
@@ -111,6 +122,277 @@ def _sizes(
     }
 
 
+# ---- key/value caches for the captured pieces ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a family's parts are (submodule names); a family with rotary positions calls its
+    decoder layers as Llama's model does, one without as GPT-2's does."""
+
+    tokens: str
+    layers: str
+    norm: str
+    head: str = "lm_head"
+    rotary: str | None = None
+    """Rotary positions (cos, sin), computed in the first piece and carried along."""
+    positions: str | None = None
+    """A learnt position table, added to the token embeddings (gpt2)."""
+    dropout: str | None = None
+    """Dropout on the embeddings (gpt2; off in generation, which runs in eval mode)."""
+
+
+LLAMA = Layout("model.embed_tokens", "model.layers", "model.norm", rotary="model.rotary_emb")
+GPT2 = Layout(
+    "transformer.wte",
+    "transformer.h",
+    "transformer.ln_f",
+    positions="transformer.wpe",
+    dropout="transformer.drop",
+)
+
+LLAMA_FAMILY = [
+    # Their *ForCausalLM and base-model forwards are Llama's, but for choosing each layer's mask
+    # (sliding windows) by its layer type, and their decoder layers take Llama's arguments; the
+    # cached logits of a tiny model of each (a window of 4 where the type has one) equal its
+    # full forward's (tests/unit/models/test_hf_cache.py; found with transformers 5.24). Left
+    # out: cohere, phi, persimmon (their logits differ: a scale, a partial rotary), gemma, cwm,
+    # granite, starcoder2 and the mixtures of experts (their forwards add to Llama's).
+    "apertus", "arcee", "bitnet", "diffllama", "ernie4_5", "exaone", "exaone4", "glm", "glm4",
+    "helium", "hunyuan_v1_dense", "internlm3", "iquestcoder", "jais2", "llama", "ministral",
+    "mistral", "olmo", "olmo2", "phi3", "qwen2", "qwen3",
+]  # fmt: skip
+CACHED_TYPES: dict[str, Layout] = {"gpt2": GPT2} | {name: LLAMA for name in LLAMA_FAMILY}
+"""Model types whose captured pieces can keep key/value caches, and their layout; every other
+type is refused by name where generation is asked for."""
+
+
+def cached_types() -> list[str]:
+    """The model types :func:`give_caches` serves.
+
+    >>> [t for t in cached_types() if t in ("gpt2", "llama", "mistral", "qwen2")]
+    ['gpt2', 'llama', 'mistral', 'qwen2']
+    """
+    return sorted(CACHED_TYPES)
+
+
+@dataclass
+class PieceCache:
+    """One piece's cache: the Hugging Face ``DynamicCache`` of its decoder layers (None: it has
+    none) and how many positions it has seen (the next position id).
+
+    Example::
+
+        cache = cache.reorder(torch.tensor([1, 1]))   # row 1 twice (two beams of one parent)
+    """
+
+    layers: Any
+    length: int
+
+    def reorder(self, index: torch.Tensor) -> PieceCache:
+        if self.layers is not None:  # in place: the old order is not needed again
+            self.layers.reorder_cache(index)
+        return self
+
+
+class PieceDecoder:
+    """A piece's ``forward_cached``: the original submodules it spans, run incrementally.
+
+    Not a module (the piece's state dict stays the captured one): it runs the Hugging Face
+    submodules on the piece's current tensors (the engine may move or copy them per device),
+    bound by identity when it was made. It holds the piece only weakly and the submodules of
+    this piece only, so a rank keeps no other stage's weights alive.
+    """
+
+    def __init__(
+        self, model: nn.Module, piece: nn.Module, span: Collection[str], layout: Layout
+    ) -> None:
+        config = _config(model)
+        count = int(config.num_hidden_layers)
+        self.config, self.layout, self.piece = config, layout, weakref.ref(piece)
+        self.layer_ids = [i for i in range(count) if f"{layout.layers}.{i}" in span]
+        names = [layout.tokens, layout.rotary, layout.positions, layout.dropout, layout.norm]
+        parts = {n: model.get_submodule(n) for n in names if n is not None and n in span}
+        parts |= {
+            f"{layout.layers}.{i}": model.get_submodule(f"{layout.layers}.{i}")
+            for i in self.layer_ids
+        }
+        if layout.head in span:
+            parts[layout.head] = model.get_submodule(layout.head)
+        self.parts = parts
+        self.kinds = _layer_kinds(config)
+        self.bindings = _bindings(list(parts.values()), piece)
+
+    def __call__(self, inputs: Any, cache: PieceCache | None) -> tuple[Any, PieceCache]:
+        self._bind()
+        if cache is None:
+            cache = PieceCache(self._new_layers(), 0)
+        layout, parts = self.layout, self.parts
+        if layout.tokens in parts:
+            hidden, extras = self._embed(inputs, cache.length)
+        else:
+            hidden, *rest = inputs if isinstance(inputs, tuple) else (inputs,)
+            extras = tuple(rest)
+        new = hidden.shape[1]
+        positions = torch.arange(cache.length, cache.length + new, device=hidden.device)[None]
+        if self.layer_ids:
+            hidden = self._layers(hidden, extras, positions, cache.layers)
+        cache.length += new
+        if layout.norm in parts:
+            hidden = parts[layout.norm](hidden)
+        if layout.head in parts:  # logits of the last position: what scores the next token
+            return parts[layout.head](hidden[:, -1:]), cache
+        return ((hidden, *extras) if extras else hidden), cache
+
+    def _bind(self) -> None:
+        piece = self.piece()
+        training = bool(piece is not None and piece.training)
+        for owner, kind, name, source, source_kind, source_name in self.bindings:
+            tensor = getattr(source, source_kind)[source_name]
+            if getattr(owner, kind)[name] is not tensor:
+                getattr(owner, kind)[name] = tensor
+        for part in self.parts.values():
+            if part.training != training:
+                part.train(training)
+
+    def _new_layers(self) -> Any:
+        if not self.layer_ids:
+            return None
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def _embed(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, tuple]:
+        layout, parts = self.layout, self.parts
+        hidden = parts[layout.tokens](tokens)
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        if layout.positions is not None:
+            hidden = hidden + parts[layout.positions](positions)
+        if layout.dropout is not None:
+            hidden = parts[layout.dropout](hidden)
+        if layout.rotary is None:
+            return hidden, ()
+        cos, sin = parts[layout.rotary](hidden, position_ids=positions)
+        return hidden, (cos, sin)
+
+    def _layers(
+        self, hidden: torch.Tensor, extras: tuple, positions: torch.Tensor, layers: Any
+    ) -> torch.Tensor:
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        makers = {"full_attention": create_causal_mask}
+        makers["sliding_attention"] = create_sliding_window_causal_mask
+        masks: dict[str, Any] = {}
+        for i in self.layer_ids:  # as the model does: every mask before any layer grows its cache
+            kind = self.kinds[i]
+            if kind not in masks:
+                masks[kind] = makers[kind](
+                    config=self.config,
+                    inputs_embeds=hidden,
+                    attention_mask=None,
+                    cache=layers,
+                    position_ids=positions,
+                    layer_idx=i,
+                )
+        for i in self.layer_ids:
+            layer = self.parts[f"{self.layout.layers}.{i}"]
+            mask = masks[self.kinds[i]]
+            if self.layout.rotary is not None:
+                hidden = layer(
+                    hidden,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=layers,
+                    use_cache=True,
+                    position_embeddings=extras,
+                )
+            else:
+                hidden = layer(hidden, layers, mask, use_cache=True, position_ids=positions)
+        return hidden
+
+
+def _config(model: nn.Module) -> Any:
+    """The Hugging Face config of ``model`` (a PretrainedConfig, not a module field)."""
+    return getattr(model, "config")  # noqa: B009
+
+
+def _layer_kinds(config: Any) -> list[str]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return list(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0])
+
+
+def _bindings(parts: Sequence[nn.Module], piece: nn.Module) -> list[tuple]:
+    """(submodule, "_parameters" | "_buffers", name, piece's owner, kind, name) for every
+    tensor of ``parts`` that ``piece`` holds, found by identity."""
+    held: dict[int, tuple[nn.Module, str, str]] = {}
+    for owner in piece.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(owner, kind).items():
+                if tensor is not None:
+                    held.setdefault(id(tensor), (owner, kind, name))
+    out = []
+    for part in parts:
+        for owner in part.modules():
+            for kind in ("_parameters", "_buffers"):
+                for name, tensor in getattr(owner, kind).items():
+                    if tensor is not None and id(tensor) in held:
+                        out.append((owner, kind, name, *held[id(tensor)]))
+    return out
+
+
+def _layer_owners(spans: Sequence[Collection[str]], layout: Layout, count: int) -> list[list[int]]:
+    return [
+        [p for p, span in enumerate(spans) if f"{layout.layers}.{i}" in span] for i in range(count)
+    ]
+
+
+def why_uncached(model: nn.Module, spans: Sequence[Collection[str]]) -> str | None:
+    """Why the pieces cut at ``spans`` cannot keep caches (the type, or a layer cut in two);
+    None when they can."""
+    kind = str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
+    layout = CACHED_TYPES.get(kind)
+    if layout is None:
+        return (
+            f"Hugging Face type {kind!r} has no key/value cache for its pieces yet; these "
+            f"have: {', '.join(cached_types())}"
+        )
+    count = int(_config(model).num_hidden_layers)
+    for i, owners in enumerate(_layer_owners(spans, layout, count)):
+        if len(owners) != 1:
+            return f"decoder layer {layout.layers}.{i} is cut across pieces {owners}"
+    ends = [(layout.tokens, 0), (layout.head, len(spans) - 1)]
+    for name, piece in ends:
+        if name not in spans[piece]:
+            return f"{name} is not in piece {piece}"
+    return None
+
+
+def give_caches(
+    model: nn.Module, pieces: Sequence[nn.Module], spans: Sequence[Collection[str]]
+) -> None:
+    """Gives every piece of ``model`` (captured: ``spans[i]``, the submodule names piece i runs)
+    a ``forward_cached``; where it cannot (:func:`why_uncached`), each piece says why in
+    ``no_cache_reason`` instead, and generation refuses it by that reason.
+
+    Example::
+
+        seq = sequentialize(model, ids, output="logits")
+        give_caches(model, list(seq), seq.spans)
+        generate(GPipe(seq, balance=[2, 2], devices=["cpu"] * 2, chunks=2), [ids], [8], Decoding())
+    """
+    reason = why_uncached(model, spans)
+    for piece, span in zip(pieces, spans, strict=True):
+        if reason is not None:
+            setattr(piece, "no_cache_reason", reason)  # noqa: B010 - not a module field
+        else:
+            layout = CACHED_TYPES[_config(model).model_type]
+            setattr(piece, "forward_cached", PieceDecoder(model, piece, span, layout))  # noqa: B010
+
+
 @dataclass
 class HfCausalLmModelConfig:
     """``model=hf_causal_lm``: the arguments of :func:`hf_causal_lm`, checked up front."""
@@ -119,7 +401,8 @@ class HfCausalLmModelConfig:
     """Builder called with the other fields."""
     architecture: str = "llama"
     """Hugging Face model type that AutoModelForCausalLM builds: llama, mistral, qwen2, gpt2,
-    gpt_neox, phi, gemma, mixtral, ... (``models.hf.causal_lm_types()`` lists them)."""
+    gpt_neox, phi, gemma, mixtral, ... (``models.hf.causal_lm_types()`` lists them); those
+    of ``models.hf.cached_types()`` also generate (data.eval_samples, recipes/generate.py)."""
     layers: int = 4
     """Decoder blocks (each a piece the balance can put on any stage)."""
     width: int = 256

@@ -12,9 +12,10 @@ Reproduces:  the greedy (or --beam N, or --temperature T sampled) continuation o
 
 RUN/last is any checkpoint the runner wrote (or a state_dict file); the model is rebuilt from
 RUN/config.yaml (``model._target_``: a flat Sequential whose children offer forward_cached, such
-as models.transformer's transformer_t and transformer_lm). A language model's prompt is token
-ids; a translation model's is text in the run's SentencePiece vocabulary (RUN/spm.model, or
-data.vocab_dir), translated into --to.
+as models.transformer's transformer_t and transformer_lm, or a model the runner captured with
+sequentialize, such as model=hf_causal_lm's Llama or GPT-2, captured here the same way). A
+language model's prompt is token ids; a translation model's is text in the run's SentencePiece
+vocabulary (RUN/spm.model, or data.vocab_dir), translated into --to.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from hydra.utils import instantiate
 from torch import nn
 
 from giantpipe import GPipe
+from giantpipe.config import ConfigError
 from giantpipe.data.bleu import pipelined_decode
 from giantpipe.engine.generate import Decoding, generate
+from giantpipe.runner.build import capture
 from giantpipe.runner.checkpoint import matching, read_weights
 
 
@@ -45,12 +48,25 @@ def read_config(checkpoint: Path) -> dict[str, Any]:
     return cfg
 
 
+def build_model(cfg: dict[str, Any]) -> nn.Sequential:
+    """The run's model as the flat Sequential its pipe cut: built from the config; a model that
+    is not one (model=hf_causal_lm) is captured as the runner captured it, at the run's
+    pipeline.split_points, its pieces given their key/value caches."""
+    model = instantiate(cfg["model"])
+    if isinstance(model, nn.Sequential):
+        return model
+    pipeline = cfg.get("pipeline") or {}
+    sample = (torch.zeros(2, 8, dtype=torch.long),)  # token ids: a causal LM's input
+    try:
+        return capture(model, sample, pipeline.get("split_points"), pipeline.get("output"))
+    except ConfigError as err:  # e.g. the run's split points no longer name submodules
+        sys.exit(f"error: {err}")
+
+
 def load_model(checkpoint: Path) -> tuple[nn.Sequential, dict[str, Any]]:
     """The run's model (from the config.yaml beside the checkpoint) with the saved weights."""
     cfg = read_config(checkpoint)
-    model = instantiate(cfg["model"])
-    if not isinstance(model, nn.Sequential):
-        sys.exit(f"{cfg['model']['_target_']} builds no flat Sequential; generation needs one")
+    model = build_model(cfg)
     weights = read_weights(checkpoint)
     live = model.state_dict()
     found = matching(weights, live)
@@ -70,9 +86,14 @@ def distributed_pipe(checkpoint: Path, cfg: dict, chunks: int) -> tuple[nn.Modul
 
     init_distributed()
     with torch.device("meta"):  # the children's count only: no weights anywhere
-        layers = len(instantiate(cfg["model"]))
+        probe = instantiate(cfg["model"])
+    if isinstance(probe, nn.Sequential):
+        layers, build = len(probe), lambda: instantiate(cfg["model"])
+    else:  # captured on every rank, as the runner does; each rank then keeps its stage only
+        captured = build_model(cfg)
+        layers, build = len(captured), lambda: captured
     balance = even_balance(layers, dist.get_world_size())
-    pipe = DistributedPipe(lambda: instantiate(cfg["model"]), balance, chunks=chunks, init=None)
+    pipe = DistributedPipe(build, balance, chunks=chunks, init=None)
     own = pipe.state_dict()
     found = matching(read_weights(checkpoint), own)
     if set(found) != set(own):

@@ -92,3 +92,40 @@ def test_a_translation_run_translates_as_the_reference_beam_search(tmp_path: Pat
     src = torch.tensor([[vocab.lang_id("xa"), *vocab.encode(sentence), vocab.eos_id]])
     expected = vocab.decode(beam_search(model, src, beam_size=2)[0])
     assert lines == [f"{sentence} -> {expected}"]
+
+
+@pytest.mark.slow
+def test_a_hugging_face_run_is_captured_and_continues_as_the_uncached_model(
+    tmp_path: Path,
+) -> None:
+    """model=hf_causal_lm: the recipe captures the saved Llama as the runner did, gives its
+    pieces their caches and decodes through two stages; the tokens are the plain model's own
+    arg-max, re-run on the whole prefix at every step."""
+    from models.hf import hf_causal_lm
+
+    sizes = {"architecture": "llama", "layers": 2, "width": 32, "heads": 2, "vocab_size": 30}
+    sizes |= {"max_len": 32, "config": {"initializer_range": 0.3}}  # positions move the arg-max
+    model = hf_causal_lm(**sizes).eval()
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    config = {
+        "model": {"_target_": "models.hf.hf_causal_lm", **sizes},
+        "pipeline": {"split_points": None, "output": None},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    prompts = ["3 4 5", "7 8 9", "1 2"]
+    lines = run(
+        str(tmp_path / "model.pt"),
+        *[f"--prompt={p}" for p in prompts],
+        "--max-new=6",
+        "--stages=2",
+        "--chunks=2",
+    )
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([[int(t) for t in prompt.split()]])
+            for _ in range(6):
+                logits = model(input_ids=ids, use_cache=False).logits
+                ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            expected.append(" ".join(map(str, ids[0, len(prompt.split()) :].tolist())))
+    assert lines == [f"{p} -> {e}" for p, e in zip(prompts, expected, strict=True)]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.engine.stats import SavedTensorMeter
 from giantpipe.perf.memory import LiveBytesTracker, StageLoss, TensorSpec
 from giantpipe.perf.stage_memory import measure_stage, profile_layer_memory
@@ -163,10 +164,11 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
 
 
 def test_paper_settings_are_the_papers_columns(recipe: ModuleType) -> None:
-    assert recipe.paper_setting("Naive-1", 32, "always") == recipe.Setting("Naive-1", 1, 1, "never")
-    assert recipe.paper_setting("Pipeline-8", 32, "always") == recipe.Setting(
-        "Pipeline-8", 8, 32, "always"
-    )
+    naive = recipe.paper_setting("Naive-1", 32, "always")
+    assert naive == recipe.Setting("Naive-1", PipelineSpec((1,), chunks=1, recompute="never"))
+    eight = recipe.paper_setting("Pipeline-8", 32, "always").spec
+    assert (eight.num_stages, eight.chunks, eight.recompute, eight.schedule) == (
+        8, 32, "always", "gpipe")  # fmt: skip
     family = TransformerL()
     assert recipe.paper_size(family, "1663") == (1663, 2048)
     assert recipe.paper_size(AmoebaNetD(), "(72,512)") == (72, 512)
@@ -174,14 +176,36 @@ def test_paper_settings_are_the_papers_columns(recipe: ModuleType) -> None:
 
 
 def test_a_paper_column_fits_within_the_budget_less_the_reserve(recipe: ModuleType) -> None:
-    setting = recipe.Setting("Pipeline-2", 2, 4, "always")
-    size = recipe.ModelSize(setting, 13, 2048, 10, (7, 8), (9 * 2**30, 7 * 2**30))
+    setting = recipe.Setting.uncut("Pipeline-2", 2, chunks=4, recompute="always")
+    cut = setting.spec.replace(balance=(7, 8))
+    size = recipe.ModelSize(setting, 13, 2048, 10, cut, (9 * 2**30, 7 * 2**30))
     usable = int(16 * 2**30 * (1 - 0.1))
     column = recipe.PaperColumn("Pipeline-2", size, usable)
     assert column.peak == 9 * 2**30 and column.fits
     over = recipe.PaperColumn("Pipeline-2", size, 8 * 2**30)
     assert not over.fits  # the reserve eats it
     assert recipe.paper_note(over, 3.2).startswith("Pipeline-2 does not fit: 9.00 GiB per device")
+
+
+def test_the_papers_activations_are_compared_in_gib_with_its_swapped_cells_put_back(
+    recipe: ModuleType,
+) -> None:
+    # AmoebaNet's memory cells are decimal GB (318M x 12 B = 3.8 GB); Transformer-L's are GiB,
+    # and its Naive-1 cells are printed swapped (282.2M x 12 B = 3.15 GiB is the parameters).
+    amoeba = recipe.paper_activations_gib("AmoebaNet-D", "Naive-1", recipe.PAPER_AMOEBANET)
+    assert amoeba == pytest.approx(6.26e9 / 2**30)
+    assert recipe.paper_activations_gib("AmoebaNet-D", "Pipeline-8", recipe.PAPER_AMOEBANET) == (
+        pytest.approx(26.24e9 / 2**30))  # fmt: skip
+    transformer = recipe.PAPER_TRANSFORMER
+    assert recipe.paper_activations_gib("Transformer-L", "Naive-1", transformer) == 11.7
+    assert recipe.paper_activations_gib("Transformer-L", "Pipeline-1", transformer) == 6.4
+    # A column whose activations are exactly the paper's, in GiB, reads 1.0x (not 1.1x).
+    setting = recipe.Setting.uncut("Naive-1", 1, chunks=1, recompute="never")
+    params = 82_000_000
+    peak = int(12 * params + amoeba * 2**30)
+    size = recipe.ModelSize(setting, 18, 208, params, setting.spec.replace(balance=(24,)), (peak,))
+    note = recipe.paper_note(recipe.PaperColumn("Naive-1", size, 2**30), amoeba)
+    assert "are 1.0x the paper's 5.83 GiB" in note and "would be 0.50x" in note
 
 
 @pytest.mark.slow
@@ -209,8 +233,8 @@ def test_quick_run_sizes_the_papers_transformers_at_the_papers_settings(quick_ru
         assert size.params == sum(p.numel() for p in model.parameters())
         assert columns[label].usable == int(16 * 2**30 * (1 - recipe.RESERVE))
     naive, one, eight = columns["Naive-1"], columns["Pipeline-1"], columns["Pipeline-8"]
-    assert (naive.size.setting.chunks, naive.size.setting.recompute) == (1, "never")
-    assert (one.size.setting.chunks, one.size.setting.recompute) == (32, "always")
+    assert (naive.size.spec.chunks, naive.size.spec.recompute) == (1, "never")
+    assert (one.size.spec.chunks, one.size.spec.recompute) == (32, "always")
     assert not naive.fits and one.fits and eight.fits  # 24 GiB of activations without M
     assert one.largest.layers > 13 and eight.largest.layers > 103
     assert one.largest.setting == one.size.setting  # the same settings
@@ -230,4 +254,4 @@ def test_quick_run_fits_and_counts_parameters_as_the_models_do(quick_run) -> Non
             assert sum(size.balance) == len(model)
             assert column.fits == (column.result.peak <= budgets[name])
     pipeline = results.search["Transformer-L"][-1]
-    assert pipeline.fits and pipeline.result.size.setting.partitions == 1
+    assert pipeline.fits and pipeline.result.size.spec.num_stages == 1

@@ -121,6 +121,23 @@ def test_p40_preset_reproduces_torchgpipes_cells(recipe: ModuleType) -> None:
     assert off == [(4, 4)] and ("torchgpipe", (4, 4)) in recipe.MISSING
 
 
+def test_each_note_quotes_its_own_cells_numbers(recipe: ModuleType) -> None:
+    # A note names the missing effect with the cell's own figures, not one cell's for all.
+    r = recipe.Results()
+    for cell, rate in {(2, 1): 100.0, (4, 1): 103.0, (4, 4): 172.0, (8, 4): 249.0}.items():
+        r.device_sim[cell] = recipe.Fit(4 * cell[1], rate, (6,) * cell[0])
+    k4 = recipe.missing("amoebanet_t2", (4, 4), r)
+    assert "gains the paper 1.12x over M=1 at K=4" in k4  # 1.26 / 1.13
+    assert "bubble model's 2.29x and the simulation's 1.67x" in k4  # 172 / 103
+    k8 = recipe.missing("amoebanet_t2", (8, 4), r)
+    assert "1.25x over M=1 at K=8" in k8 and k8 != k4
+    lm = recipe.missing("transformer_t2", (8, 4), r)
+    assert "the paper's 4.8 is 1.65x the bubble model's 2.91" in lm
+    tg = recipe.missing("torchgpipe", (4, 4), r)
+    assert "0.73 of the bubble model's, against 0.96 at K=2 and 0.90 at K=8" in tg
+    assert recipe.missing("amoebanet_t2", (2, 1), r) == "not diagnosed"
+
+
 def test_collect_reads_completed_runs_and_skips_failed_ones(
     recipe: ModuleType, tmp_path: Path
 ) -> None:
@@ -136,6 +153,22 @@ def test_collect_reads_completed_runs_and_skips_failed_ones(
     recipe.collect(tmp_path, results)
     assert results.measured == {(2, 4): 12.5} and results.measured_bubble == {(2, 4): 0.2}
     assert results.breakdown[(2, 4)]["bubble"] == 0.2  # the run's Section 3.1 figures
+
+
+def test_a_rerun_never_reads_the_previous_runs_summaries(
+    recipe: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The committed results hold an earlier sweep; the runner refuses those job directories
+    # (a record without a checkpoint), so a rerun must start them afresh, else ``collect``
+    # reads the earlier, completed summaries as this run's numbers.
+    model = recipe.MODELS[0]
+    stale = tmp_path / "runs" / model.key / "0"
+    stale.mkdir(parents=True)
+    (stale / "summary.json").write_text(json.dumps({"status": "completed"}))
+    monkeypatch.setattr(recipe.subprocess, "run", lambda *args, **kwargs: None)
+    sweep_dir = recipe.run_sweep(model, 2, tmp_path)
+    assert sweep_dir == tmp_path / "runs" / model.key
+    assert not list(sweep_dir.glob("*/summary.json"))
 
 
 def test_every_paper_cell_is_in_the_grid_and_quoted_once(recipe: ModuleType) -> None:

@@ -107,6 +107,7 @@ def sequentialize(
     cuts = _cut_positions(graph, model, split_points)
     pieces, carried = _partition(graph, cuts, tied)
     seq = Sequentialized(pieces, graph, (example_args, kwargs), set(kwargs) - set(example_kwargs))
+    seq.spans = _spans(graph.nodes(), cuts)
     seq.train(model.training)
     return seq
 
@@ -120,7 +121,12 @@ class Sequentialized(nn.Sequential):
     ``seq(seq.flatten(*args, **kwargs))`` runs the pieces on the flat tuple of input tensors;
     ``seq.unflatten(...)`` gives the model's output form back (a ModelOutput, a dict, ...).
     ``state_dict`` uses the model's parameter names; so does a pipe built on it.
+    ``spans[i]``: the names of the submodules whose code piece ``i`` runs (``"model.layers.2"``
+    and its insides; ``""``, the model's own forward), so that whoever built the model can give
+    the pieces more (a Hugging Face model: key/value caches, ``models.hf``).
     """
+
+    spans: list[frozenset[str]]
 
     def __init__(
         self, pieces: list[fx.GraphModule], graph: _Graph, example: Any, implied: Iterable[str]
@@ -625,6 +631,16 @@ def _cut_positions(
             if split_points is None and name == group[-1]:
                 cuts.add(hits[-1] + 1)  # the head after the last block is a piece of its own
     return sorted(c for c in cuts if 0 < c < len(nodes))
+
+
+def _spans(nodes: list[fx.Node], cuts: list[int]) -> list[frozenset[str]]:
+    """Per piece, the submodule names whose calls its nodes belong to (from export's module
+    stacks; the cuts' positions as :func:`_cut_positions` gives them)."""
+    bounds = [0, *cuts, len(nodes)]
+    return [
+        frozenset(path for n in nodes[a:b] for path in _paths(n))
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
 
 
 def _check_split_point(model: nn.Module, name: str) -> None:

@@ -136,10 +136,14 @@ def check_cached(layers: Sequence[nn.Module]) -> None:
         if callable(getattr(layer, "forward_cached", None)):
             continue
         if isinstance(layer, torch.fx.GraphModule):  # a piece cut by engine.capture
+            # whoever built the model may have said why it gave no caches (models.hf does)
+            why = getattr(layer, "no_cache_reason", None) or (
+                "its model gave it none (a Hugging Face causal LM's pieces get theirs from "
+                "models.hf.give_caches(model, list(seq), seq.spans))"
+            )
             raise TypeError(
                 "generation needs forward_cached(inputs, cache) on every child; a piece "
-                "captured by sequentialize (a Hugging Face causal LM: llama, gpt2, ...) has no "
-                "key/value cache yet; models.transformer_lm and models.transformer have"
+                f"captured by sequentialize has no key/value cache: {why}"
             )
         raise TypeError(
             "generation needs forward_cached(inputs, cache) on every child; "

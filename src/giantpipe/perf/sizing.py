@@ -28,7 +28,7 @@ Without re-materialization ('never') the other M - 1 micro-batches' activations 
 Example::
 
     family = AmoebaNetD(batch=128)          # recipes/model_sizes.py
-    setting = Setting("Pipeline-2", partitions=2, chunks=128, recompute="always")
+    setting = Setting.uncut("Pipeline-2", 2, chunks=128, recompute="always")
     sizes = search(family, [setting], budget=8 * 2**30, widths=[256, 512], depths=range(6, 200, 6))
     confirmed = confirm(family, sizes, budget=8 * 2**30)
     confirmed.size.params, confirmed.stages[0].peak
@@ -40,10 +40,11 @@ import bisect
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.perf.balance import solve_balance
 from giantpipe.perf.memory import Spec, StageLoss
 from giantpipe.perf.stage_memory import (
@@ -91,25 +92,43 @@ class ModelFamily(Protocol):
 
 @dataclass(frozen=True)
 class Setting:
-    """One column of Table 1: K partitions, M micro-batches, re-materialization mode."""
+    """One column of Table 1: a label beside the pipeline's shape.
+
+    The shape is the engine's own :class:`~giantpipe.engine.spec.PipelineSpec` (K stages, M,
+    schedule, re-materialization), so a column is sized with exactly what a pipe would run.
+    Before a model is cut its balance only counts the stages (:meth:`uncut`); each sized model
+    carries the spec with its real cut (:attr:`ModelSize.spec`).
+
+    >>> setting = Setting.uncut("Pipeline-2", 2, chunks=32, recompute="always")
+    >>> setting.spec.num_stages, setting.spec.chunks, setting.spec.recompute
+    (2, 32, 'always')
+    """
 
     label: str
-    partitions: int
-    chunks: int
-    recompute: str
-    schedule: str = "gpipe"
+    spec: PipelineSpec
+
+    @classmethod
+    def uncut(cls, label: str, partitions: int, **shape: Any) -> Setting:
+        """``partitions`` stages, not yet cut (one layer each); ``shape``: the spec's other
+        fields (``chunks``, ``recompute``, ``schedule``)."""
+        return cls(label, PipelineSpec((1,) * partitions, **shape))
 
 
 @dataclass(frozen=True)
 class ModelSize:
-    """A model size (L, D) in a setting, with its balance and predicted stage peaks (bytes)."""
+    """A model size (L, D) in a setting, with its cut and predicted stage peaks (bytes)."""
 
     setting: Setting
     layers: int
     width: int
     params: int
-    balance: tuple[int, ...]
+    spec: PipelineSpec  # the setting's spec with this model's balance
     predicted: tuple[int, ...]
+
+    @property
+    def balance(self) -> tuple[int, ...]:
+        """Layers per stage of this model's cut."""
+        return self.spec.balance
 
 
 @dataclass
@@ -183,9 +202,10 @@ def balance_memory(
 
 def micro_batch(family: ModelFamily, setting: Setting) -> int:
     """Samples per micro-batch; M must divide the batch (all micro-batches the same size)."""
-    if family.batch % setting.chunks:
-        raise ValueError(f"{setting.label}: M={setting.chunks} does not divide {family.batch}")
-    return family.batch // setting.chunks
+    chunks = setting.spec.chunks
+    if family.batch % chunks:
+        raise ValueError(f"{setting.label}: M={chunks} does not divide {family.batch}")
+    return family.batch // chunks
 
 
 @functools.lru_cache(maxsize=256)
@@ -205,17 +225,20 @@ def size_model(
 
     Example::
 
-        size = size_model(AmoebaNetD(), Setting("Pipeline-8", 8, 32, "always"), 72, 512, "rmsprop")
+        setting = Setting.uncut("Pipeline-8", 8, chunks=32, recompute="always")
+        size = size_model(AmoebaNetD(), setting, 72, 512, "rmsprop")
         max(size.predicted) / 2**30   # GiB on the fullest device
     """
     template = template_memory(family, width, micro_batch(family, setting), optimizer)
     costs = [template[i] for i in family.expand(layers)]
-    if len(costs) < setting.partitions:
+    shape = setting.spec
+    if len(costs) < shape.num_stages:
         return None
-    balance = balance_memory(costs, setting.partitions, setting.chunks, setting.recompute)
-    peaks = stage_peaks(costs, balance, setting.chunks, setting.recompute)
+    balance = balance_memory(costs, shape.num_stages, shape.chunks, shape.recompute)
+    peaks = stage_peaks(costs, balance, shape.chunks, shape.recompute)
     params = sum(c.params for c in costs)
-    return ModelSize(setting, layers, width, params, tuple(balance), tuple(peaks))
+    cut = shape.replace(balance=tuple(balance))
+    return ModelSize(setting, layers, width, params, cut, tuple(peaks))
 
 
 def _fits(size: ModelSize | None, budget: int) -> bool:
@@ -246,7 +269,7 @@ def deepest(
     def fits(layers: int) -> bool:
         return _fits(size_model(family, setting, layers, width, optimizer), budget)
 
-    usable = [d for d in depths if len(family.expand(d)) >= setting.partitions]
+    usable = [d for d in depths if len(family.expand(d)) >= setting.spec.num_stages]
     # Parameters grow with depth: skip the depths that cannot beat the best size so far.
     low = bisect.bisect_right(range(len(usable)), beat, key=lambda i: params(usable[i]))
     if low == len(usable) or not fits(usable[low]):
@@ -277,10 +300,11 @@ def search(
     """
     sizes: list[ModelSize] = []
     best = 0
-    order = sorted(settings, key=lambda s: (-s.chunks, s.recompute != "except_last"))
+    order = sorted(settings, key=lambda s: (-s.spec.chunks, s.spec.recompute != "except_last"))
     for setting in order:
         worse = 0
-        shallowest = next(d for d in depths if len(family.expand(d)) >= setting.partitions)
+        stages = setting.spec.num_stages
+        shallowest = next(d for d in depths if len(family.expand(d)) >= stages)
         for width in sorted(widths):
             if not _fits(size_model(family, setting, shallowest, width, optimizer), budget):
                 break
@@ -304,7 +328,7 @@ def search(
 
 def _rank(size: ModelSize) -> tuple[int, bool, int]:
     # Most parameters; on a tie, no recomputation of the last micro-batch, then fewer chunks.
-    return size.params, size.setting.recompute == "except_last", -size.setting.chunks
+    return size.params, size.spec.recompute == "except_last", -size.spec.chunks
 
 
 def measure_size(
@@ -319,8 +343,8 @@ def measure_size(
         stages = measure_size(family, size)
         max(s.peak for s in stages) / 2**30   # GiB, measured
     """
-    setting = size.setting
-    micro = micro_batch(family, setting)
+    spec = size.spec
+    micro = micro_batch(family, size.setting)
     model = family.build(size.layers, size.width)
     index = family.expand(size.layers)
     template = template_memory(family, size.width, micro, optimizer)
@@ -329,15 +353,15 @@ def measure_size(
     for k, count in enumerate(size.balance):
         last = k == len(size.balance) - 1
         # Under fill-drain every stage runs the same action list; other schedules do not.
-        position = (k == 0, last) if setting.schedule == "gpipe" else (k,)
+        position = (k == 0, last) if spec.schedule == "gpipe" else (k,)
         key = (tuple(index[start : start + count]), *position)
         if key not in measured:
             measured[key] = measure_stage(
                 model[start : start + count],
                 template[index[start]].spec,
-                chunks=setting.chunks,
-                recompute=setting.recompute,
-                schedule=setting.schedule,
+                chunks=spec.chunks,
+                recompute=spec.recompute,
+                schedule=spec.schedule,
                 stage_index=k,
                 num_stages=len(size.balance),
                 loss=family.loss(micro) if last else None,
@@ -373,10 +397,9 @@ def confirm(
         stages = measure_size(family, size, optimizer)
         if max(s.peak for s in stages) <= budget:
             return MeasuredSize(size, stages, tried)
-        setting = size.setting
         tried.append(
-            f"{family.describe(size.layers, size.width)} at M={setting.chunks} "
-            f"{setting.recompute}: {max(s.peak for s in stages) / 2**30:.2f} GiB"
+            f"{family.describe(size.layers, size.width)} at M={size.spec.chunks} "
+            f"{size.spec.recompute}: {max(s.peak for s in stages) / 2**30:.2f} GiB"
         )
         smaller = size_model(family, size.setting, size.layers - step, size.width, optimizer)
         if smaller is not None and size.layers - step > 0:

@@ -145,9 +145,8 @@ def build_model(cfg: ExperimentConfig, bundle: DataBundle | None = None) -> nn.S
 
 def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -> nn.Sequential:
     """``model`` (e.g. a Hugging Face or torchvision module) as the flat Sequential the engine
-    cuts: :func:`giantpipe.sequentialize` on two samples of the first training batch, at
-    ``pipeline.split_points``, ending with ``pipeline.output``; it must end with one tensor,
-    the output the loss takes.
+    cuts: :func:`capture` on two samples of the first training batch, at
+    ``pipeline.split_points``, ending with ``pipeline.output``.
 
     Example::
 
@@ -156,11 +155,25 @@ def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -
     inputs, _ = next(bundle.train_batches(cfg.trainer.seed, 0))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     sample = tuple(t[:2].to(device) if isinstance(t, torch.Tensor) else t for t in as_tuple(inputs))
-    pipeline = cfg.pipeline
+    return capture(model, sample, cfg.pipeline.split_points, cfg.pipeline.output)
+
+
+def capture(
+    model: nn.Module, sample: tuple[Any, ...], split_points: Any, output: str | None
+) -> nn.Sequential:
+    """:func:`giantpipe.sequentialize` of ``model`` on ``sample`` (its positional inputs), with
+    its pieces' key/value caches when the model offers them; it must end with one tensor, the
+    output the loss takes. Errors name the config key (``pipeline.split_points``,
+    ``pipeline.output``, ``model._target_``). ``recipes/generate.py`` captures a saved run's
+    model with it as the runner did.
+
+    Example::
+
+        seq = capture(hf_causal_lm("llama", layers=2), (torch.zeros(2, 8, dtype=torch.long),),
+                      None, "logits")                                    # 4 pieces
+    """
     try:
-        seq = sequentialize(
-            model, *sample, split_points=pipeline.split_points, output=pipeline.output
-        )
+        seq = sequentialize(model, *sample, split_points=split_points, output=output)
     except CaptureError as err:
         key = {"split_points": "pipeline.split_points", "output": "pipeline.output"}
         raise ConfigError(key.get(err.about, "model._target_"), str(err)) from err
@@ -170,6 +183,11 @@ def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -
             f"the model returns {seq.out_spec.num_leaves} values ({seq.out_spec.type}); name "
             "the one the loss takes, e.g. pipeline.output=logits",
         )
+    # A model may give its pieces key/value caches for generation (models.hf's builder offers
+    # it): called with the model while it is still whole, it keeps only each piece's own parts.
+    cache_pieces = getattr(model, "giantpipe_cache_pieces", None)
+    if callable(cache_pieces):
+        cache_pieces(model, list(seq), seq.spans)
     return seq
 
 

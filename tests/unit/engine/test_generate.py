@@ -110,24 +110,25 @@ def test_decoding_settings_are_checked() -> None:
         Decoding(beam_size=2, temperature=1.0)
 
 
-def test_a_hugging_face_model_taken_in_with_sequentialize_is_refused_by_name() -> None:
-    transformers = pytest.importorskip("transformers")
+def test_a_hugging_face_type_without_caches_is_refused_by_name() -> None:
+    pytest.importorskip("transformers")
     from types import SimpleNamespace
 
     from giantpipe import sequentialize
     from giantpipe.config import ConfigError
     from giantpipe.data.tensors import lm_tokens
     from giantpipe.runner.build import check_generates
+    from models.hf import give_caches, hf_causal_lm
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=41, n_positions=32)
+    model = hf_causal_lm("gpt_neox", layers=1, width=16, heads=2, vocab_size=41, max_len=32)
     ids = torch.randint(0, 41, (2, 6))
-    seq = sequentialize(transformers.GPT2LMHeadModel(config), ids, output="logits")
+    seq = sequentialize(model, ids, output="logits")
+    give_caches(model, list(seq), seq.spans)  # as the runner does: gpt_neox has none
     with pytest.raises(TypeError, match="captured by sequentialize .* no key/value cache"):
         generate(seq, [ids], [4], Decoding())
     bundle = lm_tokens(vocab_size=41, seq_len=16, batch_size=2, eval_samples=1)
-    cfg = SimpleNamespace(model=SimpleNamespace(architecture="gpt2"))
-    with pytest.raises(ConfigError, match="data.eval_samples.*model 'gpt2'"):
+    cfg = SimpleNamespace(model=SimpleNamespace(architecture="gpt_neox"))
+    with pytest.raises(ConfigError, match="data.eval_samples.*'gpt_neox'.*gpt2, .*llama, "):
         check_generates(cfg, bundle, seq)  # type: ignore[arg-type]
     no_samples = lm_tokens(vocab_size=41, seq_len=16, batch_size=2)
     check_generates(cfg, no_samples, seq)  # type: ignore[arg-type]

@@ -1,0 +1,63 @@
+"""perf.sizing: a Table 1 column is a label beside the engine's PipelineSpec (issue 26), and a
+sized model carries the spec with its own cut."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from giantpipe.engine.spec import PipelineSpec
+from giantpipe.perf.memory import Spec, StageLoss, TensorSpec
+from giantpipe.perf.sizing import Setting, measure_size, micro_batch, size_model
+
+
+class TinyFamily:
+    """An MLP of L hidden layers, width D: [in, L x hidden, out] (a ModelFamily)."""
+
+    name = "tiny"
+    batch = 8
+
+    def build(self, layers: int, width: int) -> nn.Sequential:
+        with torch.device("meta"):
+            hidden = [nn.Linear(width, width) for _ in range(layers)]
+            return nn.Sequential(nn.Linear(4, width), *hidden, nn.Linear(width, 3))
+
+    def template(self, width: int) -> nn.Sequential:
+        return self.build(1, width)
+
+    def expand(self, layers: int) -> list[int]:
+        return [0, *[1] * layers, 2]
+
+    def input(self, micro: int) -> Spec:
+        return TensorSpec((micro, 4), torch.float32)
+
+    def loss(self, micro: int) -> StageLoss:
+        return StageLoss(F.cross_entropy, TensorSpec((micro,), torch.long))
+
+    def describe(self, layers: int, width: int) -> str:
+        return f"({layers},{width})"
+
+
+def test_a_setting_is_a_label_beside_a_pipeline_spec() -> None:
+    assert [f.name for f in dataclasses.fields(Setting)] == ["label", "spec"]
+    setting = Setting.uncut("Pipeline-2", 2, chunks=4, recompute="always")
+    assert isinstance(setting.spec, PipelineSpec)
+    assert (setting.spec.num_stages, setting.spec.chunks, setting.spec.recompute) == (
+        2, 4, "always")  # fmt: skip
+    assert micro_batch(TinyFamily(), setting) == 2
+
+
+def test_a_sized_model_carries_the_spec_with_its_cut() -> None:
+    family = TinyFamily()
+    setting = Setting.uncut("Pipeline-2", 2, chunks=4, recompute="always")
+    size = size_model(family, setting, 6, 16, "rmsprop")
+    assert size is not None and isinstance(size.spec, PipelineSpec)
+    assert size.spec == setting.spec.replace(balance=size.balance)  # M, mode, schedule kept
+    assert sum(size.spec.balance) == 8 and size.spec.num_stages == 2
+    stages = measure_size(family, size)  # the engine runs each stage of that spec
+    assert len(stages) == 2
+    assert sum(s.params for s in stages) == size.params
+    assert stages[0].microbatches == "2->4"  # M from the spec, extrapolated from M = 2
