@@ -12,6 +12,8 @@ time, so the load average is printed beside the table.
     case             what runs
     bad override     train.py trainer.max_stpes=5 (a typo): exit 2, one line
     bad value        train.py trainer.max_steps=-1: exit 2, one line
+    bad model value  train.py model.num_layers=4 (the default AmoebaNet's own check, beside a
+                     builder that imports torch): exit 2, one line
     --help           train.py --help: exit 0, the recipes and the groups
 """
 
@@ -31,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 CASES = {
     "bad override": (["trainer.max_stpes=5"], 2),
     "bad value": (["trainer.max_steps=-1"], 2),
+    "bad model value": (["model.num_layers=4"], 2),
     "--help": (["--help"], 0),
 }
 """Case -> (arguments of train.py, the exit status it must give)."""

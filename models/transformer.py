@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.checks import check, check_min
+from models.checks import check, check_dropouts, check_min, check_stabilizers
 from models.transformer_layers import (
     FeedForward,
     KVCache,
@@ -52,8 +52,6 @@ from models.transformer_layers import (
     SelfAttentionLayer,
     attention_mask,
     causal_block,
-    check_dropouts,
-    check_stabilizers,
     count_parameters,
     ffn_factor,
     init_weights,

@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.checks import check, check_choice, check_fraction
+# The schemas' checks of these blocks' arguments live in models.checks (no torch there: the
+# command line runs them before importing torch); kept importable from here.
+from models.checks import check_dropouts, check_stabilizers
 
 Batch4 = tuple[Tensor, Tensor, Tensor, Tensor]
 
@@ -52,9 +54,6 @@ __all__ = [
     "check_stabilizers",
     "check_dropouts",
 ]
-
-FFN_INIT_SCALES = ("sqrt", "linear")
-LOGIT_CLIP_MODES = ("tanh", "clamp")
 
 
 def sinusoidal_positions(max_len: int, dim: int) -> Tensor:
@@ -311,20 +310,3 @@ def init_weights(model: nn.Module, d_model: int, factor: float, pad_id: int | No
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct parameters (a tied weight counts once); works on the meta device."""
     return sum(p.numel() for p in model.parameters())
-
-
-def check_stabilizers(ffn_init_scale: object, logit_clip: float | None, mode: str) -> None:
-    """The schemas' check of the two stabilizers (``model.ffn_init_scale``, ``model.logit_clip``,
-    ``model.logit_clip_mode``); a ValueError naming the key."""
-    ok = ffn_init_scale is None or ffn_init_scale in FFN_INIT_SCALES
-    ok = ok or (isinstance(ffn_init_scale, int | float) and ffn_init_scale > 0)
-    check(ok, "model.ffn_init_scale", f"must be null, sqrt, linear or > 0; got {ffn_init_scale!r}")
-    if logit_clip is not None:
-        check(logit_clip > 0, "model.logit_clip", f"must be > 0 or null, got {logit_clip}")
-    check_choice(mode, LOGIT_CLIP_MODES, "model.logit_clip_mode")
-
-
-def check_dropouts(dropout: float, attn_dropout: float) -> None:
-    """The schemas' check of ``model.dropout`` and ``model.attn_dropout``: both in [0, 1)."""
-    check_fraction(dropout, "model.dropout")
-    check_fraction(attn_dropout, "model.attn_dropout")

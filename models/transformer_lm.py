@@ -20,14 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.checks import check, check_min
+from models.checks import check, check_dropouts, check_min, check_stabilizers
 from models.transformer_layers import (
     KVCache,
     OutputHead,
     Seen,
     SelfAttentionLayer,
-    check_dropouts,
-    check_stabilizers,
     ffn_factor,
     init_weights,
     sinusoidal_positions,

@@ -58,7 +58,8 @@ class TorchvisionModelConfig:
     """Seed of the random weights."""
 
     def __post_init__(self) -> None:
-        names = classification_models()
-        check(self.name in names, "model.name", f"not a torchvision classifier; one of {names}")
         check_min(self.num_classes, 1, "model.num_classes")
         check_min(self.image_size, 1, "model.image_size")
+        # Last: it needs torchvision, which the command line imports only after the rules above.
+        names = classification_models()
+        check(self.name in names, "model.name", f"not a torchvision classifier; one of {names}")

@@ -58,6 +58,7 @@ Example (train.py)::
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import copy
@@ -75,7 +76,7 @@ import textwrap
 import time
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +242,123 @@ def schema_twin(source: Path, name: str) -> type | None:
         fields.append((node.target.id, kind, default))
     twin = dataclasses.make_dataclass(name, fields)
     twin.__twin_of__ = (source, name)  # type: ignore[attr-defined]
+    twin.__twin_checks__ = twin_checks(tree, found[0], source)  # type: ignore[attr-defined]
     return twin
+
+
+PURE_MODULES = ("giantpipe.config", "models.checks")
+"""Modules, besides the standard library, that a schema's checks may use before torch is
+imported (their check functions: ``check_min``, ``check_choice``, ...)."""
+
+
+def twin_checks(tree: ast.Module, schema: ast.ClassDef, source: Path) -> Callable[[Any], None]:
+    """The ``__post_init__`` of ``schema`` (a class of ``tree``, parsed from ``source``) as a
+    function of a twin, compiled from its source among the names its module binds without torch
+    (:func:`pure_namespace`): one copy of each rule, run before the builder's module is imported.
+
+    A rule that needs anything else stops the checks with NameError or ImportError;
+    :func:`early_checks` leaves it, and the rules after it, to the real schema. Compiled on the
+    first call: a command compiles the checks of its own model and data only.
+
+    Example::
+
+        tree = ast.parse(Path("models/mlp.py").read_text())
+        (mlp,) = [n for n in tree.body if getattr(n, "name", "") == "MlpModelConfig"]
+        twin_checks(tree, mlp, Path("models/mlp.py"))(twin)   # ValueError: model.depth: ...
+    """
+    methods = [n for n in schema.body if isinstance(n, ast.FunctionDef) and not n.decorator_list]
+
+    @functools.cache
+    def compiled() -> dict[str, Any]:
+        space = pure_namespace(tree, source)
+        for method in methods:
+            _define([method], source, space)
+        return space
+
+    def run(twin: Any) -> None:
+        space = compiled()
+        for method in methods:  # the checks may call the schema's other methods
+            if method.name != "__post_init__" and method.name in space:
+                setattr(twin, method.name, space[method.name].__get__(twin))
+        if "__post_init__" in space:
+            space["__post_init__"](twin)
+
+    return run
+
+
+def pure_namespace(tree: ast.Module, source: Path) -> dict[str, Any]:
+    """The names the top level of a module (``tree``, parsed from ``source``) binds without
+    importing torch: its imports from the standard library and :data:`PURE_MODULES`, its literal
+    constants and its plain functions; a function that imports something, or is decorated, is a
+    stub that raises ImportError (as an absent optional package would).
+
+    Example::
+
+        pure_namespace(ast.parse(Path("models/mlp.py").read_text()), Path("models/mlp.py"))
+        # {"NORMS": ("layer", "batch", "none"), "check_min": <function>, ...}; no "torch"
+    """
+    space: dict[str, Any] = {"__name__": f"twin of {source}"}
+    for node in tree.body:
+        if isinstance(node, ast.Import | ast.ImportFrom) and _pure_import(node):
+            _define([node], source, space)
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:  # not a literal (a tensor, a call): not for the twin
+                continue
+            space.update({t.id: value for t in targets if isinstance(t, ast.Name)})
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            if node.decorator_list or _imports(node):
+                space[node.name] = _needs_import(node.name, source)
+            else:
+                _define([node], source, space)
+    return space
+
+
+def _define(nodes: Sequence[ast.stmt], source: Path, space: dict[str, Any]) -> None:
+    """Run top-level statements of ``source`` (imports, ``def``) in ``space``; annotations stay
+    strings, as under the module's own ``from __future__ import annotations``."""
+    code = compile(
+        ast.Module(body=list(nodes), type_ignores=[]),
+        str(source),
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
+    try:
+        exec(code, space)  # noqa: S102 - the project's own source, as importing it would
+    except Exception:  # noqa: BLE001 - e.g. a default naming torch: its rules wait for the module
+        return
+
+
+def _pure_import(node: ast.Import | ast.ImportFrom) -> bool:
+    """An import of the standard library or of :data:`PURE_MODULES` (never torch)."""
+    if isinstance(node, ast.ImportFrom):
+        modules = [node.module or ""] if node.level == 0 else []
+    else:
+        modules = [alias.name for alias in node.names]
+    return bool(modules) and all(
+        m in PURE_MODULES or (m.split(".")[0] in sys.stdlib_module_names and m != "__future__")
+        for m in modules
+    )
+
+
+def _imports(node: ast.AST) -> bool:
+    """Whether a function's body imports anything (``import``, ``importlib``, ``__import__``)."""
+    return any(
+        isinstance(n, ast.Import | ast.ImportFrom)
+        or (isinstance(n, ast.Name) and n.id in ("importlib", "__import__"))
+        for n in ast.walk(node)
+    )
+
+
+def _needs_import(name: str, source: Path) -> Callable[..., Any]:
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError(f"{source}: {name} is not called before its module is imported")
+
+    return stub
 
 
 FACTORIES = {"list": list, "dict": dict, "set": set, "tuple": tuple}
@@ -351,7 +468,33 @@ def check_config(cfg: DictConfig) -> ExperimentConfig:
     experiment = OmegaConf.to_object(cfg)
     assert isinstance(experiment, ExperimentConfig), "conf/config.yaml must start with base_config"
     check_known_keys(cfg, experiment)
+    early_checks(experiment)
     return experiment
+
+
+def early_checks(experiment: ExperimentConfig) -> None:
+    """Run the model's and the data's own checks on their twins, before torch: the rules of
+    each schema's ``__post_init__`` that need nothing but plain Python (:func:`twin_checks`).
+    A rule that needs its module stops the early checks of its group; :func:`checked_options`
+    runs every rule again on the real schema.
+
+    Example::
+
+        early_checks(experiment)   # model.depth=0: ConfigError("model.depth", "must be >= 1...")
+    """
+    for group in OPTION_GROUPS:
+        spec = getattr(experiment, group)
+        checks = getattr(type(spec), "__twin_checks__", None)
+        if checks is None:
+            continue
+        try:
+            checks(spec)
+        except (NameError, ImportError):  # a rule needs the builder's module: checked later
+            continue
+        except ConfigError:
+            raise
+        except ValueError as err:  # models/ raise "model.KEY: ..."
+            raise as_config_error(err) from err
 
 
 def checked_options(experiment: ExperimentConfig) -> ExperimentConfig:

@@ -13,6 +13,7 @@ from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from models.transformer import transformer_lm, transformer_t
+from tests import tiny
 
 BOS, EOS, PAD = 2, 3, 0
 
@@ -66,22 +67,7 @@ def sample(tmp: Path, balance: list[int]) -> dict[str, Any]:
     return {"got": got, "alone": alone}
 
 
-# The translation quick start shrunk to seconds (as tests/distributed/test_runner_features.py).
-TRANSLATION = [
-    "recipe=transformer_quickstart",
-    "model.num_layers=1",
-    "model.ffn_dim=32",
-    "model.num_heads=2",
-    "model.d_model=16",
-    "model.head_dim=8",
-    "data.generated_languages=2",
-    "data.generated_train_sizes=[300,60]",
-    "data.generated_eval_size=6",
-    "data.vocab_size=200",
-    "data.max_tokens=256",
-    "data.bleu_sentences=3",
-    "logger.progress=none",
-]
+TRANSLATION = [*tiny.TRANSLATION, "logger.progress=none"]
 
 
 def translation_config(*extra: str) -> Any:

@@ -1,8 +1,10 @@
-"""The torchvision quick start trains the CNNs whose capture once failed at the first step:
-``python train.py recipe=torchvision_quickstart model.name=X``, shortened to two steps of 8
-images (MobileNetV3-S's and DenseNet-121's pieces open with in-place ops; MobileNetV3-S is cut
-at its 13 feature blocks). A causal LM type transformers does not know is refused by name, in
-one line, before any work."""
+"""The torchvision quick start trains a CNN whose capture once failed at the first step:
+``python train.py recipe=torchvision_quickstart model.name=mobilenet_v3_small``, shortened to two
+steps of 8 images (its pieces open with in-place ops; it is cut at its 13 feature blocks). The
+runner's path is the same for every CNN, so one runs here; every CNN's capture, its pieces
+profiled on their own inputs (as ``pipeline.balance=time`` does) and a K=2 step are
+tests/unit/engine/test_capture_cnns.py's (DenseNet-121's and EfficientNet-B0's among them). A
+causal LM type transformers does not know is refused by name, in one line, before any work."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ SHORT = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mobilenet_v3_small", "efficientnet_b0", "densenet121"])
+@pytest.mark.parametrize("name", ["mobilenet_v3_small"])
 def test_the_torchvision_quick_start_trains(name: str, tmp_path: Path) -> None:
     run = tmp_path / name
     ok(train(*SHORT, f"model.name={name}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=600))

@@ -45,6 +45,16 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
             ["data=tensors", "data.root=.", "data.features=784", "data.classes=10"],
             "error: data=tensors: model=amoebanet_d reads data.image_size, data.num_classes",
         ),
+        # Bad values of the model's and the data's own schemas (beside builders that import
+        # torch, torchvision or transformers): their rules run on the twins first.
+        (["model.num_layers=4"], "error: model.num_layers: must be a positive multiple of 3"),
+        (["data.batch_size=0"], "error: data.batch_size: must be >= 1, got 0"),
+        (["recipe=mlp_quickstart", "model.depth=0"], "error: model.depth: must be >= 1, got 0"),
+        (["recipe=transformer_quickstart", "model.dropout=1.5"], "error: model.dropout: must be"),
+        (["recipe=llama_quickstart", "model.layers=0"], "error: model.layers: must be >= 1"),
+        (["recipe=torchvision_quickstart", "model.image_size=0"], "error: model.image_size: "),
+        (["recipe=llama_text", "data.valid_fraction=2"], "error: data.valid_fraction: must be"),
+        (["recipe=transformer_translation", "data.temperature=0"], "error: data.temperature: "),
     ],
 )
 def test_a_config_error_exits_2_before_torch_is_imported(args, expected, tmp_path: Path):
@@ -64,12 +74,14 @@ def test_the_readme_tensors_command_is_refused_naming_the_recipe_to_use(tmp_path
     assert line.endswith("for this data use recipe=mlp_quickstart")
 
 
-@pytest.mark.slow  # imports torch and the model's builder (seconds to a minute on a busy machine)
-def test_a_bad_value_of_a_model_schema_exits_2_too(tmp_path: Path):
-    """The model's and data's own checks run after the builders are imported: still exit 2."""
-    result = train("recipe=mlp_quickstart", "model.depth=0", cwd=tmp_path)
+@pytest.mark.slow  # imports torch and torchvision (seconds to a minute on a busy machine)
+def test_a_bad_value_that_needs_the_builders_module_exits_2_too(tmp_path: Path):
+    """A rule that needs its builder's module (torchvision's list of models) runs once that is
+    imported: still one line, exit 2."""
+    result = train("recipe=torchvision_quickstart", "model.name=resnet_nope", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert error_lines(result) == ["error: model.depth: must be >= 1, got 0"]
+    (line,) = error_lines(result)
+    assert line.startswith("error: model.name: not a torchvision classifier; one of ")
 
 
 def test_help_lists_every_recipe_with_a_line_and_the_groups_a_user_chooses(tmp_path: Path):

@@ -9,7 +9,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # a benchmark's quick run: three train.py processes
+@pytest.mark.slow  # a benchmark's quick run: four train.py processes
 def test_quick_run_prints_a_row_per_case():
     script = REPO / "benchmarks" / "cli_latency.py"
     result = subprocess.run(
@@ -20,5 +20,6 @@ def test_quick_run_prints_a_row_per_case():
     assert [row.split(" | ")[0] for row in rows[1:]] == [
         "| bad override",
         "| bad value",
+        "| bad model value",
         "| --help",
     ]

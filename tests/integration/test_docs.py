@@ -182,6 +182,7 @@ def workdir(tmp_path: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.name)
 def test_block_runs_as_printed(block: Block, workdir: Path) -> None:
+    # Each block is a unit of its own on xdist (tests/conftest.py SPREAD): they spread.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(workdir)])}
     if block.lang == "python":
         (workdir / "block.py").write_text(block.code)

@@ -22,28 +22,14 @@ from giantpipe.runner import train as train_in_process
 from giantpipe.runner.build import build_experiment, build_model
 from giantpipe.runner.step import accumulate_gradients
 from models.transformer import count_parameters, label_smoothed_cross_entropy
+from tests import tiny
 from tests.integration.test_train_cli import REPO, ok
 from tests.unit.engine.engine_helpers import step_seed
 
 CONF = REPO / "conf"
 register_configs(CONF)
 
-# The quick start shrunk to seconds: a T(1, 32, 2) on two small generated languages.
-TINY = [
-    "recipe=transformer_quickstart",
-    "model.num_layers=1",
-    "model.ffn_dim=32",
-    "model.num_heads=2",
-    "model.d_model=16",
-    "model.head_dim=8",
-    "data.generated_languages=2",
-    "data.generated_train_sizes=[300,60]",
-    "data.generated_eval_size=6",
-    "data.vocab_size=200",
-    "data.max_tokens=256",
-    "data.bleu_sentences=3",
-    "trainer.log_every=1",
-]
+TINY = [*tiny.TRANSLATION, "trainer.log_every=1"]
 
 
 def train(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -99,6 +99,7 @@ def test_blocks_inside_sequential_subclasses_are_found() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PIECES))
 def test_cnn_default_cut_pipelined_equals_the_original(name: str) -> None:
+    # Each CNN is a unit of its own on xdist (tests/conftest.py SPREAD): they spread.
     model = cnn(name)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.arange(BATCH) % 10
