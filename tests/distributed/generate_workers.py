@@ -68,31 +68,3 @@ def sample(tmp: Path, balance: list[int]) -> dict[str, Any]:
 
 
 TRANSLATION = [*tiny.TRANSLATION, "logger.progress=none"]
-
-
-def translation_config(*extra: str) -> Any:
-    from hydra import compose, initialize_config_dir
-
-    from giantpipe.cli import register_configs, to_experiment
-    from tests.distributed.launch import REPO
-
-    register_configs(REPO / "conf")
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        return to_experiment(compose("config", [*TRANSLATION, *extra]))
-
-
-def held_out_bleu(tmp: Path, run_dir: str, executor: str) -> dict[str, Any]:
-    """The runner's experiment (built as train.py builds it) and its held-out BLEU figures:
-    whether this rank kept a whole plain model, and how many parameters it holds."""
-    from giantpipe.runner.build import build_experiment
-    from giantpipe.runner.checkpoint import seed_everything
-    from giantpipe.runner.evaluate import whole_model_figures
-    from giantpipe.runner.world import TorchrunWorld, World
-
-    cfg = translation_config(f"pipeline.executor={executor}", "pipeline.timeout=30")
-    world = TorchrunWorld(30.0) if executor == "distributed" else World()
-    seed_everything(cfg.trainer.seed)  # as train() does: then data, then model
-    parts = build_experiment(cfg, Path(run_dir), world)
-    figures = whole_model_figures(parts.pipe, parts.model, parts.bundle, world)
-    held = sum(p.numel() for p in parts.pipe.parameters())
-    return {"figures": figures, "kept_model": parts.model is not None, "held": held}

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.generate_workers import held_out_bleu
 from tests.distributed.launch import spawn
 
 pytestmark = pytest.mark.distributed
@@ -47,21 +46,3 @@ def test_three_ranks_sampling_equals_one_process(tmp_path: Path) -> None:
     )
     for result in results:
         assert result["got"] == result["alone"]
-
-
-def test_the_runners_held_out_bleu_under_two_ranks_keeps_no_whole_model(tmp_path: Path) -> None:
-    local = held_out_bleu(tmp_path, str(tmp_path / "local"), executor="local")
-    results = spawn(
-        "tests.distributed.generate_workers:held_out_bleu",
-        world=2,
-        tmp=tmp_path,
-        timeout=240,
-        run_dir=str(tmp_path / "dist"),
-        executor="distributed",
-    )
-    assert local["kept_model"] and not any(r["kept_model"] for r in results)
-    assert 0 < results[0]["held"] < local["held"]  # rank 0: its stage's weights only
-    assert results[0]["held"] + results[1]["held"] == local["held"]
-    for result in results:
-        assert result["figures"]["bleu"] == pytest.approx(local["figures"]["bleu"], rel=1e-6)
-        assert result["figures"]["decode_tokens_per_s"] > 0
