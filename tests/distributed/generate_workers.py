@@ -1,5 +1,6 @@
-"""What each rank runs in tests/distributed/test_generate.py: decoding through a
-DistributedPipe (one stage per rank) against the plain model's uncached reference decoder."""
+"""What each rank runs in tests/distributed/test_generate.py and test_generate_virtual.py:
+decoding through a DistributedPipe (one stage per rank, or two: interleaved, zb-v) against the
+plain model's uncached reference decoders in one process."""
 
 from __future__ import annotations
 
@@ -29,8 +30,16 @@ def lm() -> nn.Sequential:
     return transformer_lm(3, d_model=32, ffn_dim=48, num_heads=4, vocab_size=41, max_len=48).eval()
 
 
-def translate(tmp: Path, balance: list[int], chunks: int) -> dict[str, Any]:
-    """Greedy and beam through the pipe (sources only where stage 0 is) and the references."""
+def translate(
+    tmp: Path,
+    balance: list[int],
+    chunks: int,
+    schedule: str = "gpipe",
+    micro: int | None = None,
+) -> dict[str, Any]:
+    """Greedy and beam through the pipe (sources only where stage 0 is) and the one-process
+    references. ``schedule`` interleaved or zb-v: 2 stages per rank (V = 2); ``micro``
+    micro-batches to decode (default: ``chunks``, training's)."""
     torch.manual_seed(7)
     src = torch.randint(4, 37, (7, 6))
     src[3, 4:] = PAD
@@ -40,18 +49,23 @@ def translate(tmp: Path, balance: list[int], chunks: int) -> dict[str, Any]:
         "greedy": greedy_decode(plain, src),
         "beam": beam_search(plain, src, beam_size=3, length_penalty=0.6),
     }
-    pipe = DistributedPipe(seq2seq(), balance, chunks=chunks, timeout=30)
-    held = sum(p.numel() for p in pipe.parameters())
+    virtual = 1 if schedule == "gpipe" else 2
+    pipe = DistributedPipe(
+        seq2seq(), balance, chunks=chunks, schedule=schedule, virtual_stages=virtual, timeout=30
+    )
+    micro = micro or chunks
     prompts = None
     if pipe.needs_inputs:
-        prompts = [(s, torch.full((len(s), 1), BOS)) for s in split_rows(src, chunks)]
+        prompts = [(s, torch.full((len(s), 1), BOS)) for s in split_rows(src, micro)]
     got = {}
     for name, beam in (("greedy", 1), ("beam", 3)):
         decoding = Decoding(beam_size=beam, length_penalty=0.6, eos_id=EOS, pad_id=PAD)
-        out = generate(pipe, prompts, [steps] * chunks, decoding, timeout=30)
+        out = generate(pipe, prompts, [steps] * micro, decoding, timeout=30)
         got[name] = [row for chunk in out for row in chunk]
+    held = sum(p.numel() for p in pipe.parameters())
     total = sum(p.numel() for p in plain.parameters())
-    return {"got": got, "reference": reference, "held": held, "total": total}
+    return {"got": got, "reference": reference, "stages": pipe.layout.local_stages,
+            "held": held, "total": total}  # fmt: skip
 
 
 def sample(tmp: Path, balance: list[int]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.distributed
 
 def test_two_ranks_interleaved_equal_the_one_process_reference(tmp_path: Path) -> None:
     results = spawn(
-        "tests.distributed.generate_virtual_workers:translate",
+        "tests.distributed.generate_workers:translate",
         world=2,
         tmp=tmp_path,
         balance=[1, 2, 2, 1],
@@ -32,7 +32,7 @@ def test_two_ranks_interleaved_equal_the_one_process_reference(tmp_path: Path) -
 def test_three_ranks_zb_v_hear_two_neighbours_and_equal_the_reference(tmp_path: Path) -> None:
     """zb-v with K = 3: rank 1 holds stages 1 and 4, fed by rank 0 and rank 2 in turn."""
     results = spawn(
-        "tests.distributed.generate_virtual_workers:translate",
+        "tests.distributed.generate_workers:translate",
         world=3,
         tmp=tmp_path,
         timeout=180,

@@ -8,18 +8,20 @@ prefix at every step (:class:`Uncached`)."""
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from giantpipe import GPipe
-from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.generate import Decoding, generate, held_stages, split_rows
-from models.transformer import transformer_lm, transformer_t
+from models.transformer import transformer_lm
+from tests.unit.engine import test_generate
+from tests.unit.engine.test_generate import seq2seq
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
+
+translation = test_generate.translation  # the same fixture: the model, sources and references
 
 BOS, EOS, PAD = 2, 3, 0
 SCHEDULES = ["interleaved", "zb-v"]
@@ -36,26 +38,6 @@ def virtual_pipe(model: nn.Sequential, schedule: str, balance: list[int]) -> GPi
     return pipe
 
 
-def seq2seq() -> nn.Sequential:
-    torch.manual_seed(1)
-    model = transformer_t(2, 48, 4, d_model=32, head_dim=8, vocab_size=37, max_len=48, dropout=0.0)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def translation() -> dict[str, Any]:
-    model = seq2seq()
-    torch.manual_seed(7)
-    src = torch.randint(4, 37, (7, 6))
-    src[3, 4:] = PAD
-    return {
-        "src": src,
-        "steps": _max_steps(model, src, None),  # type: ignore[arg-type]
-        1: greedy_decode(model, src),
-        3: beam_search(model, src, beam_size=3, length_penalty=0.6),
-    }
-
-
 @pytest.mark.parametrize(("schedule", "m", "beam"), CASES)
 def test_translation_through_virtual_stages_equals_the_uncached_reference(
     schedule: str, m: int, beam: int, translation: dict
@@ -64,7 +46,7 @@ def test_translation_through_virtual_stages_equals_the_uncached_reference(
     prompts = [(s, torch.full((len(s), 1), BOS)) for s in split_rows(translation["src"], m)]
     decoding = Decoding(beam_size=beam, length_penalty=0.6, eos_id=EOS, pad_id=PAD)
     out = generate(pipe, prompts, [translation["steps"]] * m, decoding, timeout=60.0)
-    assert [row for chunk in out for row in chunk] == translation[beam]
+    assert [row for chunk in out for row in chunk] == translation["greedy" if beam == 1 else "beam"]
 
 
 class TokensSoFar:
