@@ -43,27 +43,31 @@ def run(*args: str) -> list[str]:
     return done.stdout.splitlines()
 
 
+PROMPTS = ["3 4 5", "7 8 9", "1 2"]
+"""Two lengths: the recipe puts equal lengths in one micro-batch."""
+
+
+def continue_prompts(weights: Path) -> list[str]:
+    """The recipe's lines for :data:`PROMPTS`, 6 new tokens each, through 2 stages and 2
+    micro-batches."""
+    prompts = [f"--prompt={p}" for p in PROMPTS]
+    return run(str(weights), *prompts, "--max-new=6", "--stages=2", "--chunks=2")
+
+
 @pytest.mark.slow
 def test_a_language_model_run_continues_its_prompts_through_two_stages(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = transformer_lm(**{k: v for k, v in MODEL.items() if k != "_target_"})
     torch.save(model.state_dict(), tmp_path / "model.pt")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": MODEL}))
-    prompts = ["3 4 5", "7 8 9", "1 2"]
-    lines = run(
-        str(tmp_path / "model.pt"),
-        *[f"--prompt={p}" for p in prompts],
-        "--max-new=6",
-        "--stages=2",
-        "--chunks=2",
-    )
+    lines = continue_prompts(tmp_path / "model.pt")
     plain = model.eval()
     expected = [
         generate(plain, [torch.tensor([[int(t) for t in p.split()]])], [6], Decoding())[0][0]
-        for p in prompts
+        for p in PROMPTS
     ]
     assert lines == [
-        f"{p} -> {' '.join(map(str, t))}" for p, t in zip(prompts, expected, strict=True)
+        f"{p} -> {' '.join(map(str, t))}" for p, t in zip(PROMPTS, expected, strict=True)
     ]
 
 
@@ -112,20 +116,13 @@ def test_a_hugging_face_run_is_captured_and_continues_as_the_uncached_model(
         "pipeline": {"split_points": None, "output": None},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    prompts = ["3 4 5", "7 8 9", "1 2"]
-    lines = run(
-        str(tmp_path / "model.pt"),
-        *[f"--prompt={p}" for p in prompts],
-        "--max-new=6",
-        "--stages=2",
-        "--chunks=2",
-    )
+    lines = continue_prompts(tmp_path / "model.pt")
     expected = []
     with torch.no_grad():
-        for prompt in prompts:
+        for prompt in PROMPTS:
             ids = torch.tensor([[int(t) for t in prompt.split()]])
             for _ in range(6):
                 logits = model(input_ids=ids, use_cache=False).logits
                 ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
             expected.append(" ".join(map(str, ids[0, len(prompt.split()) :].tolist())))
-    assert lines == [f"{p} -> {e}" for p, e in zip(prompts, expected, strict=True)]
+    assert lines == [f"{p} -> {e}" for p, e in zip(PROMPTS, expected, strict=True)]
