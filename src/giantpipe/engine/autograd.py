@@ -1,5 +1,4 @@
-"""Where one stage's autograd graph meets the next: leaves in, gradients out, on the calling
-thread.
+"""Where one stage's autograd graph meets the next: leaves in, gradients out, on this thread.
 
 **Boundaries.** Every stage's graph starts at detached copies of its inputs ("leaves"), so a
 backward never crosses threads, devices or processes by itself: the gradient of each leaf is
