@@ -30,6 +30,7 @@ from gpu_common import (
 from torch import nn
 
 from giantpipe import GPipe
+from giantpipe.perf.predict import predict
 
 OVERLAP_MIN = 0.5  # copies between GPUs: at least half their time under compute on their GPU
 MEMORY_BAND = (0.75, 1.33)  # allocator peak growth / forecast activations
@@ -202,7 +203,7 @@ def memory_row(section: Section, opts: Options, mode: str, shared: bool) -> None
     y = y.to(devices[-1])
     with closing(pipe):
         pipe.train_step(x, y, nn.functional.mse_loss)  # gradients allocated before the peak
-        forecast = pipe.predict(x, y, nn.functional.mse_loss).simulation.peak_activation_bytes
+        forecast = predict(pipe, x, y, nn.functional.mse_loss).simulation.peak_activation_bytes
         measured = step_peaks(pipe, x, y)
     if shared:
         forecast = [sum(forecast)]
@@ -215,7 +216,7 @@ def memory_row(section: Section, opts: Options, mode: str, shared: bool) -> None
 
 
 def memory(opts: Options) -> Section:
-    """The allocator's peak over a step against ``pipe.predict``'s forecast of the activations
+    """The allocator's peak over a step against ``predict(pipe, ...)``'s forecast of the activations
     (per GPU; on one GPU the workers' forecasts summed), for two re-materialization modes."""
     devices = opts.devices(2)
     shared = not opts.dry and len(set(devices)) < len(devices)  # one allocator for both
@@ -228,6 +229,6 @@ def memory(opts: Options) -> Section:
     else:
         what = "allocator peak over the step's start" + (", both stages on one GPU" * shared)
     mlp = MLP.of(opts)
-    section.notes.append(f"measured: {what}; forecast: pipe.predict(...).simulation"
+    section.notes.append(f"measured: {what}; forecast: predict(pipe, ...).simulation"
                          f".peak_activation_bytes; M={mlp.chunks}, batch {mlp.batch}.")  # fmt: skip
     return section

@@ -8,7 +8,7 @@ devices (one intra-op thread each), re-materialization 'never' (``--recompute`` 
 Schedules gpipe, 1f1b, interleaved (V=2: four stages of two blocks), zb-h1 and zb-v (V=2, the
 four stages placed in a V), M in {2, 4, 8}.
 
-Every round visits every configuration in turn: ``pipe.predict(x, y, loss)`` (profile the
+Every round visits every configuration in turn: ``predict(pipe, x, y, loss)`` (profile the
 stages, simulate the schedule), then ``--steps`` timed ``train_step`` calls. This machine is
 shared and noisy, so rounds interleave the configurations and the table reports medians over
 rounds: measured samples/s (batch / wall time of train_step), predicted samples/s (batch /
@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]  # models/ from a checkout
 
 from giantpipe import GPipe  # noqa: E402
+from giantpipe.perf.predict import predict  # noqa: E402
 from giantpipe.perf.timeline import plot_measured, plot_timeline  # noqa: E402
 from models.amoebanet import amoebanetd  # noqa: E402
 from models.transformer_lm import transformer_lm  # noqa: E402
@@ -141,7 +142,7 @@ def visit(
     loss: Any = nn.functional.mse_loss,
 ) -> None:
     """One round of one configuration: a prediction, then a warm-up and ``steps`` steps."""
-    prediction = pipe.predict(x, y, loss)
+    prediction = predict(pipe, x, y, loss)
     into.predicted.append(prediction.step_time_s)
     into.predicted_bubble.append(prediction.bubble)
     into.predicted_memory = prediction.simulation.peak_activation_bytes
@@ -173,7 +174,7 @@ def run(setup: Setup, recompute: str, out: Path) -> dict[tuple[str, int], Sample
         print(f"round {r + 1}/{setup.rounds} done", flush=True)
     for s, _, m in configs:
         pipe = pipes[s, m]
-        sim = pipe.predict(x, y, nn.functional.mse_loss).simulation
+        sim = predict(pipe, x, y, nn.functional.mse_loss).simulation
         plot_timeline(sim, out / f"{s}_k2_m{m}.png", title=f"{s}, K=2, M={m} (simulated)")
         name, title = f"{s}_k2_m{m}_measured.png", f"{s}, K=2, M={m} (measured, last step)"
         plot_measured(pipe.last_timings, pipe.step_schedule(), out / name, title=title)

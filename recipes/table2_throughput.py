@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
 from giantpipe.engine.microbatch import scatter  # noqa: E402
-from giantpipe.engine.schedule import gpipe  # noqa: E402
+from giantpipe.engine.schedules.fill_drain import fill_drain  # noqa: E402
 from giantpipe.perf.balance import solve_balance  # noqa: E402
 from giantpipe.perf.costs import DeviceModel, LayerCost, measure_layers  # noqa: E402
 from giantpipe.perf.planner import DeviceSpec, combine, plan  # noqa: E402
@@ -382,7 +382,7 @@ def simulate_profile(layers: Sequence[StageCost], k: int, m: int, checkpoint: st
     balance = solve_balance([c.forward + c.backward for c in layers], k)
     bounds = [sum(balance[:i]) for i in range(k + 1)]
     stages = [merge(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
-    return simulate(gpipe(k, m), stages, checkpoint).step_time
+    return simulate(fill_drain(k, m), stages, checkpoint).step_time
 
 
 def cpu_simulation(model: Model, repeats: int, results: Results) -> None:
@@ -417,7 +417,7 @@ def device_cell(
              for c, (f, b, w) in zip(layers, times, strict=True)]  # fmt: skip
     bounds = list(itertools.accumulate([0, *balance]))
     stages = [combine(parts[a:b], layers[a:b], micro) for a, b in itertools.pairwise(bounds)]
-    step = simulate(gpipe(k, m), stages, checkpoint, preset.action_overhead).step_time
+    step = simulate(fill_drain(k, m), stages, checkpoint, preset.action_overhead).step_time
     return batch / step
 
 

@@ -236,8 +236,8 @@ def board_of(rank: int, store: DictStore, layout: Layout, pid: int | None = None
 
 def test_a_dead_peer_is_named_first_by_what_a_survivor_reports() -> None:
     from giantpipe.engine.dist.faults import explain, failure_message, is_consequence
-    from giantpipe.engine.schedule import Action
-    from giantpipe.engine.workers import note_failure
+    from giantpipe.engine.failures import note_failure
+    from giantpipe.engine.schedules.actions import Action
 
     layout = Layout(world_size=3, rank=0, workers=3, placement=(0, 1, 2))
     store = DictStore()

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.ordered import PAYLOADS, OrderedMailbox, message_order, worker_ops
+from giantpipe.engine.dist.message_order import message_order, worker_ops
+from giantpipe.engine.dist.ordered import PAYLOADS, OrderedMailbox
 from giantpipe.engine.dist.p2p import P2PMailbox
 from giantpipe.engine.dist.wire import KnownLayouts
 from giantpipe.engine.schedules import build_schedule

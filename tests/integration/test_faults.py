@@ -333,8 +333,9 @@ def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monk
         return real(obj, handle, *args, **kwargs)
 
     monkeypatch.setattr(shards, "save_collective", counted_save)
-    monkeypatch.setattr(shards.torch, "save", failing_save)
-    monkeypatch.setattr(shards.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 0))
+    monkeypatch.setattr(shards.files.torch, "save", failing_save)
+    full = shutil._ntuple_diskusage(1, 1, 0)
+    monkeypatch.setattr(shards.files.shutil, "disk_usage", lambda _: full)
     with pytest.raises(CheckpointWriteError) as info:
         train(tiny(max_steps=6, checkpoint_every=1, eval_every=0), tmp_path, "")
     message = str(info.value)

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from giantpipe.data.bundle import EvaluationError
 from giantpipe.data.corpus import split_pair
 from giantpipe.data.translation import SharedVocabulary, eval_batches
-from giantpipe.engine.generate import Decoding, generate, split_rows, trim_tokens
+from giantpipe.engine.generate import Decoding, generate, split_rows
+from giantpipe.engine.generate.search import trim_tokens
 
 __all__ = [
     "Seq2Seq",

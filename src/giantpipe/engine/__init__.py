@@ -2,25 +2,33 @@
 
 What lives here, one concept per module:
 
-- schedules as data (:mod:`.schedule`: Action, Schedule, validation; :mod:`.schedules`: 1F1B,
-  interleaved, zero bubble and the registry by name);
-- cutting the model and the batch (:mod:`.partition`, :mod:`.microbatch`);
-- exact re-materialization (:mod:`.recompute`), dropout replay (:mod:`.rng`), deferred
-  BatchNorm (:mod:`.batchnorm`), where stages' autograd graphs meet and the B/W split
-  (:mod:`.autograd`);
-- the local executor (:mod:`.executor`: a step's actions; :mod:`.workers`: its threads and
-  mailbox; :mod:`.streams`: each worker's CUDA device and stream) and what it measures
-  (:mod:`.stats`);
-- fp16 loss scaling handed to the step door (:func:`pipeline_grad_scaler`, :mod:`.base`);
-- any model as a flat Sequential (:mod:`.capture`: ``sequentialize``, torch.export cut at
-  named submodules);
-- the two pipes: :class:`GPipe` (:mod:`.gpipe`, a worker thread per device) and
-  ``DistributedPipe`` (:mod:`.dist`, a process per device), which share :mod:`.base`.
-- generation through either pipe, each stage keeping its layers' key/value caches
-  (:mod:`.generate`: greedy, beam and sampled decoding, micro-batches circling the stages).
+- :mod:`.spec`: a pipeline's shape, :class:`PipelineSpec`, checked once (imports no torch);
+- :mod:`.schedules`: schedules as data (Action, Schedule, validation), fill-drain, the 1F1B
+  family, and every schedule by name (:func:`build_schedule`);
+- :mod:`.partition`: cutting a flat Sequential into stages on devices, tied parameters;
+- :mod:`.microbatch`: cutting a batch into micro-batches and gathering it back;
+- :mod:`.recompute`: exact re-materialization (the modes, the recompute stop);
+- :mod:`.rng`: dropout replayed in re-materialization, a seed per step and micro-batch;
+- :mod:`.batchnorm`: deferred BatchNorm, statistics committed once per mini-batch;
+- :mod:`.autograd`: where one stage's autograd graph meets the next;
+- :mod:`.split_backward`: the backward split in B (input gradient) and W (weight gradient);
+- :mod:`.fp16`: fp16 loss scaling, the scale in each micro-batch's gradient, agreed verdicts;
+- :mod:`.step_config`: what a step is given (:class:`~.step_config.StepConfig`, the loss);
+- :mod:`.executor`: the local executor, a step's actions run by its workers (``StepRun``);
+- :mod:`.failures`: where a stage's exception was raised, the engine's own errors;
+- :mod:`.mailbox`: how the workers hand each other activations and gradients;
+- :mod:`.workers`: the worker threads kept from step to step;
+- :mod:`.streams`: each worker's CUDA device and stream;
+- :mod:`.profiling`: the executor as torch.profiler sees it;
+- :mod:`.stats`: what a step measures (:class:`StepStats`);
+- :mod:`.pipe`: the base both pipes share (``Pipe``);
+- :mod:`.gpipe`: :class:`GPipe`, a worker thread per device, torchgpipe's door and the step's;
+- :mod:`.capture`: any model as a flat Sequential (:func:`sequentialize`, torch.export);
+- :mod:`.generate`: generation through either pipe, each stage keeping its key/value caches;
+- :mod:`.dist`: ``DistributedPipe``, a process per device (imported only by who needs it).
 
-Nothing here imports Hydra, the runner, ``models`` or the cost model (:mod:`giantpipe.perf`),
-but for ``GPipe.predict``, which imports ``giantpipe.perf.predict`` when called. Anything may
+Nothing here imports Hydra, the runner, ``models`` or the cost model (:mod:`giantpipe.perf`,
+which takes a pipe: ``giantpipe.perf.predict.predict(pipe, x, y, loss_fn)``). Anything may
 import this package; :mod:`.dist` is imported only by who needs torch.distributed.
 
 Example::
@@ -35,43 +43,42 @@ Example::
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from giantpipe.engine.base import pipeline_grad_scaler
     from giantpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
     from giantpipe.engine.capture import CaptureError, sequentialize
+    from giantpipe.engine.failures import PipelineError, PipelineTimeout, failed_action
+    from giantpipe.engine.fp16 import pipeline_grad_scaler
     from giantpipe.engine.gpipe import GPipe
     from giantpipe.engine.partition import verify_module
     from giantpipe.engine.recompute import is_recomputing
     from giantpipe.engine.rng import rng_context
-    from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe
     from giantpipe.engine.schedules import build_schedule
+    from giantpipe.engine.schedules.actions import Action, Schedule
+    from giantpipe.engine.schedules.fill_drain import expected_bubble, fill_drain
     from giantpipe.engine.spec import PipelineSpec
     from giantpipe.engine.stats import StepStats
-    from giantpipe.engine.workers import PipelineError, PipelineTimeout, failed_action
 
 # Name -> the module that defines it, imported on first use: ``giantpipe.engine.spec`` (which
 # the config's schema reads its defaults from) then loads without torch.
 _HOMES = {
-    "Action": "schedule",
+    "Action": "schedules.actions",
     "CaptureError": "capture",
     "DeferredBatchNorm": "batchnorm",
     "GPipe": "gpipe",
-    "PipelineError": "workers",
+    "PipelineError": "failures",
     "PipelineSpec": "spec",
-    "PipelineTimeout": "workers",
-    "Schedule": "schedule",
+    "PipelineTimeout": "failures",
+    "Schedule": "schedules.actions",
     "StepStats": "stats",
     "build_schedule": "schedules",
     "convert_deferred_batch_norm": "batchnorm",
-    "expected_bubble": "schedule",
-    "failed_action": "workers",
-    "gpipe": "schedule",
+    "expected_bubble": "schedules.fill_drain",
+    "failed_action": "failures",
+    "fill_drain": "schedules.fill_drain",
     "is_recomputing": "recompute",
-    "pipeline_grad_scaler": "base",
+    "pipeline_grad_scaler": "fp16",
     "rng_context": "rng",
     "sequentialize": "capture",
     "verify_module": "partition",
@@ -91,7 +98,7 @@ __all__ = [
     "convert_deferred_batch_norm",
     "expected_bubble",
     "failed_action",
-    "gpipe",
+    "fill_drain",
     "is_recomputing",
     "pipeline_grad_scaler",
     "rng_context",
@@ -106,17 +113,3 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(f"giantpipe.engine.{_HOMES[name]}"), name)
     globals()[name] = value  # once: later lookups do not come here
     return value
-
-
-class _Package(types.ModuleType):
-    """This package. Importing the submodule ``giantpipe.engine.gpipe`` binds it here as
-    ``gpipe``, which would hide the exported fill-drain builder of that name (the eager imports
-    bound the function last): the package keeps the function."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "gpipe" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -1,5 +1,8 @@
 """The local executor: one process, one worker thread per pipeline worker, any schedule.
 
+One concept, one class: :class:`StepRun`, a step's run (its section dividers group its methods:
+running a phase, the actions, CUDA time, memory accounting).
+
 The threads belong to the pipe's :class:`~giantpipe.engine.workers.WorkerPool` and serve step
 after step (a fresh thread's first action is slow); ``pipe.close()`` or the pipe's collection
 joins them all, and those of a failed phase are joined by the next one.
@@ -43,10 +46,10 @@ device and micro-batch; :func:`failed_action` gives the action to code::
 The engine's own failures (a wait over the timeout) are :class:`PipelineError`; KeyboardInterrupt
 and SystemExit stay what they are.
 
-What a step is given, :class:`StepConfig` (the stages, their devices, the loss, which
-micro-batches are recomputed, the caller's autocast state), is all the workers read; both pipes
-build it (:mod:`giantpipe.engine.base`), and the distributed executor runs the very same
-:class:`StepRun` with a mailbox that reaches other processes.
+What a step is given, a :class:`~giantpipe.engine.step_config.StepConfig` (the stages, their
+devices, the loss, which micro-batches are recomputed, the caller's autocast state), is all the
+workers read; both pipes build it (:mod:`giantpipe.engine.pipe`), and the distributed executor
+runs the very same :class:`StepRun` with a mailbox that reaches other processes.
 
 Example::
 
@@ -60,25 +63,19 @@ Example::
 from __future__ import annotations
 
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from giantpipe.engine.autograd import (
-    WeightGradient,
-    backward_here,
-    backward_input,
-    detach,
-    make_leaves,
-    pair_gradients,
-    scale_gradient,
-)
+from giantpipe.engine.autograd import backward_here, detach, make_leaves, pair_gradients
+from giantpipe.engine.failures import Aborted, PipelineError, failed_action, note_failure
+from giantpipe.engine.fp16 import scale_gradient
+from giantpipe.engine.mailbox import Mailbox
 from giantpipe.engine.microbatch import (
     CopyStreams,
     Ready,
@@ -87,10 +84,11 @@ from giantpipe.engine.microbatch import (
     nbytes,
     to_device,
 )
+from giantpipe.engine.profiling import profiled, warn_if_profiler_misses_workers
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
-from giantpipe.engine.schedule import Action, Schedule
-from giantpipe.engine.spec import DEFAULT_TIMEOUT
+from giantpipe.engine.schedules.actions import Action, Schedule
+from giantpipe.engine.split_backward import WeightGradient, backward_input
 from giantpipe.engine.stats import (
     ActionTiming,
     CudaClock,
@@ -98,6 +96,7 @@ from giantpipe.engine.stats import (
     saved_as_aliases,
     storage_keys,
 )
+from giantpipe.engine.step_config import StepConfig
 from giantpipe.engine.streams import (
     Lane,
     enter_lane,
@@ -105,71 +104,9 @@ from giantpipe.engine.streams import (
     join_to_caller,
     plan_lanes,
 )
-from giantpipe.engine.workers import (
-    Aborted,
-    Mailbox,
-    PipelineError,
-    WorkerPool,
-    failed_action,
-    note_failure,
-)
+from giantpipe.engine.workers import WorkerPool
 
-__all__ = [
-    "LossFn",
-    "LossSpec",
-    "PipelineError",
-    "StepConfig",
-    "StepRun",
-    "autocast_state",
-    "failed_action",
-]
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-@dataclass
-class LossSpec:
-    """The step API's loss: ``loss_fn(output_m, target_m) * scale[m]`` on the last stage."""
-
-    fn: LossFn
-    targets: list[TensorOrTensors]
-    scales: list[float]
-    loss_scale: torch.Tensor | None = None
-    """A gradient scaler's scale (fp16), on the last stage's device: every micro-batch's
-    backward is that of its loss times it (:func:`~giantpipe.engine.autograd.scale_gradient`);
-    the losses kept are unscaled."""
-
-
-@dataclass
-class StepConfig:
-    """Everything a step needs that the workers only read."""
-
-    stages: Sequence[nn.Module]
-    devices: Sequence[torch.device]
-    recompute_stop: int  # micro-batches m < recompute_stop are re-materialized in backward
-    grad_enabled: bool
-    seed: int
-    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
-    loss: LossSpec | None = None
-    threads_per_worker: int | None = None
-    timeout: float = DEFAULT_TIMEOUT
-    placement: Sequence[int] | None = None  # worker of each stage; None: one stage per worker
-
-
-def autocast_state(devices: Sequence[torch.device]) -> list[tuple[str, torch.dtype]]:
-    """Autocast settings of the caller, for each device type the pipeline uses; the workers
-    enter them again (a new thread starts with autocast off).
-
-    Example::
-
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            autocast_state([torch.device("cpu")])   # [("cpu", torch.bfloat16)]
-    """
-    state = []
-    for device_type in sorted({d.type for d in devices}):
-        if torch.is_autocast_enabled(device_type):
-            state.append((device_type, torch.get_autocast_dtype(device_type)))
-    return state
+__all__ = ["PipelineError", "StepRun", "failed_action"]
 
 
 class StepRun:
@@ -300,7 +237,7 @@ class StepRun:
         if len(workers) == 1 and not own_threads:
             self._work(*workers[0], times, own_thread=False)
             return
-        _warn_if_profiler_misses_workers()
+        warn_if_profiler_misses_workers()
         pool = self.pool if self.pool is not None else WorkerPool()
         tasks = [partial(self._work, acts, lane, times, True) for acts, lane in workers]
         pool.run(tasks, self.cfg.timeout)
@@ -598,40 +535,6 @@ class StepRun:
         released = self.held[stage].pop(m, 0)
         self.live[stage] -= released
         self.worker_live[self.worker_of[stage]] -= released
-
-
-_PROFILED = {"F": "forward", "B": "backward", "W": "weight"}
-
-
-def profiled(action: Action) -> AbstractContextManager[Any]:
-    """While a profiler runs, the action as a range of its own (``giantpipe forward stage 1
-    mb 3``): the ops in a ``torch.profiler`` trace then say which stage and micro-batch ran them.
-
-    Example::
-
-        with profiled(Action("F", 1, 3)):
-            stage(x)
-    """
-    # the flag of torch.profiler (any thread's); record_function costs a dispatch otherwise
-    if not torch.autograd.profiler._is_profiler_enabled:  # noqa: SLF001
-        return nullcontext()
-    kind = _PROFILED.get(action.kind, action.kind)
-    return torch.profiler.record_function(
-        f"giantpipe {kind} stage {action.stage} mb {action.microbatch}"
-    )
-
-
-def _warn_if_profiler_misses_workers() -> None:
-    # torch.profiler's default collection follows only the thread that started it: the stages'
-    # threads would be missing from its trace. profile_all_threads collects every thread (and
-    # then no thread's own flag is set, so this stays quiet).
-    if torch.autograd._profiler_enabled():  # noqa: SLF001
-        warnings.warn(
-            "giantpipe: torch.profiler records this thread only and the stages run on worker "
-            "threads; profile with experimental_config=torch.profiler._ExperimentalConfig("
-            "profile_all_threads=True) to see their ops (docs/profiling.md)",
-            stacklevel=4,
-        )
 
 
 def _checked_output(stage: int, y: Any) -> Any:

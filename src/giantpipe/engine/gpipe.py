@@ -1,11 +1,14 @@
 """GPipe: the engine's module, with two front doors to the same executor.
 
+One concept, one class: :class:`GPipe` (its section dividers group its members by door;
+:class:`PipelineFunction` is door 1's autograd bridge).
+
 1. torchgpipe's door: ``y = model(x); loss = f(y); loss.backward()``. ``forward`` runs the
    forward half of fill-drain, autograd calls back into the pipeline for the backward half.
 2. The step door: ``loss = model.train_step(x, target, loss_fn)``. The engine owns the loss,
    so any schedule runs: ``schedule="gpipe"`` (fill-drain), ``"1f1b"``, ``"interleaved"``
    (with ``virtual_stages``), ``"zb-h1"`` or ``"zb-v"`` (zero bubble); see
-   :mod:`giantpipe.engine.schedule`.
+   :mod:`giantpipe.engine.schedules`.
 
 Interleaved schedules cut the model into K*V stages: ``balance`` then lists K*V layer counts
 (e.g. ``solve_balance(costs, K * V)``), ``devices`` the K workers, and stage s runs on worker
@@ -27,7 +30,7 @@ Door 1's autograd bridge is :class:`PipelineFunction`, one autograd node for the
     backward():  output grads scattered -> B phase -> input grads gathered
 
 What GPipe shares with the distributed executor (defaults, checks, loss scaling, the step's
-configuration) is :class:`giantpipe.engine.base.Pipe`.
+configuration) is :class:`giantpipe.engine.pipe.Pipe`.
 
 Parameters keep the names they have in the plain module (``"0.weight"``, ``"2.bias"``), so a
 state dict saved from one partitioning loads into any other, or into the plain model; one saved by
@@ -37,24 +40,16 @@ pipes as the identity, as torchgpipe's does.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from giantpipe.engine.base import (
-    Normalizer,
-    Pipe,
-    check_batch_sizes,
-    check_input,
-    check_model,
-    fill_drain,
-    refuse_beside_spec,
-)
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm
-from giantpipe.engine.executor import LossFn, LossSpec, StepRun
+from giantpipe.engine.executor import StepRun
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, gather, scatter
 from giantpipe.engine.partition import (
     Device,
@@ -67,8 +62,17 @@ from giantpipe.engine.partition import (
     verify_balance,
     verify_module,
 )
+from giantpipe.engine.pipe import (
+    Normalizer,
+    Pipe,
+    check_batch_sizes,
+    check_input,
+    check_model,
+    refuse_beside_spec,
+)
 from giantpipe.engine.rng import install_rng_hooks
-from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.schedules.actions import Schedule, validate
+from giantpipe.engine.schedules.fill_drain import fill_drain
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
@@ -79,10 +83,8 @@ from giantpipe.engine.spec import (
     check_balance,
 )
 from giantpipe.engine.stats import StepStats, device_peak, memory_kind, reset_device_peak
+from giantpipe.engine.step_config import LossFn, LossSpec
 from giantpipe.engine.workers import WorkerPool
-
-if TYPE_CHECKING:
-    from giantpipe.perf.predict import Prediction
 
 __all__ = ["GPipe", "PipelineFunction", "verify_module"]
 
@@ -186,7 +188,8 @@ class GPipe(Pipe):
 
     @property
     def worker_pool(self) -> WorkerPool:
-        """The worker threads kept between steps (read-only; what ``predict`` replays on)."""
+        """The worker threads kept between steps (read-only; what ``giantpipe.perf.predict``
+        replays on)."""
         return self._worker_pool
 
     # ---- Sequential-like access ------------------------------------------------------------
@@ -227,7 +230,7 @@ class GPipe(Pipe):
         micro = scatter(batch, self.chunks)
         grad = torch.is_grad_enabled()
         run = StepRun(self.step_config(grad, None), micro, pool=self._worker_pool)
-        forward = fill_drain(
+        forward = forward_schedule(
             self.num_workers, self.chunks, self.virtual_stages, tuple(self.placement)
         )
         if not grad:
@@ -283,27 +286,6 @@ class GPipe(Pipe):
         self._commit_batchnorm()
         self._finish(run, started)
         return self._total_loss(run.losses)
-
-    def predict(
-        self,
-        inputs: TensorOrTensors,
-        targets: TensorOrTensors | None = None,
-        loss_fn: LossFn | None = None,
-        repeats: int = 3,
-    ) -> Prediction:
-        """The simulator's forecast of ``train_step(inputs, targets, loss_fn)``: step time,
-        samples/s, bubble and peak memory per worker, from each stage profiled on one
-        micro-batch (see :mod:`giantpipe.perf.predict`). Compare with ``last_stats``.
-
-        Example::
-
-            pred = pipe.predict(x, y, nn.functional.cross_entropy)
-            pipe.train_step(x, y, nn.functional.cross_entropy)
-            print(pred.step_time_s, pipe.last_stats.span_s, pred.bubble, pipe.last_stats.bubble)
-        """
-        from giantpipe.perf.predict import predict  # imported here: it imports the executor
-
-        return predict(self, inputs, targets, loss_fn, repeats)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clips by the global 2-norm of every stage's gradients, wherever they live: equal to
@@ -419,6 +401,22 @@ class PipelineFunction(torch.autograd.Function):
         pipe._finish(run, ctx.started)
         grads = _gather_input_grads(run, chunks, ctx.num_inputs)
         return (None, None, None, None, None, *grads)
+
+
+@functools.lru_cache(maxsize=64)
+def forward_schedule(
+    workers: int, chunks: int, virtual_stages: int, placement: tuple[int, ...]
+) -> Schedule:
+    """Fill-drain ('gpipe') over another schedule's stages, validated once per configuration:
+    what ``GPipe.forward`` (torchgpipe's door) runs whatever ``train_step``'s schedule is (a
+    ZB-V pipe places its stages in a V).
+
+    >>> forward_schedule(2, 4, 1, (0, 1)) is forward_schedule(2, 4, 1, (0, 1))
+    True
+    """
+    schedule = fill_drain(workers, chunks, virtual_stages, placement=placement)
+    validate(schedule)
+    return schedule
 
 
 def door_spec(spec: PipelineSpec | None, **given: Any) -> PipelineSpec:

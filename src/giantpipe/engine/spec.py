@@ -38,8 +38,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import VIRTUAL_STAGES, build_schedule, schedule_builders
+from giantpipe.engine.schedules.actions import Schedule
 
 # One set of defaults, for both pipes and the config's pipeline group.
 DEFAULT_CHUNKS = 1

@@ -45,8 +45,9 @@ from typing import Any
 
 import torch
 
-from giantpipe.engine.schedule import Action, expected_bubble
-from giantpipe.engine.workers import PipelineTimeout
+from giantpipe.engine.failures import PipelineTimeout
+from giantpipe.engine.schedules.actions import Action
+from giantpipe.engine.schedules.fill_drain import expected_bubble
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class CudaClock:
 
     def settle(self, marks: Iterable[tuple[torch.device, Any]], timeout: float) -> None:
         """Waits until every event of ``marks`` has completed, polling; raises
-        :class:`~giantpipe.engine.workers.PipelineTimeout` after ``timeout`` seconds (a stream
+        :class:`~giantpipe.engine.failures.PipelineTimeout` after ``timeout`` seconds (a stream
         stuck behind a lost peer's operation) rather than blocking for ever."""
         bases = [event for event, _ in self._base.values()]
         settle_events(bases + [event for _, event in marks], timeout, "the stages' kernels")

@@ -1,7 +1,6 @@
-"""The local executor's workers: long-lived threads, the mailbox through which they hand each
-other activations and gradients, and the engine's own failures.
+"""The local executor's workers: long-lived threads that run a step's tasks, step after step.
 
-**Threads.** A fresh thread's first action is slow (cold allocator caches and torch's
+A fresh thread's first action is slow (cold allocator caches and torch's
 per-thread state: 103 against 68 ms for one AmoebaNet stage), so a :class:`~giantpipe.GPipe`
 keeps its workers in a :class:`WorkerPool`::
 
@@ -18,19 +17,9 @@ joins them before it starts, so a thread of a failed step never overlaps the nex
 daemons, named ``giantpipe-worker-<i>``, at most one per worker of the largest schedule run. A
 thread holds nothing of a finished step: the task and its closure are dropped before it waits.
 
-**Mailbox.** Keys are ``("act", stage, m)`` (input of ``stage`` for micro-batch ``m``) and
-``("grad", stage, m)`` (gradient of ``stage``'s output). A ``get`` blocks until the item
-arrives, the pipeline is aborted (another worker failed), or the timeout passes; nothing waits
-forever. The distributed executor's mailbox (:mod:`giantpipe.engine.dist.p2p`) keeps this
-interface and reaches other processes.
-
-**Failures.** An exception raised by a stage's own code reaches the caller as it was raised
-(with the note of :func:`note_failure`; :func:`failed_action` reads where). :class:`PipelineError`
-is for the engine's own failures: a wait that timed out (:class:`PipelineTimeout`), a lost rank
-(``RankFailure``).
-
 Example::
 
+    >>> from giantpipe.engine.mailbox import Mailbox
     >>> box = Mailbox(timeout=1.0)
     >>> pool = WorkerPool()
     >>> pool.run([lambda: box.put(("act", 1, 0), "x"), lambda: print(box.get(("act", 1, 0)))])
@@ -45,129 +34,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from giantpipe.engine.schedule import Action
+from giantpipe.engine.failures import PipelineTimeout
 from giantpipe.engine.spec import DEFAULT_TIMEOUT
 
-__all__ = [
-    "Aborted",
-    "Key",
-    "Mailbox",
-    "PipelineError",
-    "PipelineTimeout",
-    "WorkerPool",
-    "failed_action",
-    "note_failure",
-]
+__all__ = ["WorkerPool"]
 
-Key = tuple[str, int, int]
 Task = Callable[[], None]
 Worker = tuple[threading.Thread, "queue.SimpleQueue[Task | None]"]
 
-# ---- failures -----------------------------------------------------------------------------
 
-
-class PipelineError(RuntimeError):
-    """A failure of the pipeline engine itself, not of a stage's code: a timeout, a lost rank.
-
-    An exception raised inside a stage is re-raised as it is (``except ValueError`` catches
-    it), with a note naming the stage, device and micro-batch.
-    """
-
-
-class PipelineTimeout(PipelineError):
-    """A worker waited longer than the timeout for an activation or gradient, or for a thread
-    of a failed step to finish its action."""
-
-
-class Aborted(Exception):
-    """Raised in a waiting worker when another worker has failed (never reaches the caller)."""
-
-
-_KINDS = {"F": "forward", "B": "backward", "W": "weight gradient"}
-
-
-def failed_action(exc: BaseException) -> Action | None:
-    """The action whose run raised ``exc`` (the note says the same to people), else None.
-
-    Example::
-
-        try:
-            pipe.train_step(x, y, loss_fn)
-        except ValueError as exc:
-            failed_action(exc)   # Action(kind='B', stage=1, microbatch=0)
-    """
-    return getattr(exc, "_giantpipe_action", None)
-
-
-def note_failure(exc: BaseException, action: Action, device: Any) -> None:
-    """Adds to ``exc`` the note that names where it was raised (see :func:`failed_action`);
-    the exception stays what the stage raised."""
-    verb = "failed" if isinstance(exc, Exception) else "was stopped"  # Ctrl-C, SystemExit
-    note = (
-        f"giantpipe: stage {action.stage} (device {device}) {verb} on micro-batch "
-        f"{action.microbatch} ({_KINDS.get(action.kind, action.kind)})"
-    )
-    # add_note is Python 3.11's (pyproject requires it): tracebacks print the note, on any
-    # exception type, and the exception stays the one the stage raised.
-    if note not in getattr(exc, "__notes__", ()):  # an exception object raised again
-        exc.add_note(note)
-    exc._giantpipe_action = action  # type: ignore[attr-defined]
-
-
-# ---- the mailbox --------------------------------------------------------------------------
-
-
-class Mailbox:
-    """Thread-safe hand-over of values between workers, with abort and timeout."""
-
-    def __init__(self, timeout: float) -> None:
-        self._items: dict[Key, Any] = {}
-        self._cond = threading.Condition()
-        self._aborted = False
-        self.timeout = timeout
-
-    def put(self, key: Key, value: Any) -> None:
-        with self._cond:
-            self._items[key] = value
-            self._cond.notify_all()
-
-    def get(self, key: Key) -> Any:
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            while key not in self._items:
-                if self._aborted:
-                    raise Aborted
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    kind, stage, m = key
-                    what = "activation" if kind == "act" else "gradient"
-                    raise PipelineTimeout(
-                        f"waited {self.timeout:g}s for the {what} of micro-batch {m} "
-                        f"into stage {stage}"
-                    )
-                self._cond.wait(left)
-            return self._items.pop(key)
-
-    def consumed_here(self, key: Key) -> bool:
-        """Whether a worker of this process takes ``key`` (a mailbox across processes sends
-        some elsewhere: nobody here waits for their CUDA events)."""
-        return True
-
-    def abort(self) -> None:
-        """Wakes every waiting worker with :class:`Aborted`; the others see :attr:`aborted`
-        before their next action."""
-        with self._cond:
-            self._aborted = True
-            self._cond.notify_all()
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
-
-
-# ---- the worker threads -------------------------------------------------------------------
 class WorkerPool:
     """Runs each of a list of tasks on its own long-lived thread; see the module docstring."""
 

@@ -16,10 +16,10 @@ What lives here, one module per concept:
 - :mod:`.timeline`: timelines, simulated or measured, as text or PNG.
 
 Who imports it: the runner (``pipeline.plan=auto``, ``trainer.predict``), the recipes and the
-benchmarks. It imports the engine; the engine never imports it, except ``GPipe.predict``, a thin
-door that calls :func:`giantpipe.perf.predict.predict` lazily (this package reads a pipe
-through a protocol and never imports ``GPipe``). Nothing here knows a model by name: the paper's
-models and their sizes are in ``recipes/model_sizes.py``.
+benchmarks. It imports the engine; the engine never imports it: a forecast is
+:func:`giantpipe.perf.predict.predict` given the pipe (this package reads a pipe through a
+protocol and never imports ``GPipe``). Nothing here knows a model by name: the paper's models and
+their sizes are in ``recipes/model_sizes.py``.
 
 Words: a "plan" is only the planner's choice; re-materialization is "recompute" everywhere
 (values 'always', 'except_last', 'never'); a pipe's shape is read from its ``spec``; the

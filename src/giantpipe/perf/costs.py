@@ -30,11 +30,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from giantpipe.engine.executor import LossFn
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.stats import SavedTensorMeter
+from giantpipe.engine.step_config import LossFn
 from giantpipe.perf.simulate import StageCost
 from giantpipe.perf.stage_profile import profile_stages
 

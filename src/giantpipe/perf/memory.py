@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 from torch.utils.weak import WeakIdKeyDictionary
 
-from giantpipe.engine.executor import LossFn
+from giantpipe.engine.step_config import LossFn
 
 
 class LiveBytesTracker(TorchDispatchMode):

@@ -43,8 +43,8 @@ from typing import Any
 
 from giantpipe.engine.microbatch import split_sizes
 from giantpipe.engine.recompute import MODES, recompute_stop
-from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import SCHEDULE_NAMES, VIRTUAL_STAGES, build_schedule
+from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.perf.costs import LayerCost

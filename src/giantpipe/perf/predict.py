@@ -1,6 +1,6 @@
 """The simulator's forecast of a pipeline's step, from its stages measured on this machine.
 
-    prediction = pipe.predict(x, y, nn.functional.cross_entropy)   # GPipe.predict calls predict
+    prediction = predict(pipe, x, y, nn.functional.cross_entropy)  # pipe: a GPipe
     pipe.train_step(x, y, nn.functional.cross_entropy)
     prediction.step_time_s, pipe.last_stats.wall_time_s             # predicted, measured
     prediction.bubble, pipe.last_stats.bubble
@@ -33,7 +33,7 @@ replaces the profile's times. Parameters' gradients, buffers and deferred BatchN
 accumulators are put back afterwards.
 
 This module reads a pipe through :class:`PipeView` (``GPipe`` has all of it) and never imports
-the engine's ``GPipe``, which imports it for ``GPipe.predict``.
+the engine's ``GPipe``; the engine never imports this module: callers hand it the pipe.
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ import torch
 from torch import nn
 
 from giantpipe.engine.autograd import ones_gradient
-from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, StepRun
+from giantpipe.engine.executor import StepRun
+from giantpipe.engine.mailbox import Key, Mailbox
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, batch_size, scatter
-from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.engine.stats import ActionTiming
-from giantpipe.engine.workers import Key, Mailbox, WorkerPool
+from giantpipe.engine.step_config import LossFn, LossSpec, StepConfig
+from giantpipe.engine.workers import WorkerPool
 from giantpipe.perf.simulate import Simulation, StageCost, simulate
 from giantpipe.perf.stage_profile import preserved_state, profile_stages, stage_inputs
 

@@ -4,9 +4,10 @@ It replays a schedule exactly as the local executor runs it (each worker takes i
 order; an action starts when its worker is free and its inputs have arrived) and reports the
 step time, the bubble and the peak memory of each worker. The costs come from a profile of the
 real model on the real device (:func:`giantpipe.perf.stage_profile.profile_stages`, or
-``pipe.predict(x, y, loss_fn)``) or from a FLOP-and-byte model of a device (the planner,
-:mod:`giantpipe.perf.planner`). Where workers share hardware (CPU stand-ins share cores and memory
-bandwidth), ``contention`` slows the actions down while, and only while, they overlap.
+``giantpipe.perf.predict.predict(pipe, x, y, loss_fn)``) or from a FLOP-and-byte model of a
+device (the planner, :mod:`giantpipe.perf.planner`). Where workers share hardware (CPU
+stand-ins share cores and memory bandwidth), ``contention`` slows the actions down while, and
+only while, they overlap.
 
 How each action is timed, for stage s of micro-batch m (stage s on worker placement[s])::
 
@@ -25,7 +26,7 @@ W, where the backward is split) frees them all. Parameters, gradients and optimi
 Example (equal costs: GPipe's bubble is exactly (K-1)/(M+K-1))::
 
     >>> costs = [StageCost(forward=1.0, backward=2.0)] * 4
-    >>> sim = simulate(gpipe(4, 8), costs)
+    >>> sim = simulate(fill_drain(4, 8), costs)
     >>> sim.step_time, round(sim.bubble, 4)
     (33.0, 0.2727)
 """
@@ -37,10 +38,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from giantpipe.engine.recompute import recompute_stop
-from giantpipe.engine.schedule import Action, Schedule, dependencies, gpipe
+from giantpipe.engine.schedules.actions import Action, Schedule, dependencies
+from giantpipe.engine.schedules.fill_drain import fill_drain
 
-# gpipe: for the examples
-__all__ = ["Simulation", "StageCost", "TimedAction", "gpipe", "peak_activations", "simulate"]
+# fill_drain: for the examples
+__all__ = ["Simulation", "StageCost", "TimedAction", "fill_drain", "peak_activations", "simulate"]
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from giantpipe.engine.executor import LossSpec, StepConfig, StepRun
+from giantpipe.engine.executor import StepRun
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.step_config import LossSpec, StepConfig
 from giantpipe.perf.memory import (
     AllocatorTracker,
     LiveBytesTracker,

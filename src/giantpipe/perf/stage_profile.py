@@ -34,13 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from giantpipe.engine.autograd import backward_input, make_leaves, ones_gradient, pair_gradients
-from giantpipe.engine.executor import LossFn, autocast_state
+from giantpipe.engine.autograd import make_leaves, ones_gradient, pair_gradients
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes
 from giantpipe.engine.microbatch import to_device as move
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
+from giantpipe.engine.split_backward import backward_input
 from giantpipe.engine.stats import SavedTensorMeter
+from giantpipe.engine.step_config import LossFn, autocast_state
 from giantpipe.perf.simulate import StageCost
 
 Clock = Callable[[], float]

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.perf.simulate import Simulation, TimedAction
 
@@ -82,7 +82,7 @@ def measured_timeline(
     on what a box is: an F waits first and works last; a re-materialized B recomputes first,
     then waits for its gradient, then works; so the work ends at ``end`` in both.
 
-    >>> from giantpipe.engine.schedule import Action
+    >>> from giantpipe.engine.schedules.actions import Action
     >>> t = ActionTiming(Action("B", 1, 0), start=5.0, end=9.0, waited=1.0, recompute=0.5)
     >>> [(a.worker, a.start, a.end, a.busy, a.recompute) for a in measured_timeline([t], [0, 1])]
     [(1, 0.0, 4.0, 3.0, 0.5)]
@@ -177,7 +177,7 @@ def write_trace(
     of its own (``simulated``), on the same tracks. Each rank's clock starts at its first action
     (the ranks' clocks are not one clock).
 
-    >>> from giantpipe.engine.schedule import Action
+    >>> from giantpipe.engine.schedules.actions import Action
     >>> path = write_trace("/tmp/t.json", [[ActionTiming(Action("F", 0, 0), 0.0, 0.5)]])
     >>> sorted({e["name"] for e in json.loads(path.read_text())["traceEvents"]})
     ['F0', 'forward', 'process_name', 'thread_name', 'thread_sort_index']

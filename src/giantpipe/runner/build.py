@@ -31,10 +31,10 @@ from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
-from giantpipe.engine.base import Pipe
 from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
-from giantpipe.engine.generate import check_cached
+from giantpipe.engine.generate.caches import check_cached
 from giantpipe.engine.microbatch import as_tuple
+from giantpipe.engine.pipe import Pipe
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.losses import LossFn, build_loss
 from giantpipe.runner.optim import WeightEMA, build_grad_scaler, build_optimizer, lr_multiplier

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, DataBundle, batch_size
-from giantpipe.engine.base import Pipe
+from giantpipe.engine.pipe import Pipe
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
 from giantpipe.runner.step import autocast, replica_slice, to_device
 from giantpipe.runner.world import World

@@ -1,9 +1,10 @@
 """Measured vs predicted in every run: the simulator's forecast beside the engine's own figures.
 
 After the run's first optimizer step (the warm-up), the stages are profiled once on that step's
-first batch (``GPipe.predict`` with ``repeats=1``) and the schedule is simulated. The profile
-restores gradients and BatchNorm statistics itself; the RNG streams are forked around it and
-the batch is one already trained on, so the run trains exactly as with ``trainer.predict=false``.
+first batch (:func:`giantpipe.perf.predict.predict` with ``repeats=1``) and the schedule is
+simulated. The profile restores gradients and BatchNorm statistics itself; the RNG streams are
+forked around it and the batch is one already trained on, so the run trains exactly as with
+``trainer.predict=false``.
 At the end the prediction is set against the mean measured engine step (``train_step`` wall
 time, optimizer update excluded) and bubble of the steps after it::
 
@@ -42,7 +43,7 @@ import torch
 from giantpipe.data.bundle import Batch, batch_size
 from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.engine.recompute import recompute_stop
-from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.metrics import EngineStats
 from giantpipe.runner.step import autocast, to_device

@@ -8,7 +8,7 @@ nothing but the step; epoch-valued settings are converted with the data's steps 
 EMA of the weights is kept on each parameter's own device and keyed by the un-partitioned
 parameter names, so it checkpoints and resumes like the model does, under any balance.
 ``pipeline.precision=fp16`` steps the optimizer through a gradient scaler, one verdict on
-inf/NaN for every rank (:meth:`giantpipe.engine.base.Pipe.grad_scaler`).
+inf/NaN for every rank (:meth:`giantpipe.engine.pipe.Pipe.grad_scaler`).
 
 Example::
 
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.config import LRScheduleConfig, OptimConfig
-from giantpipe.engine.base import Pipe
+from giantpipe.engine.pipe import Pipe
 
 # --------------------------------------------------------------------------- optimizer
 

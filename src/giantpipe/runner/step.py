@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from giantpipe.data.bundle import Batch, Tensors, batch_size
-from giantpipe.engine.base import Pipe
+from giantpipe.engine.pipe import Pipe
 from giantpipe.runner.losses import LossFn
 
 

@@ -21,8 +21,8 @@ from torch import nn
 from giantpipe import GPipe
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.gpipe import PipelineFunction
-from giantpipe.engine.schedule import Action
 from giantpipe.engine.schedules import VIRTUAL_STAGES, schedule_builders
+from giantpipe.engine.schedules.actions import Action
 
 Record = tuple[int, int, bool, Action | None]  # stage, thread, multithreading, running action
 

@@ -16,7 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from giantpipe import GPipe, sequentialize
-from giantpipe.engine.capture import CaptureError, repeated_blocks
+from giantpipe.engine.capture import CaptureError
+from giantpipe.engine.capture.cuts import repeated_blocks
 from giantpipe.engine.partition import shared_parameters
 from giantpipe.perf.balance import solve_balance
 from tests.unit.engine.engine_helpers import reference_step, step_seed

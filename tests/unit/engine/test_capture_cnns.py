@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from giantpipe import GPipe, sequentialize
-from giantpipe.engine.capture import repeated_blocks
+from giantpipe.engine.capture.cuts import repeated_blocks
 from giantpipe.perf.balance import profile_times
 
 torchvision = pytest.importorskip("torchvision")

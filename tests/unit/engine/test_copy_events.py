@@ -17,11 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.engine.executor import LossSpec, StepConfig, StepRun
+from giantpipe.engine.executor import StepRun
+from giantpipe.engine.mailbox import Mailbox
 from giantpipe.engine.microbatch import CopyStreams, cuda_devices, scatter
-from giantpipe.engine.schedule import Action
 from giantpipe.engine.schedules import build_schedule
-from giantpipe.engine.workers import Mailbox
+from giantpipe.engine.schedules.actions import Action
+from giantpipe.engine.step_config import LossSpec, StepConfig
 
 
 def no_cuda(*args: Any, **kwargs: Any) -> Any:

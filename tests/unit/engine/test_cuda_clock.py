@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from giantpipe.engine.failures import PipelineTimeout
 from giantpipe.engine.stats import CudaClock, settle_events
-from giantpipe.engine.workers import PipelineTimeout
 
 
 class FakeEvent:

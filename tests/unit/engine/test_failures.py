@@ -27,8 +27,8 @@ from torch import nn
 
 from giantpipe import GPipe, PipelineError
 from giantpipe.engine import PipelineTimeout, failed_action
-from giantpipe.engine.schedule import Action
-from giantpipe.engine.workers import Mailbox
+from giantpipe.engine.mailbox import Mailbox
+from giantpipe.engine.schedules.actions import Action
 
 
 class Boom(nn.Module):

@@ -1,4 +1,4 @@
-"""Generation through the local pipe (engine/generate.py): cached, pipelined decoding equals the
+"""Generation through the local pipe (engine/generate/): cached, pipelined decoding equals the
 plain model's uncached reference decoder token for token, greedy and beam, fp32, for K = 1..4
 stages x M = 1..4 micro-batches; sampling is the same whatever K; children that cannot be
 cached are refused by name."""
@@ -14,7 +14,8 @@ from torch import nn
 
 from giantpipe import GPipe
 from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
-from giantpipe.engine.generate import Decoding, StageCaches, generate, split_rows
+from giantpipe.engine.generate import Decoding, generate, split_rows
+from giantpipe.engine.generate.caches import StageCaches
 from models.transformer import transformer_lm, transformer_t
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine

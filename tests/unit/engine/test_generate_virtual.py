@@ -1,4 +1,4 @@
-"""Generation through a local pipe whose workers hold several stages (engine/generate.py):
+"""Generation through a local pipe whose workers hold several stages (engine/generate/):
 interleaved (stage s on worker s % K) and zb-v (s and 2K-1-s on one worker), K = 2, V = 2.
 Cached decoding, the ring traversed V times per token, equals the uncached reference token for
 token, greedy and beam, fp32, M = 1..3: the translation Transformer against the reference
@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe import GPipe
-from giantpipe.engine.generate import Decoding, generate, held_stages, split_rows
+from giantpipe.engine.generate import Decoding, generate, split_rows
+from giantpipe.engine.generate.ring import held_stages
 from models.transformer import transformer_lm
 from tests.unit.engine import test_generate
 from tests.unit.engine.test_generate import seq2seq

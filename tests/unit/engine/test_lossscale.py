@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.autograd import scale_gradient
-from giantpipe.engine.base import current_scale, pipeline_grad_scaler
+from giantpipe.engine.fp16 import current_scale, pipeline_grad_scaler, scale_gradient
 
 mse = nn.functional.mse_loss
 FP16 = torch.float16

@@ -1,4 +1,4 @@
-"""What both pipes share (giantpipe.engine.base): one set of defaults, the same inference of V,
+"""What both pipes share (giantpipe.engine.pipe): one set of defaults, the same inference of V,
 and a global-norm clip equal to torch's on the plain model."""
 
 from __future__ import annotations

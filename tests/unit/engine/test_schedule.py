@@ -2,16 +2,9 @@
 
 import pytest
 
-from giantpipe.engine.schedule import (
-    Action,
-    Schedule,
-    clock_cycles,
-    expected_bubble,
-    format_schedule,
-    gpipe,
-    validate,
-)
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.schedules.actions import Action, Schedule, format_schedule, validate
+from giantpipe.engine.schedules.fill_drain import clock_cycles, expected_bubble, fill_drain
 
 
 def table(schedule: Schedule) -> list[list[str]]:
@@ -19,7 +12,7 @@ def table(schedule: Schedule) -> list[list[str]]:
 
 
 def test_gpipe_k3_m4_exact_table() -> None:
-    assert table(gpipe(3, 4)) == [
+    assert table(fill_drain(3, 4)) == [
         ["F0@0", "F1@0", "F2@0", "F3@0", "B3@0", "B2@0", "B1@0", "B0@0"],
         ["F0@1", "F1@1", "F2@1", "F3@1", "B3@1", "B2@1", "B1@1", "B0@1"],
         ["F0@2", "F1@2", "F2@2", "F3@2", "B3@2", "B2@2", "B1@2", "B0@2"],
@@ -27,7 +20,7 @@ def test_gpipe_k3_m4_exact_table() -> None:
 
 
 def test_gpipe_single_stage_single_chunk() -> None:
-    assert table(gpipe(1, 1)) == [["F0@0", "B0@0"]]
+    assert table(fill_drain(1, 1)) == [["F0@0", "B0@0"]]
 
 
 def test_clock_cycles_k3_m2() -> None:
@@ -40,7 +33,7 @@ def test_clock_cycles_k3_m2() -> None:
 
 
 def test_phases_split_forward_and_backward() -> None:
-    s = gpipe(2, 2)
+    s = fill_drain(2, 2)
     assert s.is_fill_drain()
     assert table(s.phase("F")) == [["F0@0", "F1@0"], ["F0@1", "F1@1"]]
     assert table(s.phase("B")) == [["B1@0", "B0@0"], ["B1@1", "B0@1"]]
@@ -91,4 +84,4 @@ def test_unknown_schedule_name() -> None:
 
 
 def test_format_schedule() -> None:
-    assert format_schedule(gpipe(2, 1)) == "worker 0 | F0@0 B0@0\nworker 1 | F0@1 B0@1"
+    assert format_schedule(fill_drain(2, 1)) == "worker 0 | F0@0 B0@0\nworker 1 | F0@1 B0@1"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.engine.autograd import backward_input
+from giantpipe.engine.split_backward import backward_input
 
 
 class PairBlock(nn.Module):

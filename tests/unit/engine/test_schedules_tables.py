@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from giantpipe.engine.schedule import Action, Schedule, expected_bubble, gpipe, in_flight, validate
-from giantpipe.engine.schedules import (
-    SCHEDULE_NAMES,
-    build_schedule,
-    interleaved,
-    one_f_one_b,
-    zb_h1,
-    zb_v,
-)
+from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule
+from giantpipe.engine.schedules.actions import Action, Schedule, in_flight, validate
+from giantpipe.engine.schedules.fill_drain import expected_bubble, fill_drain
+from giantpipe.engine.schedules.one_f_one_b import interleaved, one_f_one_b, zb_h1, zb_v
 
 
 def table(schedule: Schedule) -> list[str]:
@@ -82,7 +77,7 @@ def test_zb_v_needs_two_virtual_stages() -> None:
 
 
 def test_looped_gpipe_with_virtual_stages() -> None:
-    s = gpipe(2, 2, virtual_stages=2)
+    s = fill_drain(2, 2, virtual_stages=2)
     assert s.is_fill_drain() and s.placement == (0, 1, 0, 1)
     assert table(s) == [
         "F0@0 F1@0 F0@2 F1@2 B1@2 B0@2 B1@0 B0@0",
@@ -114,7 +109,7 @@ def test_every_schedule_validates_for_k_up_to_8_and_m_up_to_16() -> None:
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
 def test_in_flight_micro_batches(k: int, m: int) -> None:
-    assert in_flight(gpipe(k, m)) == [m] * k
+    assert in_flight(fill_drain(k, m)) == [m] * k
     assert in_flight(one_f_one_b(k, m)) == [min(k - s, m) for s in range(k)]
     assert max(in_flight(zb_h1(k, m))) <= min(k, m)
 
@@ -144,7 +139,7 @@ def _custom(actions: list[list[Action]], placement: tuple[int, ...] = (0, 1)) ->
 
 def test_fill_drain_over_another_schedules_placement() -> None:
     # the forward door and the F-only phase of a ZB-V pipe: fill-drain on its V placement
-    s = gpipe(2, 2, 2, placement=(0, 1, 1, 0))
+    s = fill_drain(2, 2, 2, placement=(0, 1, 1, 0))
     validate(s)
     assert table(s) == [
         "F0@0 F1@0 F0@3 F1@3 B1@3 B0@3 B1@0 B0@0",

@@ -18,11 +18,12 @@ from torch import nn
 
 from giantpipe import GPipe
 from giantpipe.engine import executor, streams
-from giantpipe.engine.executor import LossSpec, StepConfig, StepRun
+from giantpipe.engine.executor import StepRun
 from giantpipe.engine.microbatch import CopyStreams, scatter
-from giantpipe.engine.schedule import Action
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.schedules.actions import Action
 from giantpipe.engine.stats import memory_kind
+from giantpipe.engine.step_config import LossSpec, StepConfig
 from giantpipe.engine.streams import Lane, join_from_caller, join_to_caller, own_streams
 
 CPU = torch.device("cpu")

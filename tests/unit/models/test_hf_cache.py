@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe import GPipe, sequentialize
-from giantpipe.engine.generate import BeamSearch, Decoding, RowSearch, generate, split_rows
+from giantpipe.engine.generate import Decoding, generate, split_rows
+from giantpipe.engine.generate.search import BeamSearch, RowSearch
 
 pytest.importorskip("transformers")
 from models.hf import LLAMA_FAMILY, give_caches, hf_causal_lm  # noqa: E402

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from giantpipe.engine.schedule import Action
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.schedules.actions import Action
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.perf.measured import stage_cost, stage_costs
 from giantpipe.perf.simulate import StageCost, simulate

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.engine.executor import LossSpec, StepConfig
 from giantpipe.engine.microbatch import scatter
 from giantpipe.engine.recompute import recompute_stop
-from giantpipe.engine.schedule import Schedule
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.schedules.actions import Schedule
+from giantpipe.engine.step_config import LossSpec, StepConfig
 from giantpipe.perf.predict import CannedMailbox, replay
 from giantpipe.perf.simulate import StageCost
 from tests.unit.engine.engine_helpers import tuple_batch, tuple_model

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.engine.schedule import expected_bubble, gpipe
-from giantpipe.engine.schedules import build_schedule, interleaved, one_f_one_b, zb_h1, zb_v
+from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.schedules.fill_drain import expected_bubble, fill_drain
+from giantpipe.engine.schedules.one_f_one_b import interleaved, one_f_one_b, zb_h1, zb_v
 from giantpipe.perf.simulate import StageCost, simulate
 from giantpipe.perf.timeline import plot_timeline, render_text
 
@@ -51,23 +52,23 @@ def test_zb_v_idles_only_while_the_first_forward_fills(k: int, m: int, idle: int
 
 def test_send_time_is_paid_on_each_boundary_crossing() -> None:
     costs = [StageCost(1.0, 2.0, send=0.5), StageCost(1.0, 2.0)]
-    sim = simulate(gpipe(2, 1), costs)
+    sim = simulate(fill_drain(2, 1), costs)
     assert sim.step_time == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
     # stages of one worker (looped schedules) hand over for free
-    looped = simulate(gpipe(1, 1, virtual_stages=2), costs)
+    looped = simulate(fill_drain(1, 1, virtual_stages=2), costs)
     assert looped.step_time == pytest.approx(6.0)
 
 
 def test_recompute_overlaps_the_wait_for_the_gradient() -> None:
     costs = [StageCost(forward=1.0, backward=2.0, recompute=1.0)] * 2
-    never = simulate(gpipe(2, 1), costs, recompute="never")
-    always = simulate(gpipe(2, 1), costs, recompute="always")
+    never = simulate(fill_drain(2, 1), costs, recompute="never")
+    always = simulate(fill_drain(2, 1), costs, recompute="always")
     # F F B B = 6; with 'always' the last stage's replay is on the critical path (+1), but
     # stage 0 replays its forward while stage 1 runs its backward: no extra time
     assert never.step_time == pytest.approx(6.0)
     assert always.step_time == pytest.approx(7.0)
     assert always.busy == [4.0, 4.0] and never.busy == [3.0, 3.0]
-    last = simulate(gpipe(1, 1), costs[:1], recompute="always")
+    last = simulate(fill_drain(1, 1), costs[:1], recompute="always")
     assert last.step_time == pytest.approx(4.0)  # nothing to overlap with
 
 
@@ -75,25 +76,25 @@ def test_contention_slows_only_actions_that_overlap() -> None:
     # K=2, M=2, F = B = 1, twice as slow when both workers run: F0@0 alone (1), F1@0 with
     # F0@1 (2), F1@1 alone (1), B1@1 alone (1), B1@0 with B0@1 (2), B0@0 alone (1)
     costs = [StageCost(1.0, 1.0)] * 2
-    assert simulate(gpipe(2, 2), costs).step_time == pytest.approx(6.0)
-    slowed = simulate(gpipe(2, 2), costs, contention=2.0)
+    assert simulate(fill_drain(2, 2), costs).step_time == pytest.approx(6.0)
+    slowed = simulate(fill_drain(2, 2), costs, contention=2.0)
     assert slowed.step_time == pytest.approx(8.0)
     assert slowed.busy == [pytest.approx(6.0)] * 2  # busy time includes the slowdown
 
 
 def test_overhead_is_added_to_every_action() -> None:
-    sim = simulate(gpipe(1, 3), [StageCost(1.0, 1.0)], overhead=0.1)
+    sim = simulate(fill_drain(1, 3), [StageCost(1.0, 1.0)], overhead=0.1)
     assert sim.step_time == pytest.approx(6 * 1.1)
 
 
 def test_peak_memory_per_schedule_and_mode() -> None:
     cost = StageCost(1.0, 2.0, input_bytes=10, activation_bytes=100, static_bytes=1000)
     k, m = 3, 6
-    assert simulate(gpipe(k, m), [cost] * k).peak_activation_bytes == [m * 110] * k
-    always = simulate(gpipe(k, m), [cost] * k, recompute="always")
+    assert simulate(fill_drain(k, m), [cost] * k).peak_activation_bytes == [m * 110] * k
+    always = simulate(fill_drain(k, m), [cost] * k, recompute="always")
     assert always.peak_activation_bytes == [m * 10 + 100] * k
     assert always.peak_memory_bytes == [m * 10 + 100 + 1000] * k
-    last = simulate(gpipe(k, m), [cost] * k, recompute="except_last")
+    last = simulate(fill_drain(k, m), [cost] * k, recompute="except_last")
     assert last.peak_activation_bytes == [(m - 1) * 10 + 110] * k  # B5 frees before B4 replays
     one = simulate(one_f_one_b(k, m), [cost] * k)
     assert one.peak_activation_bytes == [(k - s) * 110 for s in range(k)]

@@ -1,4 +1,4 @@
-"""pipe.predict: the simulator fed with measured stage costs. Timing accuracy is measured in
+"""predict(pipe, ...): the simulator fed with measured stage costs. Timing accuracy is measured in
 benchmarks/schedules_cpu.py; here, what is exact: memory, and that profiling leaves no trace."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_predicted_activation_memory_equals_the_executors(schedule: str, v: int,
         virtual_stages=v,
     )
     x, y = torch.randn(16, 32), torch.randn(16, 32)
-    prediction = pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
+    prediction = predict(pipe, x, y, nn.functional.mse_loss, repeats=1)
     pipe.train_step(x, y, nn.functional.mse_loss)
     assert pipe.last_stats is not None
     assert prediction.simulation.peak_activation_bytes == pipe.last_stats.peak_memory_bytes
@@ -59,7 +59,7 @@ def test_predict_leaves_gradients_statistics_and_threads_alone() -> None:
     threads = torch.get_num_threads()
     # Other tests (tqdm's monitor, say) may leave daemon threads behind; only ours count.
     before = set(threading.enumerate())
-    prediction = pipe.predict(inputs, target, nn.functional.cross_entropy, repeats=1)
+    prediction = predict(pipe, inputs, target, nn.functional.cross_entropy, repeats=1)
     for p, g in zip(pipe.parameters(), grads):
         assert torch.equal(p.grad, g)
     for b, c in zip(pipe.buffers(), buffers):
@@ -84,7 +84,7 @@ def test_predict_under_autocast_keeps_it_in_the_replays_threads() -> None:
     pipe = GPipe(mlp(), [4, 4], devices=["cpu"] * 2, chunks=2)
     x, y = torch.randn(8, 32), torch.randn(8, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        prediction = pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
+        prediction = predict(pipe, x, y, nn.functional.mse_loss, repeats=1)
     assert prediction.contention >= 1.0 and prediction.step_time_s > 0
 
 
@@ -118,7 +118,7 @@ def test_predict_profiles_batchnorm_as_trained_and_leaves_no_trace(deferred: boo
     for i, pipe in enumerate(pipes):
         torch.manual_seed(1)
         if i == 1:
-            pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
+            predict(pipe, x, y, nn.functional.mse_loss, repeats=1)
         loss = pipe.train_step(x, y, nn.functional.mse_loss)
         results.append((loss, [p.grad for p in pipe.parameters()], list(pipe.buffers())))
         results[-1][2].append(torch.get_rng_state())
@@ -141,6 +141,6 @@ def test_predict_reads_a_pipe_through_its_public_members_only() -> None:
     pipe = GPipe(mlp(), [4, 4], devices=["cpu"] * 2, chunks=4, schedule="1f1b")
     x, y = torch.randn(16, 32), torch.randn(16, 32)
     seen = predict(PublicOnly(pipe), x, y, nn.functional.mse_loss, repeats=1)
-    direct = pipe.predict(x, y, nn.functional.mse_loss, repeats=1)
+    direct = predict(pipe, x, y, nn.functional.mse_loss, repeats=1)
     assert seen.peak_memory_bytes == direct.peak_memory_bytes
     assert seen.simulation.peak_activation_bytes == direct.simulation.peak_activation_bytes

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.schedule import Action
+from giantpipe.engine.schedules.actions import Action
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.perf.timeline import measured_timeline, plot_measured
 

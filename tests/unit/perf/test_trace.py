@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from giantpipe import GPipe
-from giantpipe.engine.schedule import Action
+from giantpipe.engine.schedules.actions import Action
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.perf.simulate import StageCost, simulate
 from giantpipe.perf.timeline import write_trace

@@ -216,7 +216,7 @@ def test_a_failed_background_write_is_reported_never_lost(tmp_path, monkeypatch)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "__0_0.distcp"))
         return real(folder, *args, **kwargs)
 
-    monkeypatch.setattr(shards, "write_folder", full_disk)
+    monkeypatch.setattr(shards.saving, "write_folder", full_disk)  # what a save calls
     cfg = tiny(max_steps=4, eval_every=0, checkpoint_every=2, async_save=True)
     with pytest.raises(CheckpointWriteError) as info:  # raised at the end of the run
         train(cfg, tmp_path, "")

@@ -1,11 +1,19 @@
 """The distributed executor: one process per pipeline rank under torchrun, R replicas of it.
 
-What lives here: :class:`~giantpipe.engine.dist.pipe.DistributedPipe` (a rank's share of the
-pipeline, sharing :class:`giantpipe.engine.base.Pipe` with GPipe), who is who in the world
-(:mod:`.layout`), boundary values between ranks (:mod:`.p2p` over the wire format of
-:mod:`.wire`), gradients and the other collectives of a step (:mod:`.gradsync`), failures that
-stop every rank (:mod:`.faults`), building a model on meta and allocating only a rank's layers
-(:mod:`.meta`), and checkpoints sharded by un-partitioned names (:mod:`.shards`).
+What lives here, one concept per module:
+
+- :mod:`.pipe`: :class:`~giantpipe.engine.dist.pipe.DistributedPipe`, a rank's share of the
+  pipeline (sharing :class:`giantpipe.engine.pipe.Pipe` with GPipe);
+- :mod:`.layout`: who is who in the world (ranks, stages, replicas) and the process groups;
+- :mod:`.wire`: the one wire format of values between ranks (layouts announced, then frames);
+- :mod:`.p2p`: the executor's mailbox across processes, frames over gloo;
+- :mod:`.message_order`: one agreed order of a step's device operations, from the schedule;
+- :mod:`.ordered`: the device transport (NCCL): descriptions on the host, bytes in that order;
+- :mod:`.gradsync`: gradients over replicas, the global-norm clip, a step's collectives;
+- :mod:`.faults`: failures that stop every rank, named;
+- :mod:`.meta`: a model built on meta, only a rank's layers allocated;
+- :mod:`.generation`: the generation ring between ranks (a DistributedPipe's link);
+- :mod:`.shards`: checkpoints sharded by un-partitioned names, on DCP.
 
 It imports torch (``torch.distributed``) and the rest of :mod:`giantpipe.engine`; nothing in
 the engine outside this package imports it. The runner and scripts may.

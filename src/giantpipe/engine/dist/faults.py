@@ -45,7 +45,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from giantpipe.engine.workers import PipelineError, failed_action
+from giantpipe.engine.failures import PipelineError, failed_action
 
 _KEY, _CLAIM, _PROCESS = "giantpipe/failed", "giantpipe/failed_claim", "giantpipe/process"
 GRACE_S = 1.0  # how long a consequence waits for its cause to show (a report, a dead peer)

@@ -1,5 +1,8 @@
 """The executor's mailbox, stretched across processes with point-to-point messages.
 
+One concept, one class: :class:`P2PMailbox` and the plan of what it receives from whom (its
+section dividers group its methods: sending, receiving, the end of a step).
+
 The local executor hands values between stages through a :class:`Mailbox` keyed
 ``("act", stage, m)`` / ``("grad", stage, m)``. :class:`P2PMailbox` keeps that interface, so the
 very same ``StepRun`` drives one rank of a distributed pipeline:
@@ -78,8 +81,8 @@ from giantpipe.engine.dist.wire import (
     unpack,
     words_of,
 )
-from giantpipe.engine.schedule import Action
-from giantpipe.engine.workers import Key, Mailbox
+from giantpipe.engine.mailbox import Key, Mailbox
+from giantpipe.engine.schedules.actions import Action
 
 FRAMES, FOLLOW_UPS = 0, 1  # tags: frames posted ahead; an announcement's extra words and frame
 # Receives per peer kept posted ahead however busy the rank is: the next message can land while

@@ -1,5 +1,8 @@
 """The distributed executor: one process per pipeline rank (under torchrun), R replicas.
 
+One concept, one class: :class:`DistributedPipe`, a rank's share of the pipeline (its section
+dividers group its members: who needs what, steps, failures, state).
+
 Each rank builds the model with its parameters on the meta device, allocates only the layers
 of its own stage(s), and runs its own list of actions from the same schedule data as the local
 executor (the very same ``StepRun``; only its mailbox sends to other processes, see
@@ -17,7 +20,7 @@ BatchNorm statistics and the norm on the device groups (NCCL on CUDA), host numb
 normaliser, statistics rows) and objects (checkpoints, the runner) on gloo groups.
 
 What it shares with GPipe (defaults, checks, loss scaling, the step's configuration) is
-:class:`giantpipe.engine.base.Pipe`; its hooks sum the loss normaliser and merge deferred
+:class:`giantpipe.engine.pipe.Pipe`; its hooks sum the loss normaliser and merge deferred
 BatchNorm statistics over the replicas.
 
 Any failure is reported on the failure board, this rank's groups are torn down (which wakes
@@ -48,7 +51,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.base import Normalizer, Pipe, check_model, refuse_beside_spec
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
 from giantpipe.engine.dist import shards
 from giantpipe.engine.dist.faults import (
@@ -59,14 +61,13 @@ from giantpipe.engine.dist.faults import (
     run_guarded,
     wait_device,
 )
+from giantpipe.engine.dist.generation import RankLink, generation_link
 from giantpipe.engine.dist.gradsync import (
-    AgreedGradScaler,
     GradientSync,
     TiedSync,
     all_gather_rows,
     all_reduce_,
     all_reduce_sum,
-    check_agreed,
     clip_grad_norm_,
 )
 from giantpipe.engine.dist.layout import (
@@ -81,14 +82,16 @@ from giantpipe.engine.dist.layout import (
     tied_group,
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
-from giantpipe.engine.dist.ordered import OrderedMailbox
+from giantpipe.engine.dist.ordered import OrderedMailbox, choose_transport
 from giantpipe.engine.dist.p2p import P2PMailbox
 from giantpipe.engine.dist.wire import KnownLayouts
-from giantpipe.engine.executor import LossFn, LossSpec, StepRun
+from giantpipe.engine.executor import StepRun
+from giantpipe.engine.fp16 import AgreedGradScaler, check_agreed
 from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
 from giantpipe.engine.partition import shared_parameters
+from giantpipe.engine.pipe import Normalizer, Pipe, check_model, refuse_beside_spec
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
-from giantpipe.engine.schedule import Schedule
+from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
@@ -98,27 +101,9 @@ from giantpipe.engine.spec import (
     check_balance,
 )
 from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
+from giantpipe.engine.step_config import LossFn, LossSpec
 
 __all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distributed"]
-
-TRANSPORTS = ("auto", "frames", "ordered")
-
-
-def choose_transport(transport: str, device: torch.device) -> str:
-    """The transport a pipe on ``device`` uses (see ``DistributedPipe``'s ``transport``).
-
-    >>> [choose_transport("auto", torch.device(d)) for d in ("cpu", "cuda:0")]
-    ['frames', 'ordered']
-    """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
-    if transport == "frames" and device.type == "cuda":
-        # Frames carry headers read by the host and receives posted out of NCCL's order.
-        raise ValueError("transport='frames' needs gloo and host memory; on CUDA use 'ordered'")
-    if transport == "auto":
-        return "ordered" if device.type == "cuda" else "frames"
-    return transport
-
 
 ModelSource = nn.Sequential | Callable[[], nn.Sequential]
 _T = TypeVar("_T")
@@ -560,6 +545,19 @@ class DistributedPipe(Pipe):
             scaler.step(optimizer); scaler.update()
         """
         return AgreedGradScaler(self, **kwargs)
+
+    def all_reduce_world_(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """Sums a device tensor in place over every rank of the world, under the pipe's
+        timeout (what its AgreedGradScaler's verdict needs); ``what`` names it in a failure."""
+        group = self.groups.p2p  # every rank of the world, on the device's backend
+        if group is None:
+            raise RuntimeError("the pipeline failed earlier; its ranks can no longer agree")
+        return all_reduce_(tensor, group, self.timeout, self.board, what)
+
+    def generation_link(self, timeout: float) -> RankLink:
+        """This rank's ends of the ring that :func:`giantpipe.engine.generate.generate` circles
+        (:mod:`giantpipe.engine.dist.generation`)."""
+        return generation_link(self, timeout)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Collective. Clips by the global 2-norm over every stage of the pipeline (each

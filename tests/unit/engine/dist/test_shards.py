@@ -141,7 +141,7 @@ def test_data_files_are_hashed_as_written_never_read_back(tmp_path, monkeypatch)
         read_back.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(shards, "file_digest", digest)
+    monkeypatch.setattr(shards.files, "file_digest", digest)  # what the writer calls
     token = save(tmp_path, weights())
     assert read_back == [".metadata"]  # the small index; the tensors' file hashed on its way
     recorded = shards.read_manifest(tmp_path)["files"][f"{token}/__0_0.distcp"]["sha256"]

@@ -17,14 +17,15 @@ GPipe's fill-drain for K=3, M=4 (time flows right; each column is one clock tick
     stage 2 | .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .  .
 
 The executor runs any schedule that :func:`validate` accepts: an action waits only for the data
-it needs (the activation from the previous stage, the gradient from the next), so 1F1B,
-interleaved or zero-bubble orders are other lists, not other executors. They live in
-:mod:`giantpipe.engine.schedules`, where :func:`~giantpipe.engine.schedules.build_schedule`
-finds every schedule by name.
+it needs (the activation from the previous stage, the gradient from the next), so fill-drain
+(:mod:`.fill_drain`), 1F1B, interleaved or zero-bubble orders (:mod:`.one_f_one_b`) are other
+lists, not other executors; :func:`~giantpipe.engine.schedules.build_schedule` finds every
+schedule by name.
 
 Example::
 
-    >>> s = gpipe(num_workers=2, num_microbatches=2)
+    >>> from giantpipe.engine.schedules.fill_drain import fill_drain
+    >>> s = fill_drain(num_workers=2, num_microbatches=2)
     >>> [str(a) for a in s.actions[0]]
     ['F0@0', 'F1@0', 'B1@0', 'B0@0']
 """
@@ -85,66 +86,6 @@ class Schedule:
         """The same schedule keeping only actions whose kind is in ``kinds`` (e.g. ``"F"``)."""
         kept = tuple(tuple(a for a in w if a.kind in kinds) for w in self.actions)
         return Schedule(self.name, self.num_stages, self.num_microbatches, kept, self.placement)
-
-
-def expected_bubble(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a fill-drain or 1F1B pipeline with equal stage costs: (K-1)/(M+K-1).
-
-    With V virtual stages per worker (interleaved 1F1B) the fill and drain shrink V-fold:
-    (K-1)/(V*M+K-1).
-
-    >>> expected_bubble(4, 4)
-    0.42857142857142855
-    """
-    k, v = num_workers, virtual_stages
-    return (k - 1) / (v * num_microbatches + k - 1)
-
-
-def gpipe(
-    num_workers: int,
-    num_microbatches: int,
-    virtual_stages: int = 1,
-    placement: tuple[int, ...] | None = None,
-) -> Schedule:
-    """GPipe fill-drain: all forwards in micro-batch order, then all backwards in reverse.
-
-    Backwards run last-in first-out, as autograd would for the whole mini-batch, so the last
-    micro-batch (whose activations are the freshest) is released first. With ``virtual_stages``
-    V > 1, the ``num_workers`` K hold K*V stages (stage s on worker s % K, or as ``placement``
-    says: another schedule's stages, for its forward-only phase) and each worker runs its
-    stages one after the other, breadth first ("looped" fill-drain).
-
-    >>> [str(a) for a in gpipe(2, 1, 2, placement=(0, 1, 1, 0)).actions[0]]
-    ['F0@0', 'F0@3', 'B0@3', 'B0@0']
-    """
-    _check_sizes(num_workers, num_microbatches, virtual_stages)
-    k, v = num_workers, virtual_stages
-    placement = tuple(s % k for s in range(k * v)) if placement is None else tuple(placement)
-    workers = []
-    for w in range(k):
-        stages = [s for s, owner in enumerate(placement) if owner == w]
-        forwards = [Action("F", s, m) for s in stages for m in range(num_microbatches)]
-        backwards = [
-            Action("B", s, m) for s in reversed(stages) for m in reversed(range(num_microbatches))
-        ]
-        workers.append(tuple(forwards + backwards))
-    return Schedule("gpipe", k * v, num_microbatches, tuple(workers), placement)
-
-
-def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int, int]]]:
-    """Forward clock ticks of fill-drain, one stage per worker: at tick t, stage k runs
-    micro-batch t - k.
-
-    >>> clock_cycles(2, 3)
-    [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
-
-    Each pair is (micro-batch, stage); useful to draw or reason about the pipeline's fill.
-    """
-    _check_sizes(num_stages, num_microbatches)
-    ticks = []
-    for t in range(num_microbatches + num_stages - 1):
-        ticks.append([(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches])
-    return ticks
 
 
 def dependencies(action: Action, num_stages: int) -> list[Action]:
@@ -234,7 +175,8 @@ def in_flight(schedule: Schedule) -> list[int]:
     A micro-batch is held from its F until its B, or until its W where the schedule splits
     the backward (the graph is kept for the weight gradient).
 
-    >>> in_flight(gpipe(2, 4))
+    >>> from giantpipe.engine.schedules.fill_drain import fill_drain
+    >>> in_flight(fill_drain(2, 4))
     [4, 4]
     """
     held, peak = [0] * schedule.num_stages, [0] * schedule.num_stages

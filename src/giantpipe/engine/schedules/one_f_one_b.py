@@ -46,16 +46,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from giantpipe.engine.schedule import (
-    Action,
-    Schedule,
-    _check_sizes,
-    dependencies,
-    gpipe,
-    validate,
-)
+from giantpipe.engine.schedules.actions import Action, Schedule, _check_sizes, dependencies
 
 
 def one_f_one_b(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -239,40 +230,3 @@ def _check_single_stage(name: str, k: int, m: int, v: int) -> None:
 
 def _identity(num_workers: int) -> tuple[int, ...]:
     return tuple(range(num_workers))
-
-
-ScheduleFn = Callable[[int, int, int], Schedule]
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-VIRTUAL_STAGES = {"interleaved": 2, "zb-v": 2}  # V unless given (1 for the others)
-
-
-def schedule_builders() -> dict[str, ScheduleFn]:
-    """Every schedule by name: ``fn(num_workers, num_microbatches, virtual_stages)``."""
-    return {
-        "gpipe": gpipe,
-        "1f1b": one_f_one_b,
-        "interleaved": interleaved,
-        "zb-h1": zb_h1,
-        "zb-v": zb_v,
-    }
-
-
-def build_schedule(
-    name: str, num_workers: int, num_microbatches: int, virtual_stages: int = 1
-) -> Schedule:
-    """Looks up a schedule by name and validates it.
-
-    ``num_workers`` is K; with ``virtual_stages`` V the model is cut into K*V stages
-    (``Schedule.num_stages``; 'gpipe' and 'interleaved' take V > 1, 'zb-v' needs V = 2).
-
-    >>> build_schedule("gpipe", 2, 4).num_workers
-    2
-    >>> build_schedule("interleaved", 2, 4, virtual_stages=2).num_stages
-    4
-    """
-    builders = schedule_builders()
-    if name not in builders:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(builders)}")
-    schedule = builders[name](num_workers, num_microbatches, virtual_stages)
-    validate(schedule)
-    return schedule

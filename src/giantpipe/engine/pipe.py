@@ -1,6 +1,8 @@
-"""What both pipes share: their shape (a :class:`~giantpipe.engine.spec.PipelineSpec`), the
-check of the model against it, the loss scaling, the configuration of a step, deferred
-BatchNorm's commit and the global-norm clip.
+"""The base both pipes share: :class:`Pipe`, what a step needs besides its transport.
+
+One concept, one class (the section dividers below group its members): the pipes' shape (a
+:class:`~giantpipe.engine.spec.PipelineSpec`), the check of the model against it, the loss
+scaling, the configuration of a step, deferred BatchNorm's commit and the global-norm clip.
 
 :class:`~giantpipe.engine.gpipe.GPipe` (a worker thread per device) and
 :class:`~giantpipe.engine.dist.pipe.DistributedPipe` (a process per device) differ only in
@@ -27,7 +29,7 @@ Loss scaling makes a pipelined step equal the plain model's: ``loss_fn`` returns
 micro-batch, weighted by the micro-batch's share of the mini-batch; with ``loss_normalizer``
 (e.g. the number of non-padding tokens) it returns a SUM, divided by the normalizer. With a
 ``grad_scaler`` (fp16), each micro-batch's backward is also that of its loss times the scaler's
-scale, and the loss returned is unscaled (see "fp16" below)::
+scale, and the loss returned is unscaled (:mod:`giantpipe.engine.fp16`)::
 
     scaler = pipe.grad_scaler()
     loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)   # p.grad holds S * gradient
@@ -41,39 +43,12 @@ Example::
             super().__init__(spec)
             self.partitions = ...; self.devices = ...; self.placement = ...
 
-**fp16.** fp16 gradients underflow; ``torch.amp.GradScaler`` multiplies the loss by a scale
-``S`` before backward, divides the gradients by ``S`` before the optimizer step, and skips the
-step (halving ``S``) when a gradient is inf or NaN. A pipeline runs the backward itself, so the
-scaler is handed to ``train_step`` and the engine scales each micro-batch's loss::
-
-    caller                       last stage, micro-batch m              every stage
-    S = scaler.scale(ones)       L_m = loss_fn(y_m, t_m) * w_m           grads of S * sum L_m
-    (a tensor, no host sync)     backward from L_m with gradient S       accumulate in p.grad
-    loss = sum L_m  (unscaled)
-
-The scale enters only the gradient (:func:`~giantpipe.engine.autograd.scale_gradient`): backward
-from ``L_m`` seeded with ``S`` is the backward of ``S * L_m``, bit for bit as
-``scaler.scale(loss).backward()``, and the loss the step returns needs no division. Then, as
-with the plain model::
-
-    scaler = pipe.grad_scaler()                       # GPipe or DistributedPipe
-    with torch.autocast("cuda", dtype=torch.float16):
-        loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
-    scaler.unscale_(optimizer)                        # only to clip: before the norm
-    pipe.clip_grad_norm_(1.0)
-    scaler.step(optimizer)                            # skipped if any gradient is inf/NaN
-    scaler.update()
-
-A ``GPipe`` holds its parameters on several devices: torch's scaler unscales each device's
-gradients and sums their inf checks. A ``DistributedPipe`` rank holds only its stages, so its
-inf check must be agreed by every rank, or one rank would step while another skips and the
-weights would part: its ``grad_scaler()`` is an
-:class:`~giantpipe.engine.dist.gradsync.AgreedGradScaler`.
+The fp16 side of the loss (the scale in each micro-batch's gradient, the scaler every rank
+agrees with) is :mod:`giantpipe.engine.fp16`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,12 +56,12 @@ import torch
 from torch import nn
 
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm
-from giantpipe.engine.executor import LossFn, LossSpec, StepConfig, autocast_state
+from giantpipe.engine.fp16 import current_scale
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, scatter
 from giantpipe.engine.partition import BalanceError, verify_balance, verify_module
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.rng import RngHooks, draw_step_seed
-from giantpipe.engine.schedule import Schedule, gpipe, validate
+from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
@@ -96,6 +71,7 @@ from giantpipe.engine.spec import (
     SpecError,
 )
 from giantpipe.engine.stats import ActionTiming, StepStats
+from giantpipe.engine.step_config import LossFn, LossSpec, StepConfig, autocast_state
 
 Normalizer = Callable[[TensorOrTensors], float]
 
@@ -131,22 +107,6 @@ def refuse_beside_spec(given: dict[str, object]) -> None:
     beside = [k for k, v in given.items() if v != _SHAPE_DEFAULTS.get(k)]
     if beside:
         raise ValueError(f"give spec= or {', '.join(beside)}, not both")
-
-
-@functools.lru_cache(maxsize=64)
-def fill_drain(
-    workers: int, chunks: int, virtual_stages: int, placement: tuple[int, ...]
-) -> Schedule:
-    """Fill-drain ('gpipe') over another schedule's stages, validated once per configuration:
-    what ``GPipe.forward`` (torchgpipe's door) runs whatever ``train_step``'s schedule is (a
-    ZB-V pipe places its stages in a V).
-
-    >>> fill_drain(2, 4, 1, (0, 1)) is fill_drain(2, 4, 1, (0, 1))
-    True
-    """
-    schedule = gpipe(workers, chunks, virtual_stages, placement=placement)
-    validate(schedule)
-    return schedule
 
 
 class Pipe(nn.Module):
@@ -386,37 +346,3 @@ def check_input(input: Any) -> TensorOrTensors:
     if isinstance(input, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in input):
         return tuple(input)
     raise TypeError(f"expected Tensor or Tuple[Tensor, ...], but got {type(input).__name__}")
-
-
-def pipeline_grad_scaler(pipe: Pipe, **kwargs: Any) -> torch.amp.GradScaler:
-    """The gradient scaler for ``pipe`` (``pipe.grad_scaler(**kwargs)``): torch's for a GPipe
-    (every stage in this process), one whose inf/NaN check every rank agrees on for a
-    DistributedPipe. ``kwargs`` are GradScaler's (``init_scale``, ``growth_interval``, ...).
-
-    Example::
-
-        scaler = pipeline_grad_scaler(pipe, init_scale=2.0**16)
-        loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
-        scaler.step(optimizer); scaler.update()
-    """
-    return pipe.grad_scaler(**kwargs)
-
-
-def current_scale(
-    grad_scaler: torch.amp.GradScaler | None, device: torch.device
-) -> torch.Tensor | None:
-    """The scaler's scale as a 0-dim float32 tensor on ``device``, without a host sync
-    (``scaler.scale`` multiplies by the scale tensor; ``get_scale()`` would read it back);
-    None when there is no scaler or it is disabled. Creates the scale on ``device`` on first
-    use, as ``scaler.scale(loss)`` does: a rank without the loss then has one to unscale with.
-
-    >>> current_scale(torch.amp.GradScaler("cpu", init_scale=8.0), torch.device("cpu"))
-    tensor(8.)
-    """
-    if grad_scaler is None or not grad_scaler.is_enabled():
-        return None
-    # On CUDA the tensor is made on the caller's current stream of ``device``; the worker that
-    # reads it runs on that stream, or on one that waits for it before its first action (the
-    # local executor's stream joins). Not checkable on CPU: benchmarks/gpu_check.py proves it.
-    ones = torch.ones((), dtype=torch.float32, device=device)
-    return grad_scaler.scale(ones).reshape(())

@@ -1,0 +1,135 @@
+"""Files written whole or not at all (a temporary file, fsync, ``os.replace``), fsynced
+directories, and the content hash that every file of a checkpoint is committed with.
+
+Example::
+
+    atomic_save(state, "ckpt/model.pt")           # the old file or the new one, never torn
+    describe(Path("ckpt/step000000100-3f9c2a"), [".metadata"])   # {name: {"bytes", "sha256"}}
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FILE_MODE",
+    "atomic_save",
+    "atomic_write_text",
+    "describe",
+    "file_digest",
+    "fsync_directory",
+    "new_token",
+]
+
+CHUNK = 8 * 2**20
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then ``os.replace`` onto it.
+
+    The file is on disk before its name is: a crash at any moment leaves the old file or the
+    new one, never a torn one. (The directory entry is made durable by :func:`commit`.)
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            try:
+                torch.save(obj, handle)
+            except RuntimeError as err:  # torch's zip writer reports a full disk this way
+                failure = _write_error(path, str(err))
+                if failure is None:
+                    raise  # not the disk: e.g. an object that cannot be pickled
+                raise failure from err
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; every file of a run gets one mode
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _write_error(path: Path, message: str) -> OSError | None:
+    """The OSError naming ``path`` that torch's writer meant, or None if it was not the disk."""
+    if shutil.disk_usage(path.parent).free < 2**20:
+        code = errno.ENOSPC
+    elif "inline_container" in message or "write" in message.lower():
+        code = errno.EIO
+    else:
+        return None
+    return OSError(code, os.strerror(code), str(path))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()
+"""The mode ``open()`` gives a new file here (0644 under the usual umask)."""
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    """``text`` to a temporary file beside ``path``, fsync, then ``os.replace`` onto it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def fsync_directory(folder: str | os.PathLike[str]) -> None:
+    """Makes the names created in ``folder`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def new_token(step: int) -> str:
+    """A name unique to one save: ``step000000100-3f9c2a`` (every rank must use the same)."""
+    return f"step{step:09d}-{secrets.token_hex(3)}"
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of ``path``'s bytes (``sha256sum`` prints the same), read in 8 MiB chunks.
+
+    sha256 rather than blake2b: with the CPU's SHA instructions it hashes about 1.6 GiB/s
+    here, twice blake2b, and anyone can check a file by hand.
+    """
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes": size, "sha256": hash}}`` of the files ``names`` in ``folder``."""
+    return {
+        name: {"bytes": (folder / name).stat().st_size, "sha256": file_digest(folder / name)}
+        for name in names
+    }

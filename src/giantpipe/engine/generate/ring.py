@@ -1,0 +1,253 @@
+"""The ring of stages that generation circles: one worker's stages served from one inbox, the
+ring between the threads of one process, and what a ring between processes must offer.
+
+The ring runs over stages, not workers: stage s sends to s + 1, the last stage to stage 0.
+A worker holding V stages (interleaved: s on worker s % K; zb-v: s and 2K-1-s on one) serves
+all of them from one inbox, so a decode step goes round the workers V times per token::
+
+    interleaved K=2 V=2:  worker 0: stages 0, 2     0 -> 1 -> 2 -> 3 -> (search) -> 0
+                          worker 1: stages 1, 3     w0   w1   w0   w1               w0
+    zb-v K=2:             worker 0: stages 0, 3     0 -> 1 -> 2 -> 3 -> (search) -> 0
+                          worker 1: stages 1, 2     w0   w1   w1   w0               w0
+
+A message to a stage of the same worker stays in the worker's own queue (served before the
+link, so a worker never waits on the link for work it holds itself). Between threads the link is
+a :class:`LocalLink`; between processes the pipe gives its own (:class:`ProcessRing`), so that
+this module needs no process group.
+
+Example::
+
+    >>> held_stages((0, 1, 1, 0), 1)   # zb-v, K = 2: worker 1 holds stages 1 and 2
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+import torch
+
+from giantpipe.engine.generate.caches import StageCaches
+from giantpipe.engine.generate.decoding import Decoding, Message, Tokens
+from giantpipe.engine.generate.search import Searches
+from giantpipe.engine.mailbox import Mailbox
+from giantpipe.engine.workers import WorkerPool
+
+__all__ = [
+    "Link",
+    "LocalLink",
+    "LocalPost",
+    "ProcessRing",
+    "StageServer",
+    "generate_local",
+    "held_stages",
+    "serve_held_stages",
+]
+
+Task = Callable[[], None]
+
+
+class Link(Protocol):
+    """A worker's ends of the ring: a message goes to the worker of ``message.stage``;
+    ``receive`` takes the next message sent to any of this worker's stages."""
+
+    def send(self, message: Message) -> None: ...
+
+    def receive(self) -> Message: ...
+
+
+class StageServer:
+    """One worker's stages (``stages``: index -> its caches, of ``count`` in the ring) for one
+    call: the messages to any of them in arrival order, until each has heard ``end`` (stage 0
+    counts the micro-batches done and sends ``end`` round; the others pass it on).
+
+    Example::
+
+        StageServer({0: first, 2: third}, 4, link, prompts, None).serve()   # worker 0 of 2
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, StageCaches],
+        count: int,
+        link: Link,
+        prompts: Sequence[Message],
+        searches: Searches | None,
+    ) -> None:
+        self.stages, self.count, self.link, self.searches = stages, count, link, searches
+        self.prompts = list(prompts) if 0 in stages else []  # prompts go in at stage 0 only
+        self.here: deque[Message] = deque(self.prompts)
+        self.open, self.finished = set(stages), 0
+
+    def serve(self) -> None:
+        if 0 in self.stages and not self.prompts:  # nothing to decode: the others hear it
+            self._end()
+        while self.open:
+            self._handle(self.here.popleft() if self.here else self.link.receive())
+
+    def _send(self, message: Message) -> None:
+        if message.stage in self.stages:
+            self.here.append(message)
+        else:
+            self.link.send(message)
+
+    def _pass_on(self, message: Message) -> None:
+        if message.stage < self.count - 1:  # the last stage is where the word stops
+            self._send(replace(message, stage=message.stage + 1))
+
+    def _end(self) -> None:
+        self.open.discard(0)
+        self._pass_on(Message(-1, None, end=True, stage=0))
+
+    def _handle(self, message: Message) -> None:
+        s = message.stage
+        if message.end:
+            self.open.discard(s)
+            self._pass_on(message)
+        elif message.value is None:  # m is done: its caches go, and the word goes on
+            self.stages[s].drop(message.m)
+            self._pass_on(message)
+            self.finished += s == 0
+            if s == 0 and self.finished == len(self.prompts):  # every micro-batch is done
+                self._end()
+        elif s == self.count - 1:  # the logits: the search picks the next tokens
+            out = self.stages[s].run(message.m, message.value, message.order)
+            assert self.searches is not None
+            reply = self.searches.advance(Message(message.m, out, steps=message.steps))
+            self._send(replace(reply, stage=0))
+        else:
+            out = self.stages[s].run(message.m, message.value, message.order)
+            self._send(Message(message.m, out, message.order, message.steps, stage=s + 1))
+
+
+class LocalPost:
+    """The ring between worker threads of one process: a :class:`Mailbox` keyed by receiving
+    worker and arrival number. A worker holding several stages hears several senders, so the
+    number is drawn under a lock by whoever sends (each sender's messages keep their order)."""
+
+    def __init__(self, box: Mailbox, placement: Sequence[int]) -> None:
+        self.box, self.placement = box, list(placement)
+        self.sent = [0] * (max(self.placement) + 1)
+        self.lock = threading.Lock()
+
+    def send(self, message: Message) -> None:
+        worker = self.placement[message.stage]
+        with self.lock:
+            self.box.put(("act", worker, self.sent[worker]), message)
+            self.sent[worker] += 1
+
+
+class LocalLink:
+    """Worker ``worker``'s ends of a :class:`LocalPost`."""
+
+    def __init__(self, post: LocalPost, worker: int) -> None:
+        self.post, self.worker, self.received = post, worker, 0
+
+    def send(self, message: Message) -> None:
+        self.post.send(message)
+
+    def receive(self) -> Message:
+        message: Message = self.post.box.get(("act", self.worker, self.received))
+        self.received += 1
+        return message
+
+
+def _threads(devices: Sequence[torch.device]) -> int | None:
+    cpu = sum(d.type == "cpu" for d in devices)
+    return max(1, torch.get_num_threads() // cpu) if cpu > 1 else None
+
+
+def _worker(
+    task: Callable[[], None], device: torch.device, threads: int | None
+) -> Callable[[], None]:
+    def run() -> None:
+        before = torch.get_num_threads()
+        if threads is not None and device.type == "cpu":
+            torch.set_num_threads(threads)  # stand-ins share the cores, as the executor's
+        try:
+            with torch.no_grad():
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        task()
+                else:
+                    task()
+        finally:
+            torch.set_num_threads(before)  # as the executor's workers: the count given back
+
+    return run
+
+
+def held_stages(placement: Sequence[int], worker: int) -> list[int]:
+    """The stages ``worker`` holds, in ring order.
+
+    >>> held_stages((0, 1, 1, 0), 0)   # zb-v, K = 2
+    [0, 3]
+    """
+    return [s for s, w in enumerate(placement) if w == worker]
+
+
+def generate_local(
+    stages: Sequence[StageCaches],
+    placement: Sequence[int],
+    prompts: list[Message],
+    decoding: Decoding,
+    timeout: float,
+) -> dict[int, Tokens]:
+    box, searches = Mailbox(timeout), Searches(decoding)
+    post, workers = LocalPost(box, placement), sorted(set(placement))
+    devices = [stages[held_stages(placement, w)[0]].device for w in workers]
+    threads = _threads(devices)
+
+    def task(w: int) -> Task:
+        held = {s: stages[s] for s in held_stages(placement, w)}
+
+        def serve() -> None:
+            StageServer(held, len(stages), LocalLink(post, w), prompts, searches).serve()
+
+        return _worker(serve, devices[w], threads)
+
+    tasks = [task(w) for w in workers]
+    if len(tasks) == 1:
+        tasks[0]()  # the caller's thread: nothing to overlap
+    else:
+        pool = WorkerPool()
+        try:
+            pool.run(tasks, timeout)
+        except BaseException:
+            box.abort()
+            raise
+        finally:
+            pool.close()
+    return searches.results
+
+
+class ProcessRing(Link, Protocol):
+    """This process's ends of a ring spread over processes, as the pipe gives them
+    (``pipe.generation_link(timeout)``; a DistributedPipe's is
+    :class:`giantpipe.engine.dist.generation.RankLink`): the stages of the ring (``count``),
+    those this process holds (``held``), a wait for this process's sends (``finish``), and the
+    last stage's results handed to every process of the pipeline (``share``)."""
+
+    count: int
+    held: list[int]
+
+    def finish(self) -> None: ...
+
+    def share(self, results: dict[int, Tokens]) -> dict[int, Tokens]: ...
+
+
+def serve_held_stages(
+    pipe: Any, link: ProcessRing, prompts: list[Message], decoding: Decoding
+) -> dict[int, Tokens]:
+    """This process's stages of a ring across processes (``pipe.partitions[s]`` on
+    ``pipe.device``); the last stage's results, shared with every process of the pipeline."""
+    held = {s: StageCaches(list(pipe.partitions[s].children()), pipe.device) for s in link.held}
+    searches = Searches(decoding) if link.count - 1 in held else None
+    with torch.no_grad():
+        StageServer(held, link.count, link, prompts, searches).serve()
+    link.finish()
+    return link.share(searches.results if searches is not None else {})

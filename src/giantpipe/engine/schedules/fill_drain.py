@@ -1,0 +1,74 @@
+"""GPipe's fill-drain: all forwards, then all backwards; its bubble and its clock ticks.
+
+Its registry name is ``"gpipe"`` (:func:`~giantpipe.engine.schedules.build_schedule`); the
+legend of :mod:`.actions` draws it for K=3, M=4.
+
+Example::
+
+    >>> [str(a) for a in fill_drain(num_workers=2, num_microbatches=2).actions[0]]
+    ['F0@0', 'F1@0', 'B1@0', 'B0@0']
+"""
+
+from __future__ import annotations
+
+from giantpipe.engine.schedules.actions import Action, Schedule, _check_sizes
+
+
+def expected_bubble(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a fill-drain or 1F1B pipeline with equal stage costs: (K-1)/(M+K-1).
+
+    With V virtual stages per worker (interleaved 1F1B) the fill and drain shrink V-fold:
+    (K-1)/(V*M+K-1).
+
+    >>> expected_bubble(4, 4)
+    0.42857142857142855
+    """
+    k, v = num_workers, virtual_stages
+    return (k - 1) / (v * num_microbatches + k - 1)
+
+
+def fill_drain(
+    num_workers: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    placement: tuple[int, ...] | None = None,
+) -> Schedule:
+    """GPipe fill-drain: all forwards in micro-batch order, then all backwards in reverse.
+
+    Backwards run last-in first-out, as autograd would for the whole mini-batch, so the last
+    micro-batch (whose activations are the freshest) is released first. With ``virtual_stages``
+    V > 1, the ``num_workers`` K hold K*V stages (stage s on worker s % K, or as ``placement``
+    says: another schedule's stages, for its forward-only phase) and each worker runs its
+    stages one after the other, breadth first ("looped" fill-drain).
+
+    >>> [str(a) for a in fill_drain(2, 1, 2, placement=(0, 1, 1, 0)).actions[0]]
+    ['F0@0', 'F0@3', 'B0@3', 'B0@0']
+    """
+    _check_sizes(num_workers, num_microbatches, virtual_stages)
+    k, v = num_workers, virtual_stages
+    placement = tuple(s % k for s in range(k * v)) if placement is None else tuple(placement)
+    workers = []
+    for w in range(k):
+        stages = [s for s, owner in enumerate(placement) if owner == w]
+        forwards = [Action("F", s, m) for s in stages for m in range(num_microbatches)]
+        backwards = [
+            Action("B", s, m) for s in reversed(stages) for m in reversed(range(num_microbatches))
+        ]
+        workers.append(tuple(forwards + backwards))
+    return Schedule("gpipe", k * v, num_microbatches, tuple(workers), placement)
+
+
+def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int, int]]]:
+    """Forward clock ticks of fill-drain, one stage per worker: at tick t, stage k runs
+    micro-batch t - k.
+
+    >>> clock_cycles(2, 3)
+    [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
+
+    Each pair is (micro-batch, stage); useful to draw or reason about the pipeline's fill.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    ticks = []
+    for t in range(num_microbatches + num_stages - 1):
+        ticks.append([(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches])
+    return ticks
