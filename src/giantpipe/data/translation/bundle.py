@@ -7,9 +7,9 @@
 What :func:`translation` does, in order:
 
 1. files: ``data.train_files`` / ``data.valid_files``, or (both null) the generated corpus of
-   ``giantpipe.data.corpus`` written to ``RUN_DIR/corpus``; a missing file, or a line that
-   cannot be read, is one ConfigError line naming the key, the file, the line and what was
-   expected; a held-out pair no training file holds is refused unless ``data.zero_shot``;
+   ``giantpipe.data.translation.generated`` written to ``RUN_DIR/corpus``; a missing file, or a
+   line that cannot be read, is one ConfigError line naming the key, the file, the line and what
+   was expected; a held-out pair no training file holds is refused unless ``data.zero_shot``;
 2. vocabulary: ``RUN_DIR/spm.model`` (or ``data.vocab_dir``), one SentencePiece model for every
    language with ``<2xx>`` tokens, trained on the first run and reused when it resumes;
 3. training batches: a language pair drawn by temperature, then that pair's next token-bucketed
@@ -34,33 +34,26 @@ import itertools
 import logging
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from torch import Tensor
 
-from giantpipe.config import ConfigError, check, check_fits_memory, check_min
-from giantpipe.data.bleu import HeldOutBleu
+from giantpipe.config import ConfigError
 from giantpipe.data.bundle import Batch, DataBundle
-from giantpipe.data.corpus import (
-    Corpus,
-    CorpusError,
-    load_parallel_corpus,
-    split_pair,
-    write_synthetic_corpus,
-)
-from giantpipe.data.translation import (
+from giantpipe.data.translation.batches import MultilingualBatches, collate, example_size
+from giantpipe.data.translation.bleu import HeldOutBleu
+from giantpipe.data.translation.files import Corpus, CorpusError, load_parallel_corpus, split_pair
+from giantpipe.data.translation.generated import write_synthetic_corpus
+from giantpipe.data.translation.vocabulary import (
     EncodedCorpus,
-    MultilingualBatches,
     SharedVocabulary,
-    collate,
     encode_corpus,
-    example_size,
     fits,
     lang_token,
 )
 
 log = logging.getLogger(__name__)
+
 
 HOW_TO_PROVIDE = (
     "provide parallel text as TSV (header: source, target, pair), JSONL or parquet files via "
@@ -249,7 +242,8 @@ def zero_shot_pairs(
 
 
 def split_long(encoded: EncodedCorpus, max_len: int) -> tuple[EncodedCorpus, int]:
-    """(the examples that :func:`~giantpipe.data.translation.fits` ``max_len``, how many did not).
+    """(the examples that :func:`~giantpipe.data.translation.vocabulary.fits` ``max_len``, how
+    many did not).
 
     Example::
 
@@ -385,78 +379,3 @@ def translation(
         evaluate_model=scorer,
         eval_set=eval_name,
     )
-
-
-@dataclass
-class TranslationDataConfig:
-    """``data=translation``: the arguments of :func:`translation`, checked up front."""
-
-    _target_: str = "giantpipe.data.translation_bundle.translation"
-    """Builder called with the other fields (and the run directory)."""
-    train_files: list[str] | None = None
-    """TSV (header row), JSONL or parquet files of (source, target, pair) rows; null: write the
-    generated multilingual corpus into the run directory and train on it."""
-    valid_files: list[str] | None = None
-    """Held-out files for the eval loss and BLEU (needed with train_files)."""
-    source_field: str = "source"
-    """Column of the source sentence."""
-    target_field: str = "target"
-    """Column of the target sentence."""
-    pair_field: str = "pair"
-    """Column naming the language pair, e.g. ``en-de``."""
-    vocab_size: int = 8000
-    """Shared SentencePiece vocabulary size (an upper bound; the model's output size)."""
-    vocab_dir: str | None = None
-    """Where spm.model is trained or reused; null: the run directory (reused on resume)."""
-    max_len: int = 128
-    """Longest sentence in tokens, with markers (the model's positions): longer training pairs
-    are left out, longer held-out ones left out of the eval loss and cut for BLEU (all counted
-    in the log)."""
-    max_tokens: int = 4096
-    """Batch size in tokens: sentences x padded length <= max_tokens."""
-    min_sentences: int = 1
-    """Fewest sentences in a batch (the recipes set it to pipeline.chunks)."""
-    temperature: float = 5.0
-    """Sampling temperature over language pairs: p ~ (n_pair / N)^(1/T)."""
-    zero_shot: bool = False
-    """Evaluate held-out pairs no training file holds (zero-shot), as eval/bleu_zero_shot apart
-    from eval/bleu; false: such a pair is an error naming it."""
-    generated_languages: int = 3
-    """Generated corpus: languages besides English (pairs en-xx and xx-en)."""
-    generated_train_sizes: list[int] | None = None
-    """Generated corpus: training sentences per language (null: 8000, 2000, 500, ...)."""
-    generated_eval_size: int = 100
-    """Generated corpus: held-out sentences per direction."""
-    generated_seed: int = 0
-    """Generated corpus: seed of the languages and sentences."""
-    bleu_sentences: int | None = 100
-    """Held-out sentences per pair decoded for BLEU at each evaluation (null: all; 0: none)."""
-    beam_size: int = 1
-    """1: greedy decoding; more: beam search with a GNMT length penalty."""
-    length_penalty: float = 0.6
-    """Beam search length penalty alpha."""
-
-    def __post_init__(self) -> None:
-        for key in ("vocab_size", "max_len", "max_tokens", "min_sentences", "beam_size"):
-            check_min(getattr(self, key), 1, f"data.{key}")
-        check(self.temperature > 0, "data.temperature", f"must be > 0, got {self.temperature}")
-        check_min(self.generated_languages, 1, "data.generated_languages")
-        check_min(self.generated_eval_size, 1, "data.generated_eval_size")
-        for size in self.generated_train_sizes or ():
-            check_min(size, 1, "data.generated_train_sizes")
-        # Generated sentence pairs are held as int64 tokens of up to max_len per side.
-        pairs = sum(self.generated_train_sizes or ()) + self.generated_eval_size * (
-            2 * self.generated_languages
-        )
-        check_fits_memory(
-            pairs * 16 * self.max_len,
-            "data.generated_train_sizes, data.generated_eval_size, data.max_len",
-            "the generated corpus",
-        )
-        if self.bleu_sentences is not None:
-            check_min(self.bleu_sentences, 0, "data.bleu_sentences")
-        check(
-            self.max_tokens >= self.min_sentences * 4,
-            "data.max_tokens",
-            f"{self.max_tokens} leaves no room for {self.min_sentences} sentences per batch",
-        )
