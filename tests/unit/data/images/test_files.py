@@ -16,13 +16,10 @@ import torch
 from PIL import Image
 
 from giantpipe.config import ConfigError
-from giantpipe.data.image_bundle import image_folder
-from giantpipe.data.images import (
-    UnreadableImage,
-    datasets_progress,
-    read_image,
-    write_image_folder,
-)
+from giantpipe.data.images.bundle import image_folder
+from giantpipe.data.images.files import UnreadableImage, read_image
+from giantpipe.data.images.generated import write_image_folder
+from giantpipe.data.images.hf import datasets_progress
 
 SOURCES = ["imagefolder", "hf"]
 
@@ -132,7 +129,7 @@ def test_skip_bad_files_skips_counts_and_lists_them(clean, tmp_path, source, cap
     bad_val = bad_train.parents[2] / "val" / "class_2" / "text.png"
     bad_val.write_text("not a picture")
     bundle = build(bad_train.parents[2], source, tmp_path, skip_bad_files=True, batch_size=6)
-    with caplog.at_level(logging.WARNING, logger="giantpipe.data.image_bundle"):
+    with caplog.at_level(logging.WARNING, logger="giantpipe.data.images.files"):
         seen = sum(len(y) for _, y in one_epoch(bundle))  # 42 images: 7 batches of 6
         evaluated = sum(len(y) for _, y in bundle.eval_batches())
     assert (seen, evaluated) == (41, 13)
@@ -146,7 +143,7 @@ def test_an_unreadable_image_without_a_path_names_its_row(tmp_path: Path) -> Non
     """Parquet files hold image bytes, often without the file they came from."""
     import datasets
 
-    from giantpipe.data.images import HFImageDataset
+    from giantpipe.data.images.hf import HFImageDataset
 
     Image.new("RGB", (9, 7), "red").save(tmp_path / "a.png")
     good = {"bytes": (tmp_path / "a.png").read_bytes(), "path": None}

@@ -1,8 +1,10 @@
-"""``data=lm_tokens`` with ``eval_samples``: fixed prompts continued by cached greedy decoding
-through the pipe (WalkSamples), scored against the successor table; held-out perplexity."""
+"""``data=lm_tokens``: shifted, deterministic, learnable walks; with ``eval_samples``, fixed
+prompts continued by cached greedy decoding through the pipe (WalkSamples), scored against the
+successor table; held-out perplexity."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -11,7 +13,8 @@ from torch import Tensor, nn
 
 from giantpipe import GPipe
 from giantpipe.config import ConfigError
-from giantpipe.data.tensors import LMTokensDataConfig, lm_tokens
+from giantpipe.data.lm_tokens import lm_tokens
+from giantpipe.data.options import LMTokensDataConfig
 from giantpipe.runner.evaluate import evaluate
 from models.transformer import transformer_lm
 
@@ -74,3 +77,17 @@ def test_held_out_perplexity_is_the_exponential_of_the_token_loss() -> None:
     figures = evaluate(pipe, data, None, "fp32", ["cpu"])
     assert figures["perplexity"] == pytest.approx(math.exp(figures["loss"]), rel=1e-9)
     assert 0.5 * VOCAB < figures["perplexity"] < 2 * VOCAB  # untrained: about the vocabulary
+
+
+def test_lm_tokens_are_shifted_deterministic_and_learnable() -> None:
+    bundle = lm_tokens(vocab_size=50, seq_len=16, batch_size=4, branching=2, seed=1)
+    tokens, targets = next(bundle.train_batches(0, 3))
+    again = list(itertools.islice(bundle.train_batches(0, 0), 4))[3]
+    assert torch.equal(tokens, again[0]) and torch.equal(targets, again[1])
+    assert tokens.shape == targets.shape == (4, 16)
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])
+    assert bundle.tokens_per_batch is not None and bundle.tokens_per_batch((tokens, targets)) == 64
+    successors: dict[int, set[int]] = {}
+    for a, b in zip(tokens.flatten().tolist(), targets.flatten().tolist()):
+        successors.setdefault(a, set()).add(b)
+    assert max(len(s) for s in successors.values()) <= 2  # the branching factor

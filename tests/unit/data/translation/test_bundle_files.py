@@ -1,10 +1,10 @@
-"""Real-format parallel corpora as a user brings them: TSV, JSONL and parquet files with malformed,
-header-only and over-long lines and a pair never trained. Each problem is one line naming the key,
-the file, the line and what was expected; long held-out lines and zero-shot pairs never fail."""
+"""Real-format parallel corpora through the ``data=translation`` bundle: malformed held-out and
+header-only training files, over-long lines and a pair never trained. Each problem is one line
+naming the key, the file, the line and what was expected; long held-out lines and zero-shot pairs
+never fail."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -13,12 +13,14 @@ import torch
 
 from giantpipe.config import ConfigError
 from giantpipe.data.bundle import EvaluationError
-from giantpipe.data.corpus import load_parallel_corpus, split_pair, write_synthetic_corpus
-from giantpipe.data.translation_bundle import translation
+from giantpipe.data.translation.bundle import translation
+from giantpipe.data.translation.generated import write_synthetic_corpus
 from models.transformer import transformer_t
 
 torch.set_num_threads(1)
 
+
+HEADER = "source\ttarget\tpair\n"
 HEADER = "source\ttarget\tpair\n"
 SMALL = dict(vocab_size=200, max_len=48, max_tokens=512, bleu_sentences=4)
 
@@ -46,9 +48,6 @@ def with_lines(corpus: dict[str, Path], path: Path, *lines: str) -> Path:
     kept = corpus["valid"].read_text(encoding="utf-8").splitlines(keepends=True)[:9]
     path.write_text("".join(kept) + "".join(lines), encoding="utf-8")
     return path
-
-
-# -- errors: the key, the file, the line and what was expected ------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -84,80 +83,6 @@ def test_a_header_only_training_file_says_it_holds_no_pairs(tmp_path: Path) -> N
     )
 
 
-@pytest.mark.parametrize(
-    ("text", "problem"),
-    [
-        ("", ": empty; expected a tab-separated header line naming the columns source, target, "
-         "pair"),
-        ("src\ttgt\npair\n", ", line 1: the header ['src', 'tgt'] lacks ['source', 'target', "
-         "'pair']"),
-        ("source\ttarget\tpair\nhallo\tw\xc3\n", ", line 2: not UTF-8 text"),
-    ],
-)  # fmt: skip
-def test_tsv_file_problems_name_the_file_and_line(tmp_path: Path, text: str, problem: str) -> None:
-    path = tmp_path / "train.tsv"
-    path.write_bytes(text.encode("latin-1"))
-    with pytest.raises(ValueError) as err:
-        load_parallel_corpus([path])
-    assert str(err.value).startswith(f"{path}{problem}")
-
-
-@pytest.mark.parametrize(
-    ("line", "problem"),
-    [
-        ('{"source": "a .", "target": "b ."\n', "line 2: not JSON (Expecting ',' delimiter); "
-         "expected one JSON object per line with the fields source, target, pair"),
-        ('{"source": "a .", "pair": "en-xa"}\n', "line 2: no field ['target']"),
-        ('["a .", "b .", "en-xa"]\n', "line 2: a JSON list; expected one JSON object per line"),
-        ('{"source": "a .", "target": 7, "pair": "en-xa"}\n', "line 2: field 'target' is 7; "
-         "expected text"),
-    ],
-)  # fmt: skip
-def test_jsonl_problems_name_the_file_and_line(tmp_path: Path, line: str, problem: str) -> None:
-    path = tmp_path / "train.jsonl"
-    good = json.dumps({"source": "a .", "target": "b .", "pair": "en-xa"})
-    path.write_text(good + "\n" + line, encoding="utf-8")
-    with pytest.raises(ValueError) as err:
-        load_parallel_corpus([path])
-    assert str(err.value).startswith(f"{path}, {problem}")
-
-
-def test_parquet_problems_name_the_row(tmp_path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path = tmp_path / "train.parquet"
-    rows = [{"source": "a .", "target": "b .", "pair": "en-xa"}] * 2
-    pq.write_table(pa.Table.from_pylist([*rows, {"source": "c .", "target": "", "pair": "en-xa"}]),
-                   path)  # fmt: skip
-    with pytest.raises(ValueError, match=r"train\.parquet, row 3: empty 'target'"):
-        load_parallel_corpus([path])
-    pq.write_table(pa.Table.from_pylist([{"source": "a ."}]), path)
-    with pytest.raises(ValueError, match=r"train\.parquet: no column \['target', 'pair'\]"):
-        load_parallel_corpus([path])
-
-
-def test_an_unknown_format_names_the_ones_read(tmp_path: Path) -> None:
-    path = tmp_path / "train.csv"
-    path.write_text("source,target,pair\n")
-    with pytest.raises(ValueError, match=r"unknown format '\.csv'; expected \.tsv .*\.jsonl"):
-        load_parallel_corpus([path])
-
-
-@pytest.mark.parametrize("pair", ["en-de", "en-sr_Latn", "pt_BR-en"])
-def test_language_pairs_split_at_the_first_hyphen(pair: str) -> None:
-    assert "-".join(split_pair(pair)) == pair
-
-
-@pytest.mark.parametrize("pair", ["", "ende", "-de", "en-", "en de", "en -de"])
-def test_malformed_language_pairs_are_refused(pair: str) -> None:
-    with pytest.raises(ValueError, match="language pair must look like 'en-de'"):
-        split_pair(pair)
-
-
-# -- held-out lines longer than data.max_len: counted, never fatal --------------------------------
-
-
 def long_line(words: int = 60) -> str:
     return " ".join(["the big dog"] * (words // 3)) + " .\t" + "hanu " * 60 + ".\ten-xa\n"
 
@@ -166,7 +91,7 @@ def test_long_held_out_lines_leave_the_eval_loss_and_are_cut_for_bleu(
     corpus, spm_dir, tmp_path: Path, caplog
 ) -> None:
     valid = with_lines(corpus, tmp_path / "valid.tsv", long_line(), long_line(90))
-    with caplog.at_level(logging.WARNING, logger="giantpipe.data.translation_bundle"):
+    with caplog.at_level(logging.WARNING, logger="giantpipe.data.translation.bundle"):
         bundle = build(corpus, spm_dir, valid, bleu_sentences=None)
     assert f"held-out ({valid}): 2 of 10 sentence pairs are longer than data.max_len=48" in (
         caplog.text
@@ -185,7 +110,7 @@ def test_long_training_lines_are_left_out_and_counted(corpus, spm_dir, tmp_path,
     train = tmp_path / "train.tsv"
     train.write_text(corpus["train"].read_text() + long_line(), encoding="utf-8")
     files = dict(train_files=[str(train)], valid_files=[str(corpus["valid"])])
-    with caplog.at_level(logging.WARNING, logger="giantpipe.data.translation_bundle"):
+    with caplog.at_level(logging.WARNING, logger="giantpipe.data.translation.bundle"):
         translation(**files, **SMALL, vocab_dir=str(spm_dir), run_dir=tmp_path)
     assert "training: 1 of 481 sentence pairs are longer than data.max_len=48" in caplog.text
 
@@ -196,9 +121,6 @@ def test_an_evaluation_failure_names_the_held_out_files(corpus, spm_dir) -> None
     with pytest.raises(EvaluationError) as err:
         bundle.evaluate_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))  # no encode/decode
     assert str(err.value).startswith(f"evaluation on {corpus['valid']}: BLEU decoding failed")
-
-
-# -- held-out pairs never trained: refused, or zero-shot and reported apart -----------------------
 
 
 def test_a_held_out_pair_never_trained_is_refused_naming_it(corpus, spm_dir, tmp_path) -> None:

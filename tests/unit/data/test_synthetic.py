@@ -1,8 +1,9 @@
-"""Generated classification data: deterministic, resumable batch order."""
+"""Generated classification data (``data=synthetic``): deterministic, resumable batches; train
+and eval share the teacher."""
 
 import torch
 
-from giantpipe.data.tensors import classification, shuffled_batches
+from giantpipe.data.synthetic import classification
 
 
 def test_batches_are_a_function_of_seed_and_position():
@@ -15,13 +16,6 @@ def test_batches_are_a_function_of_seed_and_position():
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     other_seed = next(bundle.train_batches(1, 0))
     assert not torch.equal(other_seed[0], full[0][0])
-
-
-def test_two_batches_of_b_equal_one_of_2b():
-    x, y = torch.arange(32.0).unsqueeze(1), torch.arange(32)
-    small = shuffled_batches(x, y, 4, seed=5, position=0)
-    big = next(shuffled_batches(x, y, 8, seed=5, position=0))
-    assert torch.equal(torch.cat([next(small)[1], next(small)[1]]), big[1])
 
 
 def test_train_and_eval_share_the_teacher():

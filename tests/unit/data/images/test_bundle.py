@@ -10,27 +10,7 @@ import torch
 
 from giantpipe.config import ConfigError
 from giantpipe.data.bundle import DataBundle
-from giantpipe.data.image_bundle import (
-    EpochBatches,
-    SeededTransforms,
-    generated_images,
-    image_folder,
-    random_images,
-    sample_seed,
-)
-from giantpipe.data.images import train_transforms, write_image_folder
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """40 training and 12 validation PNGs of 4 classes in train/ and val/ class folders."""
-    root = tmp_path_factory.mktemp("imagenet")
-    return write_image_folder(root, num_train=40, num_val=12, image_size=32, num_classes=4)
+from giantpipe.data.images.bundle import generated_images, image_folder, random_images
 
 
 def take(bundle: DataBundle, seed: int, position: int, count: int) -> list:
@@ -41,9 +21,6 @@ def assert_same_batches(a: list, b: list) -> None:
     assert len(a) == len(b)
     for (x1, y1), (x2, y2) in zip(a, b):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
-
-
-# -- generated and random images ------------------------------------------------------------
 
 
 def test_generated_images_batches_shapes_and_metric() -> None:
@@ -71,34 +48,6 @@ def test_random_images_repeat_one_batch() -> None:
     a, b = take(bundle, 0, 0, 2)
     assert a[0].shape == (4, 3, 32, 32) and int(a[1].max()) < 7
     assert torch.equal(a[0], b[0]) and bundle.batches_per_epoch == 25
-
-
-# -- sampler and seeded transforms ----------------------------------------------------------
-
-
-def test_epoch_batches_cover_every_image_once_per_epoch_and_resume() -> None:
-    batches = list(itertools.islice(iter(EpochBatches(30, 8, seed=1, position=0)), 6))
-    first_epoch = [i for batch in batches[:3] for _, i in batch]
-    assert len(set(first_epoch)) == 24  # 3 full batches, the last 6 images dropped
-    resumed = list(itertools.islice(iter(EpochBatches(30, 8, seed=1, position=4)), 2))
-    assert resumed == batches[4:6]
-    # The same image gets another augmentation seed in another epoch.
-    assert sample_seed(1, 0, 5) != sample_seed(1, 1, 5)
-
-
-def test_seeded_transforms_repeat_and_leave_the_global_rng_alone(folder: Path) -> None:
-    from torchvision.datasets import ImageFolder
-
-    data = SeededTransforms(ImageFolder(folder / "train", train_transforms(24, cutout=8)))
-    state = torch.get_rng_state()
-    a, _ = data[(123, 0)]
-    b, _ = data[(123, 0)]
-    c, _ = data[(124, 0)]
-    assert torch.equal(a, b) and not torch.equal(a, c)
-    assert torch.equal(torch.get_rng_state(), state)
-
-
-# -- ImageNet-style folders -----------------------------------------------------------------
 
 
 def test_image_folder_batches_eval_and_classes(folder: Path) -> None:

@@ -1,4 +1,4 @@
-"""The ``data=translation`` and ``data=lm_tokens`` bundles: what the runner relies on."""
+"""The ``data=translation`` bundle: what the runner relies on."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 
 from giantpipe.config import ConfigError
 from giantpipe.data.bundle import DataBundle
-from giantpipe.data.tensors import lm_tokens
-from giantpipe.data.translation_bundle import eval_groups, translation
+from giantpipe.data.translation.bundle import eval_groups, translation
 from models.transformer import transformer_t
 
 SMALL = dict(
@@ -109,7 +108,7 @@ def test_held_out_bleu_reports_pairs_average_copy_and_signature(bundle: DataBund
 def test_vocabulary_is_reused_when_present(run_dir: Path, bundle: DataBundle, caplog) -> None:
     model_file = run_dir / "spm.model"
     before = (model_file.read_bytes(), model_file.stat().st_mtime_ns)
-    with caplog.at_level(logging.INFO, logger="giantpipe.data.translation_bundle"):
+    with caplog.at_level(logging.INFO, logger="giantpipe.data.translation.bundle"):
         translation(**SMALL, run_dir=run_dir)
     assert (model_file.read_bytes(), model_file.stat().st_mtime_ns) == before
     assert "vocabulary: reusing" in caplog.text
@@ -130,17 +129,3 @@ def test_missing_files_name_the_key_the_path_and_the_quickstart(key: str, tmp_pa
     message = str(err.value)
     assert message.startswith(f"data.{key}: ") and "\n" not in message
     assert files[key][0] in message and "recipe=transformer_quickstart" in message
-
-
-def test_lm_tokens_are_shifted_deterministic_and_learnable() -> None:
-    bundle = lm_tokens(vocab_size=50, seq_len=16, batch_size=4, branching=2, seed=1)
-    tokens, targets = next(bundle.train_batches(0, 3))
-    again = list(itertools.islice(bundle.train_batches(0, 0), 4))[3]
-    assert torch.equal(tokens, again[0]) and torch.equal(targets, again[1])
-    assert tokens.shape == targets.shape == (4, 16)
-    assert torch.equal(tokens[:, 1:], targets[:, :-1])
-    assert bundle.tokens_per_batch is not None and bundle.tokens_per_batch((tokens, targets)) == 64
-    successors: dict[int, set[int]] = {}
-    for a, b in zip(tokens.flatten().tolist(), targets.flatten().tolist()):
-        successors.setdefault(a, set()).add(b)
-    assert max(len(s) for s in successors.values()) <= 2  # the branching factor

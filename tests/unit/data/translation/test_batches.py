@@ -1,107 +1,21 @@
-"""Translation data: loaders, shared SentencePiece vocabulary, temperature sampling, batching."""
+"""Translation batches: temperature sampling over pairs, token-bounded batches, resumable state,
+evaluation batches that keep every example."""
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from giantpipe.data.corpus import load_parallel_corpus, make_languages, write_synthetic_corpus
-from giantpipe.data.translation import (
+from giantpipe.data.translation.batches import (
     MultilingualBatches,
-    SharedVocabulary,
-    encode_corpus,
     eval_batches,
     temperature_probabilities,
     token_batches,
 )
-
-torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def corpus_files(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("synthetic")
-    return write_synthetic_corpus(out, num_languages=3, train_sizes=[800, 200, 40], eval_size=20)
-
-
-@pytest.fixture(scope="module")
-def corpus(corpus_files):
-    return load_parallel_corpus([corpus_files["train"]])
-
-
-@pytest.fixture(scope="module")
-def vocab(corpus, tmp_path_factory) -> SharedVocabulary:
-    return SharedVocabulary.train_or_load(corpus, tmp_path_factory.mktemp("spm"), vocab_size=300)
-
-
-@pytest.fixture(scope="module")
-def encoded(corpus, vocab):
-    return encode_corpus(corpus, vocab)
-
-
-def test_missing_file_names_the_path(tmp_path: Path) -> None:
-    missing = tmp_path / "nowhere.tsv"
-    with pytest.raises(FileNotFoundError, match="nowhere.tsv.*provide"):
-        load_parallel_corpus([missing])
-
-
-def test_tsv_jsonl_and_parquet_load_the_same(corpus_files, tmp_path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    jsonl = write_synthetic_corpus(
-        tmp_path, num_languages=3, train_sizes=[800, 200, 40], eval_size=20, fmt="jsonl"
-    )["test"]
-    rows = [json.loads(line) for line in jsonl.open()]
-    parquet = tmp_path / "test.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), parquet)
-    from_tsv = load_parallel_corpus([corpus_files["test"]])
-    assert load_parallel_corpus([jsonl]) == from_tsv == load_parallel_corpus([parquet])
-    assert sorted(from_tsv) == ["en-xa", "en-xb", "en-xc", "xa-en", "xb-en", "xc-en"]
-    assert all(len(v) == 20 for v in from_tsv.values())
-
-
-def test_missing_field_and_pair_override(tmp_path: Path) -> None:
-    path = tmp_path / "two.tsv"
-    path.write_text('src\ttgt\nhe said "no\t007\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"line 1: the header \[.src., .tgt.\] lacks"):
-        load_parallel_corpus([path])
-    loaded = load_parallel_corpus([path], source_field="src", target_field="tgt", pair="en-de")
-    assert loaded == {"en-de": [('he said "no', "007")]}
-
-
-def test_synthetic_corpus_is_deterministic_and_varied(corpus_files, tmp_path: Path) -> None:
-    again = write_synthetic_corpus(
-        tmp_path, num_languages=3, train_sizes=[800, 200, 40], eval_size=20
-    )
-    for split in ("train", "valid", "test"):
-        assert again[split].read_bytes() == corpus_files[split].read_bytes()
-    languages = make_languages(3)
-    assert len({lang.order for lang in languages}) == 3
-    assert len({lang.lexicon["dog"] for lang in languages}) == 3
-    train = load_parallel_corpus([corpus_files["train"]])
-    test = load_parallel_corpus([corpus_files["test"]])
-    assert len(train["en-xa"]) == 400 and len(train["en-xc"]) == 20  # a low-resource pair
-    for pair, rows in test.items():
-        assert not set(rows) & set(train[pair])  # held-out sentences
-
-
-def test_sentencepiece_round_trip_keeps_language_tokens(corpus, vocab, tmp_path: Path) -> None:
-    text = "the big dogs saw Anna near the river ."
-    assert vocab.decode(vocab.encode(text)) == text
-    ids = vocab.encode("<2xb> " + text)
-    assert vocab.lang_id("xb") in ids and vocab.sp.id_to_piece(vocab.lang_id("xb")) == "<2xb>"
-    assert (vocab.pad_id, vocab.bos_id, vocab.eos_id) == (0, 2, 3)
-    assert vocab.decode([vocab.bos_id, *vocab.encode(text), vocab.eos_id, 0]) == text
-    mtime = vocab.model_file.stat().st_mtime_ns
-    reused = SharedVocabulary.train_or_load(corpus, vocab.model_file.parent, vocab_size=300)
-    assert reused.model_file.stat().st_mtime_ns == mtime
-    assert reused.encode(text) == vocab.encode(text)
 
 
 def test_temperature_probabilities_follow_the_formula() -> None:

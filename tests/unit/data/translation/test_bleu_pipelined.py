@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.data.bleu import HeldOutBleu, beam_search, greedy_decode, pipelined_decode
-from giantpipe.data.corpus import load_parallel_corpus, write_synthetic_corpus
-from giantpipe.data.translation import SharedVocabulary
+from giantpipe.data.translation.bleu import HeldOutBleu
+from giantpipe.data.translation.decoding import beam_search, greedy_decode, pipelined_decode
+from giantpipe.data.translation.files import load_parallel_corpus
+from giantpipe.data.translation.generated import write_synthetic_corpus
+from giantpipe.data.translation.vocabulary import SharedVocabulary
 from models.transformer import transformer_t
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
