@@ -33,7 +33,7 @@ from torch import nn
 
 from giantpipe import GPipe
 from giantpipe.config import ConfigError
-from giantpipe.data.bleu import pipelined_decode
+from giantpipe.data.translation.decoding import pipelined_decode
 from giantpipe.engine.generate import Decoding, generate
 from giantpipe.runner.build import capture
 from giantpipe.runner.checkpoint import matching, read_weights
@@ -128,7 +128,7 @@ def translate(
     pipe: nn.Module, prompts: list[str], cfg: dict, args: argparse.Namespace
 ) -> list[str]:
     """A translation model: each sentence into ``--to``, in the run's vocabulary."""
-    from giantpipe.data.translation import SharedVocabulary
+    from giantpipe.data.translation.vocabulary import SharedVocabulary
 
     vocab_dir = cfg.get("data", {}).get("vocab_dir") or args.checkpoint.parent
     vocab = SharedVocabulary(Path(vocab_dir) / "spm.model")

@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without ins
 
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.data.bundle import Batch  # noqa: E402
-from giantpipe.data.translation_bundle import translation  # noqa: E402
+from giantpipe.data.translation.bundle import translation  # noqa: E402
 from giantpipe.perf.balance import balance_by_params  # noqa: E402
 from giantpipe.runner.losses import build_loss  # noqa: E402
 from models.transformer import transformer_t  # noqa: E402

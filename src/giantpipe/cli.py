@@ -138,6 +138,27 @@ def _schema_names(path: Path) -> tuple[str, list[str]]:
     return str(target), wanted
 
 
+def schema_module(target: str) -> str:
+    """The module holding the schemas of the option whose builder is ``target``: the nearest module
+    named ``options`` up the builder's package path (``giantpipe.data.images.bundle.image_folder``:
+    ``giantpipe.data.images.options``, then ``giantpipe.data.options``), else the builder's own.
+
+    Example::
+
+        schema_module("giantpipe.data.synthetic.classification")    # "giantpipe.data.options"
+    """
+    module = target.rpartition(".")[0]
+    package = module.rpartition(".")[0]
+    while package:
+        try:
+            if importlib.util.find_spec(f"{package}.options") is not None:
+                return f"{package}.options"
+        except ImportError:  # a package that cannot be imported: its builder says why later
+            return module
+        package = package.rpartition(".")[0]
+    return module
+
+
 def option_schemas(path: Path) -> dict[str, type]:
     """The schemas an option file names in its defaults list: dataclasses of its builder's module
     (importing it, and so torch: the command line reads them with :func:`option_twins` first).
@@ -149,7 +170,7 @@ def option_schemas(path: Path) -> dict[str, type]:
     target, wanted = _schema_names(path)
     if not wanted:
         return {}
-    module_name = target.rpartition(".")[0]
+    module_name = schema_module(target)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -183,7 +204,7 @@ def option_twins(path: Path) -> dict[str, type]:
     target, wanted = _schema_names(path)
     if not wanted:
         return {}
-    module_name = target.rpartition(".")[0]
+    module_name = schema_module(target)
     try:
         spec = importlib.util.find_spec(module_name)  # imports the parent packages only
     except ImportError as err:

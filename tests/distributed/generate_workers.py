@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
+from giantpipe.data.translation.decoding import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from models.transformer import transformer_lm, transformer_t

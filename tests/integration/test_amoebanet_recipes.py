@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from giantpipe.cli import register_configs, to_experiment
 from giantpipe.config import ExperimentConfig
-from giantpipe.data.images import write_image_folder
+from giantpipe.data.images.generated import write_image_folder
 
 REPO = Path(__file__).resolve().parents[2]
 register_configs(REPO / "conf")

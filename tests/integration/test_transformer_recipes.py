@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 
 from giantpipe.cli import register_configs, to_experiment
 from giantpipe.config import ExperimentConfig
-from giantpipe.data.corpus import write_synthetic_corpus
+from giantpipe.data.translation.generated import write_synthetic_corpus
 from giantpipe.engine.microbatch import scatter
 from giantpipe.engine.rng import install_rng_hooks, rng_context
 from giantpipe.runner import train as train_in_process

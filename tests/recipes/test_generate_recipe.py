@@ -73,9 +73,10 @@ def test_a_language_model_run_continues_its_prompts_through_two_stages(tmp_path:
 
 @pytest.mark.slow
 def test_a_translation_run_translates_as_the_reference_beam_search(tmp_path: Path) -> None:
-    from giantpipe.data.bleu import beam_search
-    from giantpipe.data.corpus import load_parallel_corpus, write_synthetic_corpus
-    from giantpipe.data.translation import SharedVocabulary
+    from giantpipe.data.translation.decoding import beam_search
+    from giantpipe.data.translation.files import load_parallel_corpus
+    from giantpipe.data.translation.generated import write_synthetic_corpus
+    from giantpipe.data.translation.vocabulary import SharedVocabulary
     from models.transformer import transformer_t
 
     files = write_synthetic_corpus(tmp_path / "data", num_languages=2, train_sizes=[300, 60])

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from giantpipe.cli import one_line, register_configs, to_experiment
 from giantpipe.config import SCHEMAS, ExperimentConfig
 from giantpipe.data.bundle import DataBundle, batch_size
-from giantpipe.data.images import write_image_folder
+from giantpipe.data.images.generated import write_image_folder
 from giantpipe.runner.build import build_model
 from giantpipe.runner.registry import build_from_target
 

@@ -7,9 +7,13 @@ SRC = Path(__file__).resolve().parents[3] / "src" / "giantpipe"
 BELOW_THE_ENTRY = [
     "runner",
     "metrics.py",
-    "data/text.py",
+    "data/text",
     "data/bundle.py",
-    "data/tensors.py",
+    "data/options.py",
+    "data/batch_order.py",
+    "data/synthetic.py",
+    "data/tensor_files.py",
+    "data/lm_tokens.py",
     "config.py",
 ]
 

@@ -12,7 +12,7 @@ from giantpipe.config import (
     SweepConfig,
     TrainerConfig,
 )
-from giantpipe.data.tensors import SyntheticDataConfig, TensorDataConfig
+from giantpipe.data.options import SyntheticDataConfig, TensorDataConfig
 from giantpipe.engine.spec import DEFAULT_CHUNKS, DEFAULT_TIMEOUT
 from models.mlp import MlpModelConfig
 

@@ -10,7 +10,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from giantpipe.cli import as_config_error, option_schemas, register_configs, to_experiment
+from giantpipe.cli import (
+    as_config_error,
+    option_schemas,
+    register_configs,
+    schema_module,
+    to_experiment,
+)
 from giantpipe.config import ConfigError
 from giantpipe.runner.registry import locate
 from models.amoebanet import AmoebaNetModelConfig
@@ -35,7 +41,8 @@ def test_every_option_names_its_builder_and_the_schema_beside_it(option: str):
     path = CONF / option
     target = OmegaConf.load(path)["_target_"]
     (schema,) = option_schemas(path).values()
-    assert schema.__module__ == target.rpartition(".")[0]  # the builder's own module
+    # the builder's own module, or the nearest ``options`` module up its package path (issue 31)
+    assert schema.__module__ == schema_module(target)
     assert schema._target_ == target
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 
 from giantpipe.data.bundle import DataBundle
-from giantpipe.data.corpus import write_synthetic_corpus
-from giantpipe.data.image_bundle import generated_images, random_images
-from giantpipe.data.tensors import HELD_OUT_INDEX, classification, lm_tokens
+from giantpipe.data.images.bundle import generated_images, random_images
+from giantpipe.data.lm_tokens import HELD_OUT_INDEX, lm_tokens
+from giantpipe.data.synthetic import classification
+from giantpipe.data.translation.generated import write_synthetic_corpus
 
 SEEDS = (0, 1, 7, 1234)  # trainer.seed (1234: the data seed too): for lm_tokens the stream
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from giantpipe.config import ConfigError
-from giantpipe.data.tensors import tensor_files
+from giantpipe.data.tensor_files import tensor_files
 
 
 def write_split(root: Path, split: str, payload: object) -> Path:

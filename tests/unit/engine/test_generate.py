@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
+from giantpipe.data.translation.decoding import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from giantpipe.engine.generate.caches import StageCaches
 from models.transformer import transformer_lm, transformer_t
@@ -117,7 +117,7 @@ def test_a_hugging_face_type_without_caches_is_refused_by_name() -> None:
 
     from giantpipe import sequentialize
     from giantpipe.config import ConfigError
-    from giantpipe.data.tensors import lm_tokens
+    from giantpipe.data.lm_tokens import lm_tokens
     from giantpipe.runner.build import check_generates
     from models.hf import give_caches, hf_causal_lm
 

@@ -2,8 +2,8 @@
 interleaved (stage s on worker s % K) and zb-v (s and 2K-1-s on one worker), K = 2, V = 2.
 Cached decoding, the ring traversed V times per token, equals the uncached reference token for
 token, greedy and beam, fp32, M = 1..3: the translation Transformer against the reference
-decoders of giantpipe.data.bleu, the Transformer LM against the plain model rerun over the whole
-prefix at every step (:class:`Uncached`)."""
+decoders of giantpipe.data.translation.decoding, the Transformer LM against the plain model
+rerun over the whole prefix at every step (:class:`Uncached`)."""
 
 from __future__ import annotations
 

@@ -198,7 +198,8 @@ def test_batch_norm_momentum_and_eps_as_tf_sets_them() -> None:
 
 @pytest.mark.slow
 def test_small_amoebanetd_learns_generated_images() -> None:
-    from giantpipe.data.images import GeneratedImages, build_image_loader
+    from giantpipe.data.images.generated import GeneratedImages
+    from giantpipe.data.images.loaders import build_image_loader
 
     torch.manual_seed(0)
     model = amoebanetd(num_layers=3, num_filters=8, num_classes=10, image_size=32)

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from giantpipe import GPipe, sequentialize
 from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
-from giantpipe.data.tensors import LMTokensDataConfig
+from giantpipe.data.options import LMTokensDataConfig
 from giantpipe.runner import train
 
 pytest.importorskip("transformers")

@@ -1,7 +1,8 @@
 """Incremental decoding of the project's Transformers: ``forward_cached`` fed one position at a
 time equals the whole-prefix forward (the logits of every position), after beams are reordered
 and with padding inside the target prefix; and cached decoding of the plain model gives the
-uncached reference decoder's tokens (``giantpipe.data.bleu``), greedy and beam, fp32."""
+uncached reference decoder's tokens (``giantpipe.data.translation.decoding``), greedy and beam,
+fp32."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from giantpipe.data.bleu import _max_steps, beam_search, greedy_decode
+from giantpipe.data.translation.decoding import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from models.transformer import transformer_lm, transformer_t
 

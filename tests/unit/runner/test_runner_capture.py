@@ -16,8 +16,7 @@ from giantpipe.config import (
     PipelineConfig,
     TrainerConfig,
 )
-from giantpipe.data.image_bundle import RandomImagesDataConfig
-from giantpipe.data.tensors import LMTokensDataConfig, SyntheticDataConfig
+from giantpipe.data.options import LMTokensDataConfig, RandomImagesDataConfig, SyntheticDataConfig
 from giantpipe.engine.capture import Sequentialized
 from giantpipe.engine.dist.shards import consolidate
 from giantpipe.runner import train

@@ -18,7 +18,7 @@ from giantpipe.config import (
     PipelineConfig,
     TrainerConfig,
 )
-from giantpipe.data.tensors import SyntheticDataConfig
+from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.pipeline import pipeline_ranks, rank_device
 from giantpipe.runner.rundir import resume_point

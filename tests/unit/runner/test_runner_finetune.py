@@ -14,8 +14,8 @@ from giantpipe.config import (
     PipelineConfig,
     TrainerConfig,
 )
-from giantpipe.data.image_bundle import GeneratedImagesDataConfig, generated_images
-from giantpipe.data.tensors import SyntheticDataConfig
+from giantpipe.data.images.bundle import generated_images
+from giantpipe.data.options import GeneratedImagesDataConfig, SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
 from giantpipe.runner.checkpoint import load_initial_weights, read_checkpoint, read_weights

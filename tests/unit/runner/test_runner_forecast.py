@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
-from giantpipe.data.tensors import SyntheticDataConfig
+from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.metrics import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.checkpoint import read_checkpoint

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
-from giantpipe.data.tensors import LMTokensDataConfig, lm_tokens
+from giantpipe.data.lm_tokens import lm_tokens
+from giantpipe.data.options import LMTokensDataConfig
 from giantpipe.engine.dist.shards import consolidate
 from giantpipe.runner import train
 

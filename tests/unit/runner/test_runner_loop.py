@@ -17,7 +17,8 @@ from giantpipe.config import (
     TrainerConfig,
 )
 from giantpipe.data.bundle import DataBundle, EvaluationError
-from giantpipe.data.tensors import SyntheticDataConfig, classification
+from giantpipe.data.options import SyntheticDataConfig
+from giantpipe.data.synthetic import classification
 from giantpipe.metrics import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment

@@ -16,7 +16,7 @@ from giantpipe.config import (
     PipelineConfig,
     TrainerConfig,
 )
-from giantpipe.data.tensors import SyntheticDataConfig
+from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.planning import chunk_options, optimizer_slots, plan_pipeline
 from models.mlp import MlpModelConfig

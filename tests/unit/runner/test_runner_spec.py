@@ -16,7 +16,7 @@ from giantpipe.config import (
     PipelineConfig,
     TrainerConfig,
 )
-from giantpipe.data.tensors import SyntheticDataConfig
+from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.engine import schedules
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.build import build_experiment

@@ -1,0 +1,166 @@
+"""Image loaders: worker processes with a seeded order, and the resumable training stream whose
+every augmentation is drawn from (seed, epoch, image index).
+
+Batch ``p`` of the training stream is batch ``p % per_epoch`` of epoch ``p // per_epoch``'s
+permutation, and each image's crop, flip and cutout are drawn from an RNG seeded by (seed, epoch,
+image index), so a resumed run sees exactly the batches an uninterrupted run would have seen.
+
+Example::
+
+    from giantpipe.data.images.loaders import build_image_loader, train_stream
+
+    loader = build_image_loader(train, batch_size=64, shuffle=True, num_workers=2, seed=0)
+    images, labels = next(iter(loader))          # (64, 3, 32, 32) float, (64,) int64
+    stream = train_stream(train, batch_size=256, seed=0, position=0, num_workers=8)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from giantpipe.data.batch_order import epoch_order
+from giantpipe.data.bundle import Batch
+from giantpipe.data.images.files import BadFiles, Readable, collate_readable
+
+__all__ = [
+    "EpochBatches",
+    "SeededTransforms",
+    "build_image_loader",
+    "loader_options",
+    "sample_seed",
+    "train_stream",
+]
+
+
+def build_image_loader(
+    dataset: Dataset[Any],
+    batch_size: int,
+    shuffle: bool = True,
+    num_workers: int = 4,
+    seed: int = 0,
+    drop_last: bool = False,
+) -> DataLoader[Any]:
+    """A DataLoader with worker processes, pinned memory on CUDA machines and a seeded
+    generator: the same seed gives the same order and the same random augmentations.
+
+    Example::
+
+        loader = build_image_loader(train, batch_size=128, shuffle=True, num_workers=8, seed=0)
+    """
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed),
+        persistent_workers=num_workers > 0,
+    )
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one image's random transforms in one epoch: a hash, so no two collide.
+
+    Example::
+
+        sample_seed(0, epoch=3, index=17)     # the same number on every machine and worker
+    """
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class EpochBatches(Sampler[list[tuple[int, int]]]):
+    """Endless batches of ``(sample seed, image index)`` from batch ``position`` on.
+
+    Batch ``p`` holds images ``p % per_epoch`` of epoch ``p // per_epoch``'s permutation (the
+    one :func:`giantpipe.data.batch_order.epoch_order` gives), the last partial batch dropped.
+
+    Example::
+
+        batches = iter(EpochBatches(size=1000, batch_size=64, seed=0, position=20))
+        first = next(batches)           # 64 pairs (seed, index) of batch 20 = epoch 1, batch 5
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, position: int) -> None:
+        if size < batch_size:
+            raise ValueError(f"{size} images cannot fill one batch of {batch_size}")
+        self.size, self.batch_size, self.seed, self.position = size, batch_size, seed, position
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        per_epoch = self.size // self.batch_size
+        epoch, index = divmod(self.position, per_epoch)
+        while True:
+            order = epoch_order(self.size, self.seed, epoch).tolist()
+            for batch in range(index, per_epoch):
+                take = order[batch * self.batch_size : (batch + 1) * self.batch_size]
+                yield [(sample_seed(self.seed, epoch, i), i) for i in take]
+            epoch, index = epoch + 1, 0
+
+
+class SeededTransforms(Dataset[Any]):
+    """Reads ``(sample seed, index)``: the wrapped data set's random transforms draw from the
+    torch RNG seeded with the sample seed, so an image's augmentation does not depend on which
+    worker loads it or on what ran before. The caller's RNG state is left untouched. An
+    unreadable image comes back as a :class:`~giantpipe.data.images.files.BadImage`.
+
+    Example::
+
+        data = SeededTransforms(ImageFolder("data/imagenet/train", train_transforms(224)))
+        image, label = data[(1234, 0)]      # the same crop every time
+    """
+
+    def __init__(self, data: Dataset[Any]) -> None:
+        self.data = Readable(data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        seed, index = item
+        # fork_rng restores the CPU RNG afterwards: loading in the training process
+        # (num_workers=0) must not shift the RNG that dropout and drop-path draw from.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.data[index]
+
+
+def loader_options(num_workers: int, seed: int) -> dict[str, Any]:
+    """DataLoader settings of the image bundles: workers, pinned memory on CUDA machines, a
+    seeded generator and the collation that passes unreadable images on."""
+    # A generator of our own: without one, every new iterator draws its workers' base seed from
+    # the global RNG, and a resumed run would draw at another point than an uninterrupted one.
+    return {
+        "num_workers": num_workers,
+        "pin_memory": torch.cuda.is_available(),
+        "generator": torch.Generator().manual_seed(seed),
+        "collate_fn": collate_readable,
+    }
+
+
+def train_stream(
+    data: Dataset[Any],
+    batch_size: int,
+    seed: int,
+    position: int,
+    num_workers: int,
+    files: BadFiles | None = None,
+) -> Iterator[Batch]:
+    """Endless augmented training batches from batch ``position`` (see :class:`EpochBatches`);
+    unreadable images go to ``files`` (default: stop at the first, naming it).
+
+    Example::
+
+        stream = train_stream(train_set, batch_size=256, seed=0, position=0, num_workers=8)
+        images, labels = next(stream)
+    """
+    sampler = EpochBatches(len(data), batch_size, seed, position)  # type: ignore[arg-type]
+    loader = DataLoader(
+        SeededTransforms(data), batch_sampler=sampler, **loader_options(num_workers, seed)
+    )
+    return (files or BadFiles(skip=False)).batches(loader)
