@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.cli import NO_SUMMARY
+from giantpipe.cli.usage import NO_SUMMARY
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
