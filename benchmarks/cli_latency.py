@@ -8,8 +8,8 @@ Each run is a fresh ``python train.py ...`` process timed from start to exit (wa
 scratch directory, so Python's start-up, Hydra's composition and the checks are all counted;
 beside it the CPU seconds the process used (user + system), what it would take on an idle core.
 The target (issue 26) is under 2 s on an idle core; a shared, loaded machine measures more wall
-time, so the load average is printed beside the table. ``--base DIR`` measures another checkout
-in the same run, taking turns with this one run for run, so that both see the same load.
+time, so the load average is printed beside the table. ``--base DIR`` (repeatable) measures another
+checkout in the same run, taking turns with this one run for run, so that both see the same load.
 
     case             what runs
     bad override     train.py trainer.max_stpes=5 (a typo): exit 2, one line
@@ -89,10 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per case (median)")
     parser.add_argument("--quick", action="store_true", help="one run per case")
-    parser.add_argument("--base", type=Path, help="another checkout, measured in the same run")
+    parser.add_argument(
+        "--base", type=Path, action="append", default=[], help="another checkout (repeatable)"
+    )
     options = parser.parse_args(argv)
     repeats = 1 if options.quick else options.repeats
-    repos = [REPO] if options.base is None else [options.base.resolve(), REPO]
+    repos = [*(base.resolve() for base in options.base), REPO]
     for repo, rows in table(repeats, repos).items():
         if len(repos) > 1:
             print(f"\n{repo}\n")
