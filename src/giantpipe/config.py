@@ -594,7 +594,7 @@ class ExperimentConfig:
     name: str = "run"
     """Experiment name (recipes set it); shown in the summary and in W&B."""
     model: Any = None
-    """A ``_target_`` spec building a flat nn.Sequential: the schema beside the builder (e.g.
+    """A ``_target_`` spec building a flat nn.Sequential: the option's schema (e.g.
     ``models.options.MlpModelConfig``) or a plain mapping."""
     data: Any = None
     """A ``_target_`` spec returning a giantpipe.data.bundle.DataBundle (e.g.

@@ -45,8 +45,8 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
             ["data=tensors", "data.root=.", "data.features=784", "data.classes=10"],
             "error: data=tensors: model=amoebanet_d reads data.image_size, data.num_classes",
         ),
-        # Bad values of the model's and the data's own schemas (beside builders that import
-        # torch, torchvision or transformers): their rules run on the twins first.
+        # Bad values of the model's and the data's own schemas (their builders import torch,
+        # torchvision or transformers; the schemas, in options modules, do not).
         (["model.num_layers=4"], "error: model.num_layers: must be a positive multiple of 3"),
         (["data.batch_size=0"], "error: data.batch_size: must be >= 1, got 0"),
         (["recipe=mlp_quickstart", "model.depth=0"], "error: model.depth: must be >= 1, got 0"),
