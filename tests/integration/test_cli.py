@@ -76,8 +76,8 @@ def test_the_readme_tensors_command_is_refused_naming_the_recipe_to_use(tmp_path
 
 @pytest.mark.slow  # imports torch and torchvision (seconds to a minute on a busy machine)
 def test_a_bad_value_that_needs_the_builders_module_exits_2_too(tmp_path: Path):
-    """A rule that needs its builder's module (torchvision's list of models) runs once that is
-    imported: still one line, exit 2."""
+    """A rule that needs torchvision's list of models (the schema's check_installed()) runs once
+    torch is imported: still one line, exit 2."""
     result = train("recipe=torchvision_quickstart", "model.name=resnet_nope", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     (line,) = error_lines(result)
