@@ -8,7 +8,7 @@
 
 Runs land in outputs/DATE/TIME.MICROSECONDS-PID (multiruns in outputs/multirun/.../N). The config
 is checked before torch is imported: a usage or config error exits 2 at once, a failed run 1.
-See docs/command-line.md, conf/ and src/giantpipe/cli.py.
+See docs/command-line.md, conf/ and src/giantpipe/cli/.
 """
 
 from pathlib import Path

@@ -2,18 +2,20 @@
 
     python benchmarks/cli_latency.py              # 5 runs of each case: ~15-30 s
     python benchmarks/cli_latency.py --quick      # 1 run of each; what the test suite runs
+    python benchmarks/cli_latency.py --base DIR   # and the checkout DIR, run for run beside
 
 Each run is a fresh ``python train.py ...`` process timed from start to exit (wall clock), in a
 scratch directory, so Python's start-up, Hydra's composition and the checks are all counted;
 beside it the CPU seconds the process used (user + system), what it would take on an idle core.
 The target (issue 26) is under 2 s on an idle core; a shared, loaded machine measures more wall
-time, so the load average is printed beside the table.
+time, so the load average is printed beside the table. ``--base DIR`` (repeatable) measures another
+checkout in the same run, taking turns with this one run for run, so that both see the same load.
 
     case             what runs
     bad override     train.py trainer.max_stpes=5 (a typo): exit 2, one line
     bad value        train.py trainer.max_steps=-1: exit 2, one line
-    bad model value  train.py model.num_layers=4 (the default AmoebaNet's own check, beside a
-                     builder that imports torch): exit 2, one line
+    bad model value  train.py model.num_layers=4 (the default AmoebaNet's own check, in its
+                     schema in models/options.py; its builder imports torch): exit 2, one line
     --help           train.py --help: exit 0, the recipes and the groups
 """
 
@@ -39,15 +41,15 @@ CASES = {
 """Case -> (arguments of train.py, the exit status it must give)."""
 
 
-def timed_run(args: list[str], status: int, cwd: Path) -> tuple[float, float]:
-    """(wall, CPU) seconds of one ``python train.py ARGS``; fails if it exits otherwise than
-    ``status``."""
-    paths = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]
+def timed_run(args: list[str], status: int, cwd: Path, repo: Path = REPO) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``python train.py ARGS`` of the checkout ``repo``; fails if it
+    exits otherwise than ``status``."""
+    paths = [str(repo / "src"), str(repo), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # this checkout's, then the rest
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args],
+        [sys.executable, str(repo / "train.py"), *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -62,15 +64,24 @@ def timed_run(args: list[str], status: int, cwd: Path) -> tuple[float, float]:
     return seconds, cpu
 
 
-def table(repeats: int) -> list[tuple[str, float, float, float, float]]:
-    """(case, median, min, max wall seconds, median CPU seconds) over ``repeats`` runs of each."""
-    rows = []
+Row = tuple[str, float, float, float, float]
+
+
+def table(repeats: int, repos: list[Path] | None = None) -> dict[Path, list[Row]]:
+    """Checkout -> (case, median, min, max wall seconds, median CPU seconds) over ``repeats``
+    runs of each case; the checkouts take turns, run for run."""
+    repos = repos or [REPO]
+    rows: dict[Path, list[Row]] = {repo: [] for repo in repos}
     with tempfile.TemporaryDirectory() as scratch:
         for case, (args, status) in CASES.items():
-            runs = [timed_run(args, status, Path(scratch)) for _ in range(repeats)]
-            wall = [w for w, _ in runs]
-            cpu = statistics.median(c for _, c in runs)
-            rows.append((case, statistics.median(wall), min(wall), max(wall), cpu))
+            runs: dict[Path, list[tuple[float, float]]] = {repo: [] for repo in repos}
+            for _ in range(repeats):
+                for repo in repos:
+                    runs[repo].append(timed_run(args, status, Path(scratch), repo))
+            for repo, done in runs.items():
+                wall = [w for w, _ in done]
+                cpu = statistics.median(c for _, c in done)
+                rows[repo].append((case, statistics.median(wall), min(wall), max(wall), cpu))
     return rows
 
 
@@ -78,13 +89,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per case (median)")
     parser.add_argument("--quick", action="store_true", help="one run per case")
+    parser.add_argument(
+        "--base", type=Path, action="append", default=[], help="another checkout (repeatable)"
+    )
     options = parser.parse_args(argv)
     repeats = 1 if options.quick else options.repeats
-    rows = table(repeats)
-    print(f"| case | wall s, median of {repeats} | min | max | CPU s, median |")
-    print("|---|---|---|---|---|")
-    for case, median, low, high, cpu in rows:
-        print(f"| {case} | {median:.2f} | {low:.2f} | {high:.2f} | {cpu:.2f} |")
+    repos = [*(base.resolve() for base in options.base), REPO]
+    for repo, rows in table(repeats, repos).items():
+        if len(repos) > 1:
+            print(f"\n{repo}\n")
+        print(f"| case | wall s, median of {repeats} | min | max | CPU s, median |")
+        print("|---|---|---|---|---|")
+        for case, median, low, high, cpu in rows:
+            print(f"| {case} | {median:.2f} | {low:.2f} | {high:.2f} | {cpu:.2f} |")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nload average (1, 5, 15 min): {load} on {os.cpu_count()} cores")
 

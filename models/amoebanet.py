@@ -39,12 +39,9 @@ from typing import TypeVar
 import torch
 from torch import Tensor, nn
 
-from models.checks import check, check_choice, check_min
-
 __all__ = [
     "AMOEBANET_B",
     "AMOEBANET_D",
-    "AmoebaNetModelConfig",
     "CellSpec",
     "Classifier",
     "Cell",
@@ -604,56 +601,3 @@ def amoebanetb(
     return amoebanet(
         "B", num_layers, num_filters, num_classes, image_size, drop_path, bn_momentum, bn_eps
     )
-
-
-@dataclass
-class AmoebaNetModelConfig:
-    """``model=amoebanet_d`` / ``amoebanet_b``: the arguments of :func:`amoebanet`, checked up
-    front."""
-
-    _target_: str = "models.amoebanet.amoebanet"
-    """Builder called with the other fields."""
-    genotype: str = "D"
-    """``D`` (the paper's speed and size tables) or ``B`` (its ImageNet model)."""
-    num_layers: int = 18
-    """L, normal cells; a multiple of 3."""
-    num_filters: int = 256
-    """D, base filters; a multiple of 8."""
-    num_classes: int = 1000
-    """Classifier outputs (the option yaml takes it from data.num_classes)."""
-    image_size: int = 224
-    """Resolution the model is meant for (>= 32; the option yaml takes it from data.image_size)."""
-    drop_path: float = 0.0
-    """Probability of dropping a cell branch (TF AmoebaNet: keep 0.7, i.e. 0.3)."""
-    bn_momentum: float | None = None
-    """BatchNorm momentum in torch's sense (TF's decay 0.9997 is 0.0003); null: torch's 0.1."""
-    bn_eps: float | None = None
-    """BatchNorm epsilon (TF AmoebaNet: 1e-3); null: torch's 1e-5."""
-
-    def __post_init__(self) -> None:
-        check_choice(str(self.genotype).upper(), ("D", "B"), "model.genotype")
-        check(
-            self.num_layers >= 3 and self.num_layers % 3 == 0,
-            "model.num_layers",
-            f"must be a positive multiple of 3, got {self.num_layers}",
-        )
-        check(
-            self.num_filters >= 8 and self.num_filters % 8 == 0,
-            "model.num_filters",
-            f"must be a positive multiple of 8, got {self.num_filters}",
-        )
-        check_min(self.num_classes, 1, "model.num_classes")
-        check_min(self.image_size, 32, "model.image_size")
-        check(
-            0.0 <= self.drop_path < 1.0,
-            "model.drop_path",
-            f"must be in [0, 1), got {self.drop_path}",
-        )
-        if self.bn_momentum is not None:
-            check(
-                0.0 <= self.bn_momentum <= 1.0,
-                "model.bn_momentum",
-                f"must be in [0, 1], got {self.bn_momentum}",
-            )
-        if self.bn_eps is not None:
-            check(self.bn_eps > 0, "model.bn_eps", f"must be > 0, got {self.bn_eps}")

@@ -1,14 +1,14 @@
 """Checks of the model schemas' values, each a ``ValueError`` whose message starts with the key.
 
-A model schema (the dataclass beside its builder, e.g. ``models.mlp.MlpModelConfig``) checks its
-fields in ``__post_init__``, so a bad value stops a run before any work. Models import nothing of
-giantpipe, so these raise a plain ``ValueError("model.KEY: problem")``; ``train.py`` shows it as
-the one line ``error: model.KEY: problem``, exactly like the library's own config errors.
+A model schema (a dataclass of ``models.options``, e.g. ``models.options.MlpModelConfig``)
+checks its fields in ``__post_init__``, so a bad value stops a run before any work. Models import
+nothing of giantpipe, so these raise a plain ``ValueError("model.KEY: problem")``; ``train.py``
+shows it as the one line ``error: model.KEY: problem``, exactly like the library's own config
+errors.
 
-This module imports nothing, torch least of all: ``train.py`` runs a schema's ``__post_init__``
-on the config before it imports the builder's module (``giantpipe.cli.twin_checks``), and every
-rule that calls only these functions (and plain Python) is reported at once. A rule shared by
-several schemas lives here for that reason (``check_dropouts``, ``check_stabilizers``).
+This module imports nothing, torch least of all: ``models.options`` imports it, and ``train.py``
+imports ``models.options``, running every schema's ``__post_init__``, before it imports torch. A
+rule shared by several schemas lives here (``check_dropouts``, ``check_stabilizers``).
 
 Example::
 

@@ -5,7 +5,7 @@ Nothing is downloaded: ``AutoConfig.for_model(architecture, ...)`` and
 Hugging Face module itself; the runner (``giantpipe.runner.build``) captures it as the flat
 Sequential the engine cuts, with ``giantpipe.sequentialize``. Needs the ``hf`` extra
 (``pip install -e ".[hf]"``); this module imports transformers only when a model is built.
-:class:`HfCausalLmModelConfig` is the schema of ``model=hf_causal_lm``.
+``models.options.HfCausalLmModelConfig`` is the schema of ``model=hf_causal_lm``.
 
 Generation: the captured pieces of the types in :data:`CACHED_TYPES` can keep key/value caches
 (:func:`give_caches`). Training runs the captured graph, unchanged; each piece also gets a
@@ -26,29 +26,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-
-from models.checks import check, check_fraction, check_min
-
-UNCAPTURABLE: dict[str, str] = {
-    # found by capturing a tiny model of the type (transformers 5.24)
-    "recurrent_gemma": "its forward asks its cache for a sequence length, which its recurrent "
-    "layers do not keep (ValueError: get_seq_length can only be called on Attention layers)",
-}
-"""Model types that AutoModelForCausalLM builds but giantpipe.sequentialize cannot capture, and
-why; refused by name before any work."""
-
-
-def causal_lm_types() -> list[str]:
-    """Model types ``AutoModelForCausalLM`` builds from a config (``llama``, ``gpt_neox``,
-    ``phi``, ``gemma``, ``mixtral``, ...), less those listed in :data:`UNCAPTURABLE`."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(UNCAPTURABLE))
 
 
 def hf_causal_lm(
@@ -391,70 +373,3 @@ def give_caches(
         else:
             layout = CACHED_TYPES[_config(model).model_type]
             setattr(piece, "forward_cached", PieceDecoder(model, piece, span, layout))  # noqa: B010
-
-
-@dataclass
-class HfCausalLmModelConfig:
-    """``model=hf_causal_lm``: the arguments of :func:`hf_causal_lm`, checked up front."""
-
-    _target_: str = "models.hf.hf_causal_lm"
-    """Builder called with the other fields."""
-    architecture: str = "llama"
-    """Hugging Face model type that AutoModelForCausalLM builds: llama, mistral, qwen2, gpt2,
-    gpt_neox, phi, gemma, mixtral, ... (``models.hf.causal_lm_types()`` lists them); those
-    of ``models.hf.cached_types()`` also generate (data.eval_samples, recipes/generate.py)."""
-    layers: int = 4
-    """Decoder blocks (each a piece the balance can put on any stage)."""
-    width: int = 256
-    """Hidden size."""
-    heads: int = 4
-    """Attention heads (width must divide by them)."""
-    vocab_size: int = 1000
-    """Vocabulary (follows data.vocab_size)."""
-    kv_heads: int | None = None
-    """Key/value heads for grouped-query attention (not gpt2); null: as many as heads."""
-    ffn: int | None = None
-    """FFN width; null: 4 x width (gpt2), else 8/3 x width rounded to 64."""
-    max_len: int = 512
-    """Longest sequence (position table / rotary cache); follows data.seq_len."""
-    dropout: float = 0.0
-    """Dropout (gpt2: residual, embedding and attention; others: attention)."""
-    tie_embeddings: bool = False
-    """One table for input and output embeddings (the engine keeps the stages' copies tied)."""
-    seed: int = 0
-    """Seed of the random weights."""
-    config: dict[str, Any] = field(default_factory=dict)
-    """Further keys of the type's config class, as they are (they win over the sizes above),
-    e.g. ``+model.config.use_parallel_residual=false`` for gpt_neox."""
-
-    def __post_init__(self) -> None:
-        _check_architecture(self.architecture)
-        for key in ("layers", "width", "heads", "vocab_size", "max_len"):
-            check_min(getattr(self, key), 1, f"model.{key}")
-        check(self.width % self.heads == 0, "model.heads", f"must divide width {self.width}")
-        if self.kv_heads is not None:
-            check(
-                self.kv_heads >= 1 and self.heads % self.kv_heads == 0,
-                "model.kv_heads",
-                f"must divide heads {self.heads}, got {self.kv_heads}",
-            )
-        check_fraction(self.dropout, "model.dropout")
-        check(isinstance(self.config, dict), "model.config", "must be a mapping of config keys")
-
-
-def _check_architecture(architecture: str) -> None:
-    check(
-        architecture not in UNCAPTURABLE,
-        "model.architecture",
-        f"{architecture!r} cannot be captured: {UNCAPTURABLE.get(architecture)}",
-    )
-    try:
-        types = causal_lm_types()
-    except ImportError:  # without transformers the builder says what to install
-        return
-    check(
-        architecture in types,
-        "model.architecture",
-        f"{architecture!r} is not a model type AutoModelForCausalLM builds; one of "
-        f"{', '.join(types[:12])}, ... (models.hf.causal_lm_types() lists all {len(types)})",
-    )

@@ -2,7 +2,7 @@
 
 Each child is one unit of partitioning: ``depth`` hidden blocks (Linear, norm, ReLU, dropout)
 and a linear head, so the Sequential has ``depth + 1`` children to balance across stages.
-:class:`MlpModelConfig` is the schema of its config option (``conf/model/mlp.yaml``).
+``models.options.MlpModelConfig`` is the schema of its option (``conf/model/mlp.yaml``).
 
 Example::
 
@@ -15,13 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import nn
-
-from models.checks import check_choice, check_fraction, check_min
-
-NORMS = ("layer", "batch", "none")
 
 
 def block(in_features: int, out_features: int, norm: str, dropout: float) -> nn.Sequential:
@@ -51,29 +45,3 @@ def mlp(
     widths = [in_features] + [hidden] * depth
     blocks = [block(a, b, norm, dropout) for a, b in zip(widths[:-1], widths[1:], strict=True)]
     return nn.Sequential(*blocks, nn.Linear(widths[-1], classes))
-
-
-@dataclass
-class MlpModelConfig:
-    """``model=mlp``: the arguments of :func:`mlp`, checked up front."""
-
-    _target_: str = "models.mlp.mlp"
-    """Builder called with the other fields."""
-    in_features: int = 16
-    """Input width."""
-    hidden: int = 64
-    """Hidden width."""
-    depth: int = 4
-    """Hidden blocks; the Sequential has depth + 1 children (blocks and the head)."""
-    classes: int = 8
-    """Output classes."""
-    dropout: float = 0.0
-    """Dropout after each block."""
-    norm: str = "layer"
-    """``layer``, ``batch`` or ``none``."""
-
-    def __post_init__(self) -> None:
-        for key in ("in_features", "hidden", "depth", "classes"):
-            check_min(getattr(self, key), 1, f"model.{key}")
-        check_fraction(self.dropout, "model.dropout")
-        check_choice(self.norm, NORMS, "model.norm")

@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.checks import check, check_dropouts, check_min, check_stabilizers
 from models.transformer_layers import (
     FeedForward,
     KVCache,
@@ -62,7 +60,6 @@ from models.transformer_lm import transformer_lm
 __all__ = [
     "EncoderDecoder",
     "DecoderCache",
-    "TransformerTModelConfig",
     "transformer_t",
     "transformer_lm",
     "tied_parameter_layers",
@@ -354,58 +351,6 @@ def transformer_t(
     model = EncoderDecoder(embedding, *encoder, *decoder, head)
     init_weights(model, d_model, ffn_factor(ffn_init_scale, num_layers), pad_id)
     return model
-
-
-@dataclass
-class TransformerTModelConfig:
-    """``model=transformer_t``: the arguments of :func:`transformer_t`, checked up front."""
-
-    _target_: str = "models.transformer.transformer_t"
-    """Builder called with the other fields."""
-    num_layers: int = 6
-    """L: encoder layers, and as many decoder layers (the Sequential has 2L + 2 children)."""
-    ffn_dim: int = 8192
-    """H: feed-forward width."""
-    num_heads: int = 16
-    """A: attention heads (attention width A * head_dim)."""
-    d_model: int = 1024
-    """Model dimension (1024 in the paper's multilingual models)."""
-    head_dim: int = 64
-    """Width of one attention head."""
-    vocab_size: int = 64000
-    """Output classes; the data's shared SentencePiece vocabulary must fit (data.vocab_size)."""
-    max_len: int = 1024
-    """Longest sequence (size of the position table)."""
-    dropout: float = 0.1
-    """Dropout on embeddings, residual branches and inside the feed-forward blocks."""
-    attn_dropout: float = 0.0
-    """Dropout on attention weights."""
-    share_embeddings: bool = True
-    """One token table for source and target."""
-    tie_embeddings: bool = False
-    """Reuse the token table as the softmax weight: one parameter in the first and the last
-    child, which the engine does not support, so the runner rejects it (plain-model use only)."""
-    ffn_init_scale: Any = None
-    """Stabilizer 1: multiply feed-forward init by 1/L (``linear``), 1/sqrt(2L) (``sqrt``), a
-    number, or null (off)."""
-    logit_clip: float | None = None
-    """Stabilizer 2: bound |logits| by this threshold (null: off)."""
-    logit_clip_mode: str = "tanh"
-    """``clamp`` (hard clip) or ``tanh`` (soft cap c * tanh(x / c))."""
-    pad_id: int = 0
-    """Padding token id (the data's SentencePiece uses 0)."""
-
-    def __post_init__(self) -> None:
-        for key in ("num_layers", "ffn_dim", "num_heads", "d_model", "head_dim", "vocab_size"):
-            check_min(getattr(self, key), 1, f"model.{key}")
-        check_min(self.max_len, 2, "model.max_len")
-        check_dropouts(self.dropout, self.attn_dropout)
-        check(
-            self.share_embeddings or not self.tie_embeddings,
-            "model.tie_embeddings",
-            "needs model.share_embeddings=true",
-        )
-        check_stabilizers(self.ffn_init_scale, self.logit_clip, self.logit_clip_mode)
 
 
 def tied_parameter_layers(model: nn.Sequential) -> list[set[int]]:

@@ -14,13 +14,10 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from models.checks import check, check_dropouts, check_min, check_stabilizers
 from models.transformer_layers import (
     KVCache,
     OutputHead,
@@ -31,7 +28,7 @@ from models.transformer_layers import (
     sinusoidal_positions,
 )
 
-__all__ = ["DecoderOnlyLayer", "LMEmbedding", "TransformerLMModelConfig", "transformer_lm"]
+__all__ = ["DecoderOnlyLayer", "LMEmbedding", "transformer_lm"]
 
 
 class DecoderOnlyLayer(SelfAttentionLayer):
@@ -118,44 +115,3 @@ def transformer_lm(
     model = nn.Sequential(LMEmbedding(vocab_size, d_model, max_len, dropout), *layers, head)
     init_weights(model, d_model, ffn_factor(ffn_init_scale, num_layers), pad_id=None)
     return model
-
-
-@dataclass
-class TransformerLMModelConfig:
-    """``model=transformer_lm``: the arguments of :func:`transformer_lm`, checked up front."""
-
-    _target_: str = "models.transformer_lm.transformer_lm"
-    """Builder called with the other fields."""
-    num_layers: int = 48
-    """L: causal self-attention layers (Table 2 uses 48; Table 1 3 to 1663)."""
-    d_model: int = 2048
-    """Model dimension."""
-    ffn_dim: int = 8192
-    """Feed-forward width."""
-    num_heads: int = 32
-    """Attention heads; d_model must divide evenly."""
-    vocab_size: int = 32000
-    """Vocabulary (untied input embedding and softmax)."""
-    max_len: int = 1024
-    """Longest sequence (size of the position table)."""
-    dropout: float = 0.0
-    """Dropout on embeddings and residual branches."""
-    attn_dropout: float = 0.0
-    """Dropout on attention weights."""
-    ffn_init_scale: Any = None
-    """Feed-forward init scaling (``linear``, ``sqrt``, a number or null)."""
-    logit_clip: float | None = None
-    """Bound |logits| by this threshold (null: off)."""
-    logit_clip_mode: str = "tanh"
-    """``clamp`` or ``tanh``."""
-
-    def __post_init__(self) -> None:
-        for key in ("num_layers", "d_model", "ffn_dim", "num_heads", "vocab_size", "max_len"):
-            check_min(getattr(self, key), 1, f"model.{key}")
-        check(
-            self.d_model % self.num_heads == 0,
-            "model.num_heads",
-            f"must divide model.d_model ({self.d_model}), got {self.num_heads}",
-        )
-        check_dropouts(self.dropout, self.attn_dropout)
-        check_stabilizers(self.ffn_init_scale, self.logit_clip, self.logit_clip_mode)

@@ -337,7 +337,8 @@ def compose(recipe: str, overrides: Sequence[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from giantpipe.cli import register_configs, to_experiment
+    from giantpipe.cli.checks import to_experiment
+    from giantpipe.cli.registration import register_configs
 
     register_configs(ROOT / "conf")
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):

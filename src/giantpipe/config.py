@@ -1,9 +1,9 @@
 """Experiment configuration: the core groups' schemas, validated in ``__post_init__``.
 
 One dataclass per fixed group (pipeline, optim, trainer, logger, sweep) and the whole experiment.
-The ``model`` and ``data`` groups name a builder by ``_target_``; their schemas live beside the
-builders (``models/mlp.py``'s ``MlpModelConfig``, ``giantpipe/data/tensors.py``'s
-``SyntheticDataConfig``, ...) and are found from ``conf/`` by ``giantpipe.cli.register_configs``.
+The ``model`` and ``data`` groups name a builder by ``_target_``; their schemas live in
+torch-free ``options`` modules (``models/options.py``'s ``MlpModelConfig``, ...) and are found
+from ``conf/`` by ``giantpipe.cli.schemas`` (its lookup rule).
 The Hydra tree is converted to these dataclasses once, at the entry point (``giantpipe.cli``);
 everything below it receives plain dataclasses and never imports OmegaConf or Hydra.
 
@@ -594,8 +594,8 @@ class ExperimentConfig:
     name: str = "run"
     """Experiment name (recipes set it); shown in the summary and in W&B."""
     model: Any = None
-    """A ``_target_`` spec building a flat nn.Sequential: the schema beside the builder (e.g.
-    ``models.mlp.MlpModelConfig``) or a plain mapping."""
+    """A ``_target_`` spec building a flat nn.Sequential: the option's schema (e.g.
+    ``models.options.MlpModelConfig``) or a plain mapping."""
     data: Any = None
     """A ``_target_`` spec returning a giantpipe.data.bundle.DataBundle (e.g.
     ``giantpipe.data.tensors.SyntheticDataConfig``) or a plain mapping."""

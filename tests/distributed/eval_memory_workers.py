@@ -58,7 +58,8 @@ def run(tmp: Path, run_dir: str, executor: str, overrides: list[str]) -> dict[st
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from giantpipe.cli import register_configs, to_experiment
+    from giantpipe.cli.checks import to_experiment
+    from giantpipe.cli.registration import register_configs
     from giantpipe.runner import loop
     from giantpipe.runner.world import TorchrunWorld, World
     from tests.distributed.launch import REPO

@@ -16,7 +16,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import register_configs, to_experiment
+from giantpipe.cli.checks import to_experiment
+from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
 from giantpipe.engine.dist.shards import consolidate
 from giantpipe.metrics import read_jsonl

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import register_configs, to_experiment
+from giantpipe.cli.checks import to_experiment
+from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.images.generated import write_image_folder
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.cli import NO_SUMMARY
+from giantpipe.cli.usage import NO_SUMMARY
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
@@ -45,8 +45,8 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
             ["data=tensors", "data.root=.", "data.features=784", "data.classes=10"],
             "error: data=tensors: model=amoebanet_d reads data.image_size, data.num_classes",
         ),
-        # Bad values of the model's and the data's own schemas (beside builders that import
-        # torch, torchvision or transformers): their rules run on the twins first.
+        # Bad values of the model's and the data's own schemas (their builders import torch,
+        # torchvision or transformers; the schemas, in options modules, do not).
         (["model.num_layers=4"], "error: model.num_layers: must be a positive multiple of 3"),
         (["data.batch_size=0"], "error: data.batch_size: must be >= 1, got 0"),
         (["recipe=mlp_quickstart", "model.depth=0"], "error: model.depth: must be >= 1, got 0"),
@@ -76,8 +76,8 @@ def test_the_readme_tensors_command_is_refused_naming_the_recipe_to_use(tmp_path
 
 @pytest.mark.slow  # imports torch and torchvision (seconds to a minute on a busy machine)
 def test_a_bad_value_that_needs_the_builders_module_exits_2_too(tmp_path: Path):
-    """A rule that needs its builder's module (torchvision's list of models) runs once that is
-    imported: still one line, exit 2."""
+    """A rule that needs torchvision's list of models (the schema's check_installed()) runs once
+    torch is imported: still one line, exit 2."""
     result = train("recipe=torchvision_quickstart", "model.name=resnet_nope", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     (line,) = error_lines(result)

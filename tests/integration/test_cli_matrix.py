@@ -1,31 +1,21 @@
 """Every recipe with every data option: it composes when the data fits the recipe's model, and is
-refused naming a recipe to use when it does not (composition only, nothing trains). The schemas
-the command line reads from source (their twins) say what the real ones say."""
+refused naming a recipe to use when it does not (composition only, nothing trains)."""
 
 import dataclasses
-import typing
 from pathlib import Path
 
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import (
-    check_config,
-    check_fits,
-    data_reads,
-    option_schemas,
-    option_twins,
-    recipe_choices,
-    register_configs,
-    schema_twin,
-)
+from giantpipe.cli.checks import check_config, check_fits, data_reads, recipe_choices
+from giantpipe.cli.registration import register_configs
+from giantpipe.cli.schemas import option_schemas
 from giantpipe.config import ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
-OPTIONS = sorted(p for g in ("model", "data") for p in (CONF / g).glob("*.yaml"))
 NEEDS = {"tensors": ["data.root=.", "data.features=4", "data.classes=2"]}
 """What a data option cannot do without (its files), given so that the matrix composes."""
 
@@ -40,8 +30,8 @@ def compose_with():
 def fits(recipe: str, data: str) -> bool:
     model = recipe_choices(CONF / "recipe" / f"{recipe}.yaml")["model"]
     reads = data_reads(yaml.safe_load((CONF / "model" / f"{model}.yaml").read_text()))
-    (twin,) = option_twins(CONF / "data" / f"{data}.yaml").values()
-    return reads <= {f.name for f in dataclasses.fields(twin)}
+    (schema,) = option_schemas(CONF / "data" / f"{data}.yaml").values()
+    return reads <= {f.name for f in dataclasses.fields(schema)}
 
 
 @pytest.mark.parametrize("data", DATA)
@@ -56,7 +46,7 @@ def test_a_recipe_composes_with_every_data_that_fits_and_refuses_the_rest(
         check_fits(cfg, choices, CONF)
         experiment = check_config(cfg)
         assert experiment.name == recipe
-        assert type(experiment.data).__name__ in option_twins(CONF / "data" / f"{data}.yaml")
+        assert type(experiment.data).__name__ in option_schemas(CONF / "data" / f"{data}.yaml")
     else:
         with pytest.raises(ConfigError, match=r"for this data use recipe=\w+") as refused:
             check_fits(cfg, choices, CONF)
@@ -66,21 +56,6 @@ def test_a_recipe_composes_with_every_data_that_fits_and_refuses_the_rest(
 def test_every_data_option_fits_some_recipe():
     assert all(any(fits(recipe, data) for recipe in RECIPES) for data in DATA if data != "tensors")
     assert fits("mlp_quickstart", "tensors")  # the README's data=tensors runs under this recipe
-
-
-@pytest.mark.parametrize("option", OPTIONS, ids=lambda p: f"{p.parent.name}={p.stem}")
-def test_the_twin_read_from_source_has_the_schemas_fields_types_and_defaults(option: Path):
-    ((name, real),) = option_schemas(option).items()
-    twin = option_twins(option)[name]
-    assert typing.get_type_hints(twin) == typing.get_type_hints(real)
-    assert [described(f) for f in dataclasses.fields(twin)] == [
-        described(f) for f in dataclasses.fields(real)
-    ]
-
-
-def described(field: dataclasses.Field) -> tuple[str, object]:
-    factory = field.default_factory
-    return field.name, factory() if factory is not dataclasses.MISSING else field.default
 
 
 @pytest.mark.parametrize("model", ["hf_causal_lm", "transformer_lm", "transformer_t"])
@@ -93,19 +68,3 @@ def test_a_language_model_on_feature_tensors_is_refused_naming_the_data_it_fits(
     del cfg.hydra
     with pytest.raises(ConfigError, match=r"data\.vocab_size.*the model fits data=(lm_tokens|tr)"):
         check_fits(cfg, choices, CONF)
-
-
-def test_a_twin_rebuilds_field_defaults_and_refuses_what_it_cannot_read(tmp_path: Path):
-    source = tmp_path / "builder.py"
-    source.write_text(
-        "from dataclasses import dataclass, field\n\n@dataclass\nclass OptionConfig:\n"
-        "    files: list[str] = field(default_factory=list)\n"
-        "    sizes: list[int] = field(default_factory=lambda: [1, 2])\n"
-        "    name: str = field(default='x')\n    seed: int | None = None\n"
-    )
-    twin = schema_twin(source, "OptionConfig")
-    assert twin() == twin(files=[], sizes=[1, 2], name="x", seed=None)
-    assert twin().sizes is not twin().sizes
-    source.write_text(source.read_text() + "    width: int = WIDTH\n")
-    with pytest.raises(ConfigError, match="OptionConfig.width must have a builtin type"):
-        schema_twin(source, "OptionConfig")

@@ -13,7 +13,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import register_configs, to_experiment
+from giantpipe.cli.checks import to_experiment
+from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.translation.generated import write_synthetic_corpus
 from giantpipe.engine.microbatch import scatter

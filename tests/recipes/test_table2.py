@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from giantpipe.cli import register_configs
+from giantpipe.cli.registration import register_configs
 from giantpipe.perf.costs import measure_layers
 from giantpipe.perf.simulate import StageCost
 from tests.recipes.scripts import load_script

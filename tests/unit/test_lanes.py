@@ -25,7 +25,9 @@ def test_a_file_is_one_unit_and_a_spread_test_its_own() -> None:
     assert unit_of(f"{docs}::test_links_lead_somewhere[README.md]") == docs
     block = f"{docs}::test_block_runs_as_printed[docs/engine.md:12]"
     assert unit_of(block) == block
-    assert unit_of("src/giantpipe/cli.py::giantpipe.cli.renamed") == "src/giantpipe/cli.py"
+    assert unit_of("src/giantpipe/cli/checks.py::giantpipe.cli.checks.renamed") == (
+        "src/giantpipe/cli/checks.py"
+    )
 
 
 @dataclass

@@ -7,7 +7,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from giantpipe.cli import one_line, register_configs, to_experiment
+from giantpipe.cli.checks import to_experiment
+from giantpipe.cli.errors import one_line
+from giantpipe.cli.registration import register_configs
 from giantpipe.config import SCHEMAS, ExperimentConfig
 from giantpipe.data.bundle import DataBundle, batch_size
 from giantpipe.data.images.generated import write_image_folder

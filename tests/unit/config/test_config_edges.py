@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import check_known_keys, one_line, register_configs, to_experiment
+from giantpipe.cli.checks import check_known_keys, to_experiment
+from giantpipe.cli.errors import one_line
+from giantpipe.cli.registration import register_configs
 from giantpipe.config import MAX_TIMEOUT_S, ConfigError, ExperimentConfig, OptimConfig
 
 CONF = Path(__file__).resolve().parents[3] / "conf"

@@ -9,7 +9,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
-from giantpipe.cli import check_known_keys, one_line, register_configs, to_experiment
+from giantpipe.cli.checks import check_known_keys, to_experiment
+from giantpipe.cli.errors import one_line
+from giantpipe.cli.registration import register_configs
 from giantpipe.config import ConfigError, ExperimentConfig, check_fits_memory, host_memory_bytes
 
 CONF = Path(__file__).resolve().parents[3] / "conf"

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import register_configs, to_experiment
+from giantpipe.cli.checks import to_experiment
+from giantpipe.cli.registration import register_configs
 from giantpipe.config import ConfigError, PipelineConfig
 
 CONF = Path(__file__).resolve().parents[3] / "conf"

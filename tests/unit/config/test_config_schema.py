@@ -14,7 +14,7 @@ from giantpipe.config import (
 )
 from giantpipe.data.options import SyntheticDataConfig, TensorDataConfig
 from giantpipe.engine.spec import DEFAULT_CHUNKS, DEFAULT_TIMEOUT
-from models.mlp import MlpModelConfig
+from models.options import MlpModelConfig
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from giantpipe.cli import OPTION_SCHEMAS, option_schemas, register_configs, to_experiment
+from giantpipe.cli.checks import to_experiment
+from giantpipe.cli.registration import OPTION_SCHEMAS, register_configs
+from giantpipe.cli.schemas import option_schemas
 from giantpipe.config import SCHEMAS, OptimConfig, PipelineConfig
 
 CONF = Path(__file__).resolve().parents[3] / "conf"

@@ -18,7 +18,8 @@ from giantpipe.data.options import LMTokensDataConfig
 from giantpipe.runner import train
 
 pytest.importorskip("transformers")
-from models.hf import HfCausalLmModelConfig, causal_lm_types, hf_causal_lm  # noqa: E402
+from models.hf import hf_causal_lm  # noqa: E402
+from models.options import HfCausalLmModelConfig, causal_lm_types  # noqa: E402
 
 VOCAB, BATCH, T = 64, 8, 8
 TINY = {"layers": 2, "width": 32, "heads": 4, "vocab_size": VOCAB, "max_len": 32}
@@ -47,10 +48,10 @@ def test_config_keys_pass_through_and_sizes_follow_each_types_names() -> None:
 def test_an_unknown_type_is_refused_by_name() -> None:
     assert {"llama", "gpt_neox", "phi", "gemma", "mixtral"} <= set(causal_lm_types())
     with pytest.raises(ValueError, match="^model.architecture: 'gpt_nope' is not a model type"):
-        HfCausalLmModelConfig(architecture="gpt_nope")
+        HfCausalLmModelConfig(architecture="gpt_nope").check_installed()
     HfCausalLmModelConfig(
         architecture="gpt_neox", config={"use_parallel_residual": False}
-    )  # accepted
+    ).check_installed()  # accepted
 
 
 @pytest.mark.slow

@@ -21,11 +21,11 @@ from giantpipe.engine.capture import Sequentialized
 from giantpipe.engine.dist.shards import consolidate
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, build_model
-from models.mlp import MlpModelConfig
-from models.vision import TorchvisionModelConfig
+from models.options import MlpModelConfig, TorchvisionModelConfig
 
 pytest.importorskip("transformers")
-from models.hf import HfCausalLmModelConfig, hf_causal_lm  # noqa: E402
+from models.hf import hf_causal_lm  # noqa: E402
+from models.options import HfCausalLmModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains Hugging Face and torchvision models through the runner
 

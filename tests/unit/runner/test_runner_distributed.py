@@ -10,7 +10,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from giantpipe.cli import rank_overrides, register_configs, to_experiment
+from giantpipe.cli.checks import to_experiment
+from giantpipe.cli.job import rank_overrides
+from giantpipe.cli.registration import register_configs
 from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
@@ -23,7 +25,7 @@ from giantpipe.runner import train
 from giantpipe.runner.pipeline import pipeline_ranks, rank_device
 from giantpipe.runner.rundir import resume_point
 from giantpipe.runner.step import replica_slice
-from models.mlp import MlpModelConfig
+from models.options import MlpModelConfig
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 

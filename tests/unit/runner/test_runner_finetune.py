@@ -21,8 +21,7 @@ from giantpipe.runner.build import build_experiment
 from giantpipe.runner.checkpoint import load_initial_weights, read_checkpoint, read_weights
 from giantpipe.runner.evaluate import evaluate
 from giantpipe.runner.losses import count_top_k
-from models.amoebanet import AmoebaNetModelConfig
-from models.mlp import MlpModelConfig
+from models.options import AmoebaNetModelConfig, MlpModelConfig
 
 pytestmark = pytest.mark.slow  # two training runs each (fine-tuning from a run)
 

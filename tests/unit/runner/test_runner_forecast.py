@@ -15,7 +15,7 @@ from giantpipe.metrics import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.checkpoint import read_checkpoint
 from giantpipe.runner.forecast import Forecast
-from models.mlp import MlpModelConfig
+from models.options import MlpModelConfig
 
 PREDICTED = (
     "pipeline/predicted_step_time_s",

@@ -17,7 +17,8 @@ from giantpipe.engine.dist.shards import consolidate
 from giantpipe.runner import train
 
 pytest.importorskip("transformers")
-from models.hf import HfCausalLmModelConfig, hf_causal_lm  # noqa: E402
+from models.hf import hf_causal_lm  # noqa: E402
+from models.options import HfCausalLmModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains Hugging Face models through the runner
 

@@ -25,7 +25,7 @@ from giantpipe.runner.build import build_experiment
 from giantpipe.runner.checkpoint import Progress, read_checkpoint, seed_everything
 from giantpipe.runner.loop import NonFiniteLossError, TrainingLoop
 from giantpipe.runner.world import World
-from models.mlp import MlpModelConfig
+from models.options import MlpModelConfig
 
 NAN_FROM = 3  # the training batch from which nan_data returns NaN inputs
 

@@ -12,7 +12,7 @@ from giantpipe.runner.checkpoint import restore_rng, rng_state, seed_everything
 from giantpipe.runner.losses import build_loss, count_correct
 from giantpipe.runner.optim import WeightEMA, build_optimizer
 from giantpipe.runner.registry import build_from_target, locate
-from models.mlp import MlpModelConfig
+from models.options import MlpModelConfig
 
 
 def test_target_from_schema_or_mapping():

@@ -19,7 +19,7 @@ from giantpipe.config import (
 from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.planning import chunk_options, optimizer_slots, plan_pipeline
-from models.mlp import MlpModelConfig
+from models.options import MlpModelConfig
 
 
 def tiny(**pipeline) -> ExperimentConfig:

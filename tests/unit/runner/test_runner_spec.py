@@ -22,7 +22,7 @@ from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.build import build_experiment
 from giantpipe.runner.checkpoint import seed_everything
 from giantpipe.runner.pipeline import pipeline_spec
-from models.mlp import MlpModelConfig
+from models.options import MlpModelConfig
 
 
 def tiny(**pipeline: Any) -> ExperimentConfig:

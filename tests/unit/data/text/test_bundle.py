@@ -104,14 +104,16 @@ def beats_unigram(cfg: ExperimentConfig, corpus: Path, run_dir: Path) -> tuple[f
 
 
 def test_a_tiny_llama_on_text_beats_the_unigram_baseline(corpus: Path, tmp_path: Path) -> None:
-    hf = pytest.importorskip("models.hf")
-    model = hf.HfCausalLmModelConfig(layers=2, width=32, heads=2, vocab_size=128, max_len=32)
+    pytest.importorskip("models.hf")
+    from models.options import HfCausalLmModelConfig
+
+    model = HfCausalLmModelConfig(layers=2, width=32, heads=2, vocab_size=128, max_len=32)
     perplexity, baseline = beats_unigram(lm_config(model, corpus, tmp_path, 40), corpus, tmp_path)
     assert perplexity < 0.5 * baseline, (perplexity, baseline)
 
 
 def test_transformer_lm_on_text_beats_the_unigram_baseline(corpus: Path, tmp_path: Path) -> None:
-    from models.transformer_lm import TransformerLMModelConfig
+    from models.options import TransformerLMModelConfig
 
     model = TransformerLMModelConfig(
         num_layers=2, d_model=32, ffn_dim=64, num_heads=2, vocab_size=128, max_len=32
@@ -121,7 +123,7 @@ def test_transformer_lm_on_text_beats_the_unigram_baseline(corpus: Path, tmp_pat
 
 
 def test_a_resumed_run_sees_the_same_batches_even_without_the_cache(corpus, tmp_path) -> None:
-    from models.transformer_lm import TransformerLMModelConfig
+    from models.options import TransformerLMModelConfig
 
     model = TransformerLMModelConfig(
         num_layers=2, d_model=16, ffn_dim=32, num_heads=2, vocab_size=128, max_len=32

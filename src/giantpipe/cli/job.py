@@ -1,0 +1,258 @@
+"""One job of ``train.py``: check the config, train, and turn the outcome into an exit status.
+
+``train.py`` is a thin ``@hydra.main`` around :func:`run_job`, started by :func:`guarded`::
+
+    @hydra.main(config_path="conf", config_name="config", version_base="1.3")
+    def main(cfg: DictConfig) -> float:
+        return run_job(cfg)
+
+    if __name__ == "__main__":
+        guarded(main, conf_dir=Path(__file__).parent / "conf")   # registers, then runs
+
+The config is checked before torch is imported (:mod:`giantpipe.cli.checks`); every refusal
+exits 2, a run that fails 1 (:data:`USAGE_EXIT`, :data:`FAILED_EXIT`), each reported as one line
+(:mod:`giantpipe.cli.errors`). Set HYDRA_FULL_ERROR=1 for the full traceback. In a multirun a
+failing job is logged, returns NaN (sweepers such as Optuna mark the trial failed) and the other
+jobs go on. A refused config leaves the disk as it was: the run directory Hydra made for the job
+(and its empty log) goes.
+
+A run stopped by a signal exits with a documented status after saving: SIGTERM (a cluster
+preempting the job) 143, SIGHUP (the terminal or SSH session went away) 129, Ctrl-C 130 (a
+second Ctrl-C stops at once, also 130); the remaining jobs of a multirun are not started.
+
+Under torchrun (``pipeline.executor=distributed``) every rank composes the config, but only
+rank 0 keeps Hydra's run directory and log file: the other ranks log warnings to stderr and
+learn the run directory from rank 0 (see :func:`rank_overrides`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from giantpipe.cli.checks import check_config, check_fits, late_checks
+from giantpipe.cli.errors import is_config_error, one_line
+from giantpipe.cli.registration import CONF_DIRS, STARTED, register_configs
+from giantpipe.cli.schemas import OPTION_GROUPS
+from giantpipe.cli.usage import usage
+from giantpipe.config import ConfigError
+
+log = logging.getLogger("giantpipe")
+
+FAILURES: list[tuple[int, str]] = []
+"""(exit status, line) per failed job of this process; :func:`guarded` reports them and exits
+with the first status: 2 for a refused config, 1 for a run that failed."""
+USAGE_EXIT = 2
+"""Exit status of a usage or config error (a typo, a bad value, an option that does not fit)."""
+FAILED_EXIT = 1
+"""Exit status of a run that started and failed."""
+PREEMPTED_EXIT = 143
+"""Exit status of a run SIGTERM stopped after saving (128 + 15, what shells report for it)."""
+INTERRUPTED_EXIT = 130
+"""Exit status of a run Ctrl-C stopped (128 + 2)."""
+HANGUP_EXIT = 129
+"""Exit status of a run SIGHUP stopped after saving (128 + 1)."""
+STOP_EXITS = {"preempted": PREEMPTED_EXIT, "hangup": HANGUP_EXIT, "interrupted": INTERRUPTED_EXIT}
+"""The summary status of a run a signal stopped -> its exit status."""
+STOPPED: list[tuple[int, str]] = []
+"""(exit status, line) of a run a signal stopped; :func:`guarded` exits with it."""
+
+
+def objective(summary: dict[str, object], key: str) -> float:
+    """The number a sweeper optimizes: ``summary[sweep.objective]``."""
+    if key not in summary:
+        raise ConfigError("sweep.objective", f"{key!r} is not in the summary: {sorted(summary)}")
+    return float(summary[key])  # type: ignore[arg-type]
+
+
+def torchrun_rank() -> int:
+    """This process's rank under torchrun (0 when not launched by torchrun)."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
+def rank_overrides(argv: list[str], rank: int) -> list[str]:
+    """Hydra overrides for a torchrun rank other than 0: no log file, no run directory of its
+    own (its default would be a second, time-stamped one); rank 0's is used instead.
+
+    Example::
+
+        rank_overrides(["train.py", "recipe=mlp_quickstart"], rank=1)
+        # [..., "hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.run.dir=."]
+    """
+    if rank == 0:
+        return argv
+    extra = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+    if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
+        extra.append("hydra.run.dir=.")
+    return [*argv, *extra]
+
+
+def run_job(cfg: DictConfig) -> float:
+    """Train one job; on failure record one line and return NaN instead of raising.
+
+    The config is checked before the runner (and torch) is imported, so a typo or a bad value is
+    reported at once. Raising would make Hydra print its own multi-line report and, in a
+    multirun, stop the remaining jobs; :func:`guarded` reports the recorded lines and sets the
+    exit code.
+    """
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if STOPPED:  # a signal stopped an earlier job of this multirun: start no other
+        _leave_as_found(run_dir)
+        return math.nan
+    try:
+        check_fits(cfg, dict(hydra_cfg.runtime.choices), CONF_DIRS[-1] if CONF_DIRS else None)
+        experiment = check_config(cfg)
+        if multirun and experiment.pipeline.executor == "distributed":
+            raise ConfigError(
+                "pipeline.executor", "distributed runs one job per torchrun launch, not sweeps"
+            )
+        from giantpipe.runner import train  # torch: only once the config holds
+
+        experiment = late_checks(experiment)  # rules needing torchvision's or transformers' lists
+
+        overrides = " ".join(hydra_cfg.overrides.task) or "(none)"
+        # The resolved config, headed by the command line that produced it.
+        config_yaml = f"# overrides: {overrides}\n" + OmegaConf.to_yaml(cfg, resolve=True)
+        summary = train(experiment, run_dir, config_yaml, derived_keys(cfg))
+        if _stopped(summary, run_dir):
+            return math.nan
+        if experiment.sweep.objective not in summary:  # a distributed run's rank > 0
+            return math.nan
+        return objective(summary, experiment.sweep.objective)
+    except KeyboardInterrupt as err:  # the second Ctrl-C
+        STOPPED.append((INTERRUPTED_EXIT, f"interrupted: {err or 'stopped at once by Ctrl-C'}"))
+        return math.nan
+    except Exception as err:  # noqa: BLE001 - every failure becomes one reported line
+        if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
+            raise
+        code = USAGE_EXIT if is_config_error(err) else FAILED_EXIT
+        FAILURES.append((code, _failure_line(err, run_dir, hydra_cfg, multirun)))
+        return math.nan
+
+
+def derived_keys(cfg: DictConfig) -> list[str]:
+    """The keys of the ``model`` and ``data`` groups that an interpolation sets (e.g.
+    ``model.in_features: ${data.features}``): a resume compares their sources, not them.
+
+    Example::
+
+        derived_keys(cfg)     # ["model.classes", "model.in_features"] for recipe=mlp_quickstart
+    """
+    found = []
+    for group in OPTION_GROUPS:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig):
+            found += _interpolated(node, group)
+    return found
+
+
+def _interpolated(node: DictConfig, prefix: str) -> list[str]:
+    found = []
+    for key in map(str, node.keys()):
+        if OmegaConf.is_interpolation(node, key):
+            found.append(f"{prefix}.{key}")
+        elif isinstance(child := node._get_node(key), DictConfig):
+            found += _interpolated(child, f"{prefix}.{key}")
+    return found
+
+
+def _stopped(summary: dict[str, object], run_dir: Path) -> bool:
+    """Records a run a signal stopped (after it saved), for :func:`guarded`'s exit status."""
+    status = summary.get("status")
+    if status not in STOP_EXITS:
+        return False
+    code = STOP_EXITS[str(status)]
+    line = (
+        f"{status} at step {summary.get('steps')}: saved {run_dir / 'last'}; continue with "
+        f"trainer.resume=true hydra.run.dir={run_dir}"
+    )
+    STOPPED.append((code, line))
+    return True
+
+
+def _failure_line(err: Exception, run_dir: Path, hydra_cfg: Any, multirun: bool) -> str:
+    """The one line of a failed job; a crash keeps its traceback beside the run, a refused
+    config leaves the disk as it was."""
+    line = one_line(err)
+    if torchrun_rank() > 0:
+        line = f"rank {torchrun_rank()}: {line}"
+    elif is_config_error(err):
+        _leave_as_found(run_dir)
+    elif not isinstance(err, OSError):  # a crash, not the disk: keep the traceback, if it fits
+        trace = run_dir / "error.txt"
+        try:
+            trace.write_text("".join(traceback.format_exception(err)))
+            line = f"{line} (traceback: {trace})"
+        except OSError:
+            pass
+    if multirun:
+        line = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)}): {line}"
+        log.error(line)
+    return line
+
+
+def _leave_as_found(run_dir: Path) -> None:
+    """Removes what Hydra made for a job this process refused: its empty log file and, when
+    nothing else is in them, the run directory (and its date folder) made since we started."""
+    log_file = run_dir / f"{HydraConfig.get().job.name}.log"
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) == log_file:
+            handler.close()
+            root.removeHandler(handler)  # a later record would make the file again
+    if log_file.is_file() and log_file.stat().st_size == 0:
+        log_file.unlink()
+    folder = run_dir
+    while folder != folder.parent and folder != Path.cwd():
+        try:
+            if folder.stat().st_mtime < STARTED - 1 or any(folder.iterdir()):
+                return
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
+def guarded(main: Callable[[], None], conf_dir: Path) -> None:
+    """Register the schemas of ``conf_dir`` and run a ``@hydra.main`` function; report failures
+    as one line each and exit non-zero (143 / 129 / 130 for a run a signal stopped)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        os.environ["GIANTPIPE_FULL_ERROR"] = "1"  # the user wants tracebacks: keep them
+    else:
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so the error reaches us whole
+    logging.raiseExceptions = False  # a log line lost to a full disk must not end the run
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        print(usage(conf_dir))  # ours, not Hydra's: it composes nothing and names the recipes
+        sys.exit(0)
+    sys.argv = rank_overrides(sys.argv, torchrun_rank())
+    try:
+        register_configs(conf_dir)
+        main()
+    except KeyboardInterrupt:
+        print("error: interrupted before training started; nothing was written", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
+    except Exception as err:  # noqa: BLE001 - composition and launch errors
+        if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
+            raise
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        sys.exit(USAGE_EXIT)
+    for _, line in FAILURES:
+        print(f"error: {line}", file=sys.stderr)
+    if STOPPED:
+        code, line = STOPPED[0]
+        print(line, file=sys.stderr)
+        sys.exit(code)
+    if FAILURES:
+        sys.exit(max(code for code, _ in FAILURES))  # a refused job (2) outranks a failed one
