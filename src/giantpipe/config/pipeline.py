@@ -1,10 +1,18 @@
 """How the model is cut into stages and scheduled: the ``pipeline`` group's schema.
 
+The keys of the pipeline's shape (``balance`` when listed, ``chunks``, ``schedule``,
+``virtual_stages``, ``recompute``, ``timeout``, ``deferred_batch_norm``) take their defaults and
+their checks from :class:`~giantpipe.engine.spec.PipelineSpec` (the spec's field checks, called
+here; their :class:`~giantpipe.engine.spec.SpecError` becomes the key's :class:`ConfigError`,
+in the config's words). The rest is the runner's: the executor, the devices as named on the
+command line, a balance policy, precision, the planner, capture.
+
 Example::
 
     from giantpipe.config import PipelineConfig, ConfigError
 
     PipelineConfig(chunks=8, balance=[2, 3])          # fine
+    PipelineConfig(schedule="interleaved")            # fine: V is the schedule's (2)
     try:
         PipelineConfig(chunks=0)
     except ConfigError as err:
@@ -13,22 +21,30 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from giantpipe.config.checks import check, check_choice, check_fields_finite, check_min
+from giantpipe.config.checks import ConfigError, check, check_choice, check_fields_finite, check_min
 
-# The pipeline's defaults and limits are the engine's own (one set, giantpipe.engine.spec,
-# which imports no torch); this schema only refers to them.
+# The shape's defaults, limits and field checks are the engine's own (one owner,
+# giantpipe.engine.spec, which imports no torch); this schema calls them.
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
-    MAX_CHUNKS,
     MAX_TIMEOUT_S,
-    RECOMPUTE_MODES,
+    SpecError,
+    check_chunks,
+    check_layer_counts,
+    check_recompute,
+    check_timeout,
+    check_virtual_stages,
 )
+
+__all__ = ["MAX_TIMEOUT_S", "PipelineConfig", "as_config_error"]
 
 BALANCE_POLICIES = ("time", "memory", "params")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -36,6 +52,22 @@ DEVICE_KEYWORDS = ("auto", "cpu", "cuda")
 PLAN_MODES = ("auto",)
 
 EXECUTORS = ("local", "distributed")
+
+
+@contextmanager
+def as_config_error() -> Iterator[None]:
+    """A :class:`~giantpipe.engine.spec.SpecError` raised inside becomes the ConfigError of its
+    key, in the config's words (``pipeline.chunks: must be >= 1, got 0``).
+
+    Example::
+
+        with as_config_error():
+            check_chunks(0)         # ConfigError: pipeline.chunks: must be >= 1, got 0
+    """
+    try:
+        yield
+    except SpecError as err:
+        raise ConfigError(err.key, err.problem) from err
 
 
 @dataclass
@@ -70,8 +102,9 @@ class PipelineConfig:
     and the scale halved (its state is checkpointed)."""
     schedule: str = DEFAULT_SCHEDULE
     """Schedule name handed to the engine's ``train_step``."""
-    virtual_stages: int = 1
-    """V, model chunks per device (``interleaved``): a listed balance then has K*V entries."""
+    virtual_stages: int | None = None
+    """V, model chunks per device: null (the spec's default) is 2 for ``interleaved`` and
+    ``zb-v``, else 1; a listed balance has K*V entries."""
     plan: str | None = None
     """Null: use balance, chunks, recompute, schedule and virtual_stages as set. ``auto``: the
     planner (giantpipe.perf.planner) picks those five by simulating every candidate on layer times
@@ -90,33 +123,32 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check_fields_finite(self, "pipeline")
-        check_min(self.chunks, 1, "pipeline.chunks")
-        check(
-            self.chunks <= MAX_CHUNKS,
-            "pipeline.chunks",
-            f"must be at most {MAX_CHUNKS} micro-batches per mini-batch, got {self.chunks}",
-        )
-        check_min(self.virtual_stages, 1, "pipeline.virtual_stages")
-        check(
-            self.plan is None or self.plan in PLAN_MODES,
-            "pipeline.plan",
-            f"must be null or auto, got {self.plan!r}",
-        )
-        if self.memory_budget_gib is not None:
+        with as_config_error():  # the shape's rules are the spec's
+            check_chunks(self.chunks)
+            check_virtual_stages(self.virtual_stages)
             check(
-                self.memory_budget_gib > 0,
-                "pipeline.memory_budget_gib",
-                f"must be > 0 (GiB per device) or null, got {self.memory_budget_gib}",
+                self.plan is None or self.plan in PLAN_MODES,
+                "pipeline.plan",
+                f"must be null or auto, got {self.plan!r}",
             )
-        check_choice(self.recompute, RECOMPUTE_MODES, "pipeline.recompute")
-        check_choice(self.precision, PRECISIONS, "pipeline.precision")
-        check(bool(self.schedule), "pipeline.schedule", "must be a non-empty schedule name")
-        if self.num_devices is not None:
-            check_min(self.num_devices, 1, "pipeline.num_devices")
-        self._check_devices()
-        self._check_balance()
-        self._check_executor()
-        self._check_split_points()
+            if self.memory_budget_gib is not None:
+                check(
+                    self.memory_budget_gib > 0,
+                    "pipeline.memory_budget_gib",
+                    f"must be > 0 (GiB per device) or null, got {self.memory_budget_gib}",
+                )
+            check_recompute(self.recompute, "pipeline.recompute")
+            check_choice(self.precision, PRECISIONS, "pipeline.precision")
+            # The schedule's name is the spec's to check, when it is made (with the balance);
+            # here only its form.
+            check(bool(self.schedule), "pipeline.schedule", "must be a non-empty schedule name")
+            if self.num_devices is not None:
+                check_min(self.num_devices, 1, "pipeline.num_devices")
+            self._check_devices()
+            self._check_balance()
+            check_choice(self.executor, EXECUTORS, "pipeline.executor")
+            check_timeout(self.timeout)
+            self._check_split_points()
 
     def _check_devices(self) -> None:
         if isinstance(self.devices, str):
@@ -136,12 +168,7 @@ class PipelineConfig:
             return
         ok = isinstance(self.balance, list | tuple) and len(self.balance) > 0
         check(ok, "pipeline.balance", f"must be a list or a policy; got {self.balance!r}")
-        for count in self.balance:
-            check(
-                isinstance(count, int) and count >= 1,
-                "pipeline.balance",
-                f"every stage needs >= 1 layer, got {list(self.balance)}",
-            )
+        check_layer_counts(self.balance)
 
     def _check_split_points(self) -> None:
         if self.split_points is None:
@@ -152,16 +179,4 @@ class PipelineConfig:
             ok,
             "pipeline.split_points",
             f"must be null or a list of submodule names; got {self.split_points!r}",
-        )
-
-    def _check_executor(self) -> None:
-        check_choice(self.executor, EXECUTORS, "pipeline.executor")
-        check(self.timeout > 0, "pipeline.timeout", f"must be > 0 seconds, got {self.timeout}")
-        # One cap for both executors: a worker thread cannot wait past threading.TIMEOUT_MAX
-        # (its first wait would die of an OverflowError), and a rank silent that long is named.
-        check(
-            self.timeout <= MAX_TIMEOUT_S,
-            "pipeline.timeout",
-            f"must be at most {MAX_TIMEOUT_S:.0f} s (a week), how long a stage may wait for "
-            f"another before the step fails; got {self.timeout}",
         )

@@ -99,8 +99,8 @@ class Candidate:
             spec = plan(layers, 2, 64, device)[0].spec(devices=["cuda:0", "cuda:1"])
             pipe = GPipe(model, spec=spec)
         """
-        return PipelineSpec(
-            balance=tuple(self.balance),
+        return PipelineSpec.from_keywords(
+            balance=self.balance,
             chunks=self.chunks,
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.base import Normalizer, Pipe, check_model, refuse_beside_spec
+from giantpipe.engine.base import Normalizer, Pipe, check_model
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
 from giantpipe.engine.dist import shards
 from giantpipe.engine.dist.faults import (
@@ -95,7 +95,6 @@ from giantpipe.engine.spec import (
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
     PipelineSpec,
-    check_balance,
 )
 from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
 
@@ -177,20 +176,16 @@ class DistributedPipe(Pipe):
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
-        if spec is None:
-            spec = PipelineSpec(
-                balance=check_balance(balance),
-                chunks=chunks,
-                schedule=schedule,
-                virtual_stages=virtual_stages or 0,
-                recompute=recompute,
-                timeout=timeout,
-                deferred_batch_norm=deferred_batch_norm,
-            )
-        else:
-            given: dict[str, object] = dict(balance=balance, chunks=chunks, recompute=recompute)
-            given.update(schedule=schedule, virtual_stages=virtual_stages, timeout=timeout)
-            refuse_beside_spec(dict(given, deferred_batch_norm=deferred_batch_norm))
+        spec = PipelineSpec.from_keywords(
+            spec,
+            balance=balance,
+            chunks=chunks,
+            recompute=recompute,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            timeout=timeout,
+            deferred_batch_norm=deferred_batch_norm,
+        )
         model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
         check_model(model, spec)
         if not spec.balance:
