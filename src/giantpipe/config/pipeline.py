@@ -145,7 +145,7 @@ class PipelineConfig:
             if self.num_devices is not None:
                 check_min(self.num_devices, 1, "pipeline.num_devices")
             self._check_devices()
-            self._check_balance()
+            self._check_policy_or_counts()
             check_choice(self.executor, EXECUTORS, "pipeline.executor")
             check_timeout(self.timeout)
             self._check_split_points()
@@ -162,7 +162,7 @@ class PipelineConfig:
             f"{self.num_devices} exceeds the {len(self.devices)} devices in pipeline.devices",
         )
 
-    def _check_balance(self) -> None:
+    def _check_policy_or_counts(self) -> None:
         if isinstance(self.balance, str):
             check_choice(self.balance, BALANCE_POLICIES, "pipeline.balance")
             return
