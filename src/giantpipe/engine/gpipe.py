@@ -363,7 +363,7 @@ class GPipe(Pipe):
             span=run.span,
             busy=busy,
             peaks=peaks,
-            num_microbatches=self.chunks,
+            chunks=self.chunks,
             memory_kind=kind,
             virtual_stages=self.virtual_stages,
             clock="cuda_events" if run.cuda else "perf_counter",

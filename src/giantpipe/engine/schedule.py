@@ -24,7 +24,7 @@ finds every schedule by name.
 
 Example::
 
-    >>> s = gpipe(num_workers=2, num_microbatches=2)
+    >>> s = gpipe(num_workers=2, chunks=2)
     >>> [str(a) for a in s.actions[0]]
     ['F0@0', 'F1@0', 'B1@0', 'B0@0']
 """
@@ -56,7 +56,7 @@ class Schedule:
 
     name: str
     num_stages: int  # K*V: the model's stages, over num_workers (K) workers
-    num_microbatches: int
+    chunks: int
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...]
 
@@ -84,10 +84,10 @@ class Schedule:
     def phase(self, kinds: str) -> Schedule:
         """The same schedule keeping only actions whose kind is in ``kinds`` (e.g. ``"F"``)."""
         kept = tuple(tuple(a for a in w if a.kind in kinds) for w in self.actions)
-        return Schedule(self.name, self.num_stages, self.num_microbatches, kept, self.placement)
+        return Schedule(self.name, self.num_stages, self.chunks, kept, self.placement)
 
 
-def expected_bubble(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+def expected_bubble(num_workers: int, chunks: int, virtual_stages: int = 1) -> float:
     """Idle fraction of a fill-drain or 1F1B pipeline with equal stage costs: (K-1)/(M+K-1).
 
     With V virtual stages per worker (interleaved 1F1B) the fill and drain shrink V-fold:
@@ -97,12 +97,12 @@ def expected_bubble(num_workers: int, num_microbatches: int, virtual_stages: int
     0.42857142857142855
     """
     k, v = num_workers, virtual_stages
-    return (k - 1) / (v * num_microbatches + k - 1)
+    return (k - 1) / (v * chunks + k - 1)
 
 
 def gpipe(
     num_workers: int,
-    num_microbatches: int,
+    chunks: int,
     virtual_stages: int = 1,
     placement: tuple[int, ...] | None = None,
 ) -> Schedule:
@@ -117,21 +117,19 @@ def gpipe(
     >>> [str(a) for a in gpipe(2, 1, 2, placement=(0, 1, 1, 0)).actions[0]]
     ['F0@0', 'F0@3', 'B0@3', 'B0@0']
     """
-    _check_sizes(num_workers, num_microbatches, virtual_stages)
+    _check_sizes(num_workers, chunks, virtual_stages)
     k, v = num_workers, virtual_stages
     placement = tuple(s % k for s in range(k * v)) if placement is None else tuple(placement)
     workers = []
     for w in range(k):
         stages = [s for s, owner in enumerate(placement) if owner == w]
-        forwards = [Action("F", s, m) for s in stages for m in range(num_microbatches)]
-        backwards = [
-            Action("B", s, m) for s in reversed(stages) for m in reversed(range(num_microbatches))
-        ]
+        forwards = [Action("F", s, m) for s in stages for m in range(chunks)]
+        backwards = [Action("B", s, m) for s in reversed(stages) for m in reversed(range(chunks))]
         workers.append(tuple(forwards + backwards))
-    return Schedule("gpipe", k * v, num_microbatches, tuple(workers), placement)
+    return Schedule("gpipe", k * v, chunks, tuple(workers), placement)
 
 
-def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int, int]]]:
+def clock_cycles(num_stages: int, chunks: int) -> list[list[tuple[int, int]]]:
     """Forward clock ticks of fill-drain, one stage per worker: at tick t, stage k runs
     micro-batch t - k.
 
@@ -140,10 +138,10 @@ def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int,
 
     Each pair is (micro-batch, stage); useful to draw or reason about the pipeline's fill.
     """
-    _check_sizes(num_stages, num_microbatches)
+    _check_sizes(num_stages, chunks)
     ticks = []
-    for t in range(num_microbatches + num_stages - 1):
-        ticks.append([(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches])
+    for t in range(chunks + num_stages - 1):
+        ticks.append([(t - k, k) for k in range(num_stages) if 0 <= t - k < chunks])
     return ticks
 
 
@@ -175,13 +173,13 @@ def validate(schedule: Schedule) -> None:
     schedule as the executor would: a worker may run its next action only when that action's
     dependencies are done. Raises ValueError naming the first problem found.
     """
-    k, m = schedule.num_stages, schedule.num_microbatches
+    k, chunks = schedule.num_stages, schedule.chunks
     _check_placement(schedule)
     seen: list[Action] = [a for worker in schedule.actions for a in worker]
     if len(set(seen)) != len(seen):
         dup = next(a for a in seen if seen.count(a) > 1)
         raise ValueError(f"schedule {schedule.name!r} runs {dup} more than once")
-    required = {Action(kind, s, mb) for kind in "FB" for s in range(k) for mb in range(m)}
+    required = {Action(kind, s, mb) for kind in "FB" for s in range(k) for mb in range(chunks)}
     missing = required - set(seen)
     if missing:
         raise ValueError(f"schedule {schedule.name!r} never runs {sorted(missing)[0]}")
@@ -189,7 +187,7 @@ def validate(schedule: Schedule) -> None:
         for a in worker:
             if a.kind not in "FBW" or len(a.kind) != 1:
                 raise ValueError(f"schedule {schedule.name!r} has unknown action kind in {a}")
-            if not 0 <= a.stage < k or not 0 <= a.microbatch < m:
+            if not 0 <= a.stage < k or not 0 <= a.microbatch < chunks:
                 raise ValueError(f"schedule {schedule.name!r} has out-of-range action {a}")
             if schedule.placement[a.stage] != w:
                 raise ValueError(f"{a} is on worker {w} but stage {a.stage} is not placed there")
@@ -249,11 +247,11 @@ def in_flight(schedule: Schedule) -> list[int]:
     return peak
 
 
-def _check_sizes(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+def _check_sizes(num_workers: int, chunks: int, virtual_stages: int = 1) -> None:
     if num_workers < 1:
         raise ValueError(f"number of workers must be positive (got {num_workers})")
-    if num_microbatches < 1:
-        raise ValueError(f"number of chunks must be positive integer (chunks: {num_microbatches})")
+    if chunks < 1:
+        raise ValueError(f"number of chunks must be positive integer (chunks: {chunks})")
     if virtual_stages < 1:
         raise ValueError(f"virtual_stages must be positive (got {virtual_stages})")
 

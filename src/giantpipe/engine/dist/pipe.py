@@ -415,9 +415,7 @@ class DistributedPipe(Pipe):
         reset_device_peak(self.device)
         worker = self.layout.worker
         mine = tuple(acts if w == worker else () for w, acts in enumerate(steps.actions))
-        local = Schedule(
-            steps.name, steps.num_stages, steps.num_microbatches, mine, steps.placement
-        )
+        local = Schedule(steps.name, steps.num_stages, steps.chunks, mine, steps.placement)
         seed = self._draw_seed() if self.needs_inputs else None
         # Elsewhere the seed is 0 until the first activation brings the real one.
         config = self.step_config(grad, spec, seed=seed if seed is not None else 0)
