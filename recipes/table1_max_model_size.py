@@ -216,7 +216,7 @@ def table(
         [f"{p.spec.chunks}, {p.spec.recompute}, {micro_batch(family, p.setting)}"
          for p in sizes])  # fmt: skip
     row("balance", [_fmt_balance(p) for p in sizes])
-    row("M measured as", [c.result.stages[0].microbatches for c in columns])
+    row("M measured as", [c.result.stages[0].chunks_measured for c in columns])
     notes = [c.label + " first measured over budget: " + ", ".join(c.result.tried)
              for c in columns if c.result.tried]  # fmt: skip
     title = f"### {family.name}: largest model in {budget / GIB:.0f} GiB per device ({how})"

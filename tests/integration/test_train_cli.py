@@ -81,6 +81,17 @@ def test_five_step_run_writes_metrics_checkpoint_and_summary(tmp_path: Path):
     assert "samples/s" in result.stdout and "bubble, measured" in result.stdout
 
 
+def test_an_interleaved_schedule_runs_from_the_command_line(tmp_path: Path):
+    # pipeline.virtual_stages is null by default, as PipelineSpec's: V is the schedule's (2), so
+    # naming the schedule is enough, as it is for GPipe(..., schedule="interleaved")
+    run_dir = tmp_path / "run"
+    ok(train(*TINY, "trainer.max_steps=2", "pipeline.schedule=interleaved",
+             f"hydra.run.dir={run_dir}", cwd=tmp_path))  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    assert len(summary["pipeline/balance"]) == 4 and len(summary["pipeline/devices"]) == 2
+
+
 def test_resume_gives_the_same_losses_for_steps_11_to_20(runs):
     ok(
         train(

@@ -106,7 +106,7 @@ def test_extrapolation_from_two_microbatches_is_exact(checkpoint: str, position:
     for chunks in (3, 6):
         direct = measure_stage(_meta_mlp(), spec, chunks=chunks, extrapolate=False, **kwargs)
         extrapolated = measure_stage(_meta_mlp(), spec, chunks=chunks, **kwargs)
-        assert extrapolated.microbatches == f"2->{chunks}"
+        assert extrapolated.chunks_measured == f"2->{chunks}"
         assert extrapolated.peak == direct.peak
 
 

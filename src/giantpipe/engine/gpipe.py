@@ -59,7 +59,6 @@ from giantpipe.engine.partition import (
     shared_parameters,
     split_module,
     tied_copies,
-    verify_balance,
     verify_module,
 )
 from giantpipe.engine.pipe import (
@@ -68,7 +67,6 @@ from giantpipe.engine.pipe import (
     check_batch_sizes,
     check_input,
     check_model,
-    refuse_beside_spec,
 )
 from giantpipe.engine.rng import install_rng_hooks
 from giantpipe.engine.schedules.actions import Schedule, validate
@@ -78,9 +76,7 @@ from giantpipe.engine.spec import (
     DEFAULT_RECOMPUTE,
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
-    RECOMPUTE_MODES,
     PipelineSpec,
-    check_balance,
 )
 from giantpipe.engine.stats import StepStats, device_peak, memory_kind, reset_device_peak
 from giantpipe.engine.step_config import LossFn, LossSpec
@@ -143,7 +139,7 @@ class GPipe(Pipe):
         virtual_stages: int | None = None,
         spec: PipelineSpec | None = None,
     ) -> None:
-        spec = door_spec(
+        spec = PipelineSpec.from_keywords(
             spec,
             balance=balance,
             devices=devices,
@@ -156,9 +152,8 @@ class GPipe(Pipe):
             threads_per_worker=threads_per_worker,
             virtual_stages=virtual_stages,
         )
-        check_model(module, spec)
         workers = resolve_devices(spec.devices, spec.num_workers)
-        verify_balance(len(module), spec.balance, len(workers) * spec.virtual_stages)
+        check_model(module, spec, len(workers))
         super().__init__(spec)
         if spec.deferred_batch_norm:
             convert_deferred_batch_norm(module)
@@ -350,7 +345,7 @@ class GPipe(Pipe):
             span=run.span,
             busy=busy,
             peaks=peaks,
-            num_microbatches=self.chunks,
+            chunks=self.chunks,
             memory_kind=kind,
             virtual_stages=self.virtual_stages,
             clock="cuda_events" if run.cuda else "perf_counter",
@@ -417,49 +412,6 @@ def forward_schedule(
     schedule = fill_drain(workers, chunks, virtual_stages, placement=placement)
     validate(schedule)
     return schedule
-
-
-def door_spec(spec: PipelineSpec | None, **given: Any) -> PipelineSpec:
-    """The spec a GPipe runs: ``spec``, or one made of GPipe's keyword arguments ``given``
-    (``checkpoint`` being torchgpipe's alias of ``recompute``). A keyword set beside ``spec``
-    is refused: it would be ignored.
-
-    >>> door_spec(None, balance=[1, 1], devices=None, chunks=2, recompute="except_last",
-    ...           checkpoint="never", deferred_batch_norm=False, schedule="gpipe", timeout=9,
-    ...           threads_per_worker=None, virtual_stages=None).recompute
-    'never'
-    """
-    if spec is not None:
-        refuse_beside_spec(given)
-        return spec
-    devices = given["devices"]
-    return PipelineSpec(
-        balance=check_balance(given["balance"]),
-        chunks=given["chunks"],
-        schedule=given["schedule"],
-        virtual_stages=given["virtual_stages"] or 0,
-        recompute=torchgpipe_alias(given["recompute"], given["checkpoint"]),
-        devices=None if devices is None else tuple(devices),
-        timeout=given["timeout"],
-        threads_per_worker=given["threads_per_worker"],
-        deferred_batch_norm=given["deferred_batch_norm"],
-    )
-
-
-def torchgpipe_alias(recompute: str, checkpoint: str | None) -> str:
-    """The re-materialization mode from ``recompute=`` or torchgpipe's ``checkpoint=`` (its
-    alias, refused with torchgpipe's message when it is not a mode).
-
-    >>> torchgpipe_alias("except_last", "never")
-    'never'
-    """
-    if checkpoint is None:
-        return recompute
-    if str(checkpoint) not in RECOMPUTE_MODES:
-        raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
-    if recompute != DEFAULT_RECOMPUTE and recompute != checkpoint:
-        raise ValueError(f"recompute={recompute!r} and its alias checkpoint={checkpoint!r} differ")
-    return str(checkpoint)
 
 
 def _gather_input_grads(run: StepRun, chunks: int, num_inputs: int) -> list[Any]:

@@ -34,10 +34,6 @@ from torch import nn
 Device = int | str | torch.device
 
 
-class BalanceError(ValueError):
-    """A balance that does not describe the module (wrong sum, non-positive entry)."""
-
-
 def verify_module(module: nn.Module) -> None:
     """Checks that ``module`` is a flat Sequential whose layers can be placed independently.
 
@@ -69,28 +65,6 @@ def shared_parameters(module: nn.Sequential) -> list[list[tuple[int, str]]]:
             if not any(i == index for i, _ in found):
                 found.append((index, name))
     return [group for group in places.values() if len(group) > 1]
-
-
-def verify_balance(num_layers: int, balance: Sequence[int], num_devices: int) -> list[int]:
-    """Validates a balance (layer counts per stage) and returns it as a list of ints.
-
-    >>> verify_balance(5, [2, 3], 2)
-    [2, 3]
-    """
-    balance = [int(b) for b in balance]  # empty for an empty module: the identity, as torchgpipe
-    if num_layers != sum(balance):
-        raise BalanceError(
-            "module and sum of balance have different length "
-            f"(module: {num_layers}, sum of balance: {sum(balance)})"
-        )
-    if any(b <= 0 for b in balance):
-        raise BalanceError(f"all balance numbers must be positive integer (balance: {balance})")
-    if len(balance) > num_devices:
-        raise IndexError(
-            "too few devices to hold given partitions "
-            f"(devices: {num_devices}, partitions: {len(balance)})"
-        )
-    return balance
 
 
 def resolve_devices(

@@ -13,7 +13,8 @@ transport, so everything else lives here once::
                                   recompute, timeout (checked
                                   once, when the spec is made)
       check_model(module, spec)   a flat Sequential, balance
-                                  summing to its length
+                                  summing to its length (the
+                                  spec's check_against)
       step_schedule()             the spec's validated schedule
       _loss_spec()                per micro-batch loss scales   _reduce_normalizer: sum over
                                                                 replicas (global batch/tokens)
@@ -58,55 +59,27 @@ from torch import nn
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm
 from giantpipe.engine.fp16 import current_scale
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, scatter
-from giantpipe.engine.partition import BalanceError, verify_balance, verify_module
+from giantpipe.engine.partition import verify_module
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.rng import RngHooks, draw_step_seed
 from giantpipe.engine.schedules.actions import Schedule
-from giantpipe.engine.spec import (
-    DEFAULT_CHUNKS,
-    DEFAULT_RECOMPUTE,
-    DEFAULT_SCHEDULE,
-    DEFAULT_TIMEOUT,
-    PipelineSpec,
-    SpecError,
-)
+from giantpipe.engine.spec import PipelineSpec, virtual_stages_of
 from giantpipe.engine.stats import ActionTiming, StepStats
 from giantpipe.engine.step_config import LossFn, LossSpec, StepConfig, autocast_state
 
 Normalizer = Callable[[TensorOrTensors], float]
 
 
-def check_model(module: nn.Sequential, spec: PipelineSpec) -> None:
+def check_model(module: nn.Sequential, spec: PipelineSpec, num_devices: int | None = None) -> None:
     """What a spec cannot check without the model: a flat Sequential whose length the balance
-    covers (torchgpipe's TypeError / ValueError and messages).
+    covers and, given ``num_devices``, devices enough for its stages
+    (:meth:`PipelineSpec.check_against`; torchgpipe's TypeError / ValueError / IndexError and
+    messages).
 
     >>> check_model(nn.Sequential(nn.ReLU(), nn.ReLU()), PipelineSpec((1, 1)))
     """
     verify_module(module)
-    try:
-        verify_balance(len(module), spec.balance, len(spec.balance))
-    except BalanceError as exc:
-        raise SpecError("pipeline.balance", str(exc)) from exc
-
-
-_SHAPE_DEFAULTS: dict[str, object] = {
-    "chunks": DEFAULT_CHUNKS,
-    "recompute": DEFAULT_RECOMPUTE,
-    "schedule": DEFAULT_SCHEDULE,
-    "timeout": DEFAULT_TIMEOUT,
-    "deferred_batch_norm": False,
-}
-
-
-def refuse_beside_spec(given: dict[str, object]) -> None:
-    """A pipe given ``spec=`` takes its shape from it: a shape keyword set beside it (not at
-    its default, None for the others) would be ignored, so it is refused by name.
-
-    >>> refuse_beside_spec({"chunks": 1, "balance": None})
-    """
-    beside = [k for k, v in given.items() if v != _SHAPE_DEFAULTS.get(k)]
-    if beside:
-        raise ValueError(f"give spec= or {', '.join(beside)}, not both")
+    spec.check_against(len(module), num_devices)
 
 
 class Pipe(nn.Module):
@@ -155,7 +128,7 @@ class Pipe(nn.Module):
     @property
     def virtual_stages(self) -> int:
         """V, stages per worker."""
-        return self._spec.virtual_stages
+        return virtual_stages_of(self._spec.schedule, self._spec.virtual_stages)
 
     @property
     def schedule(self) -> str:

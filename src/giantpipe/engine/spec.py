@@ -5,14 +5,20 @@ owner, from the config or the planner to the pipes and the cost model:
 
     PipelineConfig --pipeline_spec()--> PipelineSpec --spec=--> GPipe / DistributedPipe
     planner's best candidate --.spec()--^                  pipe.spec --> perf (predict, ...)
+    GPipe / DistributedPipe / sizing keywords --PipelineSpec.from_keywords()--^
 
-A spec checks everything it can without the model when it is made (``__post_init__``) and builds
-and validates its schedule there, once; a pipe adds only what needs the model (the balance's sum)
-and the devices. Messages start with the config key a runner user would change, e.g.
-``pipeline.chunks: ...``, and keep torchgpipe's wording after it. The defaults of both pipes and
-of the config's ``pipeline`` group are the ones here.
+Every rule of the shape is written here once. A spec checks everything it can without the model
+when it is made (``__post_init__``) and builds and validates its schedule there, once; what needs
+the model (the balance's sum) and the devices is :meth:`PipelineSpec.check_against`, which the
+pipes and the runner call. The field checks (``check_chunks``, ``check_virtual_stages``, ...) are
+also the config's ``pipeline`` group's, and its defaults are the ones here.
 
-Imports no torch (the schedules are plain data): the config's schema refers to the defaults.
+A :class:`SpecError` says what is wrong twice: ``message`` keeps torchgpipe's wording (what its
+users match on: ``number of chunks must be positive integer``), ``problem`` the config's
+(``must be >= 1, got 0``, what the command line prints); both follow the config key a runner
+user would change, e.g. ``pipeline.chunks: ...``.
+
+Imports no torch (the schedules are plain data): the config's schema imports this module.
 
 Example::
 
@@ -27,12 +33,14 @@ Example::
     ...     print(err)
     pipeline.chunks: number of chunks must be positive integer (chunks: 0)
 
-A pipe takes one (``GPipe(model, spec=spec)``) or makes one from its keyword arguments.
+A pipe takes one (``GPipe(model, spec=spec)``) or makes one from its keyword arguments with
+:meth:`PipelineSpec.from_keywords`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -62,12 +70,26 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class SpecError(ValueError):
-    """A bad pipeline setting; ``key`` is the config key that sets it (``pipeline.chunks``)."""
+    """A bad pipeline setting; ``key`` is the config key that sets it (``pipeline.chunks``),
+    ``message`` what is wrong in the engine's (torchgpipe's) words, ``problem`` the same in the
+    config's words where they differ (the config's ``ConfigError`` carries it).
 
-    def __init__(self, key: str, message: str) -> None:
+    >>> err = SpecError("pipeline.chunks", "number of chunks must be positive integer (chunks: 0)",
+    ...                 problem="must be >= 1, got 0")
+    >>> print(err); print(err.problem)
+    pipeline.chunks: number of chunks must be positive integer (chunks: 0)
+    must be >= 1, got 0
+    """
+
+    def __init__(self, key: str, message: str, problem: str | None = None) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
         self.message = message
+        self.problem = message if problem is None else problem
+
+
+class TooFewDevices(SpecError, IndexError):
+    """More stages than the devices can hold: an IndexError, as torchgpipe raises it."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +102,9 @@ class PipelineSpec:
     """M, micro-batches per mini-batch."""
     schedule: str = DEFAULT_SCHEDULE
     """The schedule ``train_step`` runs: gpipe, 1f1b, interleaved, zb-h1 or zb-v."""
-    virtual_stages: int = 0
-    """V, stages per worker; 0 or None (the default): 2 for interleaved and zb-v, else 1."""
+    virtual_stages: int | None = None
+    """V, stages per worker; None (the default): 2 for interleaved and zb-v, else 1 (the spec
+    holds the V it runs: never None once made)."""
     recompute: str = DEFAULT_RECOMPUTE
     """Re-materialization: always, except_last or never (GPipe's alias: ``checkpoint=``)."""
     devices: tuple[Any, ...] | None = None
@@ -98,10 +121,11 @@ class PipelineSpec:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are set once, here
-        set_(self, "balance", check_balance(self.balance))
+        set_(self, "balance", check_layer_counts(self.balance))
         set_(self, "chunks", check_chunks(self.chunks))
         set_(self, "recompute", check_recompute(self.recompute, "pipeline.recompute"))
-        set_(self, "virtual_stages", check_virtual_stages(self))
+        v = virtual_stages_of(self.schedule, check_virtual_stages(self.virtual_stages))
+        set_(self, "virtual_stages", check_stage_count(self.balance, v))
         set_(self, "timeout", check_timeout(self.timeout))
         if self.devices is not None:
             set_(self, "devices", tuple(self.devices))
@@ -109,10 +133,56 @@ class PipelineSpec:
             raise SpecError("threads_per_worker", f"must be >= 1, got {self.threads_per_worker}")
         set_(self, "_schedule", build(self))
 
+    @classmethod
+    def from_keywords(
+        cls,
+        spec: PipelineSpec | None = None,
+        *,
+        balance: Iterable[int] | None = None,
+        chunks: int = DEFAULT_CHUNKS,
+        schedule: str = DEFAULT_SCHEDULE,
+        virtual_stages: int | None = None,
+        recompute: str = DEFAULT_RECOMPUTE,
+        checkpoint: str | None = None,
+        devices: Iterable[Any] | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        threads_per_worker: int | None = None,
+        deferred_batch_norm: bool = False,
+    ) -> PipelineSpec:
+        """``spec``, or the spec of a pipe's keyword arguments: the one way from keywords to a
+        spec (GPipe's and DistributedPipe's doors, the planner's candidates, sizing's settings).
+        ``checkpoint`` is torchgpipe's alias of ``recompute`` (GPipe's door passes it on). A
+        keyword set beside ``spec`` (not at its default) would be ignored, so it is refused.
+
+        >>> PipelineSpec.from_keywords(balance=[1, 1], chunks=2, checkpoint="never").recompute
+        'never'
+        >>> PipelineSpec.from_keywords(PipelineSpec((1, 1)), chunks=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: give spec= or chunks, not both
+        """
+        keywords = {name: value for name, value in locals().items() if name in _KEYWORD_DEFAULTS}
+        if spec is not None:
+            beside = [k for k, v in keywords.items() if v != _KEYWORD_DEFAULTS[k]]
+            if beside:
+                raise ValueError(f"give spec= or {', '.join(beside)}, not both")
+            return spec
+        return cls(
+            balance=check_layer_counts(balance),
+            chunks=chunks,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            recompute=torchgpipe_alias(recompute, checkpoint),
+            devices=None if devices is None else tuple(devices),
+            timeout=timeout,
+            threads_per_worker=threads_per_worker,
+            deferred_batch_norm=deferred_batch_norm,
+        )
+
     @property
     def num_workers(self) -> int:
         """K: workers (devices, or pipeline ranks) of the pipeline."""
-        return len(self.balance) // self.virtual_stages
+        return len(self.balance) // virtual_stages_of(self.schedule, self.virtual_stages)
 
     @property
     def num_stages(self) -> int:
@@ -132,14 +202,70 @@ class PipelineSpec:
         8
         """
         if "schedule" in changes and "virtual_stages" not in changes:
-            changes["virtual_stages"] = 0  # inferred again for the new schedule
+            changes["virtual_stages"] = None  # inferred again for the new schedule
         return dataclasses.replace(self, **changes)
 
+    def check_against(self, num_layers: int, num_devices: int | None = None) -> None:
+        """What a spec cannot check without the model: its balance covers the model's
+        ``num_layers`` layers and, given ``num_devices`` (the workers' devices there are), they
+        hold its K*V stages. The one check of a balance against a model, for both pipes and the
+        runner (torchgpipe's ValueError / IndexError and messages).
 
-def check_balance(balance: Iterable[int] | None) -> tuple[int, ...]:
-    """The balance as a tuple of positive ints (torchgpipe's messages).
+        >>> PipelineSpec((2, 2)).check_against(4, num_devices=2)
+        >>> try:
+        ...     PipelineSpec((2, 2)).check_against(5)
+        ... except SpecError as err:
+        ...     print(err.key, "/", err.problem)
+        pipeline.balance / [2, 2] sums to 4 but the model has 5 layers
+        """
+        balance, v = list(self.balance), virtual_stages_of(self.schedule, self.virtual_stages)
+        if sum(balance) != num_layers:
+            raise SpecError(
+                "pipeline.balance",
+                "module and sum of balance have different length "
+                f"(module: {num_layers}, sum of balance: {sum(balance)})",
+                problem=f"{balance} sums to {sum(balance)} but the model has {num_layers} layers",
+            )
+        if num_devices is not None and len(balance) > num_devices * v:
+            per = f" x {v} virtual stages" if v > 1 else ""
+            raise TooFewDevices(
+                "pipeline.balance",
+                "too few devices to hold given partitions "
+                f"(devices: {num_devices * v}, partitions: {len(balance)})",
+                problem=f"{len(balance)} stages but only {num_devices} devices{per} (see "
+                "pipeline.devices, pipeline.num_devices, pipeline.virtual_stages)",
+            )
 
-    >>> check_balance([2, 3])
+
+_KEYWORD_DEFAULTS: dict[str, Any] = {
+    name: param.default
+    for name, param in inspect.signature(PipelineSpec.from_keywords).parameters.items()
+    if param.kind is param.KEYWORD_ONLY
+}
+"""The keywords of :meth:`PipelineSpec.from_keywords` and their defaults (what "not set" is)."""
+
+
+def torchgpipe_alias(recompute: str, checkpoint: str | None) -> str:
+    """The re-materialization mode from ``recompute=`` or torchgpipe's ``checkpoint=`` (its
+    alias, refused with torchgpipe's message when it is not a mode).
+
+    >>> torchgpipe_alias("except_last", "never")
+    'never'
+    """
+    if checkpoint is None:
+        return recompute
+    if str(checkpoint) not in RECOMPUTE_MODES:
+        raise ValueError("checkpoint is not one of 'always', 'except_last', or 'never'")
+    if recompute != DEFAULT_RECOMPUTE and recompute != checkpoint:
+        raise ValueError(f"recompute={recompute!r} and its alias checkpoint={checkpoint!r} differ")
+    return str(checkpoint)
+
+
+def check_layer_counts(balance: Iterable[int] | None) -> tuple[int, ...]:
+    """The balance's form: a tuple of positive layer counts (torchgpipe's messages); whether it
+    fits a model is :meth:`PipelineSpec.check_against`.
+
+    >>> check_layer_counts([2, 3])
     (2, 3)
     """
     if balance is None:
@@ -153,7 +279,9 @@ def check_balance(balance: Iterable[int] | None) -> tuple[int, ...]:
     counts = list(balance)
     if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in counts):
         raise SpecError(
-            "pipeline.balance", f"all balance numbers must be positive integer (balance: {counts})"
+            "pipeline.balance",
+            f"all balance numbers must be positive integer (balance: {counts})",
+            problem=f"every stage needs >= 1 layer, got {counts}",
         )
     return tuple(counts)
 
@@ -167,7 +295,9 @@ def check_chunks(chunks: Any) -> int:
     whole = isinstance(chunks, int) or (isinstance(chunks, float) and chunks.is_integer())
     if isinstance(chunks, bool) or not whole or chunks <= 0:
         raise SpecError(
-            "pipeline.chunks", f"number of chunks must be positive integer (chunks: {chunks})"
+            "pipeline.chunks",
+            f"number of chunks must be positive integer (chunks: {chunks})",
+            problem=f"must be >= 1, got {chunks}" if whole and chunks is not True else None,
         )
     if chunks > MAX_CHUNKS:
         raise SpecError(
@@ -184,21 +314,47 @@ def check_recompute(mode: Any, key: str) -> str:
     'never'
     """
     if str(mode) not in RECOMPUTE_MODES:
-        raise SpecError(key, f"must be one of 'always', 'except_last' or 'never', got {mode!r}")
+        raise SpecError(
+            key,
+            f"must be one of 'always', 'except_last' or 'never', got {mode!r}",
+            problem=f"must be one of {', '.join(RECOMPUTE_MODES)}; got {mode!r}",
+        )
     return str(mode)
 
 
-def check_virtual_stages(spec: PipelineSpec) -> int:
-    """V: as given, else 2 for 'interleaved' and 'zb-v', 1 otherwise; K*V must be the
-    balance's length."""
-    v = spec.virtual_stages or VIRTUAL_STAGES.get(spec.schedule, 1)
+def check_virtual_stages(v: Any) -> int | None:
+    """V as given: a positive integer, or None (then the schedule's, :func:`virtual_stages_of`).
+
+    >>> check_virtual_stages(2), check_virtual_stages(None)
+    (2, None)
+    """
+    if v is None:
+        return None
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise SpecError("pipeline.virtual_stages", f"must be a positive integer, got {v!r}")
-    if len(spec.balance) % v:
+        raise SpecError(
+            "pipeline.virtual_stages",
+            f"must be a positive integer, got {v!r}",
+            problem=f"must be >= 1 or null (the schedule's V), got {v!r}",
+        )
+    return v
+
+
+def virtual_stages_of(schedule: str, virtual_stages: int | None) -> int:
+    """V: as given, else 2 for 'interleaved' and 'zb-v', 1 otherwise.
+
+    >>> virtual_stages_of("interleaved", None), virtual_stages_of("1f1b", None)
+    (2, 1)
+    """
+    return virtual_stages or VIRTUAL_STAGES.get(schedule, 1)
+
+
+def check_stage_count(balance: tuple[int, ...], v: int) -> int:
+    """V, when the balance lists K*V stages (a multiple of V)."""
+    if len(balance) % v:
         raise SpecError(
             "pipeline.virtual_stages",
             f"with virtual_stages={v}, balance must list K*V stages (a multiple of {v}); "
-            f"got {len(spec.balance)} entries",
+            f"got {len(balance)} entries",
         )
     return v
 
@@ -228,6 +384,7 @@ def build(spec: PipelineSpec) -> Schedule | None:
             if spec.schedule not in schedule_builders():
                 build_schedule(spec.schedule, 1, 1)  # raises, naming the schedules there are
             return None
-        return build_schedule(spec.schedule, spec.num_workers, spec.chunks, spec.virtual_stages)
+        v = virtual_stages_of(spec.schedule, spec.virtual_stages)
+        return build_schedule(spec.schedule, spec.num_workers, spec.chunks, v)
     except ValueError as err:
         raise SpecError("pipeline.schedule", str(err)) from err

@@ -23,7 +23,7 @@ to more than the span (the bubble then reads 0), which a shared device cannot av
 Example::
 
     >>> s = StepStats.from_timings(wall=1.0, span=1.0, busy=[0.6, 0.8], peaks=[10, 20],
-    ...                            num_microbatches=4, memory_kind="saved_activations")
+    ...                            chunks=4, memory_kind="saved_activations")
     >>> round(s.bubble, 2), round(s.expected_bubble, 2)
     (0.3, 0.2)
     >>> from torch import nn
@@ -87,7 +87,7 @@ class StepStats:
     peak_memory_bytes: list[int]  # per worker; see memory_kind
     memory_kind: str  # "cuda_allocator" or "saved_activations" (bytes saved for backward)
     # (saved_activations on CUDA too where workers share a device; see memory_kind())
-    num_microbatches: int
+    chunks: int
     clock: str = "perf_counter"  # "cuda_events" where the stages ran on CUDA (CudaClock)
     # per worker: the part of busy time spent re-materializing forwards (the paper's Section
     # 3.1 breakdown: recompute share, imbalance and bubble are all read off one step)
@@ -100,7 +100,7 @@ class StepStats:
         span: float,
         busy: list[float],
         peaks: list[int],
-        num_microbatches: int,
+        chunks: int,
         memory_kind: str,
         virtual_stages: int = 1,
         clock: str = "perf_counter",
@@ -115,10 +115,10 @@ class StepStats:
             span_s=span,
             busy_time_s=list(busy),
             bubble=max(0.0, bubble),
-            expected_bubble=expected_bubble(k, num_microbatches, virtual_stages),
+            expected_bubble=expected_bubble(k, chunks, virtual_stages),
             peak_memory_bytes=list(peaks),
             memory_kind=memory_kind,
-            num_microbatches=num_microbatches,
+            chunks=chunks,
             clock=clock,
             recompute_time_s=list(recompute) if recompute is not None else [0.0] * k,
         )
@@ -127,7 +127,7 @@ class StepStats:
     def from_table(
         cls,
         table: torch.Tensor,
-        num_microbatches: int,
+        chunks: int,
         memory_kind: str,
         virtual_stages: int = 1,
         clock: str = "perf_counter",
@@ -146,7 +146,7 @@ class StepStats:
             span=float(table[:, 1].max()),
             busy=table[:, 2].tolist(),
             peaks=[int(p) for p in table[:, 3].tolist()],
-            num_microbatches=num_microbatches,
+            chunks=chunks,
             memory_kind=memory_kind,
             virtual_stages=virtual_stages,
             clock=clock,

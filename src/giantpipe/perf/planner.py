@@ -99,8 +99,8 @@ class Candidate:
             spec = plan(layers, 2, 64, device)[0].spec(devices=["cuda:0", "cuda:1"])
             pipe = GPipe(model, spec=spec)
         """
-        return PipelineSpec(
-            balance=tuple(self.balance),
+        return PipelineSpec.from_keywords(
+            balance=self.balance,
             chunks=self.chunks,
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
@@ -259,7 +259,7 @@ class _Search:
 
     def fit(self, schedule: Schedule, mode: str, budget: float) -> _Fitted | None:
         """The balance and peak memory of one configuration; None if it does not fit."""
-        micro = split_sizes(self.batch_size, schedule.num_microbatches)[0]  # the largest one
+        micro = split_sizes(self.batch_size, schedule.chunks)[0]  # the largest one
         per_layer, layers = self.per_layer(micro), self.layers
         recomputed = 0.0 if mode == "never" else 1.0
         times = [c.forward + c.backward + recomputed * c.recompute for c in per_layer]
@@ -292,7 +292,7 @@ class _Fitted:
 
     def peak_memory(self) -> list[int]:
         """The simulator's peak bytes per device (they do not depend on the timing)."""
-        stop = recompute_stop(self.mode, self.schedule.num_microbatches)
+        stop = recompute_stop(self.mode, self.schedule.chunks)
         static = [0] * self.schedule.num_workers
         for stage, cost in enumerate(self.costs):
             static[self.schedule.placement[stage]] += cost.static_bytes
@@ -301,7 +301,7 @@ class _Fitted:
 
     def lower_bound(self) -> float:
         """Seconds the busiest worker works (its actions cannot overlap): no step is shorter."""
-        stop = recompute_stop(self.mode, self.schedule.num_microbatches)
+        stop = recompute_stop(self.mode, self.schedule.chunks)
         split = {(a.stage, a.microbatch) for w in self.schedule.actions for a in w if a.kind == "W"}
         busy = []
         for worker in self.schedule.actions:
@@ -324,7 +324,7 @@ class _Fitted:
         return Candidate(
             self.schedule.name,
             self.schedule.virtual_stages,
-            self.schedule.num_microbatches,
+            self.schedule.chunks,
             self.mode,
             self.balance,
             sim.step_time,
@@ -419,7 +419,7 @@ def combine(parts: Sequence[StageCost], layers: Sequence[LayerCost], micro: int)
 def pressure(schedule: Schedule, mode: str) -> list[list[tuple[int, int]]]:
     """Per stage, the (inputs held, activations held) counts at each moment that may be its
     memory peak under ``schedule`` and ``mode``; the peak is the largest a*input + c*act."""
-    stop = recompute_stop(mode, schedule.num_microbatches)
+    stop = recompute_stop(mode, schedule.chunks)
     split = {(a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"}
     counts: list[set[tuple[int, int]]] = [set() for _ in range(schedule.num_stages)]
     for worker in schedule.actions:

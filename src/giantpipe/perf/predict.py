@@ -169,21 +169,23 @@ def executor_overhead(
     the waiting thread, bookkeeping. Runs ``schedule`` on stages that do nothing (on ``pool``'s
     threads, as the pipe's steps do) and divides its span by the simulated span of unit-cost
     actions."""
-    k, m = schedule.num_stages, schedule.num_microbatches
-    zeros: list[TensorOrTensors] = [torch.zeros(1, 1, device=devices[-1]) for _ in range(m)]
+    k, chunks = schedule.num_stages, schedule.chunks
+    zeros: list[TensorOrTensors] = [torch.zeros(1, 1, device=devices[-1]) for _ in range(chunks)]
     config = StepConfig(
         stages=[nn.Sequential(nn.Identity()) for _ in range(k)],
         devices=devices,
         recompute_stop=0,
         grad_enabled=True,
         seed=0,
-        loss=LossSpec(lambda y, t: (y * t).sum(), zeros, [1.0] * m),
+        loss=LossSpec(lambda y, t: (y * t).sum(), zeros, [1.0] * chunks),
         threads_per_worker=threads,
         placement=schedule.placement,
     )
     spans = []
     for _ in range(repeats + 1):
-        run = StepRun(config, [torch.ones(1, 1, device=devices[0]) for _ in range(m)], pool=pool)
+        run = StepRun(
+            config, [torch.ones(1, 1, device=devices[0]) for _ in range(chunks)], pool=pool
+        )
         run.run(schedule)
         spans.append(run.span)
     unit = StageCost(1.0, 1.0, backward_input=1.0, weight=1.0)

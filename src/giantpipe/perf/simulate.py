@@ -125,7 +125,7 @@ def simulate(
     """
     if len(costs) != schedule.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {schedule.num_stages} stages")
-    stop = recompute_stop(recompute, schedule.num_microbatches)
+    stop = recompute_stop(recompute, schedule.chunks)
     timeline = _timeline(schedule, costs, stop, overhead, contention)
     span = max(t.end for t in timeline) - min(t.start for t in timeline)
     busy = [0.0] * schedule.num_workers

@@ -110,8 +110,8 @@ class Setting:
     @classmethod
     def uncut(cls, label: str, partitions: int, **shape: Any) -> Setting:
         """``partitions`` stages, not yet cut (one layer each); ``shape``: the spec's other
-        fields (``chunks``, ``recompute``, ``schedule``)."""
-        return cls(label, PipelineSpec((1,) * partitions, **shape))
+        keywords (``chunks``, ``recompute``, ``schedule``)."""
+        return cls(label, PipelineSpec.from_keywords(balance=(1,) * partitions, **shape))
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class StageMemory:
     step_peak: int  # most bytes alive at once during forward and backward
     optimizer_peak: int  # most bytes alive at once during the optimizer step
     per_microbatch: int  # bytes the first forward leaves on the device until its backward
-    microbatches: str  # how M was measured: "128", or "2->128" (extrapolated from M = 2)
+    chunks_measured: str  # how M was measured: "128", or "2->128" (extrapolated from M = 2)
 
     @property
     def peak(self) -> int:
@@ -145,7 +145,7 @@ def measure_stage(
     return replace(
         memory,
         step_peak=memory.step_peak + (chunks - probe) * per_microbatch,
-        microbatches=f"{probe}->{chunks}",
+        chunks_measured=f"{probe}->{chunks}",
     )
 
 
@@ -176,7 +176,7 @@ def _measure(
         step_peak=step_peak,
         optimizer_peak=optimizer_peak,
         per_microbatch=first_forward,
-        microbatches=str(chunks),
+        chunks_measured=str(chunks),
     )
 
 

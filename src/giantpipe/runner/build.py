@@ -12,10 +12,15 @@ a failure on any rank fails every rank at once (:meth:`~giantpipe.runner.world.W
 Order matters: cheap checks first (devices, data directory, model length, balance), so a bad
 setting fails in seconds with the dotted key, before profiling or allocating the engine.
 
+The experiment carries the pipeline's shape as one :class:`~giantpipe.engine.spec.PipelineSpec`
+(the config's, or the planner's under ``pipeline.plan=auto``): its balance, M, V, schedule,
+recompute and the K workers' devices. What is not shape (precision, executor, plan, memory
+budget, split points, output) is read from the experiment config.
+
 Example::
 
     parts = build_experiment(cfg, run_dir)                    # World(): the local executor
-    parts.pipe, parts.optimizer, parts.scheduler, parts.bundle
+    parts.pipe, parts.spec.chunks, parts.optimizer, parts.scheduler, parts.bundle
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ from giantpipe.runner.optim import WeightEMA, build_grad_scaler, build_optimizer
 from giantpipe.runner.pipeline import (
     build_distributed_pipe,
     build_pipe,
+    check_fits,
     pipeline_ranks,
     pipeline_spec,
     rank_device,
     resolve_balance,
     resolve_devices,
 )
-from giantpipe.runner.planning import plan_pipeline, planned
+from giantpipe.runner.planning import plan_pipeline
 from giantpipe.runner.registry import build_from_target
 from giantpipe.runner.world import World
 
@@ -62,15 +68,13 @@ class Experiment:
     executor's (its layers are the pipe's), rank 0's under torchrun when the data has such an
     evaluation (filled with every rank's weights before it runs); None elsewhere."""
     pipe: Pipe
-    pipeline: PipelineConfig
-    """The pipeline as run: cfg.pipeline, or with the planner's knobs under plan=auto."""
-    devices: list[str]
-    """The device of each worker (pipeline rank), in stage order."""
+    spec: PipelineSpec
+    """The pipeline's shape as run (``pipe.spec``): the config's, or the planner's under
+    plan=auto; its ``devices`` are the K workers' (pipeline ranks'), in stage order."""
     input_device: str
     """Where this process's inputs go (stage 0's device)."""
     target_device: str
     """Where this process's targets go (the last stage's device)."""
-    balance: list[int]
     names: dict[str, nn.Parameter]
     """Un-partitioned parameter names -> this process's parameters (checkpoints key by these)."""
     optimizer: torch.optim.Optimizer
@@ -235,18 +239,20 @@ def loss_of(cfg: ExperimentConfig, bundle: DataBundle) -> LossFn:
 
 def plan_and_spec(
     cfg: ExperimentConfig, model: nn.Sequential, bundle: DataBundle, devices: list[str]
-) -> tuple[PipelineConfig, dict[str, Any] | None, PipelineSpec]:
-    """The pipeline as run (the planner's under plan=auto) and its spec: the planner's, else
-    the config's with its balance (profiled on the first device by the ``time`` and ``memory``
-    policies). The spec, and so the schedule, is made and checked once, here."""
+) -> tuple[PipelineSpec, dict[str, Any] | None]:
+    """The pipeline's spec and, under plan=auto, the planner's choice (else None): the
+    planner's spec, else the config's with its balance (profiled on the first device by the
+    ``time`` and ``memory`` policies), checked against the model and the devices. The spec, and
+    so the schedule, is made and checked once, here."""
     sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
     if cfg.pipeline.plan == "auto":
         loss_fn = loss_of(cfg, bundle)
-        spec, choice = plan_pipeline(cfg, model, devices, sample_inputs, sample_targets, loss_fn)
-        return planned(cfg.pipeline, spec), choice, spec
+        return plan_pipeline(cfg, model, devices, sample_inputs, sample_targets, loss_fn)
     sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
     balance = resolve_balance(cfg.pipeline, model, devices, sample)
-    return cfg.pipeline, None, pipeline_spec(cfg.pipeline, balance, devices)
+    spec = pipeline_spec(cfg.pipeline, balance, devices)
+    check_fits(spec, len(model), len(devices))
+    return spec, None
 
 
 def build_experiment(
@@ -269,8 +275,8 @@ def build_experiment(
 
     bundle, model, decided = world.agree(model_and_plan)
     # planned, profiled and checked once, on rank 0; the others receive the spec as made
-    pipeline, plan_choice, spec = world.from_rank0(decided)
-    balance, workers = list(spec.balance), spec.num_workers
+    spec, plan_choice = world.from_rank0(decided)
+    workers = spec.num_workers
     check_generates(cfg, bundle, model)
     pipe: Pipe
     if world.size == 1:
@@ -286,15 +292,7 @@ def build_experiment(
     gathers = bundle.evaluate_model is not None and not through_pipe
     keep = world.rank == 0 and (world.size == 1 or gathers)
     return _training_parts(
-        cfg,
-        bundle,
-        model if keep else None,
-        pipe,
-        pipeline,
-        devices[:workers],
-        (inputs_to, targets_to),
-        balance,
-        plan_choice,
+        cfg, bundle, model if keep else None, pipe, (inputs_to, targets_to), plan_choice
     )
 
 
@@ -317,10 +315,7 @@ def _training_parts(
     bundle: DataBundle,
     model: nn.Sequential | None,
     pipe: Pipe,
-    pipeline: PipelineConfig,
-    devices: list[str],
     feeds: tuple[str, str],
-    balance: list[int],
     plan_choice: dict[str, Any] | None,
 ) -> Experiment:
     """What trains the pipe's parameters: optimizer, LR schedule, loss and EMA."""
@@ -333,11 +328,9 @@ def _training_parts(
         bundle=bundle,
         model=model,
         pipe=pipe,
-        pipeline=pipeline,
-        devices=devices,
+        spec=pipe.spec,
         input_device=feeds[0],
         target_device=feeds[1],
-        balance=balance,
         names=names,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
@@ -346,5 +339,5 @@ def _training_parts(
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         plan_choice=plan_choice,
-        grad_scaler=build_grad_scaler(pipe, pipeline.precision),
+        grad_scaler=build_grad_scaler(pipe, cfg.pipeline.precision),
     )

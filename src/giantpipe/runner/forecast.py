@@ -104,13 +104,13 @@ class Forecast:
             log.info("no prediction: this executor has no simulator forecast")
             return
         inputs, targets = (
-            to_device(batch[0], parts.devices[0]),
-            to_device(batch[1], parts.devices[-1]),
+            to_device(batch[0], parts.input_device),
+            to_device(batch[1], parts.target_device),
         )
-        cuda = [torch.device(d) for d in parts.devices if torch.device(d).type == "cuda"]
+        cuda = [torch.device(d) for d in parts.spec.devices or () if torch.device(d).type == "cuda"]
         started = time.perf_counter()
         try:
-            with torch.random.fork_rng(devices=cuda), autocast(precision, parts.devices[0]):
+            with torch.random.fork_rng(devices=cuda), autocast(precision, parts.input_device):
                 self.prediction = predict(inputs, targets, parts.loss_fn, repeats=1)
         except Exception as err:  # a diagnostic: say so, and train on
             log.warning(

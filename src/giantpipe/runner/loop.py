@@ -22,7 +22,6 @@ import sys
 import time
 import warnings
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -432,13 +431,20 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
         "pipeline/executor": cfg.pipeline.executor,
         "pipeline/world_size": loop.world.size,
         "pipeline/replicas": parts.pipe.replicas,
-        "pipeline/devices": list(parts.devices),
-        "pipeline/balance": list(parts.balance),
+        "pipeline/devices": list(parts.spec.devices or ()),
+        "pipeline/balance": list(parts.spec.balance),
     }
     figures = loop.metrics.run_figures() if loop.metrics is not None else {}
     evaluation = {**loop.last_eval, **loop.eval_notes}
     summary = base_summary(
-        cfg, loop.progress.step, wall_time_s, loop.last_line, evaluation, figures, pipeline
+        cfg,
+        parts.spec,
+        loop.progress.step,
+        wall_time_s,
+        loop.last_line,
+        evaluation,
+        figures,
+        pipeline,
     )
     if loop.stopped is not None:
         summary["status"] = loop.stopped  # preempted / interrupted: resumable from last/
@@ -511,7 +517,6 @@ def _checked(
     """Builds, restores, checks what is left to check, then runs and records the run."""
     seed_everything(cfg.trainer.seed)  # then data, then model: every rank in the same order
     parts = build_experiment(cfg, run_dir, world)
-    cfg = replace(cfg, pipeline=parts.pipeline)  # as run: the planner's knobs under plan=auto
 
     def restore_or_start() -> Progress:
         if resume_from is not None:
@@ -603,8 +608,7 @@ def _open(
         progress.step,
         resumed,
         parts.total_steps,
-        parts.devices,
-        parts.balance,
+        parts.spec,
         log,
         where,
     )

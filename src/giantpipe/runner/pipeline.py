@@ -10,13 +10,15 @@ own device, and the world is K pipeline ranks x R replicas::
 Everything here is checked before any training work: a bad device list, a balance that does not
 fit the model or more stages than devices is a ConfigError naming the ``pipeline.*`` key. The
 config becomes a :class:`~giantpipe.engine.spec.PipelineSpec` in one place,
-:func:`pipeline_spec`, which checks M, V, the schedule (built once, there) and the timeout.
+:func:`pipeline_spec` (the spec checks M, V, the schedule, built once there, and the timeout),
+and the spec is checked against the model and the devices once, :func:`check_fits`.
 
 Example::
 
     devices = resolve_devices(cfg.pipeline, torch.cuda.device_count())    # ["cpu", "cpu"]
     balance = resolve_balance(cfg.pipeline, model, devices, sample)       # e.g. [4, 4]
     spec = pipeline_spec(cfg.pipeline, balance, devices)
+    check_fits(spec, len(model), len(devices))
     pipe = build_pipe(model, spec)
 """
 
@@ -29,10 +31,11 @@ import torch
 from torch import nn
 
 from giantpipe.config import ConfigError, PipelineConfig
+from giantpipe.config.pipeline import as_config_error
 from giantpipe.data.bundle import Tensors
 from giantpipe.engine import GPipe
 from giantpipe.engine.dist.pipe import DistributedPipe
-from giantpipe.engine.spec import PipelineSpec, SpecError
+from giantpipe.engine.spec import PipelineSpec, virtual_stages_of
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 
 DEFAULT_CPU_STAND_INS = 2
@@ -90,7 +93,7 @@ def pipeline_ranks(cfg: PipelineConfig, world: int) -> int:
         pipeline_ranks(PipelineConfig(num_devices=2), world=4)    # 2: two replicas of K=2
     """
     if isinstance(cfg.balance, list | tuple):
-        k, key = len(cfg.balance) // cfg.virtual_stages, "pipeline.balance"
+        k, key = len(cfg.balance) // stages_per_worker(cfg), "pipeline.balance"
     elif cfg.num_devices is not None:
         k, key = cfg.num_devices, "pipeline.num_devices"
     else:
@@ -133,23 +136,27 @@ def rank_device(cfg: PipelineConfig, cuda_count: int, local_rank: int | None = N
     return "cpu"
 
 
-def check_balance(
-    balance: list[int], num_layers: int, num_devices: int, virtual_stages: int = 1
-) -> None:
-    """Reject a balance that does not cover the model or needs more devices than there are
-    (with V virtual stages per device, it lists K*V stages)."""
-    if sum(balance) != num_layers:
-        raise ConfigError(
-            "pipeline.balance",
-            f"{list(balance)} sums to {sum(balance)} but the model has {num_layers} layers",
-        )
-    if len(balance) > num_devices * virtual_stages or len(balance) % virtual_stages:
-        per = f" x {virtual_stages} virtual stages" if virtual_stages > 1 else ""
-        raise ConfigError(
-            "pipeline.balance",
-            f"{len(balance)} stages but only {num_devices} devices{per} (see pipeline.devices, "
-            "pipeline.num_devices, pipeline.virtual_stages)",
-        )
+def stages_per_worker(cfg: PipelineConfig) -> int:
+    """V: ``pipeline.virtual_stages``, else the schedule's (the spec's rule).
+
+    Example::
+
+        stages_per_worker(PipelineConfig(schedule="interleaved"))     # 2
+    """
+    return virtual_stages_of(cfg.schedule, cfg.virtual_stages)
+
+
+def check_fits(spec: PipelineSpec, num_layers: int, num_devices: int) -> None:
+    """The spec against the model (its ``num_layers`` layers) and the ``num_devices`` devices
+    there are: :meth:`PipelineSpec.check_against`, as the ConfigError of ``pipeline.balance``.
+
+    Example::
+
+        check_fits(PipelineSpec((2, 2)), 5, 2)
+        # ConfigError: pipeline.balance: [2, 2] sums to 4 but the model has 5 layers
+    """
+    with as_config_error():
+        spec.check_against(num_layers, num_devices)
 
 
 def resolve_balance(
@@ -162,7 +169,7 @@ def resolve_balance(
     if isinstance(cfg.balance, list):
         balance = list(cfg.balance)
     else:
-        stages = len(devices) * cfg.virtual_stages
+        stages = len(devices) * stages_per_worker(cfg)
         if stages > len(model):
             raise ConfigError(
                 "pipeline.num_devices",
@@ -174,7 +181,6 @@ def resolve_balance(
             balance = balance_by_time(stages, model, sample, device=devices[0])
         else:
             balance = balance_by_size(stages, model, sample, device=devices[0])
-    check_balance(balance, len(model), len(devices), cfg.virtual_stages)
     return balance
 
 
@@ -184,15 +190,16 @@ def pipeline_spec(
     """The one place a ``pipeline`` config becomes a PipelineSpec: the balance as resolved,
     the first K of ``devices`` (the workers' devices; under torchrun, each pipeline rank's), and
     the config's M, V, schedule, recompute, timeout and deferred BatchNorm. A bad one is a
-    ConfigError naming the key; the schedule is built and validated here, once.
+    ConfigError naming the key; the schedule is built and validated here, once. Whether it fits
+    the model is :func:`check_fits`.
 
     Example::
 
         spec = pipeline_spec(PipelineConfig(chunks=4, schedule="1f1b"), [2, 2], ["cpu"] * 3)
         spec.devices, spec.step_schedule().name      # ("cpu", "cpu"), "1f1b"
     """
-    workers = len(balance) // cfg.virtual_stages
-    try:
+    workers = len(balance) // stages_per_worker(cfg)
+    with as_config_error():
         return PipelineSpec(
             balance=tuple(balance),
             chunks=cfg.chunks,
@@ -203,8 +210,6 @@ def pipeline_spec(
             timeout=cfg.timeout,
             deferred_batch_norm=cfg.deferred_batch_norm,
         )
-    except SpecError as err:
-        raise ConfigError(err.key, err.message) from err
 
 
 def build_pipe(model: nn.Sequential, spec: PipelineSpec) -> GPipe:

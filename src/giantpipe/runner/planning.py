@@ -20,7 +20,7 @@ Example::
 
     spec, choice = plan_pipeline(cfg, model, ["cpu", "cpu"], inputs, targets, loss_fn)
     spec.balance, spec.chunks, spec.recompute, spec.schedule     # what GPipe(spec=spec) runs
-    planned(cfg.pipeline, spec)            # the pipeline config as run (summary.json)
+    as_run(cfg, spec)                      # the config as run (the record's config)
     choice["predicted_samples_per_s"]
 """
 
@@ -118,21 +118,26 @@ def plan_pipeline(
     return chosen, describe(best, budget, candidates.fitting)
 
 
-def planned(cfg: PipelineConfig, spec: PipelineSpec) -> PipelineConfig:
-    """The pipeline config as run under plan=auto: the planner's knobs in place of the config's.
+def as_run(cfg: ExperimentConfig, spec: PipelineSpec) -> ExperimentConfig:
+    """The experiment config as run, what the run's record logs: under plan=auto the planner's
+    knobs (``spec``'s balance, M, recompute, schedule and V) in place of the config's; else
+    ``cfg`` itself.
 
     Example::
 
-        planned(PipelineConfig(plan="auto"), PipelineSpec((2, 2), chunks=8)).chunks   # 8
+        as_run(cfg, PipelineSpec((2, 2), chunks=8)).pipeline.chunks   # 8 if cfg plans, else cfg's
     """
-    return replace(
-        cfg,
+    if cfg.pipeline.plan != "auto":
+        return cfg
+    pipeline = replace(
+        cfg.pipeline,
         balance=list(spec.balance),
         chunks=spec.chunks,
         recompute=spec.recompute,
         schedule=spec.schedule,
         virtual_stages=spec.virtual_stages,
     )
+    return replace(cfg, pipeline=pipeline)
 
 
 def _measure(

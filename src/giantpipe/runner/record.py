@@ -10,7 +10,7 @@ write there, is :mod:`giantpipe.runner.rundir`.
 Example::
 
     metrics = open_record(cfg, run_dir, config_yaml, progress.step, resumed, parts.total_steps,
-                          parts.devices, parts.balance, log)
+                          parts.spec, log)
     summary = run_to_summary(
         cfg.name, run_dir, metrics, loop.run, lambda: summarize(loop), lambda: loop.progress.step
     )
@@ -21,13 +21,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from giantpipe.config import ConfigError, ExperimentConfig
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.metrics import MetricsLogger, format_table, truncate_after_step, write_summary
+from giantpipe.runner.planning import as_run
 from giantpipe.runner.rundir import save_config
 
 TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")
@@ -50,15 +52,15 @@ def open_record(
     step: int,
     resumed: bool,
     total_steps: int,
-    devices: Sequence[Any],
-    balance: Sequence[int],
+    spec: PipelineSpec,
     log: logging.Logger,
     where: tuple[str, tuple[Any, ...]] = ("", ()),
 ) -> MetricsLogger:
     """Starts writing into ``run_dir`` (everything is checked by now); returns the sinks.
 
-    ``log`` is the runner's own logger; ``where`` a format and its arguments that the start
-    line carries before the devices (the distributed runner's ranks).
+    ``spec`` is the pipeline as run (its devices, balance and M); ``log`` the runner's own
+    logger; ``where`` a format and its arguments that the start line carries before the devices
+    (the distributed runner's ranks).
     """
     if resumed:
         cut = truncate_after_step(run_dir / "metrics.jsonl", step)
@@ -69,9 +71,9 @@ def open_record(
         "%s: " + where[0] + "devices %s, balance %s, M=%d, steps %d..%d, run dir %s",
         cfg.name,
         *where[1],
-        devices,
-        balance,
-        cfg.pipeline.chunks,
+        list(spec.devices or ()),
+        list(spec.balance),
+        spec.chunks,
         step,
         total_steps,
         run_dir,
@@ -83,12 +85,13 @@ def open_record(
         step,
         cfg.trainer.log_every,
         cfg.name,
-        asdict(cfg),
+        asdict(as_run(cfg, spec)),
     )
 
 
 def base_summary(
     cfg: ExperimentConfig,
+    spec: PipelineSpec,
     steps: int,
     wall_time_s: float,
     last_line: dict[str, Any] | None,
@@ -96,8 +99,9 @@ def base_summary(
     figures: dict[str, Any],
     pipeline: dict[str, Any],
 ) -> dict[str, Any]:
-    """The figures both runners report, in summary.json's order; ``pipeline`` holds the runner's
-    own ``pipeline/`` entries, which come before the chunks and the measured pipeline figures."""
+    """The figures both runners report, in summary.json's order; ``spec`` is the pipeline as run
+    (its M), ``pipeline`` the runner's own ``pipeline/`` entries, which come before the chunks and
+    the measured pipeline figures."""
     summary: dict[str, Any] = {
         "name": cfg.name,
         "status": "completed",
@@ -111,7 +115,7 @@ def base_summary(
         if key in figures:
             summary[f"train/{key}"] = figures[key]
     summary.update(pipeline)
-    summary["pipeline/chunks"] = cfg.pipeline.chunks
+    summary["pipeline/chunks"] = spec.chunks
     for key in PIPELINE_FIGURES:
         if key in figures:
             summary[f"pipeline/{key}"] = figures[key]

@@ -60,4 +60,4 @@ def test_a_sized_model_carries_the_spec_with_its_cut() -> None:
     stages = measure_size(family, size)  # the engine runs each stage of that spec
     assert len(stages) == 2
     assert sum(s.params for s in stages) == size.params
-    assert stages[0].microbatches == "2->4"  # M from the spec, extrapolated from M = 2
+    assert stages[0].chunks_measured == "2->4"  # M from the spec, extrapolated from M = 2

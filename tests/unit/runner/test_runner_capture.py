@@ -68,7 +68,7 @@ def test_a_torchvision_model_by_name_on_image_data():
         logger=LoggerConfig(progress="none"),
     )
     parts = build_experiment(cfg)
-    assert len(parts.model) == 10 and sum(parts.balance) == 10  # stem, 8 blocks, head
+    assert len(parts.model) == 10 and sum(parts.spec.balance) == 10  # stem, 8 blocks, head
     x, y = next(parts.bundle.train_batches(0, 0))
     assert parts.pipe.train_step(x, y, parts.loss_fn).item() > 0
 

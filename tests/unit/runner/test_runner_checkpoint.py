@@ -256,7 +256,11 @@ def write_earlier_format(directory: Path, parts, progress: Progress) -> None:
     shard = {"file": f"{token}-rank00000.pt", "rank": 0, "stages": [0, 1], "names": list(weights)}
     extra = {"format": RUN_FORMAT, "step": progress.step, "position": progress.position}
     extra.update(state_files=[f"state-{token}-rank00000.pt"], leader_ranks=[0], ema=False)
-    manifest = {"format": shards.OLD_FORMAT, "step": progress.step, "balance": parts.balance}
+    manifest = {
+        "format": shards.OLD_FORMAT,
+        "step": progress.step,
+        "balance": list(parts.spec.balance),
+    }
     manifest.update(workers=2, replicas=1, placement=[0, 1], shards=[shard], extra=extra)
     (directory / "manifest.json").write_text(json.dumps(manifest))
 

@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from giantpipe.config import ConfigError, PipelineConfig
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.pipeline import (
     build_pipe,
-    check_balance,
+    check_fits,
     pipeline_spec,
     resolve_balance,
     resolve_devices,
@@ -54,10 +55,10 @@ def test_unusable_devices_are_rejected(cfg, cuda, key):
 
 def test_balance_must_cover_the_model_and_fit_the_devices():
     with pytest.raises(ConfigError, match=r"pipeline.balance: \[2, 2\] sums to 4 .* 5 layers"):
-        check_balance([2, 2], 5, 2)
+        check_fits(PipelineSpec((2, 2)), 5, 2)
     with pytest.raises(ConfigError, match="pipeline.balance: 3 stages but only 2 devices"):
-        check_balance([1, 2, 2], 5, 2)
-    check_balance([2, 3], 5, 2)
+        check_fits(PipelineSpec((1, 2, 2)), 5, 2)
+    check_fits(PipelineSpec((2, 3)), 5, 2)
 
 
 def test_policy_balance_uses_every_device_and_the_engine():

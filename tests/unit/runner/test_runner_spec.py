@@ -54,7 +54,7 @@ def test_the_schedule_is_built_and_validated_once_before_step_1(
     x, y = next(parts.bundle.train_batches(cfg.trainer.seed, 0))
     parts.pipe.train_step(x, y, parts.loss_fn)  # step 1 builds nothing more
     assert validated == [schedule]
-    assert parts.pipe.spec == pipeline_spec(cfg.pipeline, parts.balance, ["cpu", "cpu"])
+    assert parts.pipe.spec == pipeline_spec(cfg.pipeline, parts.spec.balance, ["cpu", "cpu"])
 
 
 def test_the_config_becomes_a_spec_in_one_function() -> None:

@@ -31,7 +31,7 @@ gradients, BatchNorm statistics and the norm are device tensors, for ``groups.re
 
 Example::
 
-    sync = GradientSync(pipe.named_parameters(), groups.replica, microbatches=8, timeout=60.0)
+    sync = GradientSync(pipe.named_parameters(), groups.replica, chunks=8, timeout=60.0)
     sync.begin()           # before the step's actions
     ...                    # the schedule runs; buckets start from inside autograd
     sync.finish()          # the remaining buckets, then wait and copy back into p.grad
@@ -60,14 +60,14 @@ class GradientSync:
         self,
         named_params: Sequence[tuple[str, nn.Parameter]],
         group: Any,
-        microbatches: int,
+        chunks: int,
         timeout: float,
         bucket_bytes: int = 25 * 2**20,
         overlap: bool = True,
         board: FailureBoard | None = None,
         uses: dict[int, int] | None = None,
     ) -> None:
-        self.group, self.microbatches, self.timeout = group, microbatches, timeout
+        self.group, self.chunks, self.timeout = group, chunks, timeout
         self.uses = dict(uses or {})  # id -> stages of this rank that use it (tied: > 1)
         self.board, self.overlap = board, overlap
         params = [p for _, p in named_params if p.requires_grad]
@@ -104,7 +104,7 @@ class GradientSync:
         index = self._bucket_of[id(param)]
         if index < self._next:
             self._late.append(self._names.get(id(param), "a parameter"))
-        elif count == self.microbatches * self.uses.get(id(param), 1):
+        elif count == self.chunks * self.uses.get(id(param), 1):
             self._ready[index] += 1
             while self._next < len(self.buckets) and self._ready[self._next] == len(
                 self.buckets[self._next]
@@ -125,7 +125,7 @@ class GradientSync:
         if self._late:
             raise RuntimeError(
                 f"{self._late[0]} received a gradient after its bucket was all-reduced (more "
-                f"than {self.microbatches} accumulations per step); use overlap=False"
+                f"than {self.chunks} accumulations per step); use overlap=False"
             )
         while self._next < len(self.buckets):
             self._start(self._next)

@@ -89,7 +89,7 @@ from giantpipe.engine.executor import StepRun
 from giantpipe.engine.fp16 import AgreedGradScaler, check_agreed
 from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
 from giantpipe.engine.partition import shared_parameters
-from giantpipe.engine.pipe import Normalizer, Pipe, check_model, refuse_beside_spec
+from giantpipe.engine.pipe import Normalizer, Pipe, check_model
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
 from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.spec import (
@@ -98,7 +98,6 @@ from giantpipe.engine.spec import (
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
     PipelineSpec,
-    check_balance,
 )
 from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
 from giantpipe.engine.step_config import LossFn, LossSpec
@@ -162,20 +161,16 @@ class DistributedPipe(Pipe):
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
-        if spec is None:
-            spec = PipelineSpec(
-                balance=check_balance(balance),
-                chunks=chunks,
-                schedule=schedule,
-                virtual_stages=virtual_stages or 0,
-                recompute=recompute,
-                timeout=timeout,
-                deferred_batch_norm=deferred_batch_norm,
-            )
-        else:
-            given: dict[str, object] = dict(balance=balance, chunks=chunks, recompute=recompute)
-            given.update(schedule=schedule, virtual_stages=virtual_stages, timeout=timeout)
-            refuse_beside_spec(dict(given, deferred_batch_norm=deferred_batch_norm))
+        spec = PipelineSpec.from_keywords(
+            spec,
+            balance=balance,
+            chunks=chunks,
+            recompute=recompute,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            timeout=timeout,
+            deferred_batch_norm=deferred_batch_norm,
+        )
         model = module if isinstance(module, nn.Sequential) else build_on_meta(module)
         check_model(model, spec)
         if not spec.balance:
@@ -405,9 +400,7 @@ class DistributedPipe(Pipe):
         reset_device_peak(self.device)
         worker = self.layout.worker
         mine = tuple(acts if w == worker else () for w, acts in enumerate(steps.actions))
-        local = Schedule(
-            steps.name, steps.num_stages, steps.num_microbatches, mine, steps.placement
-        )
+        local = Schedule(steps.name, steps.num_stages, steps.chunks, mine, steps.placement)
         seed = self._draw_seed() if self.needs_inputs else None
         # Elsewhere the seed is 0 until the first activation brings the real one.
         config = self.step_config(grad, spec, seed=seed if seed is not None else 0)

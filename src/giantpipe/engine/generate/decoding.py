@@ -33,8 +33,8 @@ class Decoding:
     samples (after ``top_k`` and ``top_p``), 0 takes the arg-max (greedy).
 
     ``eos_id`` ends a row (None: rows run ``steps`` tokens); ``pad_id`` tokens are dropped
-    from the output (as the reference decoder in ``giantpipe.data.translation.decoding`` does); ``seed`` makes
-    sampling repeatable (micro-batch m draws from ``seed + m``).
+    from the output (as the reference decoder in ``giantpipe.data.translation.decoding``
+    does); ``seed`` makes sampling repeatable (micro-batch m draws from ``seed + m``).
 
     Example::
 

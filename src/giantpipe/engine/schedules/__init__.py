@@ -28,7 +28,7 @@ VIRTUAL_STAGES = {"interleaved": 2, "zb-v": 2}  # V unless given (1 for the othe
 
 
 def schedule_builders() -> dict[str, ScheduleFn]:
-    """Every schedule by name: ``fn(num_workers, num_microbatches, virtual_stages)``."""
+    """Every schedule by name: ``fn(num_workers, chunks, virtual_stages)``."""
     return {
         "gpipe": fill_drain.fill_drain,
         "1f1b": one_f_one_b.one_f_one_b,
@@ -39,7 +39,7 @@ def schedule_builders() -> dict[str, ScheduleFn]:
 
 
 def build_schedule(
-    name: str, num_workers: int, num_microbatches: int, virtual_stages: int = 1
+    name: str, num_workers: int, chunks: int, virtual_stages: int = 1
 ) -> Schedule:
     """Looks up a schedule by name and validates it.
 
@@ -54,6 +54,6 @@ def build_schedule(
     builders = schedule_builders()
     if name not in builders:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(builders)}")
-    schedule = builders[name](num_workers, num_microbatches, virtual_stages)
+    schedule = builders[name](num_workers, chunks, virtual_stages)
     validate(schedule)
     return schedule

@@ -25,7 +25,7 @@ schedule by name.
 Example::
 
     >>> from giantpipe.engine.schedules.fill_drain import fill_drain
-    >>> s = fill_drain(num_workers=2, num_microbatches=2)
+    >>> s = fill_drain(num_workers=2, chunks=2)
     >>> [str(a) for a in s.actions[0]]
     ['F0@0', 'F1@0', 'B1@0', 'B0@0']
 """
@@ -57,7 +57,7 @@ class Schedule:
 
     name: str
     num_stages: int  # K*V: the model's stages, over num_workers (K) workers
-    num_microbatches: int
+    chunks: int
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...]
 
@@ -85,7 +85,7 @@ class Schedule:
     def phase(self, kinds: str) -> Schedule:
         """The same schedule keeping only actions whose kind is in ``kinds`` (e.g. ``"F"``)."""
         kept = tuple(tuple(a for a in w if a.kind in kinds) for w in self.actions)
-        return Schedule(self.name, self.num_stages, self.num_microbatches, kept, self.placement)
+        return Schedule(self.name, self.num_stages, self.chunks, kept, self.placement)
 
 
 def dependencies(action: Action, num_stages: int) -> list[Action]:
@@ -116,13 +116,13 @@ def validate(schedule: Schedule) -> None:
     schedule as the executor would: a worker may run its next action only when that action's
     dependencies are done. Raises ValueError naming the first problem found.
     """
-    k, m = schedule.num_stages, schedule.num_microbatches
+    k, chunks = schedule.num_stages, schedule.chunks
     _check_placement(schedule)
     seen: list[Action] = [a for worker in schedule.actions for a in worker]
     if len(set(seen)) != len(seen):
         dup = next(a for a in seen if seen.count(a) > 1)
         raise ValueError(f"schedule {schedule.name!r} runs {dup} more than once")
-    required = {Action(kind, s, mb) for kind in "FB" for s in range(k) for mb in range(m)}
+    required = {Action(kind, s, mb) for kind in "FB" for s in range(k) for mb in range(chunks)}
     missing = required - set(seen)
     if missing:
         raise ValueError(f"schedule {schedule.name!r} never runs {sorted(missing)[0]}")
@@ -130,7 +130,7 @@ def validate(schedule: Schedule) -> None:
         for a in worker:
             if a.kind not in "FBW" or len(a.kind) != 1:
                 raise ValueError(f"schedule {schedule.name!r} has unknown action kind in {a}")
-            if not 0 <= a.stage < k or not 0 <= a.microbatch < m:
+            if not 0 <= a.stage < k or not 0 <= a.microbatch < chunks:
                 raise ValueError(f"schedule {schedule.name!r} has out-of-range action {a}")
             if schedule.placement[a.stage] != w:
                 raise ValueError(f"{a} is on worker {w} but stage {a.stage} is not placed there")
@@ -191,11 +191,11 @@ def in_flight(schedule: Schedule) -> list[int]:
     return peak
 
 
-def _check_sizes(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+def _check_sizes(num_workers: int, chunks: int, virtual_stages: int = 1) -> None:
     if num_workers < 1:
         raise ValueError(f"number of workers must be positive (got {num_workers})")
-    if num_microbatches < 1:
-        raise ValueError(f"number of chunks must be positive integer (chunks: {num_microbatches})")
+    if chunks < 1:
+        raise ValueError(f"number of chunks must be positive integer (chunks: {chunks})")
     if virtual_stages < 1:
         raise ValueError(f"virtual_stages must be positive (got {virtual_stages})")
 

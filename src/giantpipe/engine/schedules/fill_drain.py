@@ -5,7 +5,7 @@ legend of :mod:`.actions` draws it for K=3, M=4.
 
 Example::
 
-    >>> [str(a) for a in fill_drain(num_workers=2, num_microbatches=2).actions[0]]
+    >>> [str(a) for a in fill_drain(num_workers=2, chunks=2).actions[0]]
     ['F0@0', 'F1@0', 'B1@0', 'B0@0']
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from giantpipe.engine.schedules.actions import Action, Schedule, _check_sizes
 
 
-def expected_bubble(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+def expected_bubble(num_workers: int, chunks: int, virtual_stages: int = 1) -> float:
     """Idle fraction of a fill-drain or 1F1B pipeline with equal stage costs: (K-1)/(M+K-1).
 
     With V virtual stages per worker (interleaved 1F1B) the fill and drain shrink V-fold:
@@ -24,12 +24,12 @@ def expected_bubble(num_workers: int, num_microbatches: int, virtual_stages: int
     0.42857142857142855
     """
     k, v = num_workers, virtual_stages
-    return (k - 1) / (v * num_microbatches + k - 1)
+    return (k - 1) / (v * chunks + k - 1)
 
 
 def fill_drain(
     num_workers: int,
-    num_microbatches: int,
+    chunks: int,
     virtual_stages: int = 1,
     placement: tuple[int, ...] | None = None,
 ) -> Schedule:
@@ -44,21 +44,21 @@ def fill_drain(
     >>> [str(a) for a in fill_drain(2, 1, 2, placement=(0, 1, 1, 0)).actions[0]]
     ['F0@0', 'F0@3', 'B0@3', 'B0@0']
     """
-    _check_sizes(num_workers, num_microbatches, virtual_stages)
+    _check_sizes(num_workers, chunks, virtual_stages)
     k, v = num_workers, virtual_stages
     placement = tuple(s % k for s in range(k * v)) if placement is None else tuple(placement)
     workers = []
     for w in range(k):
         stages = [s for s, owner in enumerate(placement) if owner == w]
-        forwards = [Action("F", s, m) for s in stages for m in range(num_microbatches)]
+        forwards = [Action("F", s, m) for s in stages for m in range(chunks)]
         backwards = [
-            Action("B", s, m) for s in reversed(stages) for m in reversed(range(num_microbatches))
+            Action("B", s, m) for s in reversed(stages) for m in reversed(range(chunks))
         ]
         workers.append(tuple(forwards + backwards))
-    return Schedule("gpipe", k * v, num_microbatches, tuple(workers), placement)
+    return Schedule("gpipe", k * v, chunks, tuple(workers), placement)
 
 
-def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int, int]]]:
+def clock_cycles(num_stages: int, chunks: int) -> list[list[tuple[int, int]]]:
     """Forward clock ticks of fill-drain, one stage per worker: at tick t, stage k runs
     micro-batch t - k.
 
@@ -67,8 +67,8 @@ def clock_cycles(num_stages: int, num_microbatches: int) -> list[list[tuple[int,
 
     Each pair is (micro-batch, stage); useful to draw or reason about the pipeline's fill.
     """
-    _check_sizes(num_stages, num_microbatches)
+    _check_sizes(num_stages, chunks)
     ticks = []
-    for t in range(num_microbatches + num_stages - 1):
-        ticks.append([(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches])
+    for t in range(chunks + num_stages - 1):
+        ticks.append([(t - k, k) for k in range(num_stages) if 0 <= t - k < chunks])
     return ticks

@@ -49,19 +49,19 @@ from __future__ import annotations
 from giantpipe.engine.schedules.actions import Action, Schedule, _check_sizes, dependencies
 
 
-def one_f_one_b(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+def one_f_one_b(num_workers: int, chunks: int, virtual_stages: int = 1) -> Schedule:
     """1F1B with flush: K-k-1 warm-up forwards on stage k, then F and B alternate.
 
     >>> [str(a) for a in one_f_one_b(2, 2).actions[1]]
     ['F0@1', 'B0@1', 'F1@1', 'B1@1']
     """
-    _check_single_stage("1f1b", num_workers, num_microbatches, virtual_stages)
+    _check_single_stage("1f1b", num_workers, chunks, virtual_stages)
     workers = []
     for k in range(num_workers):
-        forwards = [Action("F", k, m) for m in range(num_microbatches)]
-        backwards = [Action("B", k, m) for m in range(num_microbatches)]
+        forwards = [Action("F", k, m) for m in range(chunks)]
+        backwards = [Action("B", k, m) for m in range(chunks)]
         workers.append(_one_f_one_b_order(forwards, backwards, warmup=num_workers - k - 1))
-    return Schedule("1f1b", num_workers, num_microbatches, tuple(workers), _identity(num_workers))
+    return Schedule("1f1b", num_workers, chunks, tuple(workers), _identity(num_workers))
 
 
 def _one_f_one_b_order(
@@ -77,7 +77,7 @@ def _one_f_one_b_order(
     return tuple(order)
 
 
-def interleaved(num_workers: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
+def interleaved(num_workers: int, chunks: int, virtual_stages: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM's order): K*V stages, stage s on worker s % K.
 
     A worker's forwards go round its V stages in groups of K micro-batches (depth first: stage
@@ -87,18 +87,19 @@ def interleaved(num_workers: int, num_microbatches: int, virtual_stages: int = 2
     >>> [str(a) for a in interleaved(2, 2, 2).actions[1]]
     ['F0@1', 'F1@1', 'F0@3', 'B0@3', 'F1@3', 'B1@3', 'B0@1', 'B1@1']
     """
-    k, m, v = num_workers, num_microbatches, virtual_stages
-    _check_sizes(k, m, v)
+    k, v = num_workers, virtual_stages
+    _check_sizes(k, chunks, v)
     if v < 2:
         raise ValueError(
             f"interleaved needs virtual_stages >= 2 (got {v}); with one stage per worker use '1f1b'"
         )
-    if m % k:
+    if chunks % k:
         raise ValueError(
-            f"interleaved 1F1B needs the number of micro-batches (chunks={m}) to be a multiple "
-            f"of the number of workers ({k}): micro-batches go round the stages in groups of K"
+            "interleaved 1F1B needs the number of micro-batches "
+            f"(chunks={chunks}) to be a multiple of the number of workers ({k}): micro-batches "
+            "go round the stages in groups of K"
         )
-    total = m * v
+    total = chunks * v
 
     def action(kind: str, w: int, i: int) -> Action:
         chunk = (i % (k * v)) // k
@@ -113,10 +114,10 @@ def interleaved(num_workers: int, num_microbatches: int, virtual_stages: int = 2
         warmup = 2 * (k - w - 1) + (v - 1) * k
         workers.append(_one_f_one_b_order(forwards, backwards, warmup))
     placement = tuple(s % k for s in range(k * v))
-    return Schedule("interleaved", k * v, m, tuple(workers), placement)
+    return Schedule("interleaved", k * v, chunks, tuple(workers), placement)
 
 
-def zb_h1(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+def zb_h1(num_workers: int, chunks: int, virtual_stages: int = 1) -> Schedule:
     """ZB-H1: 1F1B with the backward split into B and W; stage k defers its first k W.
 
     After each B, the stage runs the oldest pending W once it has done more than k backwards;
@@ -126,14 +127,14 @@ def zb_h1(num_workers: int, num_microbatches: int, virtual_stages: int = 1) -> S
     >>> [str(a) for a in zb_h1(2, 2).actions[1]]
     ['F0@1', 'B0@1', 'F1@1', 'B1@1', 'W0@1', 'W1@1']
     """
-    _check_single_stage("zb-h1", num_workers, num_microbatches, virtual_stages)
+    _check_single_stage("zb-h1", num_workers, chunks, virtual_stages)
     workers = []
     for k in range(num_workers):
-        forwards = [Action("F", k, m) for m in range(num_microbatches)]
-        backwards = [Action("B", k, m) for m in range(num_microbatches)]
+        forwards = [Action("F", k, m) for m in range(chunks)]
+        backwards = [Action("B", k, m) for m in range(chunks)]
         order = _one_f_one_b_order(forwards, backwards, warmup=num_workers - k - 1)
         workers.append(_with_weight_gradients(order, deferred=k))
-    return Schedule("zb-h1", num_workers, num_microbatches, tuple(workers), _identity(num_workers))
+    return Schedule("zb-h1", num_workers, chunks, tuple(workers), _identity(num_workers))
 
 
 def _with_weight_gradients(order: tuple[Action, ...], deferred: int) -> tuple[Action, ...]:
@@ -150,7 +151,7 @@ def _with_weight_gradients(order: tuple[Action, ...], deferred: int) -> tuple[Ac
     return tuple(out + pending)
 
 
-def zb_v(num_workers: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
+def zb_v(num_workers: int, chunks: int, virtual_stages: int = 2) -> Schedule:
     """ZB-V: 2K half stages in a V (worker w: stages w and 2K-1-w), B and W split, ordered by
     a list schedule on unit costs (see the module's docstring).
 
@@ -160,17 +161,17 @@ def zb_v(num_workers: int, num_microbatches: int, virtual_stages: int = 2) -> Sc
     >>> [str(a) for a in s.actions[0]][:5]    # 3 activations held (< 2K): F1@3 before W0@3
     ['F0@0', 'F1@0', 'F0@3', 'B0@3', 'F1@3']
     """
-    k, m, v = num_workers, num_microbatches, virtual_stages
-    _check_sizes(k, m, v)
+    k, v = num_workers, virtual_stages
+    _check_sizes(k, chunks, v)
     if v != 2:
         raise ValueError(f"zb-v runs 2 stages per worker (virtual_stages=2, got {v})")
     n = 2 * k
     placement = tuple(s if s < k else n - 1 - s for s in range(n))
-    orders = _list_schedule(placement, m, held_limit=2 * k)
-    return Schedule("zb-v", n, m, tuple(tuple(o) for o in orders), placement)
+    orders = _list_schedule(placement, chunks, held_limit=2 * k)
+    return Schedule("zb-v", n, chunks, tuple(tuple(o) for o in orders), placement)
 
 
-def _list_schedule(placement: tuple[int, ...], m: int, held_limit: int) -> list[list[Action]]:
+def _list_schedule(placement: tuple[int, ...], chunks: int, held_limit: int) -> list[list[Action]]:
     """Simulates unit-cost actions tick by tick: a free worker takes its ready B (oldest
     micro-batch, later stage first), else a ready F (later stage first, then oldest) while it
     holds fewer than ``held_limit`` activations (from F to W), else its oldest W."""
@@ -181,7 +182,7 @@ def _list_schedule(placement: tuple[int, ...], m: int, held_limit: int) -> list[
     # ZB-V for M up to the batch size).
     nxt = {(kind, s): 0 for s in range(n) for kind in "FBW"}
     stages = [[s for s in range(n) if placement[s] == w] for w in range(k)]
-    left = [3 * m * len(own) for own in stages]
+    left = [3 * chunks * len(own) for own in stages]
     finished: dict[Action, int] = {}
     free, held = [0] * k, [0] * k
     orders: list[list[Action]] = [[] for _ in range(k)]
@@ -193,7 +194,7 @@ def _list_schedule(placement: tuple[int, ...], m: int, held_limit: int) -> list[
             heads = [Action(kind, s, nxt[kind, s]) for s in stages[w] for kind in "FBW"]
             ready = [
                 a for a in heads
-                if a.microbatch < m
+                if a.microbatch < chunks
                 and all(finished.get(d, tick + 1) <= tick for d in dependencies(a, n))
             ]  # fmt: skip
             action = _pick(ready, allow_forward=held[w] < held_limit)
@@ -219,8 +220,8 @@ def _pick(ready: list[Action], allow_forward: bool) -> Action | None:
     return None
 
 
-def _check_single_stage(name: str, k: int, m: int, v: int) -> None:
-    _check_sizes(k, m, v)
+def _check_single_stage(name: str, k: int, chunks: int, v: int) -> None:
+    _check_sizes(k, chunks, v)
     if v != 1:
         raise ValueError(
             f"{name} runs one stage per worker (virtual_stages=1, got {v}); "
