@@ -5,7 +5,8 @@ read one :class:`GpuOptions` from the environment, which ``benchmarks/gpu_check.
 each case it runs: ``GIANTPIPE_GPU_STANDINS=1`` runs them on CPU stand-ins at tiny sizes (what
 this machine can prove of the GPU path), ``GIANTPIPE_GPU_QUICK=1`` at the short budget's sizes,
 ``GIANTPIPE_GPU_INJECT`` plants a test-only fault (``hang``: a stage that never returns;
-``wrong``: a perturbed weight) to prove that the check reports it.
+``wrong``: a perturbed weight) to prove that the check reports it, ``GIANTPIPE_GPU_TIMEOUT``
+replaces every ceiling (:func:`ceiling`).
 
 Example:
 
@@ -25,8 +26,28 @@ from dataclasses import dataclass
 import torch
 
 STANDINS, QUICK, INJECT = "GIANTPIPE_GPU_STANDINS", "GIANTPIPE_GPU_QUICK", "GIANTPIPE_GPU_INJECT"
+TIMEOUT = "GIANTPIPE_GPU_TIMEOUT"  # seconds per test or measurement, overriding its own
+ROWS = "GIANTPIPE_GPU_ROWS"  # a file the GPU tests append their rows to (tests/gpu/conftest.py)
+DRY_TIMEOUT_S = 90.0  # per test or measurement on CPU stand-ins (2 shared cores)
+QUICK_TIMEOUT = 0.5  # the short budget: each GPU timeout halved, so one hang fits the budget
 INJECTIONS = ("hang", "wrong")  # test-only faults: a stage that never returns, a wrong weight
 CUDA_ONLY, TWO_GPUS = "CUDA only", "needs 2 GPUs"  # verdicts: what this run cannot judge
+
+
+def ceiling(gpu_seconds: float, env: Mapping[str, str] | None = None) -> float:
+    """The timeout of a test or measurement whose ceiling on a GPU is ``gpu_seconds``: halved
+    at the quick sizes, :data:`DRY_TIMEOUT_S` on CPU stand-ins, unless ``$GIANTPIPE_GPU_TIMEOUT``
+    says otherwise (a ceiling only a hang reaches: several times what it should take).
+
+    >>> ceiling(120.0, {}), ceiling(120.0, {QUICK: "1"}), ceiling(120.0, {STANDINS: "1"})
+    (120.0, 60.0, 90.0)
+    """
+    env = os.environ if env is None else env
+    if env.get(TIMEOUT):
+        return float(env[TIMEOUT])
+    if env.get(STANDINS) == "1":
+        return DRY_TIMEOUT_S
+    return gpu_seconds * (QUICK_TIMEOUT if env.get(QUICK) == "1" else 1.0)
 
 
 @dataclass(frozen=True)

@@ -139,8 +139,10 @@ def _parts(
 ) -> list[tuple[nn.Module, torch.device]]:
     if placement is None:
         return [(model, CPU)]
-    assert isinstance(model, nn.Sequential), "a placement cuts a Sequential into runs of layers"
-    parts, start = [], 0
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"a placement cuts a Sequential into runs of layers, not a {type(model)}")
+    parts: list[tuple[nn.Module, torch.device]] = []
+    start = 0
     for count, device in placement:
         parts.append((model[start : start + count].to(device), device))
         start += count
