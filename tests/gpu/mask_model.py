@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from giantpipe.testing.gpu import GpuOptions
+from tests.unit.engine.engine_helpers import Embed, Head  # the engine tests' tuple model's ends
 
 
 @dataclass(frozen=True)
@@ -38,18 +39,6 @@ class Sizes:
         if opts.dry:
             return cls(d_in=6, width=16, blocks=6, batch=16, classes=3)
         return cls(d_in=64, width=512, blocks=6, batch=256, classes=10)
-
-
-class Embed(nn.Module):
-    """(features, mask) -> (hidden, mask): the integer mask rides along."""
-
-    def __init__(self, d_in: int, width: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(d_in, width)
-
-    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        x, mask = batch
-        return self.proj(x), mask
 
 
 class Block(nn.Module):
@@ -71,15 +60,6 @@ class Block(nn.Module):
         h, mask = batch
         update = self.drop(torch.relu(self.bn(self.fc(h))).float())
         return h + update * mask.unsqueeze(-1), mask
-
-
-class Head(nn.Module):
-    def __init__(self, width: int, classes: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(width, classes)
-
-    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.fc(batch[0])
 
 
 def mask_model(sizes: Sizes) -> nn.Sequential:

@@ -135,13 +135,32 @@ def plain_step(
     """The plain model's step, micro-batch by micro-batch, on a copy of ``model``; each
     segment (a number of layers, a device) runs under that device's dropout seeds, as a stage
     on that device does in the pipe."""
+    plain, seed, loss = trained_copy(model, inputs, target, chunks, segments, dtype)
+    plain.eval()
+    with torch.no_grad(), autocast(segments[-1][1], dtype):
+        outputs = plain_forward(plain, inputs, seed, 0, segments)
+    return _snapshot(plain, loss, outputs)
+
+
+def trained_copy(
+    model: nn.Sequential,
+    inputs: Any,
+    target: torch.Tensor,
+    chunks: int,
+    segments: list[tuple[int, torch.device]],
+    dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> tuple[nn.Sequential, int, torch.Tensor]:
+    """A copy of ``model`` (deferred BatchNorm) that took the plain step from ``SEED``: the
+    copy, the step's dropout seed and its loss (see :func:`plain_step`; ``scaler``: backward
+    through it)."""
     plain = copy.deepcopy(model)
     convert_deferred_batch_norm(plain)
     hooks = install_rng_hooks(plain)
     seed = step_seed(SEED)
     losses = accumulate_micro_batches(
         plain, inputs, target, chunks, seed, nn.functional.cross_entropy,
-        placement=segments, dtype=dtype,
+        placement=segments, dtype=dtype, scaler=scaler,
     )  # fmt: skip
     loss_sum = torch.zeros(())
     for loss in losses:
@@ -149,7 +168,4 @@ def plain_step(
     commit_deferred_batch_norm(plain)
     for h in hooks:
         h.remove()
-    plain.eval()
-    with torch.no_grad(), autocast(segments[-1][1], dtype):
-        outputs = plain_forward(plain, inputs, seed, 0, segments)
-    return _snapshot(plain, loss_sum, outputs)
+    return plain, seed, loss_sum

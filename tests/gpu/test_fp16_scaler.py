@@ -11,7 +11,6 @@ micro-batch (:mod:`giantpipe.testing`).
 
 from __future__ import annotations
 
-import copy
 from contextlib import closing
 from dataclasses import dataclass
 from functools import cache
@@ -20,14 +19,11 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from giantpipe.engine.rng import install_rng_hooks
-from giantpipe.testing import accumulate_micro_batches, step_seed
 from giantpipe.testing.gpu import GpuOptions
 from tests.gpu.case import Record, marks, report
 from tests.gpu.errors import LOW_CRITERION, LOW_PRECISION_FACTOR, errors, worst_ratio
 from tests.gpu.mask_model import Sizes, mask_batch, mask_model, to
-from tests.gpu.steps import SEED, Outcome, pipe_for, plain_step, schedules
+from tests.gpu.steps import SEED, Outcome, pipe_for, plain_step, schedules, trained_copy
 
 pytestmark = marks(90.0)
 
@@ -66,19 +62,9 @@ def plain_scaled(opts: GpuOptions, init_scale: float) -> ScaledStep:
     """The plain model's fp16 step with torch's GradScaler, micro-batch by micro-batch."""
     device, chunks = opts.device, 2 * opts.workers
     model, (inputs, target) = mask_model(Sizes.of(opts)), mask_batch(Sizes.of(opts))
-    plain = convert_deferred_batch_norm(copy.deepcopy(model).to(device))
-    hooks = install_rng_hooks(plain)
     scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
-    losses = accumulate_micro_batches(
-        plain, inputs, target, chunks, step_seed(SEED), nn.functional.cross_entropy,
-        placement=[(len(plain), device)], dtype=torch.float16, scaler=scaler,
-    )  # fmt: skip
-    loss_sum = torch.zeros(())
-    for loss in losses:
-        loss_sum += loss.float().cpu()
-    commit_deferred_batch_norm(plain)
-    for h in hooks:
-        h.remove()
+    whole = [(len(model), device)]
+    plain, _, loss_sum = trained_copy(model, inputs, target, chunks, whole, torch.float16, scaler)
     return optimizer_step(plain, scaler, loss_sum)
 
 
