@@ -41,16 +41,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from multiprocessing.context import ForkServerContext
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,13 +56,12 @@ for _path in (ROOT / "src", ROOT / "benchmarks"):
         sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
-from gpu_common import FAIL  # noqa: E402
-from gpu_measure import MEASUREMENTS, child  # noqa: E402
+from gpu_common import FAIL, CaseResult  # noqa: E402
+from gpu_measure import MEASUREMENTS, kill_group, run_measurement  # noqa: E402
 
 from giantpipe.testing.gpu import INJECTIONS, ROWS, TIMEOUT, GpuOptions, ceiling  # noqa: E402
 
 BUDGET_S = {"full": 480.0, "quick": 180.0}  # the whole run on one H200
-GRACE_S = 20.0  # past a case's timeout before the parent aborts it (faulthandler should have)
 BACKSTOP_S = 900.0  # a pytest that its own timeouts did not end: killed after this long
 TIMED_OUT = "+ Timeout +"  # pytest-timeout's banner over every thread's stack
 
@@ -109,31 +105,6 @@ CASES: dict[str, Case] = {
 """Every case, in the order a run takes them (correctness first: a short loan proves most)."""
 
 
-@dataclass
-class CaseResult:
-    """What became of one case: rows, or why there are none (timeout, crash, exception)."""
-
-    name: str
-    seconds: float
-    rows: list[list[str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    problem: str | None = None  # "timed out after 5 s", "raised an exception", "crashed (exit -11)"
-    log: str = ""  # the case's output: the traceback or every thread's stack
-
-    @property
-    def failed(self) -> list[str]:
-        """The checks that failed (the whole case, if it has no rows)."""
-        if self.problem is not None:
-            return [f"{self.name}: {self.problem}"]
-        return [f"{self.name}: {row[0]}" for row in self.rows if row[1] == FAIL]
-
-    @property
-    def verdict(self) -> str:
-        if self.problem is not None:
-            return {"timed": "TIMEOUT", "raised": "ERROR"}.get(self.problem.split()[0], "CRASH")
-        return FAIL if self.failed else "pass"
-
-
 # ---- running a case ----------------------------------------------------------------------------
 
 
@@ -165,9 +136,9 @@ def run_tests(name: str, opts: GpuOptions, timeout: float | None) -> CaseResult:
         try:
             log, _ = proc.communicate(timeout=BACKSTOP_S)
         except subprocess.TimeoutExpired:  # pytest-timeout did not end it: nothing else will
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
             log, _ = proc.communicate()
-        _kill_group(proc.pid)  # ranks or workers the tests left behind
+        kill_group(proc.pid)  # ranks or workers the tests left behind
         seconds = time.perf_counter() - started
         lines = rows.read_text().splitlines() if rows.exists() else []
     return _tests_outcome(name, seconds, [json.loads(line) for line in lines], log, proc.returncode)
@@ -197,69 +168,6 @@ def _tests_outcome(
         out.problem = f"timed out after {BACKSTOP_S:.0f} s" if seconds >= BACKSTOP_S else None
         out.problem = out.problem or f"crashed (exit {code})"
     elif code not in (0, 1) or (code == 1 and not any(row[1] == FAIL for row in out.rows)):
-        out.problem = f"crashed (exit {code})"
-    return out
-
-
-def _context() -> ForkServerContext:
-    # Children fork from a server that has imported torch and the measurements once (a fresh
-    # interpreter costs seconds per case on a busy CPU) and touched no CUDA (a forked CUDA
-    # runtime is unusable): each case still starts its own CUDA context.
-    ctx = mp.get_context("forkserver")
-    assert isinstance(ctx, ForkServerContext)
-    ctx.set_forkserver_preload(["torch", "gpu_measure"])
-    return ctx
-
-
-def run_measurement(name: str, opts: GpuOptions, timeout: float) -> CaseResult:
-    """Runs measurement ``name`` in a child with ``timeout`` seconds; on expiry the child dumps
-    every thread's stack and exits (if it cannot, the parent aborts it, then kills its group)."""
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
-        started = time.perf_counter()
-        args = (name, opts, str(result), str(log), timeout)
-        proc = _context().Process(target=child, args=args)
-        proc.start()
-        pid = proc.pid
-        assert pid is not None
-        proc.join(timeout + GRACE_S)
-        if proc.is_alive():  # faulthandler did not end it: SIGABRT makes it print the stacks
-            _signal(pid, signal.SIGABRT)
-            proc.join(10)
-        _kill_group(pid)  # ranks or workers the case left behind
-        proc.join(5)
-        seconds = time.perf_counter() - started
-        text = log.read_text(errors="replace") if log.exists() else ""
-        return _outcome(name, seconds, result, text, proc.exitcode, timeout)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _outcome(
-    name: str, seconds: float, result: Path, log: str, code: int | None, timeout: float
-) -> CaseResult:
-    out = CaseResult(name, seconds, log=log)
-    if result.exists():
-        data = json.loads(result.read_text())
-        if "error" in data:
-            out.problem, out.log = "raised an exception", data["error"]
-        else:
-            out.rows, out.notes = data["rows"], data["notes"]
-    elif "Timeout (" in log or code is None or seconds >= timeout:
-        out.problem = f"timed out after {timeout:.0f} s"
-    else:
         out.problem = f"crashed (exit {code})"
     return out
 

@@ -1,5 +1,6 @@
-"""What the GPU measurements (gpu_perf.py, gpu_speed.py) report: rows of a table, each a check,
-its verdict, what was measured and the criterion.
+"""What a case of the GPU check reports: rows of a table, each a check, its verdict, what was
+measured and the criterion (a GPU test's row, or a measurement's: gpu_perf.py, gpu_speed.py),
+and what became of the case (:class:`CaseResult`).
 
 A verdict is pass or FAIL, or says why it is not judged here (``info``: printed only; ``CUDA
 only``, ``needs 2 GPUs``: see :mod:`giantpipe.testing.gpu`). benchmarks/gpu_check.py prints
@@ -33,6 +34,31 @@ class Section:
         if isinstance(verdict, bool):
             verdict = PASS if verdict else FAIL
         self.rows.append((check, verdict, measured, criterion))
+
+
+@dataclass
+class CaseResult:
+    """What became of one case: rows, or why there are none (timeout, crash, exception)."""
+
+    name: str
+    seconds: float
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problem: str | None = None  # "timed out after 5 s", "raised an exception", "crashed (exit -11)"
+    log: str = ""  # the case's output: the traceback or every thread's stack
+
+    @property
+    def failed(self) -> list[str]:
+        """The checks that failed (the whole case, if it has no rows)."""
+        if self.problem is not None:
+            return [f"{self.name}: {self.problem}"]
+        return [f"{self.name}: {row[0]}" for row in self.rows if row[1] == FAIL]
+
+    @property
+    def verdict(self) -> str:
+        if self.problem is not None:
+            return {"timed": "TIMEOUT", "raised": "ERROR"}.get(self.problem.split()[0], "CRASH")
+        return FAIL if self.failed else "pass"
 
 
 def attempt(section: Section, check: str, criterion: str, run: Callable[[], None]) -> None:
