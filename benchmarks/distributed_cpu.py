@@ -65,6 +65,7 @@ from engine_cpu import mlp, plain_step, timed  # noqa: E402
 
 from giantpipe.engine.dist.pipe import DistributedPipe  # noqa: E402
 from giantpipe.engine.schedules import build_schedule, schedule_builders  # noqa: E402
+from giantpipe.testing import free_port, rank_env  # noqa: E402
 
 Key = tuple[str, int]  # (method, M)
 Step = Callable[[], None]
@@ -246,7 +247,7 @@ def _worker(rank: int, port: int, setup: Setup, flip: bool, out_path: str) -> No
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(rank_env(rank, 2, port))
     timeout = datetime.timedelta(seconds=300)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
     x, y = setup.data()
@@ -276,20 +277,12 @@ def one_round(setup: Setup, flip: bool) -> dict[Key, float]:
         seconds[("plain-mb", m)] = timed(plain_step(setup.build(), x, y, m), setup.steps)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
-        args = (_free_port(), setup, flip, out)
+        args = (free_port(), setup, flip, out)
         mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn")
         for rank in (0, 1):
             for name, m, sec in torch.load(f"{out}.{rank}"):
                 seconds[(name, m)] = max(sec, seconds.get((name, m), 0.0))
     return seconds
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- tables -----------------------------------------------------------------------------------

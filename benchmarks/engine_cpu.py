@@ -26,7 +26,6 @@ import argparse
 import copy
 import gc
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from giantpipe import GPipe
+from giantpipe.testing import free_port
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,7 @@ def _pippy_worker(rank: int, port: int, setup: Setup, out_path: str) -> None:
 
 
 def pippy_round(setup: Setup) -> dict[tuple[str, int], float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "pippy.pt")
         mp.start_processes(_pippy_worker, args=(port, setup, out), nprocs=2, start_method="spawn")

@@ -48,6 +48,7 @@ sys.path[:0] = [str(ROOT)]  # models/ from a checkout
 
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.engine.generate import Decoding, generate, split_rows  # noqa: E402
+from giantpipe.perf.balance import even_balance  # noqa: E402
 from models.transformer import transformer_lm  # noqa: E402
 
 LAYERS, D_MODEL, HEADS, VOCAB, ROWS, PROMPT = 12, 64, 4, 1000, 8, 8
@@ -111,7 +112,9 @@ def hf_pipe(length: int, x: torch.Tensor) -> list[list[int]]:
     model = hf_gpt2(length)
     seq = sequentialize(model, x, output="logits")
     give_caches(model, list(seq), seq.spans)
-    pipe = GPipe(seq, even(len(seq), 2), devices=["cpu"] * 2, chunks=1, threads_per_worker=1)
+    pipe = GPipe(
+        seq, even_balance(len(seq), 2), devices=["cpu"] * 2, chunks=1, threads_per_worker=1
+    )
     SETUP_S = time.perf_counter() - began
     out = generate(pipe, [x], [length], Decoding())
     pipe.close()
@@ -131,7 +134,7 @@ def run_case(case: str, length: int) -> list[list[int]]:
         return generate(model, [x], [length], Decoding())[0]
     knobs = {part.split("=")[0]: int(part.split("=")[1]) for part in case.split()[1:]}
     k, v, m = knobs["K"], knobs.get("V", 1), knobs["M"]
-    balance = even(len(model), k * v)
+    balance = even_balance(len(model), k * v)
     schedule = "interleaved" if v > 1 else "gpipe"
     pipe = GPipe(
         model, balance, devices=["cpu"] * k, chunks=m, threads_per_worker=1, schedule=schedule,
@@ -140,10 +143,6 @@ def run_case(case: str, length: int) -> list[list[int]]:
     out = generate(pipe, split_rows(x, m), [length] * m, Decoding())
     pipe.close()
     return [row for chunk in out for row in chunk]
-
-
-def even(layers: int, stages: int) -> list[int]:
-    return [layers // stages + (s < layers % stages) for s in range(stages)]
 
 
 def _status_kb(field: str) -> int:
@@ -180,7 +179,7 @@ def measure(case: str, length: int) -> dict[str, Any]:
 def stage0_share(k: int, length: int) -> tuple[float, float, float]:
     """(stage 0's weights MB, its share of the weights, its caches' MB at the end) for K=k."""
     model = build(length)
-    first = even(len(model), k)[0]
+    first = even_balance(len(model), k)[0]
     total = sum(p.numel() for p in model.parameters())
     mine = sum(p.numel() for layer in list(model)[:first] for p in layer.parameters())
     layers = first - 1  # child 0 is the embedding: no cache

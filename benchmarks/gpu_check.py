@@ -1,6 +1,6 @@
 """The GPU acceptance check: one script that says whether the engine's GPU path is right and how
-fast it is, each case in a child process of its own with a timeout, so a hang is a failure with
-every thread's stack, not a stall.
+fast it is, each case in a process of its own with a timeout, so a hang is a failure with every
+thread's stack, not a stall, and the report written to a file.
 
     python benchmarks/gpu_check.py --out results/gpu   # one GPU or more: under 8 minutes
     python benchmarks/gpu_check.py --quick             # the short budget: under 3 minutes
@@ -12,7 +12,8 @@ Hardware: meant for one H200 (any CUDA GPU will do); a second GPU adds the copie
 GPUs, their overlap with compute and the distributed executor at K=2 over NCCL. What one GPU
 cannot prove is printed as "needs 2 GPUs", what CPU stand-ins cannot as "CUDA only".
 
-The cases (gpu_cases.py, gpu_perf.py, gpu_dist.py)::
+The cases: the GPU tests (tests/gpu, ``python -m pytest -m gpu``; this script runs each case's
+tests in a pytest of its own) and the speed and memory measurements (gpu_measure.py)::
 
     transparency-fp32   every schedule x re-materialization mode equals the plain model, fp32
     transparency-bf16   the same in bf16: error vs fp32 no worse than 1.5x the plain bf16 model's
@@ -21,12 +22,13 @@ The cases (gpu_cases.py, gpu_perf.py, gpu_dist.py)::
     host-sync           no synchronising CUDA call inside a step (sync debug mode 'warn')
     overlap             copies between two GPUs overlap compute
     throughput          samples/s against the plain model, torchgpipe and pippy
-    memory              allocator peak against pipe.predict's forecast
+    memory              allocator peak against predict(pipe, ...)'s forecast
     nccl                DistributedPipe over NCCL, one rank per GPU, equals the plain model
 
-Each case prints a markdown table (check, verdict, measured, criterion) and its seconds; a
-summary lists the failures; the exit status is 1 when any check failed, timed out or crashed.
-With ``--out DIR`` the report is also written to DIR, with the date and the command.
+Each case prints a markdown table (check, verdict, measured, criterion: a test's row, or a
+measurement's) and its seconds; a summary lists the failures; the exit status is 1 when any
+check failed, timed out or crashed. With ``--out DIR`` the report is also written to DIR, with
+the date and the command.
 
 Expect every row to pass. No GPU has run this yet (results/gpu/README.md): the tolerances are
 derived (fp32: float noise of reordered sums; low precision: the plain model's own error), but
@@ -39,15 +41,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import shlex
-import signal
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from multiprocessing.context import ForkServerContext
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,103 +56,118 @@ for _path in (ROOT / "src", ROOT / "benchmarks"):
         sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
-from gpu_cases import CASES, child  # noqa: E402
-from gpu_common import FAIL, Options  # noqa: E402
+from gpu_common import FAIL, CaseResult  # noqa: E402
+from gpu_measure import MEASUREMENTS, kill_group, run_measurement  # noqa: E402
+
+from giantpipe.testing.gpu import INJECTIONS, ROWS, TIMEOUT, GpuOptions, ceiling  # noqa: E402
 
 BUDGET_S = {"full": 480.0, "quick": 180.0}  # the whole run on one H200
-DRY_TIMEOUT_S = 90.0  # per case on CPU stand-ins (2 shared cores)
-QUICK_TIMEOUT = 0.5  # --quick: each case's GPU timeout halved, so one hang fits the budget
-GRACE_S = 20.0  # past a case's timeout before the parent aborts it (faulthandler should have)
-INJECTIONS = ("hang", "wrong")  # test-only faults: a stage that never returns, a wrong weight
+BACKSTOP_S = 900.0  # a pytest that its own timeouts did not end: killed after this long
+TIMED_OUT = "+ Timeout +"  # pytest-timeout's banner over every thread's stack
 
 
-@dataclass
-class CaseResult:
-    """What became of one case: rows, or why there are none (timeout, crash, exception)."""
+@dataclass(frozen=True)
+class Case:
+    """A case: what it proves (one line), and the GPU tests it runs (pytest node ids under
+    tests/gpu), or none for a measurement of gpu_measure.py."""
 
-    name: str
-    seconds: float
-    rows: list[list[str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    problem: str | None = None  # "timed out after 5 s", "raised an exception", "crashed (exit -11)"
-    log: str = ""  # the child's stderr and stdout: the traceback or every thread's stack
+    proves: str
+    tests: tuple[str, ...] = ()
 
-    @property
-    def failed(self) -> list[str]:
-        """The checks that failed (the whole case, if it has no rows)."""
-        if self.problem is not None:
-            return [f"{self.name}: {self.problem}"]
-        return [f"{self.name}: {row[0]}" for row in self.rows if row[1] == FAIL]
 
-    @property
-    def verdict(self) -> str:
-        if self.problem is not None:
-            return {"timed": "TIMEOUT", "raised": "ERROR"}.get(self.problem.split()[0], "CRASH")
-        return FAIL if self.failed else "pass"
+def _tests(path: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"tests/gpu/{path}::{name}" for name in names) or (f"tests/gpu/{path}",)
+
+
+CASES: dict[str, Case] = {
+    "transparency-fp32": Case(
+        "every schedule x re-materialization mode equals the plain model, fp32",
+        _tests(
+            "test_transparency.py",
+            "test_fp32_equals_the_plain_model",
+            "test_fp32_stages_on_the_host_and_a_gpu",
+        ),
+    ),
+    "transparency-bf16": Case(
+        "every schedule x mode in bf16: error vs fp32 no worse than plain bf16",
+        _tests("test_transparency.py", "test_bf16_is_no_worse_than_the_plain_model"),
+    ),
+    "fp16-scaler": Case(
+        "fp16 with a gradient scaler: steps, skips and scales", _tests("test_fp16_scaler.py")
+    ),
+    "front-door": Case(
+        "y = pipe(x); loss.backward() equals the plain model", _tests("test_front_door.py")
+    ),
+    "host-sync": Case("no host synchronisation inside a step", _tests("test_host_sync.py")),
+    **{name: Case(measurement.proves) for name, measurement in MEASUREMENTS.items()},
+    "nccl": Case("DistributedPipe over NCCL equals the plain model", _tests("test_nccl.py")),
+}
+"""Every case, in the order a run takes them (correctness first: a short loan proves most)."""
 
 
 # ---- running a case ----------------------------------------------------------------------------
 
 
-def _context() -> ForkServerContext:
-    # Children fork from a server that has imported torch and the cases once (a fresh
-    # interpreter costs seconds per case on a busy CPU) and touched no CUDA (a forked CUDA
-    # runtime is unusable): each case still starts its own CUDA context.
-    ctx = mp.get_context("forkserver")
-    assert isinstance(ctx, ForkServerContext)
-    ctx.set_forkserver_preload(["torch", "gpu_cases"])
-    return ctx
+def run_case(name: str, opts: GpuOptions, timeout: float | None) -> CaseResult:
+    """Runs case ``name``: its tests in a pytest of their own, or its measurement in a child."""
+    if CASES[name].tests:
+        return run_tests(name, opts, timeout)
+    return run_measurement(name, opts, timeout or ceiling(MEASUREMENTS[name].timeout, opts.env()))
 
 
-def run_case(name: str, opts: Options, timeout: float) -> CaseResult:
-    """Runs ``name`` in a child with ``timeout`` seconds; on expiry the child dumps every
-    thread's stack and exits (if it cannot, the parent aborts it, then kills its group)."""
+def run_tests(name: str, opts: GpuOptions, timeout: float | None) -> CaseResult:
+    """``python -m pytest -m gpu TESTS`` in its own process group, seeing ``opts`` (and
+    ``timeout`` seconds per test, else each test's own); each test's row read back from the
+    rows file the tests' conftest writes. A test that hangs ends its pytest with every
+    thread's stack (pytest-timeout's ``thread`` method)."""
+    env = {**os.environ, **opts.env(), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    if timeout is not None:
+        env[TIMEOUT] = str(timeout)
+    command = [sys.executable, "-m", "pytest", *CASES[name].tests, "-m", "gpu", "-n", "0",
+               "-p", "no:cacheprovider", "-q"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        result, log = Path(tmp, "result.json"), Path(tmp, "log.txt")
+        rows = Path(tmp, "rows.jsonl")
+        env[ROWS] = str(rows)
         started = time.perf_counter()
-        args = (name, opts, str(result), str(log), timeout)
-        proc = _context().Process(target=child, args=args)
-        proc.start()
-        pid = proc.pid
-        assert pid is not None
-        proc.join(timeout + GRACE_S)
-        if proc.is_alive():  # faulthandler did not end it: SIGABRT makes it print the stacks
-            _signal(pid, signal.SIGABRT)
-            proc.join(10)
-        _kill_group(pid)  # ranks or workers the case left behind
-        proc.join(5)
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, text=True, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            log, _ = proc.communicate(timeout=BACKSTOP_S)
+        except subprocess.TimeoutExpired:  # pytest-timeout did not end it: nothing else will
+            kill_group(proc.pid)
+            log, _ = proc.communicate()
+        kill_group(proc.pid)  # ranks or workers the tests left behind
         seconds = time.perf_counter() - started
-        text = log.read_text(errors="replace") if log.exists() else ""
-        return _outcome(name, seconds, result, text, proc.exitcode, timeout)
+        lines = rows.read_text().splitlines() if rows.exists() else []
+    return _tests_outcome(name, seconds, [json.loads(line) for line in lines], log, proc.returncode)
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _outcome(
-    name: str, seconds: float, result: Path, log: str, code: int | None, timeout: float
+def _tests_outcome(
+    name: str, seconds: float, records: list[dict], log: str, code: int
 ) -> CaseResult:
+    """The case's rows from its tests' records (tests/gpu/conftest.py): one per test, its
+    verdict pass, FAIL or why it skipped (``CUDA only``, ``needs 2 GPUs``)."""
     out = CaseResult(name, seconds, log=log)
-    if result.exists():
-        data = json.loads(result.read_text())
-        if "error" in data:
-            out.problem, out.log = "raised an exception", data["error"]
-        else:
-            out.rows, out.notes = data["rows"], data["notes"]
-    elif "Timeout (" in log or code is None or seconds >= timeout:
-        out.problem = f"timed out after {timeout:.0f} s"
-    else:
+    decided: dict[str, dict] = {}  # a test's call, or the setup or teardown that failed it
+    for r in records:
+        if not r.get("started") and (r["nodeid"] not in decided or r["outcome"] == "failed"):
+            decided[r["nodeid"]] = r
+    for r in decided.values():
+        props = dict(r["properties"])
+        verdict = {"passed": "pass", "failed": FAIL}.get(r["outcome"], r["reason"])
+        measured = props.get("measured") or (f"raised {r['reason']}" if r["reason"] else "-")
+        check = props.get("check", r["nodeid"].split("::")[-1])
+        out.rows.append([check, verdict, measured, props.get("criterion", "-")])
+        out.notes += [v for k, v in r["properties"] if k == "note" and v not in out.notes]
+    starts = [r for r in records if r.get("started")]
+    if TIMED_OUT in log:  # pytest-timeout ended the pytest in the last test it started
+        out.problem = f"timed out after {starts[-1]['timeout'] if starts else 0:.0f} s"
+    elif code < 0:
+        out.problem = f"timed out after {BACKSTOP_S:.0f} s" if seconds >= BACKSTOP_S else None
+        out.problem = out.problem or f"crashed (exit {code})"
+    elif code not in (0, 1) or (code == 1 and not any(row[1] == FAIL for row in out.rows)):
         out.problem = f"crashed (exit {code})"
     return out
 
@@ -160,7 +175,7 @@ def _outcome(
 # ---- the report ----------------------------------------------------------------------------------
 
 
-def environment(opts: Options) -> list[str]:
+def environment(opts: GpuOptions) -> list[str]:
     lines = [f"- torch {torch.__version__}, CUDA {torch.version.cuda}"]
     if opts.dry:
         return [*lines, "- dry run: CPU stand-ins, tiny sizes (nothing here is a GPU result)"]
@@ -183,8 +198,8 @@ def section(case: CaseResult) -> str:
         lines += [""] + [f"- {note}" for note in case.notes]
     if case.problem is not None or (case.failed and case.log.strip()):
         what = f"**{case.problem}**; the" if case.problem else "The"
-        lines += [f"{what} child's output (last 120 lines):", "", "```"]
-        lines += case.log.rstrip().splitlines()[-120:] + ["```"]
+        lines += [f"{what} output (last 200 lines):", "", "```"]
+        lines += case.log.rstrip().splitlines()[-200:] + ["```"]
     return "\n".join(lines) + "\n"
 
 
@@ -208,7 +223,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="the short budget (< 3 minutes)")
     parser.add_argument("--only", action="append", metavar="CASE", help="run only CASE")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
-    parser.add_argument("--timeout", type=float, help="seconds per case (default: per case)")
+    parser.add_argument(
+        "--timeout", type=float, help="seconds per test or measurement (default: its own)"
+    )
     parser.add_argument("--out", type=Path, help="also write the report into this directory")
     # test-only: proves that a hang and a wrong result are reported as failures
     parser.add_argument("--inject", choices=INJECTIONS, help=argparse.SUPPRESS)
@@ -229,15 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_dry_run and gpus == 0:
         print("no CUDA device: run with --cpu-dry-run", file=sys.stderr)
         return 2
-    opts = Options(dry=args.cpu_dry_run, quick=args.quick, gpus=gpus, inject=args.inject)
+    opts = GpuOptions(dry=args.cpu_dry_run, quick=args.quick, gpus=gpus, inject=args.inject)
     command = shlex.join(["python", "benchmarks/gpu_check.py", *(argv or sys.argv[1:])])
     head = [f"# GPU check, {datetime.datetime.now():%Y-%m-%d %H:%M}", "", f"`{command}`", ""]
     report = ["\n".join(head + environment(opts)) + "\n"]
     print(report[0], flush=True)
     started, cases = time.perf_counter(), []
     for name in args.only or list(CASES):
-        timeout = args.timeout or timeout_of(name, opts)
-        cases.append(run_case(name, opts, timeout))
+        cases.append(run_case(name, opts, args.timeout))
         report.append(section(cases[-1]))
         print(report[-1], flush=True)
     budget = None if opts.dry else BUDGET_S["quick" if opts.quick else "full"]
@@ -248,14 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(c.failed for c in cases) else 0
 
 
-def timeout_of(name: str, opts: Options) -> float:
-    """The case's seconds: its own on a GPU (halved with --quick), DRY_TIMEOUT_S on CPU."""
-    if opts.dry:
-        return DRY_TIMEOUT_S
-    return CASES[name].timeout * (QUICK_TIMEOUT if opts.quick else 1.0)
-
-
-def write(directory: Path, text: str, opts: Options) -> Path:
+def write(directory: Path, text: str, opts: GpuOptions) -> Path:
     """The report as ``DIR/gpu_check_<date>_<mode>.md``."""
     directory.mkdir(parents=True, exist_ok=True)
     mode = "dry" if opts.dry else "quick" if opts.quick else "full"

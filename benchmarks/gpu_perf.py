@@ -1,36 +1,30 @@
-"""The GPU check's performance cases: copies between GPUs overlapping compute, and the
-allocator's peak against the forecast (throughput is gpu_speed.py's), with the MLP they share.
+"""The GPU check's copy and memory measurements: copies between GPUs overlapping compute, and
+the allocator's peak against the forecast (throughput is gpu_speed.py's), with the MLP they
+share.
 
 Each runs on the GPUs of the run (K=2; on one GPU both stages share it, each on its own
 stream), or on CPU stand-ins in a dry run, where what cannot be judged without CUDA says so.
 
 Example::
 
-    section = memory(Options(dry=True, quick=True, gpus=0))
+    section = memory(GpuOptions(dry=True, quick=True, gpus=0))
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-from gpu_common import (
-    FAIL,
-    INFO,
-    TWO_GPUS,
-    Options,
-    Section,
-    attempt,
-    closing,
-    even_balance,
-)
+from gpu_common import FAIL, INFO, Section, attempt
 from torch import nn
 
 from giantpipe import GPipe
+from giantpipe.perf.balance import even_balance
 from giantpipe.perf.predict import predict
+from giantpipe.testing.gpu import TWO_GPUS, GpuOptions
 
 OVERLAP_MIN = 0.5  # copies between GPUs: at least half their time under compute on their GPU
 MEMORY_BAND = (0.75, 1.33)  # allocator peak growth / forecast activations
@@ -50,7 +44,7 @@ class MLP:
     steps: int
 
     @classmethod
-    def of(cls, opts: Options) -> MLP:
+    def of(cls, opts: GpuOptions) -> MLP:
         if opts.dry:
             return cls(width=64, blocks=4, batch=64, chunks=4, rounds=2, steps=2)
         if opts.quick:
@@ -120,7 +114,7 @@ def device_activity(prof: Any) -> dict[int, tuple[list[Interval], list[Interval]
     return out
 
 
-def profiled_step(opts: Options) -> tuple[Any, Any]:
+def profiled_step(opts: GpuOptions) -> tuple[Any, Any]:
     """K=2 on the run's devices (two GPUs: one each), two steps to warm up, then one step under
     the profiler when there are two GPUs to see; returns (its statistics, the profile)."""
     mlp = MLP.of(opts)
@@ -141,7 +135,7 @@ def profiled_step(opts: Options) -> tuple[Any, Any]:
         return pipe.last_stats, prof
 
 
-def overlap(opts: Options) -> Section:
+def overlap(opts: GpuOptions) -> Section:
     """The fraction of the time of the copies between two GPUs during which their GPU also
     computes. Stages sharing one GPU hand values over without a copy, so one GPU (or CPU
     stand-ins) proves nothing about it; how much the stages overlap is printed anyway."""
@@ -193,7 +187,7 @@ def step_peaks(pipe: GPipe, x: torch.Tensor, y: torch.Tensor) -> list[int]:
     return [torch.cuda.max_memory_allocated(d) - base[d] for d in devices]
 
 
-def memory_row(section: Section, opts: Options, mode: str, shared: bool) -> None:
+def memory_row(section: Section, opts: GpuOptions, mode: str, shared: bool) -> None:
     """One mode's step: measured peak(s) against the forecast activations."""
     mlp = MLP.of(opts)
     devices = opts.devices(2)
@@ -215,7 +209,7 @@ def memory_row(section: Section, opts: Options, mode: str, shared: bool) -> None
     section.add(f"recompute {mode}: measured/forecast", ok, shown, MEMORY_CRITERION)
 
 
-def memory(opts: Options) -> Section:
+def memory(opts: GpuOptions) -> Section:
     """The allocator's peak over a step against ``predict(pipe, ...)``'s forecast of the activations
     (per GPU; on one GPU the workers' forecasts summed), for two re-materialization modes."""
     devices = opts.devices(2)

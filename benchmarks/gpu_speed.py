@@ -8,7 +8,7 @@ GPU, printed only on CPU stand-ins (two shared cores say nothing about a GPU).
 
 Example::
 
-    section = throughput(Options(dry=True, quick=True, gpus=0))
+    section = throughput(GpuOptions(dry=True, quick=True, gpus=0))
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_common import FAIL, INFO, Options, Section, even_balance
+from gpu_common import FAIL, INFO, Section
 from gpu_perf import MLP, sync
 from torch import nn
 
 from giantpipe import GPipe
+from giantpipe.perf.balance import even_balance
+from giantpipe.testing.gpu import GpuOptions
 
 SPEED_FLOORS = {"torchgpipe": 0.9, "pippy": 0.9, "plain-mb": 0.8}  # giantpipe / method, 1 GPU
 Methods = dict[str, Callable[[], Any]]
@@ -134,7 +136,7 @@ def pippy(mlp: MLP, device: torch.device) -> Methods:
     return {"pippy": step}
 
 
-def build(opts: Options, mlp: MLP) -> tuple[Methods, dict[str, str]]:
+def build(opts: GpuOptions, mlp: MLP) -> tuple[Methods, dict[str, str]]:
     """Every method (and why any could not be built)."""
     one = opts.devices(1)[0]
     builders: list[tuple[str, Callable[[], Methods]]] = [
@@ -158,7 +160,7 @@ def build(opts: Options, mlp: MLP) -> tuple[Methods, dict[str, str]]:
     return methods, broken
 
 
-def rates(opts: Options, mlp: MLP, methods: Methods, broken: dict[str, str]) -> dict[str, float]:
+def rates(opts: GpuOptions, mlp: MLP, methods: Methods, broken: dict[str, str]) -> dict[str, float]:
     """Samples/s per method, the median of ``mlp.rounds`` rounds that each time every method in
     turn; a method that raises is dropped (into ``broken``)."""
     seconds: dict[str, list[float]] = {name: [] for name in methods}
@@ -193,7 +195,7 @@ def ratio_row(
     section.add(check, INFO if floor is None else ratio >= floor, f"{ratio:.2f}", criterion)
 
 
-def throughput(opts: Options) -> Section:
+def throughput(opts: GpuOptions) -> Section:
     """Samples/s of every method on the first GPU (and on two GPUs when there are two), and
     giantpipe's ratio to each."""
     mlp = MLP.of(opts)

@@ -63,11 +63,11 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(ROOT / "src")]
-from distributed_cpu import _free_port  # noqa: E402
 from engine_cpu import mlp, plain_step, timed  # noqa: E402
 
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.perf.balance import balance_by_time  # noqa: E402
+from giantpipe.testing import free_port, rank_env  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "1"}
 MEMORY_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": "4096"}  # the memory pass: RSS = live memory
@@ -302,7 +302,7 @@ def _dist_worker(rank: int, port: int, name: str, setup: Setup, balances: dict[i
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(rank_env(rank, 2, port))
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
     rows = []
@@ -319,7 +319,7 @@ def dist_round(name: str, setup: Setup, balances: dict[int, list[int]], memory: 
                ) -> tuple[dict[Key, float], dict[Key, int]]:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows")
-        args = (_free_port(), name, setup, balances, memory, out)
+        args = (free_port(), name, setup, balances, memory, out)
         mp.start_processes(_dist_worker, args=args, nprocs=2, start_method="spawn")
         ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     # the step ends on the last rank (it computes the loss); memory: both processes together

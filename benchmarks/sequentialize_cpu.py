@@ -35,7 +35,6 @@ import argparse
 import copy
 import datetime
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from torch.nn import functional as F
 from giantpipe import GPipe, sequentialize
 from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.perf.balance import balance_by_time
+from giantpipe.testing import free_port
 
 SCHEDULES = ("gpipe", "1f1b")
 TIED = ("wte.weight", "lm_head.weight")  # GPT-2's input and output embeddings: one parameter
@@ -337,9 +337,7 @@ def _relative_error(held: list[tuple[str, torch.Tensor]], want: dict[str, torch.
 
 
 def run(setup: Setup) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
         mp.start_processes(_worker, args=(port, setup, out), nprocs=2, start_method="spawn")

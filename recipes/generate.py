@@ -35,6 +35,7 @@ from giantpipe import GPipe
 from giantpipe.config import ConfigError
 from giantpipe.data.translation.decoding import pipelined_decode
 from giantpipe.engine.generate import Decoding, generate
+from giantpipe.perf.balance import even_balance
 from giantpipe.runner.build import capture
 from giantpipe.runner.checkpoint import matching, read_weights
 
@@ -100,11 +101,6 @@ def distributed_pipe(checkpoint: Path, cfg: dict, chunks: int) -> tuple[nn.Modul
         sys.exit(f"{checkpoint} lacks tensors of rank {dist.get_rank()}'s stage")
     pipe.load_state_dict(found)
     return pipe.eval(), dist.get_rank() == 0
-
-
-def even_balance(layers: int, stages: int) -> list[int]:
-    """``layers`` children in ``stages`` runs as even as possible (the first ones longer)."""
-    return [layers // stages + (s < layers % stages) for s in range(stages)]
 
 
 def continue_tokens(pipe: nn.Module, prompts: list[str], args: argparse.Namespace) -> list[str]:

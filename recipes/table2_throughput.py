@@ -66,8 +66,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without ins
 from giantpipe.engine.microbatch import scatter  # noqa: E402
 from giantpipe.engine.schedules.fill_drain import fill_drain  # noqa: E402
 from giantpipe.perf.balance import solve_balance  # noqa: E402
+from giantpipe.perf.batch_fit import Fit, fastest_batch  # noqa: E402
 from giantpipe.perf.costs import DeviceModel, LayerCost, measure_layers  # noqa: E402
-from giantpipe.perf.planner import DeviceSpec, combine, plan  # noqa: E402
+from giantpipe.perf.planner import DeviceSpec, combine, merge_costs  # noqa: E402
 from giantpipe.perf.simulate import StageCost, simulate  # noqa: E402
 from giantpipe.perf.stage_profile import profile_stages  # noqa: E402
 from recipes.model_sizes import build as build_full_size  # noqa: E402
@@ -269,15 +270,6 @@ QUICK_STAND_IN = {  # seconds, not minutes: the structure of the models, tiny si
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Fit:
-    """A simulated cell of the paper's grid: the batch that fit, its throughput and balance."""
-
-    batch: int
-    samples_per_s: float
-    balance: tuple[int, ...]
-
-
 @dataclass
 class Results:
     """Per cell of one model: what was measured and what was simulated."""
@@ -370,12 +362,9 @@ def profile_layers(net: nn.Sequential, x: Any, y: Any, loss: Any, repeats: int) 
 
 
 def merge(layers: Sequence[StageCost]) -> StageCost:
-    """A stage of consecutive layers: times add up; it keeps its input and every inner input."""
-    total = {f: sum(getattr(c, f) for c in layers) for f in
-             ("forward", "backward", "backward_input", "weight", "forward_no_grad", "recompute",
-              "activation_bytes", "static_bytes")}  # fmt: skip
-    total["activation_bytes"] += sum(c.input_bytes for c in layers[1:])
-    return StageCost(**total, send=layers[-1].send, input_bytes=layers[0].input_bytes)
+    """A stage of consecutive profiled layers, by the planner's rule: times add up; it keeps its
+    input and every inner input (a profile does not say which of them autograd saves)."""
+    return merge_costs(layers, sum(c.input_bytes for c in layers[1:]))
 
 
 def simulate_profile(layers: Sequence[StageCost], k: int, m: int, checkpoint: str) -> float:
@@ -432,26 +421,22 @@ def fit_batch(
     checkpoint: str = "always",
 ) -> Fit | None:
     """The fastest batch m * 2^j up to ``max_batch`` that fits in memory (the paper adjusted
-    the batch "to fit memory"), re-materializing as ``checkpoint`` says. The planner cuts the
-    model within memory by ``balance_by``: 'flops' (the paper's partitioner estimates cost
-    from FLOPs; bandwidth-bound layers then weigh more than it thinks) or 'time' (the device
-    model's seconds); the cut is then timed on the full device model."""
+    the batch "to fit memory"), re-materializing as ``checkpoint`` says
+    (:func:`giantpipe.perf.batch_fit.fastest_batch`). The planner cuts the model within memory
+    by ``balance_by``: 'flops' (the paper's partitioner estimates cost from FLOPs;
+    bandwidth-bound layers then weigh more than it thinks) or 'time' (the device model's
+    seconds); the cut is then timed on the full device model."""
     model = preset.model()
     if balance_by == "flops":  # the same model without the terms that are not FLOPs
         model = replace(model, memory_bandwidth=math.inf, layer_overhead=0.0)
     elif balance_by != "time":
         raise ValueError(f"balance_by must be 'flops' or 'time', not {balance_by!r}")
-    best, batch = None, m
-    while batch <= max_batch:
-        found = plan(layers, k, batch, preset.spec(), schedules=("gpipe",), chunks=(m,),
-                     recompute=(checkpoint,), layer_times=model.layer_times(layers))  # fmt: skip
-        if not found:
-            break  # larger batches need more memory still
-        rate = device_cell(layers, k, m, batch, found[0].balance, preset, checkpoint)
-        if best is None or rate > best.samples_per_s:
-            best = Fit(batch, rate, tuple(found[0].balance))
-        batch *= 2
-    return best
+
+    def rate(batch: int, balance: Sequence[int]) -> float:
+        return device_cell(layers, k, m, batch, balance, preset, checkpoint)
+
+    return fastest_batch(layers, k, m, preset.spec(), model.layer_times(layers), rate, max_batch,
+                         checkpoint)  # fmt: skip
 
 
 def full_size_costs(model: Model) -> list[LayerCost]:

@@ -47,11 +47,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
-from giantpipe.data.bundle import DataBundle, batch_size  # noqa: E402
+from giantpipe.data.bundle import DataBundle  # noqa: E402
 from giantpipe.engine import GPipe, convert_deferred_batch_norm  # noqa: E402
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm  # noqa: E402
-from giantpipe.engine.microbatch import scatter  # noqa: E402
-from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, rng_context  # noqa: E402
+from giantpipe.engine.rng import draw_step_seed, install_rng_hooks  # noqa: E402
 from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule  # noqa: E402
 from giantpipe.perf.balance import balance_by_params  # noqa: E402
 from giantpipe.runner.build import build_model  # noqa: E402
@@ -61,8 +60,8 @@ from giantpipe.runner.losses import build_loss  # noqa: E402
 from giantpipe.runner.optim import build_optimizer, lr_multiplier  # noqa: E402
 from giantpipe.runner.registry import build_from_target  # noqa: E402
 from giantpipe.runner.step import accumulate_gradients  # noqa: E402
+from giantpipe.testing import accumulate_micro_batches  # noqa: E402
 
-CPU = torch.device("cpu")
 StepFn = Callable[[Any, Any], float]
 
 
@@ -173,21 +172,12 @@ def plain_step(
 
     def step(inputs: Any, targets: Any) -> float:
         seed = draw_step_seed()
-        micro_y = scatter(targets, chunks)
-        if bundle.loss_normalizer is None:
-            scales = [batch_size(y) / batch_size(targets) for y in micro_y]
-        else:
-            scales = [1.0 / float(bundle.loss_normalizer(targets))] * chunks
-        losses = []
-        for m, (x, y) in enumerate(zip(scatter(inputs, chunks), micro_y)):
-            with rng_context(seed, m, CPU):
-                losses.append(loss_fn(model(x), y) * scales[m])
-            if not fill_drain:
-                losses[m].backward()
-        for loss in reversed(losses) if fill_drain else ():
-            loss.backward()
+        losses = accumulate_micro_batches(
+            model, inputs, targets, chunks, seed, loss_fn, bundle.loss_normalizer,
+            fill_drain=fill_drain,
+        )  # fmt: skip
         commit_deferred_batch_norm(model)  # running statistics once per mini-batch
-        return float(torch.stack([loss.detach() for loss in losses]).sum())  # as the engine
+        return float(torch.stack(losses).sum())  # as the engine
 
     return step
 

@@ -16,8 +16,8 @@ from torch.nn import functional as F
 from giantpipe import sequentialize
 from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.perf.balance import solve_balance
+from giantpipe.testing import step_seed
 from tests.distributed.workers import SEED, reference, virtual_stages_for
-from tests.unit.engine.engine_helpers import step_seed
 
 VOCAB, BATCH, T = 97, 8, 12
 

@@ -22,8 +22,9 @@ from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_defer
 from giantpipe.engine.dist.meta import init_layers
 from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.runner.world import TorchrunWorld
+from giantpipe.testing import step_seed
 from tests.distributed.workers import INIT, SEED, reference, shard, toy_data
-from tests.unit.engine.engine_helpers import Block, step_seed
+from tests.unit.engine.engine_helpers import Block
 
 D_IN, D = 6, 16
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -26,30 +24,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from giantpipe.testing import free_port, rank_env
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-PORTS = range(20000, 32000)
-"""Rendezvous ports: below the kernel's ephemeral range (32768-60999 by default), which gloo's
-own connections draw from, so no process is handed one of these between our pick and our bind;
-each pytest-xdist worker draws from its own slice, so two workers never pick the same."""
-
-
-def free_port() -> int:
-    """A port no one listens on, from this test worker's slice of :data:`PORTS`."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    index = int(worker) if worker.isdigit() else 0
-    size = len(PORTS) // max(count, 1)
-    mine = range(PORTS.start + index * size, PORTS.start + (index + 1) * size)
-    for port in random.sample(mine, k=min(200, len(mine))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {mine}")
 
 
 # Ranks fork from one server process that has imported torch and the workers once per test
@@ -78,13 +55,7 @@ def _entry(
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launch import REPO, finish, free_port, torchrun
+from giantpipe.testing import free_port
+from tests.distributed.launch import REPO, finish, torchrun
 
 pytestmark = pytest.mark.distributed
 

@@ -21,11 +21,12 @@ from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_defer
 from giantpipe.engine.dist.gradsync import clip_grad_norm_
 from giantpipe.engine.dist.meta import init_layers
 from giantpipe.engine.dist.pipe import DistributedPipe
-from giantpipe.engine.microbatch import batch_size, scatter
-from giantpipe.engine.rng import install_rng_hooks, mix, rng_context
+from giantpipe.engine.microbatch import batch_size
+from giantpipe.engine.rng import install_rng_hooks, mix
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.perf.balance import solve_balance
-from tests.unit.engine.engine_helpers import step_seed, tuple_batch, tuple_model
+from giantpipe.testing import accumulate_micro_batches, step_seed
+from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 
 SEED = 5  # torch.manual_seed before each step: the step seed rank 0 draws
 INIT = 3  # layer initialisation seed
@@ -69,7 +70,8 @@ def reference(
     accumulate: bool = False,
 ) -> tuple[nn.Sequential, float]:
     """The plain model over every replica's shard, micro-batch by micro-batch (on a copy, or
-    on ``model`` itself with ``accumulate``)."""
+    on ``model`` itself with ``accumulate``), each replica under its own dropout seed as
+    DistributedPipe seeds it, the losses weighted by the whole batch."""
     plain = model if accumulate else copy.deepcopy(model)
     handles = install_rng_hooks(plain)
     if normalizer is None:
@@ -79,11 +81,10 @@ def reference(
     loss_sum = 0.0
     for r, (x, y) in enumerate(shards):
         replica_seed = seed if r == 0 else mix(seed, r)
-        for m, (xm, ym) in enumerate(zip(scatter(x, chunks), scatter(y, chunks))):
-            with rng_context(replica_seed, m, torch.device("cpu")):
-                loss = loss_fn(plain(xm), ym)
-            loss = loss * (batch_size(ym) / total if normalizer is None else 1.0 / total)
-            loss.backward()
+        losses = accumulate_micro_batches(
+            plain, x, y, chunks, replica_seed, loss_fn, normalizer, total=total
+        )
+        for loss in losses:
             loss_sum += loss.item()
     for h in handles:
         h.remove()

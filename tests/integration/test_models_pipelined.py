@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.microbatch import scatter
+from giantpipe.engine.rng import install_rng_hooks
+from giantpipe.testing import accumulate_micro_batches, reference_step, step_seed
 from models.amoebanet import amoebanetd
 from models.transformer import label_smoothed_cross_entropy, transformer_t
-from tests.unit.engine.engine_helpers import reference_step, step_seed
 
 pytestmark = pytest.mark.slow  # the paper's models trained pipelined against plain
 
@@ -92,15 +92,9 @@ def test_transformer_k3_m4_dropout_variable_lengths_matches_plain(mode: str) -> 
     for step in range(3):  # shapes change between steps
         inputs, target = padded_batch(8, vocab, seed=step)
         seed = step_seed(100 + step)
-        ntok = tokens(target)
         ref = 0.0
-        from giantpipe.engine.rng import install_rng_hooks, rng_context
-
         handles = install_rng_hooks(plain)
-        for m, (xm, ym) in enumerate(zip(scatter(inputs, 4), scatter(target, 4))):
-            with rng_context(seed, m, torch.device("cpu")):
-                part = loss_sum(plain(xm), ym) / ntok
-            part.backward()
+        for part in accumulate_micro_batches(plain, inputs, target, 4, seed, loss_sum, tokens):
             ref += part.item()
         for h in handles:
             h.remove()

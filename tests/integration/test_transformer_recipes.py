@@ -17,15 +17,14 @@ from giantpipe.cli.checks import to_experiment
 from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.translation.generated import write_synthetic_corpus
-from giantpipe.engine.microbatch import scatter
-from giantpipe.engine.rng import install_rng_hooks, rng_context
+from giantpipe.engine.rng import install_rng_hooks
 from giantpipe.runner import train as train_in_process
 from giantpipe.runner.build import build_experiment, build_model
 from giantpipe.runner.step import accumulate_gradients
+from giantpipe.testing import accumulate_micro_batches, step_seed
 from models.transformer import count_parameters, label_smoothed_cross_entropy
 from tests import tiny
 from tests.integration.test_train_cli import REPO, ok
-from tests.unit.engine.engine_helpers import step_seed
 
 CONF = REPO / "conf"
 register_configs(CONF)
@@ -150,6 +149,15 @@ def test_tied_embeddings_train_pipelined_as_the_plain_model(tmp_path: Path, devi
     assert pipe[0].tgt_tokens.weight is pipe[-1].proj.weight  # CPU stand-ins: one object
 
 
+def smoothed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The recipes' loss: label-smoothed cross-entropy summed over tokens (padding left out)."""
+    return label_smoothed_cross_entropy(logits, target, epsilon=0.1)[0]
+
+
+def tokens(target: torch.Tensor) -> int:
+    return int(target.ne(0).sum())
+
+
 def pipelined_steps_equal_plain(cfg: ExperimentConfig, devices: int, tmp_path: Path) -> Any:
     """Two steps of the runner's pipe equal the plain model's (loss and every gradient)."""
     torch.manual_seed(0)
@@ -158,14 +166,10 @@ def pipelined_steps_equal_plain(cfg: ExperimentConfig, devices: int, tmp_path: P
     plain.load_state_dict(parts.pipe.state_dict())
     handles = install_rng_hooks(plain)
     for position, batch in zip(range(2), parts.bundle.train_batches(0, 0)):  # lengths change
-        (src, tgt_in), target = batch
-        tokens = int(target.ne(0).sum())
+        inputs, target = batch
         reference = 0.0
         seed = step_seed(100 + position)
-        for m, (xm, ym) in enumerate(zip(scatter((src, tgt_in), 4), scatter(target, 4))):
-            with rng_context(seed, m, torch.device("cpu")):
-                part = label_smoothed_cross_entropy(plain(xm), ym, epsilon=0.1)[0] / tokens
-            part.backward()
+        for part in accumulate_micro_batches(plain, inputs, target, 4, seed, smoothed, tokens):
             reference += part.item()
         torch.manual_seed(100 + position)
         loss, _ = accumulate_gradients(

@@ -1,7 +1,8 @@
-"""benchmarks/gpu_check.py: every case runs on CPU stand-ins in a child process of its own (so
-the script a lent GPU runs has not rotted); a hanging case is a failure with every thread's
-stack, a wrong result makes the script exit 1; the pieces a GPU run judges by (intervals of a
-profile, the host-read recorder) do what they say."""
+"""benchmarks/gpu_check.py: every case (the GPU tests of tests/gpu, each case in a pytest of its
+own, and the measurements, each in a child process) runs on CPU stand-ins (so the script a lent
+GPU runs has not rotted); a hanging case is a failure with every thread's stack, a wrong result
+makes the script exit 1; the pieces a GPU run judges by (intervals of a profile, the host-read
+recorder) do what they say."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.recipes.scripts import load_script
 
 @pytest.fixture(scope="module")
 def check() -> ModuleType:
-    return load_script("benchmarks/gpu_check.py")  # puts benchmarks/ on sys.path for the cases
+    return load_script("benchmarks/gpu_check.py")  # puts benchmarks/ on sys.path (gpu_perf)
 
 
 @pytest.mark.slow
@@ -41,13 +42,13 @@ def test_dry_run_runs_every_case_and_passes(check: ModuleType, capsys, tmp_path:
 
 
 def test_a_hanging_case_fails_with_every_threads_stack(check: ModuleType, capsys) -> None:
-    # a stage that never returns: the child's own watchdog (not the parent's backstop, 20 s
-    # later) ends it at its timeout, printing where every thread waits
+    # a stage that never returns: the test's own timeout (pytest-timeout's thread method, not
+    # the parent's backstop) ends its pytest, printing where every thread waits
     argv = ["--cpu-dry-run", "--only", "front-door", "--inject", "hang", "--timeout", "3"]
     assert check.main(argv) == 1
     out = capsys.readouterr().out
     assert "## front-door: TIMEOUT" in out and "**timed out after 3 s**" in out
-    assert "Timeout (0:00:03)!" in out  # faulthandler's dump, at the case's timeout
+    assert "+ Timeout +" in out  # pytest-timeout's dump, at the test's timeout
     assert "in _stall" in out and "in front_door" in out  # the stalled stage, the waiting door
     assert "- front-door: timed out after 3 s" in out
 
@@ -78,10 +79,10 @@ def test_covered_is_the_fraction_of_copy_time_under_compute(check: ModuleType) -
 def test_host_reads_records_each_read_where_it_was_made_and_restores_tensor(
     check: ModuleType,
 ) -> None:
-    import gpu_sync
+    from tests.gpu import sync
 
     before = torch.Tensor.item
-    with gpu_sync.host_reads() as seen:
+    with sync.host_reads() as seen:
         value = torch.ones(()).item()
         bool(torch.ones(()))
     assert value == 1.0
@@ -119,7 +120,7 @@ def test_cuda_syncs_records_a_sync_warning_of_any_thread_with_its_place(
     import threading
     import warnings
 
-    import gpu_sync
+    from tests.gpu import sync
 
     modes: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)  # needs no GPU now
@@ -128,7 +129,7 @@ def test_cuda_syncs_records_a_sync_warning_of_any_thread_with_its_place(
         warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
         warnings.warn("something else", UserWarning, stacklevel=1)
 
-    with gpu_sync.cuda_syncs() as seen:
+    with sync.cuda_syncs() as seen:
         thread = threading.Thread(target=worker)
         thread.start()
         thread.join()

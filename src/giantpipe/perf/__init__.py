@@ -9,7 +9,9 @@ What lives here, one module per concept:
 - :mod:`.simulate`: the simulator (any schedule against a cost per stage);
 - :mod:`.stage_profile`: each stage measured alone, as the executor runs it;
 - :mod:`.predict`: the forecast of a pipe's step, from the executor's replayed actions;
-- :mod:`.planner`: the best balance, M, re-materialization and schedule, by simulation;
+- :mod:`.planner`: the best balance, M, re-materialization and schedule, by simulation, and
+  the one rule that merges layers' costs into a stage's (``merge_costs``);
+- :mod:`.batch_fit`: the fastest batch of M micro-batches that fits in memory (Table 2);
 - :mod:`.memory`, :mod:`.stage_memory`, :mod:`.sizing`: memory sized without allocating it
   (the live-bytes tracker under fake tensors, one stage's training step, the largest model
   that fits: Table 1);

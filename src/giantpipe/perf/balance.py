@@ -9,7 +9,9 @@ the policies below only differ in what a layer's cost is:
   (the median of repeated runs; when they spread too far to trust, a warning names the layers
   and the balance falls back to forward FLOPs);
 - :func:`balance_by_size`: parameter bytes x ``param_scale`` (weights, grads, optimizer slots)
-  plus the activation bytes each layer really saves for backward on the sample.
+  plus the activation bytes each layer really saves for backward on the sample;
+- :func:`even_balance`: as many layers in each stage as can be (no costs: the tests' and
+  recipes' cut of a uniform stack).
 
 Example::
 
@@ -139,6 +141,15 @@ def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
         out.append(float(sum(costs[start : start + count])))
         start += count
     return out
+
+
+def even_balance(layers: int, stages: int) -> list[int]:
+    """``layers`` in ``stages`` runs as even as possible, the first ones longer.
+
+    >>> even_balance(8, 3)
+    [3, 3, 2]
+    """
+    return [layers // stages + (s < layers % stages) for s in range(stages)]
 
 
 def balance_by_params(partitions: int, module: nn.Sequential) -> list[int]:

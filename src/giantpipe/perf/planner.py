@@ -401,17 +401,32 @@ def _layer_cost(c: LayerCost, micro: int, device: DeviceSpec, slots: int, first:
 
 
 def combine(parts: Sequence[StageCost], layers: Sequence[LayerCost], micro: int) -> StageCost:
-    """A stage of consecutive layers: times and parameters add up; it keeps its first layer's
-    input, every layer's saved bytes, and the inner inputs that autograd saves."""
-    inner = sum(layer.input_saved for layer in layers[1:]) * micro
+    """A stage of consecutive layers (:func:`merge_costs`), its inner inputs those that autograd
+    saves (``LayerCost.input_saved``) for ``micro`` samples."""
+    return merge_costs(parts, sum(layer.input_saved for layer in layers[1:]) * micro)
+
+
+def merge_costs(parts: Sequence[StageCost], inner_bytes: int) -> StageCost:
+    """A stage of consecutive parts (layers, or runs of them): every time and the static bytes
+    add up; it receives its first part's input, sends its last part's output, and keeps every
+    part's activations plus ``inner_bytes``, what it keeps of the inner parts' inputs.
+
+    >>> a = StageCost(1.0, 2.0, input_bytes=10, activation_bytes=100, send=0.5)
+    >>> b = StageCost(3.0, 4.0, input_bytes=20, activation_bytes=200, send=0.25)
+    >>> stage = merge_costs([a, b], inner_bytes=20)
+    >>> stage.forward, stage.recompute, stage.input_bytes, stage.activation_bytes, stage.send
+    (4.0, 4.0, 10, 320, 0.25)
+    """
     return StageCost(
         forward=sum(p.forward for p in parts),
         backward=sum(p.backward for p in parts),
         backward_input=sum(p.backward_input for p in parts),
         weight=sum(p.weight for p in parts),
+        forward_no_grad=sum(p.forward_no_grad for p in parts),
+        recompute=sum(p.recompute for p in parts),
         send=parts[-1].send,
         input_bytes=parts[0].input_bytes,
-        activation_bytes=sum(p.activation_bytes for p in parts) + inner,
+        activation_bytes=sum(p.activation_bytes for p in parts) + inner_bytes,
         static_bytes=sum(p.static_bytes for p in parts),
     )
 

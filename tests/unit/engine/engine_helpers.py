@@ -1,15 +1,9 @@
-"""Small models and an un-pipelined reference used by the engine tests."""
+"""Small models used by the engine tests (their plain reference step: giantpipe.testing)."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-
 import torch
 from torch import nn
-
-from giantpipe.engine.microbatch import scatter
-from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, rng_context
 
 
 class Embed(nn.Module):
@@ -59,33 +53,3 @@ def tuple_batch(n: int = 14, d_in: int = 6, classes: int = 3) -> tuple:
     mask = torch.randint(0, 2, (n,), generator=g)
     y = torch.randint(0, classes, (n,), generator=g)
     return (x, mask), y
-
-
-def reference_step(
-    model: nn.Sequential,
-    inputs: object,
-    targets: torch.Tensor,
-    chunks: int,
-    seed: int,
-    loss_fn: Callable = nn.functional.cross_entropy,
-) -> tuple[nn.Sequential, float]:
-    """The un-pipelined model run micro-batch by micro-batch (as gradient accumulation would),
-    dropout seeded as the engine seeds it. Returns the trained copy and the mini-batch loss."""
-    plain = copy.deepcopy(model)
-    handles = install_rng_hooks(plain)
-    total = float(targets.shape[0])
-    loss_sum = 0.0
-    for m, (x, y) in enumerate(zip(scatter(inputs, chunks), scatter(targets, chunks))):
-        with rng_context(seed, m, torch.device("cpu")):
-            loss = loss_fn(plain(x), y) * (y.shape[0] / total)
-        loss.backward()
-        loss_sum += loss.item()
-    for h in handles:
-        h.remove()
-    return plain, loss_sum
-
-
-def step_seed(seed: int) -> int:
-    """The seed a pipeline step draws right after ``torch.manual_seed(seed)``."""
-    torch.manual_seed(seed)
-    return draw_step_seed()

@@ -20,7 +20,7 @@ from giantpipe.engine.capture import CaptureError
 from giantpipe.engine.capture.cuts import repeated_blocks
 from giantpipe.engine.partition import shared_parameters
 from giantpipe.perf.balance import solve_balance
-from tests.unit.engine.engine_helpers import reference_step, step_seed
+from giantpipe.testing import reference_step, step_seed
 
 MODES = ["always", "except_last", "never"]
 VOCAB, D, BATCH, T = 13, 16, 8, 5

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from giantpipe import GPipe, sequentialize
 from giantpipe.perf.balance import solve_balance
-from tests.unit.engine.engine_helpers import reference_step, step_seed
+from giantpipe.testing import reference_step, step_seed
 
 MODES = ["always", "except_last", "never"]
 # (schedule, K, V, M, recompute): every schedule and every mode, K = 2, 3, 4

@@ -15,7 +15,8 @@ from torch import nn
 from giantpipe import GPipe
 from giantpipe.engine import is_recomputing
 from giantpipe.engine.stats import SavedTensorMeter
-from tests.unit.engine.engine_helpers import reference_step, step_seed, tuple_batch, tuple_model
+from giantpipe.testing import reference_step, step_seed
+from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 
 
 def worker_threads() -> list[threading.Thread]:

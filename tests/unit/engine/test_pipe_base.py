@@ -13,7 +13,8 @@ from torch import nn
 from giantpipe import GPipe
 from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.engine.spec import DEFAULT_TIMEOUT, PipelineSpec, SpecError
-from tests.unit.engine.engine_helpers import reference_step, step_seed, tuple_batch, tuple_model
+from giantpipe.testing import reference_step, step_seed
+from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 
 
 def mlp() -> nn.Sequential:

@@ -14,7 +14,8 @@ from torch import nn
 
 from giantpipe import GPipe
 from giantpipe.perf.balance import solve_balance
-from tests.unit.engine.engine_helpers import reference_step, step_seed, tuple_batch, tuple_model
+from giantpipe.testing import reference_step, step_seed
+from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 
 MODES = ["always", "except_last", "never"]
 

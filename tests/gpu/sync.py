@@ -1,10 +1,10 @@
-"""The GPU check's host-synchronisation case: a step must never wait for the GPU.
+"""Recorders of host synchronisation: what a step did that would make the host wait for a GPU.
 
 A synchronising call (``.item()``, a copy to the host, ``nonzero``, ...) inside a step stalls
 the worker that makes it until its GPU has run everything queued, and with it the pipeline's
-fill. On CUDA every way of stepping a pipe runs once under ``torch.cuda.set_sync_debug_mode
-('warn')``, any thread's synchronising call recorded with its stack; on CPU stand-ins nothing is
-a synchronisation, so the host reads are listed (what would be one on a GPU), not judged.
+fill. On CUDA, :func:`cuda_syncs` records every synchronising call of any thread under
+``torch.cuda.set_sync_debug_mode('warn')``, with its place; on CPU stand-ins nothing is a
+synchronisation, so :func:`host_reads` lists the host reads (what would be one on a GPU).
 
 Example::
 
@@ -24,21 +24,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-from gpu_common import (
-    CUDA_ONLY,
-    SEED,
-    Options,
-    Section,
-    Sizes,
-    mask_batch,
-    mask_model,
-    pipe_for,
-    schedules,
-    to,
-)
-from torch import nn
-
-from giantpipe import GPipe
 
 
 @dataclass(frozen=True)
@@ -52,7 +37,7 @@ class SyncPoint:
 
 def where_called() -> str:
     """file:line of the frame that made the call being recorded."""
-    mine = ("gpu_sync.py", "warnings.py")  # the recorder's own frames and the warning machinery
+    mine = (__file__, "warnings.py")  # the recorder's own frames and the warning machinery
     frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.endswith(mine)]
     for frame in reversed(frames):
         if "/src/giantpipe/" in frame.filename:
@@ -121,61 +106,3 @@ def summarise(points: list[SyncPoint]) -> str:
         counts[p] = counts.get(p, 0) + 1
     shown = sorted(counts.items(), key=lambda kv: -kv[1])
     return "; ".join(f"{p.what} at {p.where} x{n}" for p, n in shown) or "none"
-
-
-def sync_steps(opts: Options) -> dict[str, Callable[[], Any]]:
-    """One step function per way of stepping a pipe: train_step under every schedule, the
-    front door, and (when the engine has it) an fp16 step with a gradient scaler."""
-    model, (inputs, target) = mask_model(Sizes.of(opts)), mask_batch(Sizes.of(opts))
-    steps: dict[str, Callable[[], Any]] = {}
-    for schedule in schedules():
-        pipe = pipe_for(model, opts, schedule, "except_last")
-        x, y = to(inputs, pipe.devices[0]), target.to(pipe.devices[-1])
-        steps[f"train_step {schedule}"] = _train(pipe, x, y)
-    door = pipe_for(model, opts, "gpipe", "except_last")
-    x, y = to(inputs, door.devices[0]), target.to(door.devices[-1])  # zb-v ends on worker 0
-    steps["front door (forward + backward)"] = _front_door(door, x, y)
-    steps["train_step gpipe, fp16 + grad_scaler"] = _scaled(door, x, y)
-    return steps
-
-
-def _front_door(pipe: GPipe, x: Any, y: torch.Tensor) -> Callable[[], Any]:
-    return lambda: nn.functional.cross_entropy(pipe(x), y).backward()
-
-
-def _train(pipe: GPipe, x: Any, y: torch.Tensor) -> Callable[[], Any]:
-    return lambda: pipe.train_step(x, y, nn.functional.cross_entropy)
-
-
-def _scaled(pipe: GPipe, x: Any, y: torch.Tensor) -> Callable[[], Any]:
-    scaler = pipe.grad_scaler()
-
-    def step() -> Any:
-        with torch.autocast(pipe.devices[-1].type, dtype=torch.float16):
-            return pipe.train_step(x, y, nn.functional.cross_entropy, grad_scaler=scaler)
-
-    return step
-
-
-def host_sync(opts: Options) -> Section:
-    """Every way of stepping a pipe, once to warm up, then once watched: on CUDA under
-    ``set_sync_debug_mode('warn')`` (a synchronising call anywhere in the step fails it);
-    on CPU stand-ins the host reads (``.item()``, ``.cpu()``, ...) are listed, not judged."""
-    section = Section()
-    criterion = "no synchronising CUDA call (sync debug mode 'warn')"
-    for label, step in sync_steps(opts).items():
-        torch.manual_seed(SEED)
-        step()  # warm-up: first-use initialisations (handles, streams, events) may sync
-        torch.manual_seed(SEED)
-        with host_reads() if opts.dry else cuda_syncs() as seen:
-            step()
-        if opts.dry:
-            section.add(label, CUDA_ONLY, "host reads: " + summarise(seen), criterion)
-        else:
-            section.add(label, not seen, summarise(seen), criterion)
-    if opts.dry:
-        section.notes.append(
-            "CPU stand-ins: every tensor is on the host, so no call here is a synchronisation; "
-            "the host reads listed would be one if their tensor lived on a GPU."
-        )
-    return section

@@ -1,5 +1,5 @@
-"""The GPU check's distributed case: DistributedPipe over NCCL, one rank per GPU, against the
-plain model.
+"""A world of DistributedPipe ranks over NCCL, one rank per GPU, each checking its share of a
+step against the plain model (what tests/gpu/test_nccl.py judges).
 
 NCCL refuses two ranks on one GPU, so one GPU allows a world of one rank (K=1: the whole model
 on one rank, its NCCL groups still built and used); two GPUs or more run K=2, one rank each,
@@ -9,14 +9,14 @@ on gloo ranks of this machine instead (the stand-in for NCCL the engine's tests 
 
 Example::
 
-    section = nccl(Options(dry=True, quick=True, gpus=0))
+    rows = run_world(GpuOptions(dry=True, quick=True, gpus=0), 2, timeout=120.0)
+    rows[0]   # ('gpipe (rank 0)', 'pass', '3.0e-08 (grad:1.fc.weight)', 'every tensor ...')
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -26,56 +26,53 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gpu_common import (
-    CUDA_ONLY,
-    FAIL,
-    FP32_CRITERION,
-    FP32_TOL,
-    PASS,
-    SEED,
-    TWO_GPUS,
-    Options,
-    Outcome,
-    Row,
-    Section,
-    Sizes,
-    errors,
-    even_balance,
-    mask_batch,
-    mask_model,
-    plain_step,
-    schedules,
-    to,
-    virtual_stages,
-    worst,
-)
-from gpu_sync import cuda_syncs, host_reads, summarise
 from torch import nn
 
 from giantpipe.engine.dist.layout import init_distributed
 from giantpipe.engine.dist.meta import init_layers
 from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.perf.balance import even_balance
+from giantpipe.testing import free_port, rank_env
+from giantpipe.testing.gpu import CUDA_ONLY, GpuOptions
+from tests.gpu.errors import FP32_CRITERION, FP32_TOL, errors, worst
+from tests.gpu.mask_model import Sizes, mask_batch, mask_model, to
+from tests.gpu.steps import SEED, Outcome, plain_step, schedules, virtual_stages
+from tests.gpu.sync import cuda_syncs, host_reads, summarise
 
 INIT = 3  # DistributedPipe's layer initialisation seed; the reference is initialised alike
 RANK_TIMEOUT = 60.0  # DistributedPipe(timeout=): a peer silent this long fails the step
 
 SYNC_CRITERION = "no synchronising CUDA call (sync debug mode 'warn')"
+CLIP = "clip_grad_norm_ (host synchronisation)"
+PASS, FAIL = "pass", "FAIL"
+
+Row = tuple[str, str, str, str]  # check, verdict, measured, criterion
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def chunks_of(k: int) -> int:
+    """M for a world of ``k`` ranks."""
+    return 2 * max(k, 2)
 
 
-def world_checks(opts: Options, k: int) -> list[Row]:
+def world_schedules(k: int) -> list[str]:
+    """The schedules a world of ``k`` ranks runs (one that needs more ranks is left out)."""
+    out = []
+    for schedule in schedules():
+        try:
+            virtual_stages(schedule, k, chunks_of(k))
+        except ValueError:
+            continue
+        out.append(schedule)
+    return out
+
+
+def world_checks(opts: GpuOptions, k: int) -> list[Row]:
     """On this rank: one step per schedule that runs on K=``k`` ranks, its loss (every rank)
     and its gradients and buffers (this rank's share) against the plain model; after the first,
     the global-norm clip watched for host synchronisation."""
     sizes = Sizes.of(opts)
     inputs, target = mask_batch(sizes)
-    chunks = 2 * max(k, 2)
+    chunks = chunks_of(k)
     device = (
         torch.device("cpu") if opts.dry else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     )
@@ -83,11 +80,8 @@ def world_checks(opts: Options, k: int) -> list[Row]:
     init_layers(model, INIT)  # as DistributedPipe(seed=INIT) initialises its layers
     ref = plain_step(model, inputs, target, chunks, [(len(model), device)])
     results: list[Row] = []
-    for schedule in schedules():
-        try:
-            v = virtual_stages(schedule, k, chunks)
-        except ValueError:
-            continue  # a schedule that needs more ranks
+    for schedule in world_schedules(k):
+        v = virtual_stages(schedule, k, chunks)
         pipe = DistributedPipe(lambda: mask_model(sizes), even_balance(len(model), k * v),
                                chunks=chunks, schedule=schedule, virtual_stages=v,
                                recompute="except_last", device=device, seed=INIT,
@@ -116,10 +110,10 @@ def _judge(schedule: str, pipe: DistributedPipe, loss: torch.Tensor, ref: Outcom
     return (schedule, PASS if err <= FP32_TOL else FAIL, f"{err:.1e} ({name})", FP32_CRITERION)
 
 
-def _clip_syncs(opts: Options, pipe: DistributedPipe) -> Row:
+def _clip_syncs(opts: GpuOptions, pipe: DistributedPipe) -> Row:
     """``pipe.clip_grad_norm_`` (a collective over the pipeline's device group) watched: on
     CUDA no synchronising call; on CPU stand-ins its host reads listed."""
-    check = "clip_grad_norm_ (host synchronisation)"
+    check = CLIP
     with host_reads() if opts.dry else cuda_syncs() as seen:
         pipe.clip_grad_norm_(1.0)
     if opts.dry:
@@ -127,15 +121,9 @@ def _clip_syncs(opts: Options, pipe: DistributedPipe) -> Row:
     return (check, FAIL if seen else PASS, summarise(seen), SYNC_CRITERION)
 
 
-def rank_main(rank: int, world: int, port: int, opts: Options, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, opts: GpuOptions, out: str) -> None:
     """One rank of a K=``world`` pipeline: joins the world, checks, writes its results."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     init_distributed()  # NCCL for device tensors on CUDA, gloo on CPU
     try:
@@ -147,11 +135,17 @@ def rank_main(rank: int, world: int, port: int, opts: Options, out: str) -> None
     dist.destroy_process_group()
 
 
-def run_world(opts: Options, world: int, timeout: float) -> list[Row]:
-    """Every rank's results for a world of ``world`` ranks (one rank: in this process)."""
+def run_world(opts: GpuOptions, world: int, timeout: float) -> list[Row]:
+    """Every rank's results for a world of ``world`` ranks (one rank: in this process, its
+    environment put back afterwards)."""
     with tempfile.TemporaryDirectory() as out:
         if world == 1:
-            rank_main(0, 1, free_port(), opts, out)
+            saved = dict(os.environ)
+            try:
+                rank_main(0, 1, free_port(), opts, out)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
         else:
             # Fresh interpreters on GPUs (a forked CUDA runtime is unusable); a dry run forks,
             # before this process has computed anything (no OpenMP pool to inherit).
@@ -180,21 +174,3 @@ def _read(path: Path, rank: int) -> list[Row]:
         return [(f"rank {rank}", FAIL, data["error"], FP32_CRITERION)]
     return [(f"{check} (rank {rank})", verdict, measured, criterion)
             for check, verdict, measured, criterion in data]  # fmt: skip
-
-
-def nccl(opts: Options) -> Section:
-    """K=1 over NCCL on one GPU (all NCCL allows there); K=2 over NCCL on two GPUs."""
-    section = Section()
-    backend = "gloo stand-in" if opts.dry else "NCCL"
-    if opts.dry or opts.gpus >= 2:
-        for check, verdict, measured, criterion in run_world(opts, 2, timeout=RANK_TIMEOUT * 2):
-            section.add(f"K=2 {backend}: {check}", verdict, measured, criterion)
-    else:
-        section.add("K=2 over NCCL", TWO_GPUS, "-", "NCCL refuses two ranks on one GPU")
-    for check, verdict, measured, criterion in run_world(opts, 1, timeout=RANK_TIMEOUT):
-        section.add(f"K=1 {backend}: {check}", verdict, measured, criterion)
-    section.notes.append(
-        "K=1: the whole model on one rank (groups built, no step crosses ranks); M=4; "
-        "DistributedPipe transport: 'ordered' (on the gloo stand-in too)."
-    )
-    return section
