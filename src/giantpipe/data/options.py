@@ -30,6 +30,21 @@ from dataclasses import dataclass, field
 
 from giantpipe.config import check, check_choice, check_fits_memory, check_min, check_optional_path
 
+MOVED_TARGETS = {
+    "giantpipe.data.tensors.classification": "giantpipe.data.synthetic.classification",
+    "giantpipe.data.tensors.tensor_files": "giantpipe.data.tensor_files.tensor_files",
+    "giantpipe.data.tensors.lm_tokens": "giantpipe.data.lm_tokens.lm_tokens",
+    "giantpipe.data.image_bundle.generated_images": "giantpipe.data.images.bundle.generated_images",
+    "giantpipe.data.image_bundle.random_images": "giantpipe.data.images.bundle.random_images",
+    "giantpipe.data.image_bundle.image_folder": "giantpipe.data.images.bundle.image_folder",
+    "giantpipe.data.text.text": "giantpipe.data.text.bundle.text",
+    "giantpipe.data.translation_bundle.translation": (
+        "giantpipe.data.translation.bundle.translation"
+    ),
+}
+"""Old ``_target_`` -> where the builder lives now (issue 31 moved them): a run saved before the
+move names the old one in its config.yaml, and resumes, or is rebuilt from it, unchanged."""
+
 DOCUMENTS = ("paragraph", "file", "line")
 """What one document of a ``.txt`` file can be (``data.txt_documents``)."""
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from giantpipe.config import ConfigError
+from giantpipe.data.options import MOVED_TARGETS
 
 
 def spec_to_kwargs(spec: Any) -> dict[str, Any]:
@@ -29,14 +30,26 @@ def spec_to_kwargs(spec: Any) -> dict[str, Any]:
     raise TypeError(f"expected a schema dataclass or a mapping, got {type(spec).__name__}")
 
 
+def current_target(path: str) -> str:
+    """``path``, or where its builder lives now if it has moved (a saved run's old name).
+
+    Example::
+
+        current_target("giantpipe.data.tensors.classification")
+        # "giantpipe.data.synthetic.classification"
+    """
+    return MOVED_TARGETS.get(path, path)
+
+
 def locate(path: str, key: str) -> Callable[..., Any]:
     """Import ``package.module.name`` and return the callable; errors name the config ``key``.
+    A builder's former name (:func:`current_target`) finds it where it lives now.
 
     Example::
 
         locate("models.mlp.mlp", "model._target_")
     """
-    module_name, _, attr = path.rpartition(".")
+    module_name, _, attr = current_target(path).rpartition(".")
     if not module_name:
         raise ConfigError(key, f"{path!r} is not a dotted path like package.module.function")
     try:

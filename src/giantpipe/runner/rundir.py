@@ -44,6 +44,7 @@ import yaml
 
 from giantpipe.config import RESUME_AUTO, RESUME_CHECKED, ConfigError
 from giantpipe.engine.dist.shards import MANIFEST, stale
+from giantpipe.runner.registry import current_target
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,10 @@ def changed_keys(
         # [("trainer.seed", 0, 1)]
     """
     before, after = _flat(saved), _flat(now)
+    for flat in (before, after):  # a builder that moved is the same builder
+        for key, value in flat.items():
+            if key.endswith("._target_") and isinstance(value, str):
+                flat[key] = current_target(value)
     absent = object()
     keys = sorted(k for k in before.keys() | after.keys() if _within(k, RESUME_CHECKED))
     return [

@@ -127,3 +127,16 @@ def test_resume_auto_starts_resumes_or_skips(tmp_path: Path, capsys):
     train(tiny(max_steps=2, log_every=1, eval_every=0, resume="auto"), failed, "")
     assert steps(failed) == [1, 2]
     assert json.loads((failed / "replaced-1" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_run_saved_before_its_data_builder_moved_resumes_and_rebuilds(tmp_path: Path):
+    """Issue 31 moved the data builders: a run saved with the old ``_target_`` resumes (the
+    builder is the same) and its config still builds; a really different builder is refused."""
+    from giantpipe.runner.registry import locate
+
+    old, new = "giantpipe.data.tensors.classification", "giantpipe.data.synthetic.classification"
+    (tmp_path / "config.yaml").write_text(config(data={"_target_": old}))
+    check_resumed_config(tmp_path / "last", 10, config(data={"_target_": new}))
+    assert locate(old, "data._target_") is locate(new, "data._target_")
+    other = "giantpipe.data.lm_tokens.lm_tokens"
+    assert refusal(tmp_path, config(data={"_target_": other})).startswith("data._target_: ")
