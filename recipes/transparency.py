@@ -57,7 +57,8 @@ from giantpipe.runner.build import build_model  # noqa: E402
 from giantpipe.runner.checkpoint import seed_everything  # noqa: E402
 from giantpipe.runner.evaluate import evaluate  # noqa: E402
 from giantpipe.runner.losses import build_loss  # noqa: E402
-from giantpipe.runner.optim import build_optimizer, lr_multiplier  # noqa: E402
+from giantpipe.runner.lr_schedule import lr_multiplier  # noqa: E402
+from giantpipe.runner.optim import build_optimizer  # noqa: E402
 from giantpipe.runner.registry import build_from_target  # noqa: E402
 from giantpipe.runner.step import accumulate_gradients  # noqa: E402
 from giantpipe.testing import accumulate_micro_batches  # noqa: E402

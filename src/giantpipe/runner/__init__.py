@@ -11,7 +11,9 @@ receives the dataclasses of ``giantpipe.config``; only ``giantpipe.cli`` imports
     planning.py   pipeline.plan=auto: the planner on this run's model and devices
     registry.py   objects from ``_target_`` (models and data sets as config options)
     losses.py     the loss functions and the accuracy metric the data asks for
-    optim.py      the optimizer, fp16's gradient scaler, the LR schedule, the weights' EMA
+    optim.py      the optimizer and fp16's gradient scaler it steps through
+    lr_schedule.py the learning-rate schedule (step -> multiplier of optim.lr)
+    ema.py        the weights' exponential moving average
     loop.py       the training loop and train()
     step.py       one optimizer step's engine steps (accumulation, replica slices, clipping)
     evaluate.py   evaluation, and the data's whole-model figures (BLEU)

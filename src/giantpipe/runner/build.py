@@ -41,8 +41,10 @@ from giantpipe.engine.generate.caches import check_cached
 from giantpipe.engine.microbatch import as_tuple
 from giantpipe.engine.pipe import Pipe
 from giantpipe.engine.spec import PipelineSpec
+from giantpipe.runner.ema import WeightEMA
 from giantpipe.runner.losses import LossFn, build_loss
-from giantpipe.runner.optim import WeightEMA, build_grad_scaler, build_optimizer, lr_multiplier
+from giantpipe.runner.lr_schedule import lr_multiplier
+from giantpipe.runner.optim import build_grad_scaler, build_optimizer
 from giantpipe.runner.pipeline import (
     build_distributed_pipe,
     build_pipe,

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from giantpipe.config import LRScheduleConfig
-from giantpipe.runner.optim import epochs_to_steps, lr_multiplier
+from giantpipe.runner.lr_schedule import epochs_to_steps, lr_multiplier
 
 
 def test_linear_warmup_then_constant():
