@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from giantpipe.cli import register_configs, to_experiment
 from giantpipe.config import ExperimentConfig
 from giantpipe.engine.dist.shards import consolidate
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model
 from giantpipe.runner.checkpoint import read_checkpoint

@@ -30,7 +30,9 @@ import torch
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, EvaluationError, batch_size
-from giantpipe.metrics import EngineStats, MetricsLogger, StepRecord, write_summary
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.step import EngineStats, StepRecord
+from giantpipe.metrics.summary import write_summary
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.checkpoint import (
     BackgroundSaveError,

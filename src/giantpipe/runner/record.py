@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from giantpipe.config import ConfigError, ExperimentConfig
-from giantpipe.metrics import MetricsLogger, format_table, truncate_after_step, write_summary
+from giantpipe.metrics.jsonl import truncate_after_step
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.summary import format_table, write_summary
 from giantpipe.runner.rundir import save_config
 
 TRAIN_FIGURES = ("samples_per_s", "tokens_per_s", "step_time_s")

@@ -15,7 +15,7 @@ from torch import nn
 from giantpipe.config import ConfigError
 from giantpipe.engine import GPipe
 from giantpipe.engine.dist import shards
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, parameter_names
 from giantpipe.runner.checkpoint import (

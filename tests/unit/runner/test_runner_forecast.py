@@ -11,7 +11,7 @@ import torch
 
 from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
 from giantpipe.data.tensors import SyntheticDataConfig
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.checkpoint import read_checkpoint
 from giantpipe.runner.forecast import Forecast

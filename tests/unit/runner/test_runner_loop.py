@@ -18,7 +18,7 @@ from giantpipe.config import (
 )
 from giantpipe.data.bundle import DataBundle, EvaluationError
 from giantpipe.data.tensors import SyntheticDataConfig, classification
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
 from giantpipe.runner.checkpoint import Progress, read_checkpoint, seed_everything
