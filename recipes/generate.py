@@ -36,7 +36,7 @@ from giantpipe.config import ConfigError
 from giantpipe.data.bleu import pipelined_decode
 from giantpipe.engine.generate import Decoding, generate
 from giantpipe.runner.build import capture
-from giantpipe.runner.checkpoint import matching, read_weights
+from giantpipe.runner.checkpoint.init_from import matching, read_weights
 
 
 def read_config(checkpoint: Path) -> dict[str, Any]:

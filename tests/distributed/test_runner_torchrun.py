@@ -22,7 +22,7 @@ from giantpipe.engine.dist.shards import consolidate
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model
-from giantpipe.runner.checkpoint import read_checkpoint
+from giantpipe.runner.checkpoint.reading import read_checkpoint
 from tests.distributed.launch import REPO, finish, train_under_torchrun
 
 pytestmark = pytest.mark.distributed

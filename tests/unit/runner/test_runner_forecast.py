@@ -13,7 +13,7 @@ from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, Tra
 from giantpipe.data.tensors import SyntheticDataConfig
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
-from giantpipe.runner.checkpoint import read_checkpoint
+from giantpipe.runner.checkpoint.reading import read_checkpoint
 from giantpipe.runner.forecast import Forecast
 from models.mlp import MlpModelConfig
 

@@ -21,8 +21,10 @@ from giantpipe.data.tensors import SyntheticDataConfig, classification
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint import Progress, read_checkpoint, seed_everything
+from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.runner.checkpoint.state import Progress
 from giantpipe.runner.loop import NonFiniteLossError, TrainingLoop
+from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from models.mlp import MlpModelConfig
 
