@@ -5,10 +5,11 @@
 
 Model: Linear(8192, 8192) x 4 (1 GiB of fp32 weights) in a GPipe of K=2 CPU stand-ins, Adam
 after one step (2 GiB more state): 3 GiB per save. Each round takes a training step, then saves
-``last/`` through the runner's own :class:`~giantpipe.runner.checkpoint.CheckpointWriter`, once
-synchronously and once with ``async_save`` (interleaved rounds; this machine is shared and
-noisy, so medians; the first asynchronous save also allocates the host buffers the later ones
-reuse), then one more training step while the asynchronous write runs:
+``last/`` through the runner's own
+:class:`~giantpipe.runner.checkpoint.writer.CheckpointWriter`, once synchronously and once with
+``async_save`` (interleaved rounds; this machine is shared and noisy, so medians; the first
+asynchronous save also allocates the host buffers the later ones reuse), then one more training
+step while the asynchronous write runs:
 
     blocked         what the step waits for: the whole save (sync), the copy to host memory (async)
     step            the next training step, during the background write (async) or after (sync)
@@ -40,7 +41,8 @@ from torch import nn
 
 from giantpipe import GPipe
 from giantpipe.engine.dist import shards
-from giantpipe.runner.checkpoint import CheckpointWriter, Progress
+from giantpipe.runner.checkpoint.state import Progress
+from giantpipe.runner.checkpoint.writer import CheckpointWriter
 from giantpipe.runner.world import World
 
 

@@ -51,7 +51,9 @@ MEASUREMENTS: dict[str, Measurement] = {
     "throughput": Measurement(
         gpu_speed.throughput, "samples/s against plain, torchgpipe, pippy", 180.0
     ),
-    "memory": Measurement(gpu_perf.memory, "allocator peak against predict(pipe, ...)'s forecast", 120.0),
+    "memory": Measurement(
+        gpu_perf.memory, "allocator peak against predict(pipe, ...)'s forecast", 120.0
+    ),
 }
 """Every measurement, in the order a run takes them."""
 

@@ -37,7 +37,7 @@ from giantpipe.data.translation.decoding import pipelined_decode
 from giantpipe.engine.generate import Decoding, generate
 from giantpipe.perf.balance import even_balance
 from giantpipe.runner.build import capture
-from giantpipe.runner.checkpoint import matching, read_weights
+from giantpipe.runner.checkpoint.init_from import matching, read_weights
 
 
 def read_config(checkpoint: Path) -> dict[str, Any]:

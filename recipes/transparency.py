@@ -54,12 +54,12 @@ from giantpipe.engine.rng import draw_step_seed, install_rng_hooks  # noqa: E402
 from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule  # noqa: E402
 from giantpipe.perf.balance import balance_by_params  # noqa: E402
 from giantpipe.runner.build import build_model  # noqa: E402
-from giantpipe.runner.checkpoint import seed_everything  # noqa: E402
 from giantpipe.runner.evaluate import evaluate  # noqa: E402
 from giantpipe.runner.losses import build_loss  # noqa: E402
 from giantpipe.runner.lr_schedule import lr_multiplier  # noqa: E402
 from giantpipe.runner.optim import build_optimizer  # noqa: E402
 from giantpipe.runner.registry import build_from_target  # noqa: E402
+from giantpipe.runner.seeding import seed_everything  # noqa: E402
 from giantpipe.runner.step import accumulate_gradients  # noqa: E402
 from giantpipe.testing import accumulate_micro_batches  # noqa: E402
 

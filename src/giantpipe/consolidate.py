@@ -37,7 +37,7 @@ from giantpipe.engine.dist.shards import (
     merged,
     summary,
 )
-from giantpipe.runner.checkpoint import kept_beside
+from giantpipe.runner.checkpoint.reading import kept_beside
 
 FORMATS = ("pt", "safetensors", "hf")
 _UMASK = 0o666 & ~FILE_MODE

@@ -61,6 +61,7 @@ def run(tmp: Path, run_dir: str, executor: str, overrides: list[str]) -> dict[st
     from giantpipe.cli.checks import to_experiment
     from giantpipe.cli.registration import register_configs
     from giantpipe.runner import loop
+    from giantpipe.runner.run import _train
     from giantpipe.runner.world import TorchrunWorld, World
     from tests.distributed.launch import REPO
 
@@ -83,7 +84,7 @@ def run(tmp: Path, run_dir: str, executor: str, overrides: list[str]) -> dict[st
     loop.TrainingLoop.evaluate = measured  # type: ignore[method-assign]
     try:
         yaml = OmegaConf.to_yaml(composed, resolve=True)
-        loop._train(cfg, Path(run_dir), yaml, world, time.perf_counter(), ())  # noqa: SLF001
+        _train(cfg, Path(run_dir), yaml, world, time.perf_counter(), ())
     finally:
         loop.TrainingLoop.evaluate = evaluate  # type: ignore[method-assign]
     return seen

@@ -10,7 +10,7 @@ from unittest import mock
 import torch.distributed as dist
 
 from giantpipe.config import PipelineConfig
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from tests.unit.runner.test_runner_loop import tiny
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from tests import tiny
 from tests.distributed.launch import REPO, finish, train_under_torchrun
 

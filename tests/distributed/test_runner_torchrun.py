@@ -20,10 +20,10 @@ from giantpipe.cli.checks import to_experiment
 from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
 from giantpipe.engine.dist.shards import consolidate
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model
-from giantpipe.runner.checkpoint import read_checkpoint
+from giantpipe.runner.checkpoint.reading import read_checkpoint
 from tests.distributed.launch import REPO, finish, train_under_torchrun
 
 pytestmark = pytest.mark.distributed

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from giantpipe.config import ConfigError
-from giantpipe.runner.checkpoint import read_checkpoint, safe_load
+from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.runner.checkpoint.unpickling import safe_load
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [

@@ -12,7 +12,7 @@ import torch
 from giantpipe.consolidate import main
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, build_model
-from giantpipe.runner.checkpoint import restore
+from giantpipe.runner.checkpoint.restore import restore
 from giantpipe.runner.world import World
 from tests.unit.runner.test_runner_loop import tiny
 

@@ -14,11 +14,13 @@ receives the dataclasses of ``giantpipe.config``; only ``giantpipe.cli`` imports
     optim.py      the optimizer and fp16's gradient scaler it steps through
     lr_schedule.py the learning-rate schedule (step -> multiplier of optim.lr)
     ema.py        the weights' exponential moving average
-    loop.py       the training loop and train()
+    run.py        train(): a run from its run directory and checks to its summary
+    loop.py       the training loop: steps, evaluation and saving cadence, stop signals
     step.py       one optimizer step's engine steps (accumulation, replica slices, clipping)
     evaluate.py   evaluation, and the data's whole-model figures (BLEU)
     forecast.py   the simulator's forecast beside the measured step, in every run
-    checkpoint.py the one checkpoint format; resume; starting from weights
+    checkpoint/   the one checkpoint format: save (in the background too), restore, init_from
+    seeding.py    the process's random-number generators: seeded at the start, saved, restored
     rundir.py     the run directory: where a run starts or resumes, one run at a time
     record.py     the run's record (metrics, summary)
     world.py      who runs: one process or torchrun's
@@ -31,6 +33,6 @@ Example::
 
 from __future__ import annotations
 
-from giantpipe.runner.loop import train
+from giantpipe.runner.run import train
 
 __all__ = ["train"]

@@ -45,7 +45,7 @@ from giantpipe.engine.dist.pipe import DistributedPipe
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.stats import ActionTiming
-from giantpipe.metrics import EngineStats
+from giantpipe.metrics.step import EngineStats
 from giantpipe.runner.step import autocast, to_device
 from giantpipe.runner.world import World
 

@@ -5,11 +5,13 @@ One loop for both executors. The local executor is a world of one process; under
 the loss and the statistics are collective, and rank 0 alone writes the run directory (config,
 progress bar, ``metrics.jsonl``, ``summary.json``, the log): it already holds what it logs,
 because the engine gathers the loss and every stage's busy time, bubble and peak memory.
+:func:`giantpipe.runner.run.train` opens the run around it (run directory, build, resume).
 
 Example::
 
-    summary = train(cfg, run_dir=Path("outputs/run"), config_yaml=resolved_yaml)
-    summary["eval/loss"], summary["train/samples_per_s"]
+    loop = TrainingLoop(cfg, parts, run_dir, metrics, Progress(), last_good=None, world=World())
+    loop.run()               # to parts.total_steps, evaluating and saving on the cadence
+    loop.progress.step, loop.last_eval
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,39 +31,18 @@ import torch
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, EvaluationError, batch_size
-from giantpipe.metrics import EngineStats, MetricsLogger, StepRecord, write_summary
-from giantpipe.runner.build import Experiment, build_experiment
-from giantpipe.runner.checkpoint import (
-    BackgroundSaveError,
-    CheckpointWriter,
-    Progress,
-    load_initial_weights,
-    model_record,
-    restore,
-    seed_everything,
-)
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.step import EngineStats, StepRecord
+from giantpipe.metrics.summary import write_summary
+from giantpipe.runner.build import Experiment
+from giantpipe.runner.checkpoint.saving import model_record
+from giantpipe.runner.checkpoint.state import Progress
+from giantpipe.runner.checkpoint.writer import BackgroundSaveError, CheckpointWriter
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.forecast import Forecast
-from giantpipe.runner.record import (
-    base_summary,
-    check_objective,
-    open_record,
-    read_summary,
-    run_to_summary,
-)
-from giantpipe.runner.rundir import (
-    LAST,
-    RunLock,
-    check_resumed_config,
-    check_writable,
-    clean_interrupted_saves,
-    finished_run,
-    move_record_aside,
-    moves_record_aside,
-    resume_point,
-)
+from giantpipe.runner.rundir import LAST
 from giantpipe.runner.step import accumulate_gradients
-from giantpipe.runner.world import Request, StopSignals, World, open_world
+from giantpipe.runner.world import Request, StopSignals, World
 
 log = logging.getLogger(__name__)
 
@@ -422,193 +403,3 @@ class TrainingLoop:
                 pass  # dying anyway; the line above said it
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> dict[str, Any]:
-    """The run's figures for summary.json, the table and the sweep objective."""
-    parts = loop.parts
-    pipeline = {
-        "pipeline/executor": cfg.pipeline.executor,
-        "pipeline/world_size": loop.world.size,
-        "pipeline/replicas": parts.pipe.replicas,
-        "pipeline/devices": list(parts.spec.devices or ()),
-        "pipeline/balance": list(parts.spec.balance),
-    }
-    figures = loop.metrics.run_figures() if loop.metrics is not None else {}
-    evaluation = {**loop.last_eval, **loop.eval_notes}
-    summary = base_summary(
-        cfg,
-        parts.spec,
-        loop.progress.step,
-        wall_time_s,
-        loop.last_line,
-        evaluation,
-        figures,
-        pipeline,
-    )
-    if loop.stopped is not None:
-        summary["status"] = loop.stopped  # preempted / interrupted: resumable from last/
-    if loop.forecast is not None:
-        summary.update(loop.forecast.figures())
-    if parts.plan_choice is not None:
-        summary["pipeline/plan_choice"] = parts.plan_choice
-    if parts.grad_scaler is not None:  # fp16
-        summary["train/loss_scale"] = parts.grad_scaler.get_scale()
-        summary["train/skipped_steps"] = loop.skipped_steps
-    return summary
-
-
-def train(
-    cfg: ExperimentConfig, run_dir: Path, config_yaml: str, derived: Collection[str] = ()
-) -> dict[str, Any]:
-    """Check, build, (resume,) train, evaluate, and write the summary; return it (on every
-    process under torchrun: rank 0's).
-
-    Nothing in ``run_dir`` is written until the config, the data, the model, the balance and any
-    checkpoint to resume from have all been checked (on every rank). ``derived``: the keys of
-    ``config_yaml`` an interpolation sets, which a resume does not compare (see
-    giantpipe.runner.rundir.check_resumed_config).
-    """
-    start = time.perf_counter()
-    world = open_world(cfg.pipeline)
-    try:
-        return _train(cfg, world.from_rank0(run_dir), config_yaml, world, start, derived)
-    finally:
-        world.close()
-
-
-def _train(
-    cfg: ExperimentConfig,
-    run_dir: Path,
-    config_yaml: str,
-    world: World,
-    start: float,
-    derived: Collection[str],
-) -> dict[str, Any]:
-    lock = RunLock(run_dir)
-    trainer = cfg.trainer
-
-    def claim() -> None:  # one run per directory, whatever else it holds
-        if world.writes:
-            check_writable(run_dir)
-            lock.acquire()
-
-    world.agree(claim)
-    try:
-        done = world.writes and finished_run(trainer.resume, run_dir, trainer.max_steps)
-        if world.from_rank0(done):  # trainer.resume=auto: a completed run, left as it is
-            return world.from_rank0(_finished(run_dir) if world.writes else {})
-        resume_from = world.agree(lambda: resume_point(trainer.resume, run_dir, trainer.overwrite))
-        return _checked(cfg, run_dir, config_yaml, world, start, resume_from, derived)
-    finally:
-        if world.writes:
-            lock.release()
-
-
-def _checked(
-    cfg: ExperimentConfig,
-    run_dir: Path,
-    config_yaml: str,
-    world: World,
-    start: float,
-    resume_from: Path | None,
-    derived: Collection[str] = (),
-) -> dict[str, Any]:
-    """Builds, restores, checks what is left to check, then runs and records the run."""
-    seed_everything(cfg.trainer.seed)  # then data, then model: every rank in the same order
-    parts = build_experiment(cfg, run_dir, world)
-
-    def restore_or_start() -> Progress:
-        if resume_from is not None:
-            return restore(parts, resume_from, world)
-        if cfg.trainer.init_from is not None:  # fine-tune: weights only, a fresh run otherwise
-            load_initial_weights(parts, Path(cfg.trainer.init_from).expanduser())
-        return Progress()
-
-    progress = world.agree(restore_or_start)
-    if resume_from is not None and progress.step >= parts.total_steps:
-        return _complete(run_dir, progress.step, parts.total_steps)
-    if resume_from is not None:  # the same run goes on: its seed, model and data stay
-        allowed = cfg.trainer.resume_changed
-        world.agree(
-            lambda: (
-                check_resumed_config(resume_from, progress.step, config_yaml, allowed, derived)
-                if world.writes
-                else None
-            )
-        )
-    if world.writes:  # only once what the run resumes from has been read and accepted
-        clean_interrupted_saves(run_dir)
-    world.agree(lambda: check_objective(cfg, parts))
-    # -- checked: from here on the run writes into run_dir -----------------------------------
-    aside = resume_from is None and moves_record_aside(
-        cfg.trainer.resume, run_dir, cfg.trainer.overwrite
-    )
-    if world.writes and aside:
-        move_record_aside(run_dir)
-    metrics = _open(cfg, run_dir, config_yaml, parts, progress, resume_from is not None, world)
-    last_good = (resume_from, progress.step) if resume_from is not None else None
-    loop = TrainingLoop(cfg, parts, run_dir, metrics, progress, last_good, world)
-    summary = run_to_summary(
-        cfg.name,
-        run_dir,
-        metrics,
-        loop.run,
-        lambda: summarize(cfg, loop, time.perf_counter() - start),
-        lambda: loop.progress.step,
-    )
-    shared: dict[str, Any] = world.from_rank0(summary)
-    return shared
-
-
-def _complete(run_dir: Path, step: int, total: int) -> dict[str, Any]:
-    """A resume of a run that already reached trainer.max_steps: say so, change nothing."""
-    log.info(
-        "the run in %s is complete at step %d (trainer.max_steps gives %d steps): nothing to do; "
-        "raise trainer.max_steps to continue it",
-        run_dir,
-        step,
-        total,
-    )
-    print(f"{run_dir}: the run is complete at step {step}; nothing was changed", flush=True)
-    return read_summary(run_dir) or {"status": "completed", "steps": step}
-
-
-def _finished(run_dir: Path) -> dict[str, Any]:
-    """``trainer.resume=auto`` found a completed run: say so, change nothing, return its summary
-    (a sweep gets its objective back)."""
-    summary = read_summary(run_dir) or {"status": "completed"}
-    log.info("trainer.resume=auto: the run in %s is complete; skipped", run_dir)
-    steps = summary.get("steps")
-    print(f"{run_dir}: the run is complete at step {steps}; nothing was changed", flush=True)
-    return summary
-
-
-def _open(
-    cfg: ExperimentConfig,
-    run_dir: Path,
-    config_yaml: str,
-    parts: Experiment,
-    progress: Progress,
-    resumed: bool,
-    world: World,
-) -> MetricsLogger | None:
-    """Rank 0's record of the run (None elsewhere)."""
-    if not world.writes:
-        return None
-    where: tuple[str, tuple[Any, ...]] = ("", ())
-    if world.size > 1:
-        replicas = parts.pipe.replicas
-        ranks = (world.size, world.size // replicas, replicas)
-        where = ("distributed, %d ranks = K %d x R %d, ", ranks)
-    return open_record(
-        cfg,
-        run_dir,
-        config_yaml,
-        progress.step,
-        resumed,
-        parts.total_steps,
-        parts.spec,
-        log,
-        where,
-    )

@@ -28,7 +28,9 @@ from typing import Any
 
 from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.engine.spec import PipelineSpec
-from giantpipe.metrics import MetricsLogger, format_table, truncate_after_step, write_summary
+from giantpipe.metrics.jsonl import truncate_after_step
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.summary import format_table, write_summary
 from giantpipe.runner.planning import as_run
 from giantpipe.runner.rundir import save_config
 

@@ -6,7 +6,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[3] / "src" / "giantpipe"
 BELOW_THE_ENTRY = [
     "runner",
-    "metrics.py",
+    "metrics",
     "data/text",
     "data/bundle.py",
     "data/options.py",

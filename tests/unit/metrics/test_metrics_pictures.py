@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from giantpipe.config import LoggerConfig
-from giantpipe.metrics import MetricsLogger, StepRecord, write_sweep_table
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.step import StepRecord
+from giantpipe.metrics.sweep import write_sweep_table
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

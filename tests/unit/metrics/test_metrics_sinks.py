@@ -6,18 +6,11 @@ from types import SimpleNamespace
 import pytest
 
 from giantpipe.config import LoggerConfig
-from giantpipe.metrics import (
-    JsonlSink,
-    MetricsLogger,
-    StepRecord,
-    Window,
-    breakdown,
-    format_table,
-    read_jsonl,
-    truncate_after_step,
-    wants_bar,
-    write_summary,
-)
+from giantpipe.metrics.jsonl import JsonlSink, read_jsonl, truncate_after_step
+from giantpipe.metrics.logger import MetricsLogger
+from giantpipe.metrics.progress import wants_bar
+from giantpipe.metrics.step import StepRecord, Window, breakdown
+from giantpipe.metrics.summary import format_table, write_summary
 
 
 def stats(busy, peak, bubble=0.25, recompute=None, span=1.0):

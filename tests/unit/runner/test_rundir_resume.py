@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from giantpipe.config import ConfigError
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.rundir import check_resumed_config, resume_point
 from tests.unit.runner.test_runner_loop import tiny

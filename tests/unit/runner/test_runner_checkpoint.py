@@ -15,24 +15,23 @@ from torch import nn
 from giantpipe.config import ConfigError
 from giantpipe.engine import GPipe
 from giantpipe.engine.dist import shards
-from giantpipe.metrics import read_jsonl
+from giantpipe.engine.dist.shards import atomic_save
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, parameter_names
-from giantpipe.runner.checkpoint import (
+from giantpipe.runner.checkpoint.legacy import load_checkpoint
+from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.runner.checkpoint.restore import restore
+from giantpipe.runner.checkpoint.state import (
     RUN_FORMAT,
-    CheckpointWriter,
     Progress,
-    atomic_save,
     check_model_fits,
-    load_checkpoint,
     load_optimizer_state_by_name,
     optimizer_state_by_name,
-    read_checkpoint,
-    restore,
-    rng_state,
-    seed_everything,
 )
+from giantpipe.runner.checkpoint.writer import CheckpointWriter
 from giantpipe.runner.loop import CheckpointWriteError
+from giantpipe.runner.seeding import rng_state, seed_everything
 from giantpipe.runner.world import World
 from tests.unit.runner.test_runner_loop import tiny
 

@@ -18,7 +18,8 @@ from giantpipe.data.images.bundle import generated_images
 from giantpipe.data.options import GeneratedImagesDataConfig, SyntheticDataConfig
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint import load_initial_weights, read_checkpoint, read_weights
+from giantpipe.runner.checkpoint.init_from import load_initial_weights, read_weights
+from giantpipe.runner.checkpoint.reading import read_checkpoint
 from giantpipe.runner.evaluate import evaluate
 from giantpipe.runner.losses import count_top_k
 from models.options import AmoebaNetModelConfig, MlpModelConfig

@@ -19,11 +19,13 @@ from giantpipe.config import (
 from giantpipe.data.bundle import DataBundle, EvaluationError
 from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.data.synthetic import classification
-from giantpipe.metrics import read_jsonl
+from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint import Progress, read_checkpoint, seed_everything
+from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.runner.checkpoint.state import Progress
 from giantpipe.runner.loop import NonFiniteLossError, TrainingLoop
+from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from models.options import MlpModelConfig
 

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from giantpipe.config import ConfigError, OptimConfig
-from giantpipe.runner.checkpoint import restore_rng, rng_state, seed_everything
 from giantpipe.runner.ema import WeightEMA
 from giantpipe.runner.losses import build_loss, count_correct
 from giantpipe.runner.optim import build_optimizer
 from giantpipe.runner.registry import build_from_target, locate
+from giantpipe.runner.seeding import restore_rng, rng_state, seed_everything
 from models.options import MlpModelConfig
 
 

@@ -20,8 +20,8 @@ from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.engine import schedules
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint import seed_everything
 from giantpipe.runner.pipeline import pipeline_spec
+from giantpipe.runner.seeding import seed_everything
 from models.options import MlpModelConfig
 
 

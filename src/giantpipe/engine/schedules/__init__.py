@@ -38,9 +38,7 @@ def schedule_builders() -> dict[str, ScheduleFn]:
     }
 
 
-def build_schedule(
-    name: str, num_workers: int, chunks: int, virtual_stages: int = 1
-) -> Schedule:
+def build_schedule(name: str, num_workers: int, chunks: int, virtual_stages: int = 1) -> Schedule:
     """Looks up a schedule by name and validates it.
 
     ``num_workers`` is K; with ``virtual_stages`` V the model is cut into K*V stages

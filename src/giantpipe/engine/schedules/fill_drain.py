@@ -51,9 +51,7 @@ def fill_drain(
     for w in range(k):
         stages = [s for s, owner in enumerate(placement) if owner == w]
         forwards = [Action("F", s, m) for s in stages for m in range(chunks)]
-        backwards = [
-            Action("B", s, m) for s in reversed(stages) for m in reversed(range(chunks))
-        ]
+        backwards = [Action("B", s, m) for s in reversed(stages) for m in reversed(range(chunks))]
         workers.append(tuple(forwards + backwards))
     return Schedule("gpipe", k * v, chunks, tuple(workers), placement)
 

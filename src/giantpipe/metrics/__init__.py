@@ -1,0 +1,24 @@
+"""Metrics: what an optimizer step reports and where it goes.
+
+Imported by the runner (and scripts reading ``metrics.jsonl``); imports nothing of giantpipe
+but ``giantpipe.config`` (the engine's step statistics are duck-typed), and matplotlib only to
+draw a picture.
+
+    step.py       the step record: StepRecord, the Window that sums records, breakdown
+    logger.py     the loop's door: MetricsLogger fans records out to the sinks, draws the curves
+    progress.py   the progress bar (tqdm on a terminal, silent elsewhere)
+    jsonl.py      metrics.jsonl: its writer (JsonlSink), reader and resume trim
+    trackers.py   the outside trackers: Weights & Biases and TensorBoard
+    summary.py    the run's summary: labels, the two-column table, summary.json
+    curves.py     curves.png: loss and evaluation figures against the step
+    sweep.py      the sweep table: sweep.md, sweep.csv and sweep.png of a multirun
+
+``write_sweep_table`` is importable from here too: the command line's sweep callback imports
+it by that name once a multirun ends.
+"""
+
+from __future__ import annotations
+
+from giantpipe.metrics.sweep import write_sweep_table
+
+__all__ = ["write_sweep_table"]

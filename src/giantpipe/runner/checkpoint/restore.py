@@ -1,0 +1,120 @@
+"""Restoring: a checkpoint's weights, optimizer, EMA, LR schedule, loss scale and RNG into the
+built parts, under any K, R or executor (every rank reads its names from whichever files hold
+them); a ``.pt`` file of the earlier format goes to :mod:`giantpipe.runner.checkpoint.legacy`.
+
+Example::
+
+    progress = restore(parts, run_dir / "last", world)      # any K, R or executor
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from giantpipe.config import ConfigError
+from giantpipe.engine.dist import shards
+from giantpipe.runner.checkpoint.legacy import restore_legacy
+from giantpipe.runner.checkpoint.reading import read_run, read_state_file, refusing_damage
+from giantpipe.runner.checkpoint.state import (
+    EMA,
+    OPTIMIZER,
+    RESUME,
+    Progress,
+    check_model_fits,
+    load_optimizer_state_by_name,
+)
+from giantpipe.runner.seeding import restore_rng
+
+if TYPE_CHECKING:
+    from giantpipe.runner.build import Experiment
+    from giantpipe.runner.world import World
+
+
+def restore(parts: Experiment, path: Path, world: World) -> Progress:
+    """Load a checkpoint (a directory, or a ``.pt`` file of the earlier format) into the built
+    parts; ConfigError naming trainer.resume if it does not fit or a file is damaged."""
+    if path.is_dir():
+        with refusing_damage(path):
+            return restore_run(parts, path, world.rank)
+    return restore_legacy(parts, path, whole=world.size == 1)
+
+
+def restore_run(parts: Experiment, directory: Path, rank: int) -> Progress:
+    """Weights, optimizer, EMA, LR schedule and RNG for this process's names (any layout)."""
+    manifest, extra = read_run(directory)
+    live = parts.pipe.state_dict()
+    if parts.ema is not None and not extra.get("ema"):
+        raise ConfigError("trainer.ema_decay", f"{directory} was saved without an EMA")
+    wanted = list(live)
+    if manifest["format"] != shards.OLD_FORMAT:  # the optimizer's and EMA's tensors: DCP's
+        held = shards.tensor_names(directory)
+        mine = {f"{OPTIMIZER}{n}/" for n in parts.names}
+        wanted += [k for k in held if k.startswith(OPTIMIZER) and k.rsplit("/", 1)[0] + "/" in mine]
+        shadow = parts.ema.shadow if parts.ema is not None else {}
+        wanted += [f"{EMA}{n}" for n in shadow]
+    try:
+        loaded = shards.load(directory, wanted)
+    except KeyError as err:
+        raise ConfigError(RESUME, f"{directory} does not fit this model ({err.args[0]})") from err
+    saved = {n: loaded[n] for n in live}
+    check_model_fits(saved, live, directory)
+    files = list(extra["state_files"])
+    leaders = [read_state_file(directory, files[r], manifest) for r in extra["leader_ranks"]]
+    _restore_optimizer(parts, leaders, directory, loaded)
+    parts.pipe.load_state_dict(saved)
+    if parts.ema is not None:
+        ema = {n[len(EMA) :]: t for n, t in loaded.items() if n.startswith(EMA)}
+        ema = ema or {n: t for s in leaders for n, t in s["ema"].items()}  # the earlier format
+        parts.ema.load_state_dict({n: t for n, t in ema.items() if n in parts.ema.shadow})
+    parts.scheduler.load_state_dict(leaders[0]["scheduler"])
+    _restore_grad_scaler(parts, leaders[0])
+    if rank < len(files):  # a rank new to the layout keeps its seeded generators
+        restore_rng(read_state_file(directory, files[rank], manifest)["rng"])
+    return Progress(step=int(extra["step"]), position=int(extra["position"]))
+
+
+def _restore_grad_scaler(parts: Experiment, state: dict[str, Any]) -> None:
+    """fp16: the saved loss scale, where the run saved one (a run saved in fp32 or bf16, or
+    before scalers were saved, starts from the scaler's initial scale)."""
+    saved = state.get("grad_scaler")
+    if parts.grad_scaler is not None and saved is not None:
+        parts.grad_scaler.load_state_dict(saved)
+
+
+def _restore_optimizer(
+    parts: Experiment, leaders: list[dict[str, Any]], directory: Path, tensors: dict[str, Tensor]
+) -> None:
+    """This process's optimizer state, gathered by parameter name from the leaders' files and
+    (``optimizer/NAME/KEY``) from ``tensors``."""
+    mine = set(parts.names)
+    per_name = {
+        name: dict(value)
+        for s in leaders
+        for name, value in s["optimizer"]["state"].items()
+        if name in mine
+    }
+    for key, tensor in tensors.items():
+        if key.startswith(OPTIMIZER):
+            name, slot = key[len(OPTIMIZER) :].rsplit("/", 1)
+            per_name.setdefault(name, {})[slot] = tensor
+    saved_groups = leaders[0]["optimizer"]["param_groups"]
+    live_groups = [
+        [n for n, p in parts.names.items() if any(p is q for q in g["params"])]
+        for g in parts.optimizer.param_groups
+    ]
+    if len(saved_groups) != len(live_groups):
+        raise ConfigError(RESUME, f"{directory}: optimizer parameter groups differ")
+    state = {
+        "state": per_name,
+        "param_groups": [
+            {**saved, "params": names}
+            for saved, names in zip(saved_groups, live_groups, strict=True)
+        ],
+    }
+    try:
+        load_optimizer_state_by_name(parts.optimizer, state, parts.names)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(RESUME, f"{directory}: optimizer state does not fit ({err})") from err

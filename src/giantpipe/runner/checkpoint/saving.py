@@ -1,0 +1,280 @@
+"""Saving: what one save of this process holds (staged), written in DCP's format and committed
+by rank 0's manifest, with what the manifest says of the run and of the model.
+
+Every rank writes its run state (LR schedule, fp16's loss scale, RNG, the optimizer's other
+values), replica 0's ranks the tensors (weights, optimizer, EMA), and rank 0 commits the save
+with the manifest (:func:`giantpipe.engine.dist.shards.save_collective`). Staging copies the
+tensors to host memory first when the write runs in the background
+(:mod:`giantpipe.runner.checkpoint.writer`).
+
+Example::
+
+    save_run(parts, progress, run_dir / "last", world)      # every rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from giantpipe.engine.dist import shards
+from giantpipe.runner.checkpoint.state import (
+    EMA,
+    OPTIMIZER,
+    RUN_FORMAT,
+    Progress,
+    optimizer_state_by_name,
+)
+from giantpipe.runner.registry import build_from_target
+from giantpipe.runner.seeding import restore_rng, rng_state
+
+if TYPE_CHECKING:
+    from giantpipe.runner.build import Experiment
+    from giantpipe.runner.world import World
+
+
+def state_file(rank: int) -> str:
+    """A rank's run-state file in a save's folder."""
+    return f"state-rank{rank:05d}.pt"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process sits: its rank, its replica, the stages it holds, K, R, placement."""
+
+    rank: int
+    replica: int
+    stages: list[int]
+    workers: int
+    replicas: int
+    placement: list[int]
+
+
+def place_of(pipe: Any) -> Place:
+    """The place of ``pipe``'s process (a GPipe holds every stage, in a world of one)."""
+    layout = getattr(pipe, "layout", None)
+    if layout is None:
+        stages = list(range(len(pipe.partitions)))
+        return Place(0, 0, stages, pipe.num_workers, 1, list(pipe.placement))
+    return Place(
+        layout.rank,
+        layout.replica,
+        layout.local_stages,
+        layout.workers,
+        layout.replicas,
+        list(layout.placement),
+    )
+
+
+@dataclass
+class Staged:
+    """One save of this process, ready to write: tensors for DCP (copies in host memory when
+    the write runs in the background), the run state, rank 0's manifest fields."""
+
+    step: int
+    token: str
+    tensors: dict[str, Tensor]
+    state: dict[str, Any]
+    entry: dict[str, Any] | None
+    """This rank's manifest entry (stages, weight names); None on replicas other than 0."""
+    commit_as: tuple[dict[str, Any], dict[str, Any]] | None
+    """Rank 0: the manifest's layout fields and its run entry (``extra``)."""
+
+
+def split_optimizer(
+    optimizer: torch.optim.Optimizer, names: Mapping[str, nn.Parameter]
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The name-keyed optimizer state as DCP tensors (``optimizer/NAME/KEY``) and the rest
+    (other values per name, parameter groups), which the run-state file holds."""
+    by_name = optimizer_state_by_name(optimizer, names)
+    tensors: dict[str, Tensor] = {}
+    rest: dict[str, dict[str, Any]] = {}
+    for name, values in by_name["state"].items():
+        rest[name] = {}
+        for key, value in values.items():
+            if isinstance(value, Tensor):
+                tensors[f"{OPTIMIZER}{name}/{key}"] = value
+            else:
+                rest[name][key] = value
+    return tensors, {"state": rest, "param_groups": by_name["param_groups"]}
+
+
+def stage(
+    parts: Experiment,
+    progress: Progress,
+    world: World,
+    about: dict[str, Any],
+    buffers: dict[str, Tensor] | None = None,
+    copied: dict[str, Tensor] | None = None,
+) -> Staged:
+    """Collective (the save's name comes from rank 0): what this process saves. ``buffers``:
+    copy every tensor into these host buffers (the step may change the live ones during the
+    write); ``copied``: such a copy made earlier in the same step (only a step changes them)."""
+    pipe, place = parts.pipe, place_of(parts.pipe)
+    token = world.from_rank0(shards.new_token(progress.step))
+    leader = place.replica == 0  # replicas hold the same weights, optimizer state and EMA
+    tensors: dict[str, Tensor] = {}
+    optimizer, entry = None, None
+    if leader:
+        weights = pipe.state_dict()
+        entry = {"rank": place.rank, "stages": list(place.stages), "names": list(weights)}
+        opt_tensors, optimizer = split_optimizer(parts.optimizer, parts.names)
+        tensors.update({**weights, **opt_tensors})
+        if parts.ema is not None:
+            tensors.update({f"{EMA}{n}": t for n, t in parts.ema.state_dict().items()})
+    state = {
+        "rank": place.rank,
+        "step": progress.step,
+        "position": progress.position,
+        "scheduler": parts.scheduler.state_dict(),
+        "rng": rng_state(),
+        "optimizer": optimizer,
+        "ema": None,  # its tensors are DCP's
+        # fp16: the loss scale and its growth count, the same on every rank (one verdict)
+        "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
+    }
+    if copied is not None:
+        tensors = copied
+    elif buffers is not None:
+        tensors = copy_to_host(tensors, buffers)
+    else:
+        tensors = {k: t.detach().cpu() for k, t in tensors.items()}
+    if buffers is not None or copied is not None:
+        state = copy.deepcopy(state)
+    commit_as = None
+    if world.rank == 0:
+        commit_as = (_layout(pipe, place, progress.step), _run_entry(parts, progress, world, token))
+        commit_as[1]["model"] = about
+    return Staged(progress.step, token, tensors, state, entry, commit_as)
+
+
+def _layout(pipe: Any, place: Place, step: int) -> dict[str, Any]:
+    return {
+        "step": step,
+        "balance": list(pipe.balance),
+        "schedule": pipe.schedule,
+        "chunks": pipe.chunks,
+        "workers": place.workers,
+        "replicas": place.replicas,
+        "placement": place.placement,
+    }
+
+
+def _run_entry(parts: Experiment, progress: Progress, world: World, token: str) -> dict[str, Any]:
+    replicas = place_of(parts.pipe).replicas
+    return {
+        "format": RUN_FORMAT,
+        "step": progress.step,
+        "position": progress.position,
+        "state_files": [f"{token}/{state_file(r)}" for r in range(world.size)],
+        "leader_ranks": list(range(world.size // replicas)),  # replica 0's ranks
+        "ema": parts.ema is not None,
+    }
+
+
+def copy_to_host(tensors: dict[str, Tensor], buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` copied into ``buffers`` (host memory, kept from save to save: a fresh 1 GiB
+    costs the kernel a quarter of a million page faults every time, here slower than the copy;
+    pinned for a GPU's tensors, so the copies run asynchronously and at full speed)."""
+    copies = {}
+    for name, tensor in tensors.items():
+        buffer = buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            buffers[name] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        copies[name] = buffer
+    for name in set(buffers) - set(tensors):
+        del buffers[name]
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()  # the copies are done before the step changes the tensors
+    return copies
+
+
+def write_staged(staged: Staged, directory: Path, group: Any) -> None:
+    """Collective over ``group`` (None: one process): writes ``staged`` into ``directory``
+    and commits it there (rank 0)."""
+    rank = staged.state["rank"]
+    objects = {state_file(rank): staged.state}
+    directory.mkdir(parents=True, exist_ok=True)
+    shards.save_collective(
+        directory, staged.token, staged.tensors, objects, staged.entry, staged.commit_as, group
+    )
+
+
+def host_group(pipe: Any, world: World) -> Any:
+    """The gloo group of every rank that saves run on (None in a world of one)."""
+    return pipe.groups.control if world.size > 1 else None
+
+
+def save_run(
+    parts: Experiment,
+    progress: Progress,
+    directory: Path,
+    world: World,
+    about: dict[str, Any] | None = None,
+) -> None:
+    """Collective: every rank writes its run state, replica 0 its tensors; rank 0 commits.
+    ``about``: what the manifest says of the model (:func:`model_record`)."""
+    staged = stage(parts, progress, world, about or {})
+    write_staged(staged, directory, host_group(parts.pipe, world))
+
+
+# -- what the manifest says of the model -------------------------------------------------------
+
+
+def model_record(spec: Any, model: nn.Module | None) -> dict[str, Any]:
+    """The model's builder (``_target_``) and, for a Hugging Face model, its config as JSON
+    (what ``python -m giantpipe.consolidate ... --format hf`` writes as ``config.json``).
+
+    Example::
+
+        model_record(cfg.model, parts.model)   # {"target": "models.hf.hf_causal_lm", ...}
+    """
+    record: dict[str, Any] = {"target": str(getattr(spec, "_target_", ""))}
+    config = hf_config(spec, model)
+    if config is not None:
+        record["hf_config"] = config
+    return record
+
+
+def hf_config(spec: Any, model: nn.Module | None) -> dict[str, Any] | None:
+    """The Hugging Face config of the model ``spec`` builds, or None for any other model.
+
+    The capture keeps the weights, not the Hugging Face module, so the builder runs again, on
+    the meta device (no memory, no weights) and with the random generators put back after.
+    A flat Sequential as built is never a Hugging Face model; nor is anything built where
+    transformers was never imported.
+    """
+    if "transformers" not in sys.modules:
+        return None
+    if isinstance(model, nn.Sequential) and not hasattr(model, "original_names"):
+        return None
+    try:
+        with _generators_kept(), torch.device("meta"):
+            built = build_from_target(spec, "model")
+    except Exception:  # noqa: BLE001 - a builder that needs real memory: no export as hf
+        return None
+    config: Any = getattr(built, "config", None)
+    if not hasattr(config, "to_json_string") or not hasattr(built, "save_pretrained"):
+        return None
+    found: dict[str, Any] = json.loads(config.to_json_string())
+    return found
+
+
+@contextlib.contextmanager
+def _generators_kept() -> Iterator[None]:
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        restore_rng(saved)
