@@ -119,16 +119,21 @@ def check_fits_memory(nbytes: int, keys: str, what: str) -> None:
     )
 
 
-def human_bytes(n: float) -> str:
+def human_bytes(n: float, decimals: int | None = None) -> str:
     """A byte count as people read it: whole bytes, else three significant digits of the
-    largest binary unit below it.
+    largest binary unit below it; ``decimals``: that many digits after the point instead (a
+    table's column, which lines up).
 
     >>> human_bytes(512), human_bytes(3 * 2**30), human_bytes(1.5 * 2**20)
     ('512 B', '3 GiB', '1.5 MiB')
+    >>> human_bytes(2048, decimals=1)
+    '2.0 KiB'
     """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+            if unit == "B":
+                return f"{n:.0f} B"
+            return f"{n:.{decimals}f} {unit}" if decimals is not None else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from giantpipe.config import human_bytes
 from giantpipe.metrics.jsonl import json_safe
 
 _LABELS = {
@@ -51,21 +52,11 @@ _LABELS = {
 }
 
 
-def _human_bytes(count: float) -> str:
-    if count < 1024:
-        return f"{count:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        count /= 1024
-        if count < 1024 or unit == "GiB":
-            break
-    return f"{count:.1f} {unit}"
-
-
 def _format(key: str, value: Any) -> str:
     if key.endswith("_bytes") and isinstance(value, list):
-        return ", ".join(_human_bytes(v) for v in value)
+        return ", ".join(human_bytes(v, decimals=1) for v in value)
     if key.endswith("_bytes") and isinstance(value, int | float):
-        return _human_bytes(value)
+        return human_bytes(value, decimals=1)
     if isinstance(value, list):
         return ", ".join(_format(key, v) for v in value)
     if isinstance(value, float):
