@@ -8,7 +8,7 @@ by :func:`plot_measured`, so the two can be set side by side.
 
 Example::
 
-    >>> from giantpipe.engine.schedules import one_f_one_b
+    >>> from giantpipe.engine.schedules.one_f_one_b import one_f_one_b
     >>> from giantpipe.perf.simulate import StageCost, simulate
     >>> sim = simulate(one_f_one_b(2, 3), [StageCost(forward=1.0, backward=1.0)] * 2)
     >>> print(render_text(sim))

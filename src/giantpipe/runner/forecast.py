@@ -99,10 +99,8 @@ class Forecast:
             self._predict(parts, precision, batch, step)
 
     def _predict(self, parts: Experiment, precision: str, batch: Batch, step: int) -> None:
-        predict = getattr(parts.pipe, "predict", None)
-        if predict is None:
-            log.info("no prediction: this executor has no simulator forecast")
-            return
+        from giantpipe.perf.predict import predict
+
         inputs, targets = (
             to_device(batch[0], parts.input_device),
             to_device(batch[1], parts.target_device),
@@ -111,7 +109,7 @@ class Forecast:
         started = time.perf_counter()
         try:
             with torch.random.fork_rng(devices=cuda), autocast(precision, parts.input_device):
-                self.prediction = predict(inputs, targets, parts.loss_fn, repeats=1)
+                self.prediction = predict(parts.pipe, inputs, targets, parts.loss_fn, repeats=1)
         except Exception as err:  # a diagnostic: say so, and train on
             log.warning(
                 "no prediction: profiling the stages failed: %s: %s", type(err).__name__, err
