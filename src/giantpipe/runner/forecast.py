@@ -42,6 +42,7 @@ import torch
 
 from giantpipe.data.bundle import Batch, batch_size
 from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.gpipe import GPipe
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.stats import ActionTiming
@@ -109,7 +110,8 @@ class Forecast:
         started = time.perf_counter()
         try:
             with torch.random.fork_rng(devices=cuda), autocast(precision, parts.input_device):
-                self.prediction = predict(parts.pipe, inputs, targets, parts.loss_fn, repeats=1)
+                pipe = cast(GPipe, parts.pipe)  # the local executor's
+                self.prediction = predict(pipe, inputs, targets, parts.loss_fn, repeats=1)
         except Exception as err:  # a diagnostic: say so, and train on
             log.warning(
                 "no prediction: profiling the stages failed: %s: %s", type(err).__name__, err
