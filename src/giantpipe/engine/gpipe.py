@@ -222,7 +222,8 @@ class GPipe(Pipe):
     # ---- front door 1: torchgpipe's forward / backward ------------------------------------
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """Pipelines the forward pass; with grad enabled, ``backward`` is pipelined too."""
+        """Pipelines the forward pass; with grad enabled, ``backward`` is pipelined too. Without
+        grad (evaluation) any batch runs, in min(M, batch) micro-batches."""
         batch = check_input(input)
         if not self.partitions:
             return input  # an empty Sequential is the identity

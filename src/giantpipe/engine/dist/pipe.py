@@ -312,7 +312,8 @@ class DistributedPipe(Pipe):
         loss_fn: LossFn | None = None,
         loss_normalizer: Normalizer | None = None,
     ) -> torch.Tensor:
-        """The loss of a forward without gradients (global over replicas), on every rank."""
+        """The loss of a forward without gradients (global over replicas), on every rank; a
+        batch smaller than M runs in fewer micro-batches (as ``forward``)."""
         with torch.no_grad():
             return self._guarded(
                 lambda: self._step(False, inputs, targets, loss_fn, loss_normalizer)
@@ -509,10 +510,10 @@ class DistributedPipe(Pipe):
         gc.collect()  # a group (or request) still referenced keeps its connections open
 
     def _finish(
-        self, run: StepRun, started: float, local_loss: torch.Tensor | None, chunks: int
+        self, run: StepRun, started: float, local_loss: torch.Tensor | None, chunks: int = 0
     ) -> torch.Tensor:
-        """The global loss on every rank; the step's statistics (of ``chunks`` micro-batches:
-        M, or fewer for a short evaluation) in ``last_stats``.
+        """The global loss on every rank; the step's statistics in ``last_stats`` (a step of
+        ``chunks`` micro-batches; 0: M).
 
         Every rank of the pipeline contributes a row, ``[loss, wall, span, busy, peak,
         recompute]`` (busy and recompute: its stages' seconds; peak: saved activations on CPU,
@@ -538,8 +539,9 @@ class DistributedPipe(Pipe):
         table = all_gather_rows(row, group, ranks, self.timeout, self.board)
         kind = "cuda_allocator" if on_cuda else "saved_activations"
         clock = "cuda_events" if run.cuda else "perf_counter"
-        stats = table[:, 1:]
-        self.last_stats = StepStats.from_table(stats, chunks, kind, self.virtual_stages, clock)
+        self.last_stats = StepStats.from_table(
+            table[:, 1:], chunks or self.chunks, kind, self.virtual_stages, clock
+        )
         self.last_timings = list(run.timings)  # this rank's actions
         return table[self.placement[-1], 0].to(torch.float32)
 
