@@ -307,18 +307,44 @@ def run_sweep(model: Model, steps: int, out: Path, extra: Sequence[str] = ()) ->
     return sweep_dir
 
 
+EVAL_NOTE = (
+    "note: eval loss {low:.3g} to {high:.3g} above is BatchNorm's, not learning's: {steps} SGD "
+    "steps on random pixels scaled up the activations before some BatchNorms; training "
+    "normalizes by the batch, eval mode by running statistics moved a few times at momentum "
+    "0.1, so it amplifies at each of them (batch statistics give a few nats on the same "
+    "weights). samples/s is unaffected."
+)
+
+
+def eval_note(summaries: Sequence[dict[str, Any]]) -> str | None:
+    """The line printed beside the jobs' own eval figures (each job prints its summary): why
+    an AmoebaNet stand-in's eval loss after a few steps is huge (1e6 to 1e33); None for models
+    without BatchNorm (the Transformers' is near chance, ln of the vocabulary)."""
+    amoeba = [s for s in summaries if str(s.get("name", "")).startswith("amoebanet")]
+    losses = [float(s["eval/loss"]) for s in amoeba if "eval/loss" in s]
+    if not losses:
+        return None
+    steps = max(int(s.get("steps", 0)) for s in amoeba)
+    return EVAL_NOTE.format(low=min(losses), high=max(losses), steps=steps)
+
+
 def collect(sweep_dir: Path, results: Results) -> None:
     """Reads each job's summary.json into the measured cells (failed jobs are left out)."""
+    completed = []
     for path in sorted(sweep_dir.glob("*/summary.json")):
         summary = json.loads(path.read_text())
         if summary.get("status") != "completed":
             print(f"warning: {path.parent} did not complete: {summary.get('error')}")
             continue
+        completed.append(summary)
         cell = (len(summary["pipeline/devices"]), int(summary["pipeline/chunks"]))
         results.measured[cell] = float(summary["train/samples_per_s"])
         results.measured_bubble[cell] = float(summary.get("pipeline/bubble", float("nan")))
         results.breakdown[cell] = {k: float(summary.get(f"pipeline/{k}", float("nan")))
                                    for k in BREAKDOWN}  # fmt: skip
+    note = eval_note(completed)
+    if note:
+        print(note)
 
 
 # ---- simulated from a per-layer profile on this CPU ----------------------------------------

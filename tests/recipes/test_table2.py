@@ -155,6 +155,28 @@ def test_collect_reads_completed_runs_and_skips_failed_ones(
     assert results.breakdown[(2, 4)]["bubble"] == 0.2  # the run's Section 3.1 figures
 
 
+def test_the_amoebanet_jobs_eval_loss_is_explained_beside_it(
+    recipe: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each job prints its summary, with an eval loss of 1e4 to 1e33 for AmoebaNet after a few
+    # steps (BatchNorm's running statistics in eval mode); the script says why beside it, once
+    # per sweep, and nothing for the Transformers (no BatchNorm: their loss is near chance).
+    jobs = {"0": ("amoebanet_d_speed", 1, 3.52e30), "1": ("amoebanet_d_speed", 4, 5.4e31)}
+    for name, (recipe_name, chunks, loss) in jobs.items():
+        (tmp_path / name).mkdir()
+        summary = {"name": recipe_name, "status": "completed", "steps": 6, "eval/loss": loss,
+                   "pipeline/devices": ["cpu", "cpu"], "pipeline/chunks": chunks,
+                   "train/samples_per_s": 3.0}  # fmt: skip
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    recipe.collect(tmp_path, recipe.Results())
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(lines) == 1
+    assert lines[0].startswith("note: eval loss 3.52e+30 to 5.4e+31 above is BatchNorm's")
+    assert "6 SGD steps on random pixels" in lines[0] and "samples/s is unaffected" in lines[0]
+    lm = {"name": "transformer_lm_scaling", "steps": 6, "eval/loss": 6.65}
+    assert recipe.eval_note([lm]) is None
+
+
 def test_a_rerun_never_reads_the_previous_runs_summaries(
     recipe: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -184,7 +206,7 @@ def test_every_paper_cell_is_in_the_grid_and_quoted_once(recipe: ModuleType) -> 
 
 @pytest.mark.slow
 def test_quick_run_measures_simulates_and_writes_the_table(
-    recipe: ModuleType, tmp_path: Path
+    recipe: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # main() in this process (one start-up of Python and torch less); its sweeps still run
     # ``train.py -m`` in their own processes. It sets one intra-op thread: put the count back.
@@ -194,6 +216,8 @@ def test_quick_run_measures_simulates_and_writes_the_table(
         assert recipe.main(["--quick", "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    assert printed.count("above is BatchNorm's, not learning's") == 1  # AmoebaNet's sweep only
     text = (out / "table2.md").read_text()
     assert "## Table 2: AmoebaNet-D (18, 256)" in text and "## Table 3: Transformer-24" in text
     assert "**measured** CPU" in text and "**simulated** CPU profile" in text

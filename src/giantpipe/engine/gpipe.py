@@ -40,7 +40,6 @@ pipes as the identity, as torchgpipe's does.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -50,7 +49,14 @@ from torch import nn
 
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm
 from giantpipe.engine.executor import StepRun
-from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, gather, scatter
+from giantpipe.engine.microbatch import (
+    TensorOrTensors,
+    as_tuple,
+    batch_size,
+    forward_chunks,
+    gather,
+    scatter,
+)
 from giantpipe.engine.partition import (
     Device,
     TiedCopies,
@@ -69,8 +75,8 @@ from giantpipe.engine.pipe import (
     check_model,
 )
 from giantpipe.engine.rng import install_rng_hooks
-from giantpipe.engine.schedules.actions import Schedule, validate
-from giantpipe.engine.schedules.fill_drain import fill_drain
+from giantpipe.engine.schedules.actions import Schedule
+from giantpipe.engine.schedules.fill_drain import forward_schedule
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
@@ -216,23 +222,27 @@ class GPipe(Pipe):
     # ---- front door 1: torchgpipe's forward / backward ------------------------------------
 
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """Pipelines the forward pass; with grad enabled, ``backward`` is pipelined too."""
+        """Pipelines the forward pass; with grad enabled, ``backward`` is pipelined too. Without
+        grad (evaluation) any batch runs, in min(M, batch) micro-batches."""
         batch = check_input(input)
         if not self.partitions:
             return input  # an empty Sequential is the identity
         started = time.perf_counter()
         self._reset_peaks()
-        micro = scatter(batch, self.chunks)
         grad = torch.is_grad_enabled()
+        # Training splits into M micro-batches (a smaller batch is refused); a forward without
+        # gradients (evaluation) takes any batch, in fewer micro-batches when it is smaller.
+        chunks = self.chunks if grad else forward_chunks(batch_size(batch), self.chunks)
+        micro = scatter(batch, chunks)
         run = StepRun(self.step_config(grad, None), micro, pool=self._worker_pool)
         forward = forward_schedule(
-            self.num_workers, self.chunks, self.virtual_stages, tuple(self.placement)
+            self.num_workers, chunks, self.virtual_stages, tuple(self.placement)
         )
         if not grad:
             run.run(forward.phase("F"))
             self._commit_batchnorm()
-            self._finish(run, started)
-            return gather([run.results[m] for m in range(self.chunks)])
+            self._finish(run, started, chunks)
+            return gather([run.results[m] for m in range(chunks)])
         tensors = as_tuple(input)
         phony = torch.empty(0, requires_grad=True)  # gives the output a grad_fn in any case
         out = PipelineFunction.apply(self, run, forward, started, phony, *tensors)
@@ -327,9 +337,10 @@ class GPipe(Pipe):
         for device in set(self.devices):
             reset_device_peak(device)
 
-    def _finish(self, run: StepRun, started: float) -> None:
+    def _finish(self, run: StepRun, started: float, chunks: int | None = None) -> None:
         # Statistics are per worker (device); an interleaved worker sums its stages. Workers
         # sharing a GPU have no allocator peak of their own: their saved activations instead.
+        # ``chunks``: the micro-batches the step ran (a short forward without gradients: fewer).
         kind = memory_kind(self.worker_devices)
         for device in {d for d in self.devices if d.type == "cuda"}:
             torch.cuda.synchronize(device)  # the step's wall time is the kernels', not launches'
@@ -345,7 +356,7 @@ class GPipe(Pipe):
             span=run.span,
             busy=busy,
             peaks=peaks,
-            chunks=self.chunks,
+            chunks=self.chunks if chunks is None else chunks,
             memory_kind=kind,
             virtual_stages=self.virtual_stages,
             clock="cuda_events" if run.cuda else "perf_counter",
@@ -396,22 +407,6 @@ class PipelineFunction(torch.autograd.Function):
         pipe._finish(run, ctx.started)
         grads = _gather_input_grads(run, chunks, ctx.num_inputs)
         return (None, None, None, None, None, *grads)
-
-
-@functools.lru_cache(maxsize=64)
-def forward_schedule(
-    workers: int, chunks: int, virtual_stages: int, placement: tuple[int, ...]
-) -> Schedule:
-    """Fill-drain ('gpipe') over another schedule's stages, validated once per configuration:
-    what ``GPipe.forward`` (torchgpipe's door) runs whatever ``train_step``'s schedule is (a
-    ZB-V pipe places its stages in a V).
-
-    >>> forward_schedule(2, 4, 1, (0, 1)) is forward_schedule(2, 4, 1, (0, 1))
-    True
-    """
-    schedule = fill_drain(workers, chunks, virtual_stages, placement=placement)
-    validate(schedule)
-    return schedule
 
 
 def _gather_input_grads(run: StepRun, chunks: int, num_inputs: int) -> list[Any]:

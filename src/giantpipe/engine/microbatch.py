@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from giantpipe.engine.spec import SpecError
+
 Tensors = tuple[Any, ...]
 TensorOrTensors = torch.Tensor | Tensors
 
@@ -49,20 +51,36 @@ def split_sizes(total: int, chunks: int) -> list[int]:
     """Sizes of ``chunks`` micro-batches for a batch of ``total``: as even as possible.
 
     The first ``total % chunks`` micro-batches get one more sample, so every micro-batch exists
-    (unlike ``torch.chunk``, which may return fewer chunks than asked for).
+    (unlike ``torch.chunk``, which may return fewer chunks than asked for). An empty batch is
+    one empty micro-batch. More chunks than samples is a :class:`SpecError` naming
+    ``pipeline.chunks`` (a training step needs M micro-batches; a forward without gradients
+    asks for fewer, :func:`forward_chunks`).
 
     >>> split_sizes(10, 4)
     [3, 3, 2, 2]
     """
     if chunks < 1:
         raise ValueError(f"number of chunks must be positive integer (chunks: {chunks})")
-    if chunks > total:
-        raise ValueError(
-            f"chunks ({chunks}) is larger than the batch size ({total}): every micro-batch "
-            "needs at least one sample; lower chunks or raise the batch size"
+    if chunks > max(total, 1):
+        raise SpecError(
+            "pipeline.chunks",
+            f"chunks ({chunks}) is larger than the batch size ({total}): every micro-batch of "
+            "a training step needs at least one sample; lower chunks or raise the batch size "
+            "(a forward without gradients takes any batch)",
         )
     base, extra = divmod(total, chunks)
     return [base + 1 if i < extra else base for i in range(chunks)]
+
+
+def forward_chunks(total: int, chunks: int) -> int:
+    """How many micro-batches a forward without gradients splits a batch of ``total`` into:
+    M (``chunks``), or one per sample when the batch is smaller, as torchgpipe does (one empty
+    micro-batch for an empty batch). Derived per call: M stays the spec's.
+
+    >>> forward_chunks(32, 4), forward_chunks(3, 4), forward_chunks(0, 4)
+    (4, 3, 1)
+    """
+    return max(1, min(chunks, total))
 
 
 def scatter(batch: TensorOrTensors, chunks: int) -> list[TensorOrTensors]:

@@ -210,10 +210,13 @@ class Pipe(nn.Module):
         loss_fn: LossFn,
         normalizer: Normalizer | None,
         loss_scale: torch.Tensor | None = None,
+        chunks: int | None = None,
     ) -> LossSpec:
         """The loss of each micro-batch and its weight (see the module docstring);
-        ``loss_scale``: what :meth:`_loss_scale` gave, the gradients' scale."""
-        micro = scatter(targets, self.chunks)
+        ``loss_scale``: what :meth:`_loss_scale` gave, the gradients' scale; ``chunks``: the
+        micro-batches of the step (M; an evaluation of a smaller batch runs fewer)."""
+        chunks = self.chunks if chunks is None else chunks
+        micro = scatter(targets, chunks)
         norm = float(normalizer(targets)) if normalizer else float(batch_size(targets))
         norm = self._reduce_normalizer(norm)
         if not norm > 0:
@@ -221,7 +224,7 @@ class Pipe(nn.Module):
         if normalizer is None:
             weights = [batch_size(t) / norm for t in micro]
         else:
-            weights = [1.0 / norm] * self.chunks
+            weights = [1.0 / norm] * chunks
         return LossSpec(loss_fn, micro, weights, loss_scale)
 
     def grad_scaler(self, **kwargs: Any) -> torch.amp.GradScaler:
@@ -254,9 +257,12 @@ class Pipe(nn.Module):
         """The normalizer of the whole step; DistributedPipe sums it over the replicas."""
         return norm
 
-    def _total_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The step's loss: the sum of the scaled micro-batch losses."""
-        return torch.stack([losses[m] for m in range(self.chunks)]).sum()
+    def _total_loss(
+        self, losses: dict[int, torch.Tensor], chunks: int | None = None
+    ) -> torch.Tensor:
+        """The step's loss: the sum of the scaled losses of its ``chunks`` (M) micro-batches."""
+        count = self.chunks if chunks is None else chunks
+        return torch.stack([losses[m] for m in range(count)]).sum()
 
     # ---- the step --------------------------------------------------------------------------
 

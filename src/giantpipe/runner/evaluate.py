@@ -135,7 +135,8 @@ def evaluate(
                 targets = replica_slice(batch[1], r, replicas)
                 if not isinstance(output, Tensor) or not isinstance(targets, Tensor):
                     raise TypeError("the runner's losses need a tensor output and tensor targets")
-                add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
+                if batch_size(targets) > 0:  # a replica's share of a short last batch may be none
+                    add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
     finally:
         pipe.train(was_training)
     figures = _figures(world.sum(tally.as_list()), bundle.metric)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
+from giantpipe.engine.spec import SpecError
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import reference_step, step_seed
 from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
@@ -188,3 +189,51 @@ def test_plain_batch_norm_is_not_updated_twice_by_recompute() -> None:
         stats.append((pipe[1].running_mean.clone(), int(pipe[1].num_batches_tracked)))
     torch.testing.assert_close(stats[0][0], stats[1][0])
     assert stats[0][1] == stats[1][1] == 2  # once per micro-batch, never for the recompute
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual_stages"),
+    [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("zb-v", 2)],
+)
+@pytest.mark.parametrize("batch", [0, 1, 3, 5])
+def test_no_grad_forward_takes_a_batch_smaller_than_m(
+    schedule: str, virtual_stages: int | None, batch: int
+) -> None:
+    """A short evaluation batch (the last of a set whose size is no multiple of the batch)
+    at M=4: min(M, batch) micro-batches (one empty one for an empty batch), outputs the plain
+    model's in eval mode, with virtual stages too; M itself stays 4 for training."""
+    model = tuple_model()
+    with torch.no_grad():  # distinct running statistics per feature, so BatchNorm matters
+        for layer in model[1:-1]:
+            layer.bn.running_mean.uniform_(-0.5, 0.5)
+            layer.bn.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    (x, mask), target = tuple_batch()
+    x, mask, target = x[:batch], mask[:batch], target[:batch]
+    stages = 2 * (virtual_stages or 1)
+    pipe = GPipe(
+        copy.deepcopy(model),
+        solve_balance([1.0] * len(model), stages),
+        devices=["cpu", "cpu"],
+        chunks=4,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+    )
+    pipe.eval()
+    with torch.no_grad():
+        expected = model((x, mask))
+        out = pipe((x, mask))
+    assert out.shape == expected.shape == (batch, 3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert pipe.last_stats is not None and pipe.last_stats.chunks == max(1, min(4, batch))
+    assert pipe.chunks == 4 and pipe.spec.chunks == 4
+    if batch >= 4:
+        return
+    pipe.train()  # training keeps M: a smaller batch is refused, naming the key to change
+    with pytest.raises(
+        SpecError,
+        match=rf"pipeline\.chunks: chunks \(4\) is larger than the batch size \({batch}\)",
+    ):
+        pipe.train_step((x, mask), target, nn.functional.cross_entropy)
+    with pytest.raises(SpecError, match=r"pipeline\.chunks"):
+        pipe((x, mask))  # the autograd door trains too

@@ -66,3 +66,34 @@ def test_eval_loss_and_accuracy_are_means_over_real_tokens() -> None:
     figures = evaluate(pipe, bundle, None, "fp32", ["cpu"])
     assert figures["loss"] == pytest.approx(float(expected_loss), rel=1e-6)
     assert figures["accuracy"] == expected_accuracy
+
+
+class ReplicaOne(nn.Module):
+    """Replica 1 of 2 (as a DistributedPipe reports it), with a local pipe behind it."""
+
+    replica, replicas = 1, 2
+
+    def __init__(self, pipe: GPipe) -> None:
+        super().__init__()
+        self.pipe = pipe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pipe(x)
+
+
+def test_a_last_batch_smaller_than_m_is_evaluated_and_an_empty_share_counts_nothing() -> None:
+    """513 = 8 x 64 + 1 in small: nine samples in batches of 4, 4 and 1 at M=4. The last batch
+    runs in one micro-batch and the loss is the mean over all nine samples, the plain model's.
+    Replica 1 of 2 gets an empty share of that last batch, which adds nothing (not a NaN)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(9, 3), torch.randn(9, 2)
+    batches = [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])]
+    bundle = bundle_of(batches, loss="mse", metric=None)
+    with torch.no_grad():
+        plain = F.mse_loss(model(x), y, reduction="none").mean(1)
+    pipe = GPipe(model, [2, 1], devices=["cpu", "cpu"], chunks=4)
+    figures = evaluate(pipe, bundle, None, "fp32", ["cpu"])
+    assert figures["loss"] == pytest.approx(float(plain.mean()), rel=1e-6)
+    share = evaluate(ReplicaOne(pipe), bundle, None, "fp32", ["cpu"])  # rows 2, 3, 6, 7; none of 8
+    assert share["loss"] == pytest.approx(float(plain[[2, 3, 6, 7]].mean()), rel=1e-6)

@@ -87,11 +87,12 @@ from giantpipe.engine.dist.p2p import P2PMailbox
 from giantpipe.engine.dist.wire import KnownLayouts
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.fp16 import AgreedGradScaler, check_agreed
-from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
+from giantpipe.engine.microbatch import TensorOrTensors, batch_size, forward_chunks, gather, scatter
 from giantpipe.engine.partition import shared_parameters
 from giantpipe.engine.pipe import Normalizer, Pipe, check_model
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
 from giantpipe.engine.schedules.actions import Schedule
+from giantpipe.engine.schedules.fill_drain import forward_schedule
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
@@ -311,7 +312,8 @@ class DistributedPipe(Pipe):
         loss_fn: LossFn | None = None,
         loss_normalizer: Normalizer | None = None,
     ) -> torch.Tensor:
-        """The loss of a forward without gradients (global over replicas), on every rank."""
+        """The loss of a forward without gradients (global over replicas), on every rank; a
+        batch smaller than M runs in fewer micro-batches (as ``forward``)."""
         with torch.no_grad():
             return self._guarded(
                 lambda: self._step(False, inputs, targets, loss_fn, loss_normalizer)
@@ -324,11 +326,32 @@ class DistributedPipe(Pipe):
 
     def _forward(self, inputs: TensorOrTensors | None) -> TensorOrTensors | None:
         started = time.perf_counter()
-        run = self._run(False, None, self._scatter(inputs), self.step_schedule().phase("F"))
-        self._finish(run, started, None)
+        chunks = self._forward_chunks(inputs)
+        run = self._run(False, None, self._scatter(inputs, chunks), self._forward_steps(chunks))
+        self._finish(run, started, None, chunks)
         if not self.needs_targets:
             return None
-        return gather([run.results[m] for m in range(self.chunks)])
+        return gather([run.results[m] for m in range(chunks)])
+
+    def _forward_chunks(self, inputs: TensorOrTensors | None) -> int:
+        """Collective (this replica's pipeline): a forward without gradients runs M micro-batches
+        or fewer (:func:`forward_chunks`) by the batch stage 0's rank alone sees. A sum on the
+        host group, as the loss normaliser: not in a header as the seed, since every rank posts
+        its receives for the count's schedule before the first message arrives."""
+        size = 0
+        if self.needs_inputs:
+            if inputs is None:
+                raise ValueError(f"{self.layout.label()} holds stage 0 and needs inputs")
+            size = batch_size(inputs if isinstance(inputs, torch.Tensor) else tuple(inputs))
+        if len(self.layout.pipeline_ranks) > 1:
+            group, what = self.groups.host_pipeline, "the evaluation batch's size"
+            size = round(all_reduce_sum(float(size), group, self.timeout, self.board, what))
+        return forward_chunks(size, self.chunks)
+
+    def _forward_steps(self, chunks: int) -> Schedule:
+        """Fill-drain's forwards over this pipe's stages for ``chunks`` micro-batches."""
+        steps = forward_schedule(self.num_workers, chunks, self.virtual_stages, (*self.placement,))
+        return steps.phase("F")
 
     def _step(
         self,
@@ -342,19 +365,21 @@ class DistributedPipe(Pipe):
         started = time.perf_counter()
         if loss_fn is None:
             raise ValueError("loss_fn is required (on every rank, though only the last uses it)")
-        spec = self._rank_loss_spec(targets, loss_fn, loss_normalizer, loss_scale)
+        chunks = self.chunks if grad else self._forward_chunks(inputs)
+        spec = self._rank_loss_spec(targets, loss_fn, loss_normalizer, loss_scale, chunks)
         if grad:
             self.tied.begin()  # first: the replicas' sum below then covers this step only
         if self.sync is not None and grad:
             self.sync.begin()
-        steps = self.step_schedule()
-        run = self._run(grad, spec, self._scatter(inputs), steps if grad else steps.phase("F"))
+        steps = self.step_schedule() if grad else self._forward_steps(chunks)
+        run = self._run(grad, spec, self._scatter(inputs, chunks), steps)
         if self.sync is not None and grad:
             self.sync.finish()
         if grad:
             self.tied.finish()
         self._commit_batchnorm()
-        return self._finish(run, started, self._total_loss(run.losses) if run.losses else None)
+        loss = self._total_loss(run.losses, chunks) if run.losses else None
+        return self._finish(run, started, loss, chunks)
 
     def _merge_batchnorm(self, stage: nn.Module) -> None:
         # Deferred BatchNorm statistics of the whole mini-batch, across replicas: every replica
@@ -365,12 +390,12 @@ class DistributedPipe(Pipe):
                 stage, lambda t: all_reduce_(t, self.groups.replica, self.timeout, self.board, what)
             )
 
-    def _scatter(self, inputs: TensorOrTensors | None) -> list[TensorOrTensors]:
+    def _scatter(self, inputs: TensorOrTensors | None, chunks: int) -> list[TensorOrTensors]:
         if not self.needs_inputs:
             return []
         if inputs is None:
             raise ValueError(f"{self.layout.label()} holds stage 0 and needs inputs")
-        return scatter(inputs if isinstance(inputs, torch.Tensor) else tuple(inputs), self.chunks)
+        return scatter(inputs if isinstance(inputs, torch.Tensor) else tuple(inputs), chunks)
 
     def _rank_loss_spec(
         self,
@@ -378,13 +403,14 @@ class DistributedPipe(Pipe):
         loss_fn: LossFn,
         normalizer: Normalizer | None,
         loss_scale: torch.Tensor | None = None,
+        chunks: int | None = None,
     ) -> LossSpec:
         """The loss where this rank holds the last stage; an empty one elsewhere."""
         if not self.needs_targets:
             return LossSpec(loss_fn, [], [])
         if targets is None:
             raise ValueError(f"{self.layout.label()} holds the last stage and needs targets")
-        return self._loss_spec(targets, loss_fn, normalizer, loss_scale)
+        return self._loss_spec(targets, loss_fn, normalizer, loss_scale, chunks)
 
     def _reduce_normalizer(self, norm: float) -> float:
         # The mean (or the normalizer) is over the batches of all replicas.
@@ -484,9 +510,10 @@ class DistributedPipe(Pipe):
         gc.collect()  # a group (or request) still referenced keeps its connections open
 
     def _finish(
-        self, run: StepRun, started: float, local_loss: torch.Tensor | None
+        self, run: StepRun, started: float, local_loss: torch.Tensor | None, chunks: int = 0
     ) -> torch.Tensor:
-        """The global loss on every rank; the step's statistics in ``last_stats``.
+        """The global loss on every rank; the step's statistics in ``last_stats`` (a step of
+        ``chunks`` micro-batches; 0: M).
 
         Every rank of the pipeline contributes a row, ``[loss, wall, span, busy, peak,
         recompute]`` (busy and recompute: its stages' seconds; peak: saved activations on CPU,
@@ -513,7 +540,7 @@ class DistributedPipe(Pipe):
         kind = "cuda_allocator" if on_cuda else "saved_activations"
         clock = "cuda_events" if run.cuda else "perf_counter"
         self.last_stats = StepStats.from_table(
-            table[:, 1:], self.chunks, kind, self.virtual_stages, clock
+            table[:, 1:], chunks or self.chunks, kind, self.virtual_stages, clock
         )
         self.last_timings = list(run.timings)  # this rank's actions
         return table[self.placement[-1], 0].to(torch.float32)

@@ -11,7 +11,9 @@ Example::
 
 from __future__ import annotations
 
-from giantpipe.engine.schedules.actions import Action, Schedule, _check_sizes
+import functools
+
+from giantpipe.engine.schedules.actions import Action, Schedule, _check_sizes, validate
 
 
 def expected_bubble(num_workers: int, chunks: int, virtual_stages: int = 1) -> float:
@@ -54,6 +56,25 @@ def fill_drain(
         backwards = [Action("B", s, m) for s in reversed(stages) for m in reversed(range(chunks))]
         workers.append(tuple(forwards + backwards))
     return Schedule("gpipe", k * v, chunks, tuple(workers), placement)
+
+
+@functools.lru_cache(maxsize=64)
+def forward_schedule(
+    workers: int, chunks: int, virtual_stages: int, placement: tuple[int, ...]
+) -> Schedule:
+    """Fill-drain over another schedule's stages, validated once per configuration: the forward
+    of a pipe whatever its training schedule is (a ZB-V pipe places its stages in a V). The
+    forward of torchgpipe's door (``GPipe.forward``) and of every forward without gradients,
+    built for the micro-batches of the call (a short evaluation batch runs fewer than M).
+
+    >>> forward_schedule(2, 4, 1, (0, 1)) is forward_schedule(2, 4, 1, (0, 1))
+    True
+    >>> [str(a) for a in forward_schedule(2, 3, 1, (0, 1)).phase("F").actions[1]]
+    ['F0@1', 'F1@1', 'F2@1']
+    """
+    schedule = fill_drain(workers, chunks, virtual_stages, placement=placement)
+    validate(schedule)
+    return schedule
 
 
 def clock_cycles(num_stages: int, chunks: int) -> list[list[tuple[int, int]]]:
