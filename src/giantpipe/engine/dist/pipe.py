@@ -499,6 +499,8 @@ class DistributedPipe(Pipe):
             # The wall time of the kernels, not of their launches; first, so that the loss's
             # read-back below never blocks behind a hung NCCL operation (see wait_device).
             self._wait_device("the step's kernels and transfers")
+        if self._box is not None:  # no value from a step whose transfers failed
+            self._box.check()
         loss = 0.0 if local_loss is None else float(local_loss)
         if local_loss is not None and self.groups.host_replica is not None:
             group = self.groups.host_replica
