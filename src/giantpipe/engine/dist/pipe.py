@@ -80,6 +80,8 @@ from giantpipe.engine.dist.layout import (
     init_distributed,
     resolve_device,
     tied_group,
+    tied_workers,
+    warm_up,
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
 from giantpipe.engine.dist.ordered import OrderedMailbox, choose_transport
@@ -194,6 +196,9 @@ class DistributedPipe(Pipe):
         install_sigterm_note(self.board)
         self._uses: dict[int, int] = {}
         self.tied = self._tied_sync(model, shared)
+        # Every NCCL communicator now, in one order, not lazily inside step 1 (layout.warm_up).
+        tied = tied_workers(shared, self.balance, self.placement)
+        warm_up(self.layout, self.groups, tied, self.device, self.timeout, self.board)
         self._box: P2PMailbox | OrderedMailbox | None = None
         # Each boundary key's frame layout (with the ordered transport: of its description), as
         # both of its ends last saw it: from the second step on, a value's frame (description)
