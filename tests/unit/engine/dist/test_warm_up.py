@@ -7,7 +7,7 @@ on the GPU, creations can deadlock. ``layout.warm_up`` runs one operation on eve
 and every pair of pipeline ranks that exchange values, before step 1, in the order
 ``layout.warm_up_order`` derives, which is the same on every rank. The order is replayed here
 under NCCL's rule (``tests/distributed/nccl_rules.py``, every group its own communicator); the
-real run on gloo is ``tests/unit/engine/dist/test_fast_lane.py`` (its recorded calls) and
+real run on gloo is ``tests/unit/engine/dist/test_k2_r2.py`` (its recorded calls) and
 ``tests/distributed/test_nccl_order.py``.
 """
 
