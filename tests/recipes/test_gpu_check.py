@@ -24,8 +24,9 @@ def check() -> ModuleType:
 def test_dry_run_runs_every_case_and_passes(check: ModuleType, capsys, tmp_path: Path) -> None:
     assert check.main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for name in check.CASES:
-        assert f"## {name}: pass (" in out, name
+    for name in check.CASES:  # a case CPU stand-ins cannot judge at all is not a pass
+        verdict = "not run (CUDA only)" if name == "host-sync" else "pass"
+        assert f"## {name}: {verdict} (" in out, name
     for precision in ("fp32", "bf16"):  # every schedule x mode, each its own row
         table = out.split(f"## transparency-{precision}")[1].split("## ")[0]
         for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
