@@ -234,7 +234,8 @@ class OrderedMailbox(Mailbox):
 
     def _settle(self) -> None:
         """Checks and lets go of the requests already complete (their buffers with them)."""
-        done, going = [], []
+        done: list[tuple[Any, str, torch.Tensor | None]] = []
+        going: list[tuple[Any, str, torch.Tensor | None]] = []
         for pending in self._pending:  # one look at each: it may complete meanwhile
             (done if pending[0].is_completed() else going).append(pending)
         self._pending = going
