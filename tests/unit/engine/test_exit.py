@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).with_name("failing_then_exit.py")
 RUNS = 30
 
 
-@pytest.mark.slow  # a process of its own, 30 forked children: about 15 s
+@pytest.mark.slow  # a process, 30 forked children (2 at a time): about 30 s of CPU
 def test_the_exception_script_exits_cleanly_every_time() -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     done = subprocess.run(
