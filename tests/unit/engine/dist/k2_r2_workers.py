@@ -114,7 +114,7 @@ def check(tmp: Path) -> dict[str, Any]:
     with recording(built):
         pipe = DistributedPipe(
             model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=20,
-            transport="ordered", bucket_mb=0.0005,  # several gradient buckets
+            transport="ordered",
         )  # fmt: skip
     layout = Layout(world_size, rank, 2, tuple(pipe.placement))
     plan = [op for op in warm_up_order(layout) if rank in op.ranks]
