@@ -10,7 +10,8 @@ thread's stack, not a stall, and the report written to a file.
 
 Hardware: meant for one H200 (any CUDA GPU will do); a second GPU adds the copies between
 GPUs, their overlap with compute and the distributed executor at K=2 over NCCL. What one GPU
-cannot prove is printed as "needs 2 GPUs", what CPU stand-ins cannot as "CUDA only".
+cannot prove is printed as "needs 2 GPUs", what CPU stand-ins cannot as "CUDA only"; a case
+none of whose rows could be judged is "not run (needs 2 GPUs)", never a pass.
 
 The cases: the GPU tests (tests/gpu, ``python -m pytest -m gpu``; this script runs each case's
 tests in a pytest of its own) and the speed and memory measurements (gpu_measure.py)::

@@ -56,9 +56,16 @@ class CaseResult:
 
     @property
     def verdict(self) -> str:
+        """TIMEOUT, ERROR or CRASH; FAIL; ``not run (needs 2 GPUs)`` when no row was judged
+        here (every verdict a reason: what this machine cannot prove is not a pass); pass."""
         if self.problem is not None:
             return {"timed": "TIMEOUT", "raised": "ERROR"}.get(self.problem.split()[0], "CRASH")
-        return FAIL if self.failed else "pass"
+        if self.failed:
+            return FAIL
+        reasons = sorted({row[1] for row in self.rows} - {PASS, INFO})
+        if self.rows and len(reasons) == len({row[1] for row in self.rows}):
+            return f"not run ({', '.join(reasons)})"
+        return PASS
 
 
 def attempt(section: Section, check: str, criterion: str, run: Callable[[], None]) -> None:

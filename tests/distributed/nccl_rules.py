@@ -3,10 +3,14 @@
 **The rule.** NCCL runs a rank's point-to-point operations with one peer on one stream, in the
 order the rank issued them, and each blocks until its match runs on the peer (the k-th send
 from a to b matches the k-th receive at b from a, and both must move the same bytes); a
-collective completes once every member runs it. :func:`replay` takes each rank's device
-operations as issued and plays them in the strictest reading of that rule: a rank runs one
-operation at a time, in issue order, across all its peers and groups. If the replay completes,
-no interleaving of streams can deadlock; if it cannot, it names every rank's waiting operation.
+collective completes once every member runs it. Each process group is a communicator of its
+own: the k-th collective of a group matches the k-th of the same group on every member, never
+one of another group, even of a group with the same members (two groups over ranks 0 and 1,
+issued A then B on rank 0 and B then A on rank 1, wait for each other for ever).
+:func:`replay` takes each rank's device operations as issued and plays them in the strictest
+reading of that rule: a rank runs one operation at a time, in issue order, across all its
+peers and groups. If the replay completes, no interleaving of streams can deadlock; if it
+cannot, it names every rank's waiting operation.
 
 **The stand-in.** :class:`FakeNetwork` replaces ``torch.distributed.isend``/``irecv`` inside
 one process: ranks are threads, messages match by (group, source, destination, tag) in order,
@@ -38,18 +42,22 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class DeviceOp:
     """One operation a rank issued: a send or receive with ``peer``, or a collective on
-    ``group`` (its members' global ranks); ``nbytes`` must agree with the match."""
+    ``group`` (its members' global ranks); ``comm`` names the process group (communicator) it
+    runs on; ``nbytes`` must agree with the match."""
 
     kind: str  # "send" | "recv" | "collective"
     peer: int = -1
     group: tuple[int, ...] = ()
     nbytes: int = 0
     what: str = ""
+    comm: str = ""
 
     def __str__(self) -> str:
+        on = f" on group {self.comm}" if self.comm else ""
         if self.kind == "collective":
-            return f"{self.what} over {list(self.group)} ({self.nbytes} B)"
-        return f"{self.kind} {self.what} {'to' if self.kind == 'send' else 'from'} rank {self.peer}"
+            return f"{self.what} over {list(self.group)}{on} ({self.nbytes} B)"
+        way = "to" if self.kind == "send" else "from"
+        return f"{self.kind} {self.what} {way} rank {self.peer}{on}"
 
 
 class Deadlock(AssertionError):
@@ -57,17 +65,18 @@ class Deadlock(AssertionError):
 
 
 def _match_ids(ops: dict[int, list[DeviceOp]]) -> dict[tuple[int, int], Any]:
-    """(rank, index) -> what it must meet: ("p2p", src, dst, k) or ("coll", group, k)."""
+    """(rank, index) -> what it must meet: ("p2p", comm, src, dst, k) or ("coll", comm, group,
+    k): keyed by the communicator, so one group's operations never meet another's."""
     ids: dict[tuple[int, int], Any] = {}
     for rank, sequence in ops.items():
         counts: dict[Any, int] = defaultdict(int)
         for i, op in enumerate(sequence):
             if op.kind == "collective":
-                base: Any = ("coll", op.group)
+                base: Any = ("coll", op.comm, op.group)
             elif op.kind == "send":
-                base = ("p2p", rank, op.peer)
+                base = ("p2p", op.comm, rank, op.peer)
             else:
-                base = ("p2p", op.peer, rank)
+                base = ("p2p", op.comm, op.peer, rank)
             ids[(rank, i)] = (*base, counts[base])
             counts[base] += 1
     return ids
@@ -95,7 +104,7 @@ def replay(ops: dict[int, list[DeviceOp]]) -> int:
                 continue
             ident = ids[(rank, cursor[rank])]
             parts = where[ident]
-            needed = len(ident[1]) if ident[0] == "coll" else 2
+            needed = len(ident[2]) if ident[0] == "coll" else 2
             if len(parts) < needed or any(cursor[r] != i for r, i in parts):
                 continue
             sizes = {ops[r][i].nbytes for r, i in parts}
@@ -212,12 +221,17 @@ class FakeNetwork:
         wanted = set(tags)
         return {
             rank: [
-                DeviceOp(e.kind, e.peer, nbytes=e.nbytes, what=f"tag {e.tag}")
+                DeviceOp(e.kind, e.peer, nbytes=e.nbytes, what=f"tag {e.tag}", comm=_name(e.group))
                 for e in entries
                 if e.tag in wanted and (group is None or e.group is group)
             ]
             for rank, entries in self.log.items()
         }
+
+
+def _name(group: Any) -> str:
+    """A stand-in group's name: its identity (the default group's is empty)."""
+    return "" if group is None else f"{id(group):x}"
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -62,6 +62,7 @@ def _entry(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], main: int) 
         "call": name,
         "peer": int(peer) if isinstance(peer, int) else -1,
         "group": ranks,
+        "comm": group.group_name if group is not None else dist.group.WORLD.group_name,
         "tag": int(kwargs.get("tag", 0)),
         "nbytes": _nbytes(tensor) if name != "barrier" else 0,
         "main_thread": threading.get_ident() == main,

@@ -96,6 +96,24 @@ def test_a_failing_killed_or_silent_rank_is_named_by_every_rank(
     assert_checkpoint_intact(tmp_path, workers)
 
 
+def test_a_transfer_aborted_after_its_stream_wait_fails_the_step_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """NCCL's watchdog aborting a payload receive before the step's device wait ends (issue
+    32, item 6): train_step returns nothing on either rank, and both name the aborted transfer
+    and its peer (tests/distributed/aborted_workers.py stands NCCL's answers in on gloo)."""
+    from tests.distributed.launch import spawn
+
+    got = spawn("tests.distributed.aborted_workers:aborted_receive", world=2, tmp=tmp_path)
+    first = (
+        "rank 1 (stage 1): receiving the activation of micro-batch 0 from rank 0 (stage 0) "
+        "was aborted (communicator torn down)"
+    )
+    assert [r["returned"] for r in got] == ["nothing", "nothing"]
+    assert got[1]["raised"] == first
+    assert got[0]["raised"].startswith(first)  # rank 0 is told the first failure
+
+
 def _processes_with(marker: str) -> list[int]:
     """PIDs whose environment holds ``marker`` (the processes one launch started)."""
     found = []

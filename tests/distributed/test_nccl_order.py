@@ -189,6 +189,19 @@ def test_a_mismatched_order_is_a_deadlock_and_sizes_must_agree() -> None:
         replay({0: [coll, send], 1: [recv, coll]})
 
 
+def test_two_groups_over_the_same_ranks_in_opposite_orders_are_a_deadlock() -> None:
+    """Two process groups over ranks 0 and 1 are two communicators: rank 0 issuing A then B
+    while rank 1 issues B then A waits for ever under NCCL, however alike their members."""
+    a = DeviceOp("collective", group=(0, 1), nbytes=8, what="all_reduce", comm="A")
+    b = DeviceOp("collective", group=(0, 1), nbytes=8, what="all_reduce", comm="B")
+    assert replay({0: [a, b], 1: [a, b]}) == 2
+    with pytest.raises(Deadlock, match="on group A.*on group B"):
+        replay({0: [a, b], 1: [b, a]})
+    send = DeviceOp("send", 1, nbytes=4, comm="A")  # a pair's messages too: per communicator
+    with pytest.raises(Deadlock):
+        replay({0: [send], 1: [DeviceOp("recv", 0, nbytes=4, comm="B")]})
+
+
 def as_device_ops(log: list[dict[str, Any]]) -> list[DeviceOp]:
     """A rank's recorded calls as the replay takes them: payloads and every collective (host
     ones too: a stricter check); the control plane's messages (gloo, tag-matched) left out."""
@@ -197,10 +210,13 @@ def as_device_ops(log: list[dict[str, Any]]) -> list[DeviceOp]:
         if e["call"] in ("isend", "irecv", "send", "recv"):
             if e["tag"] == PAYLOADS:
                 kind = "send" if e["call"] in ("isend", "send") else "recv"
-                ops.append(DeviceOp(kind, e["peer"], nbytes=e["nbytes"], what="payload"))
+                op = DeviceOp(kind, e["peer"], nbytes=e["nbytes"], what="payload", comm=e["comm"])
+                ops.append(op)
         else:
-            group = tuple(e["group"])
-            ops.append(DeviceOp("collective", group=group, nbytes=e["nbytes"], what=e["call"]))
+            group, comm = tuple(e["group"]), e["comm"]
+            ops.append(
+                DeviceOp("collective", group=group, nbytes=e["nbytes"], what=e["call"], comm=comm)
+            )
     return ops
 
 

@@ -1,11 +1,10 @@
 """A world of DistributedPipe ranks over NCCL, one rank per GPU, each checking its share of a
 step against the plain model (what tests/gpu/test_nccl.py judges).
 
-NCCL refuses two ranks on one GPU, so one GPU allows a world of one rank (K=1: the whole model
-on one rank, its NCCL groups still built and used); two GPUs or more run K=2, one rank each,
-with the transport whose device sends and receives are issued in one order on every rank
-(``transport="ordered"``, which the dry run forces on gloo too). A dry run runs both worlds
-on gloo ranks of this machine instead (the stand-in for NCCL the engine's tests use).
+Two GPUs or more run K=2, one rank each (NCCL refuses two ranks on one GPU), with the
+transport whose device sends and receives are issued in one order on every rank
+(``transport="ordered"``, which the dry run forces on gloo too). A dry run runs the world on
+gloo ranks of this machine instead (the stand-in for NCCL the engine's tests use).
 
 Example::
 
@@ -136,33 +135,23 @@ def rank_main(rank: int, world: int, port: int, opts: GpuOptions, out: str) -> N
 
 
 def run_world(opts: GpuOptions, world: int, timeout: float) -> list[Row]:
-    """Every rank's results for a world of ``world`` ranks (one rank: in this process, its
-    environment put back afterwards)."""
+    """Every rank's results for a world of ``world`` ranks, each a process of its own."""
     with tempfile.TemporaryDirectory() as out:
-        if world == 1:
-            saved = dict(os.environ)
-            try:
-                rank_main(0, 1, free_port(), opts, out)
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
-        else:
-            # Fresh interpreters on GPUs (a forked CUDA runtime is unusable); a dry run forks,
-            # before this process has computed anything (no OpenMP pool to inherit).
-            ctx: Any = mp.get_context("fork" if opts.dry else "spawn")
-            port = free_port()
-            ranks = [
-                ctx.Process(target=rank_main, args=(r, world, port, opts, out))
-                for r in range(world)
-            ]
-            for p in ranks:
-                p.start()
-            deadline = time.monotonic() + timeout  # for the world, not for each rank in turn
-            for p in ranks:
-                p.join(max(0.0, deadline - time.monotonic()))
-            for p in ranks:
-                if p.is_alive():
-                    p.kill()
+        # Fresh interpreters on GPUs (a forked CUDA runtime is unusable); a dry run forks,
+        # before this process has computed anything (no OpenMP pool to inherit).
+        ctx: Any = mp.get_context("fork" if opts.dry else "spawn")
+        port = free_port()
+        ranks = [
+            ctx.Process(target=rank_main, args=(r, world, port, opts, out)) for r in range(world)
+        ]
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + timeout  # for the world, not for each rank in turn
+        for p in ranks:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
         return [result for r in range(world) for result in _read(Path(out, f"rank{r}.json"), r)]
 
 

@@ -1,10 +1,11 @@
 """DistributedPipe over NCCL, one rank per GPU, equals the plain model (tests/gpu/nccl_world.py).
 
-NCCL refuses two ranks on one GPU, so one GPU allows a world of one rank (K=1: the whole model
-on one rank, its NCCL groups still built and used); two GPUs or more run K=2, one rank each,
-with the transport whose device sends and receives are issued in one order on every rank
-(``transport="ordered"``, which the CPU stand-ins force on gloo too). On CPU stand-ins both
-worlds run on gloo ranks of this machine instead (the stand-in for NCCL the engine's tests use).
+Two GPUs or more run K=2, one rank each, with the transport whose device sends and receives are
+issued in one order on every rank (``transport="ordered"``, which the CPU stand-ins force on
+gloo too). NCCL refuses two ranks on one GPU, and a world of one rank issues no NCCL operation
+that crosses ranks (it proved nothing, yet passed): on one GPU every row is "needs 2 GPUs", and
+gpu_check reports the case "not run (needs 2 GPUs)". On CPU stand-ins the world runs on gloo
+ranks of this machine instead (the stand-in for NCCL the engine's tests use).
 Each rank judges every schedule that runs on K ranks (M=4): its loss, and its share of the
 gradients and buffers, fp32; after the first, the global-norm clip is watched for host
 synchronisation. A world runs once; its rows are the tests below.
@@ -22,11 +23,11 @@ from tests.gpu.nccl_world import CLIP, FAIL, PASS, RANK_TIMEOUT, Row, run_world,
 
 pytestmark = marks(240.0)
 
+WORLD = 2  # ranks, one per GPU: the smallest world whose steps cross ranks over NCCL
 ROWS = [
-    (world, rank, check)
-    for world in (2, 1)
-    for rank in range(world)
-    for check in [*world_schedules(world)[:1], CLIP, *world_schedules(world)[1:]]
+    (WORLD, rank, check)
+    for rank in range(WORLD)
+    for check in [*world_schedules(WORLD)[:1], CLIP, *world_schedules(WORLD)[1:]]
 ]
 
 
@@ -44,17 +45,12 @@ def test_each_rank_equals_the_plain_model(
     world: int, rank: int, check: str, opts: GpuOptions, record_property: Record
 ) -> None:
     backend = "gloo stand-in" if opts.dry else "NCCL"
-    record_property(
-        "note",
-        "K=1: the whole model on one rank (groups built, no step crosses ranks); M=4; "
-        "DistributedPipe transport: 'ordered' (on the gloo stand-in too).",
-    )
-    if world == 2 and not opts.dry and opts.gpus < 2:
-        not_here(
-            record_property, TWO_GPUS, "K=2 over NCCL", "-", "NCCL refuses two ranks on one GPU"
-        )
-    rows = world_rows(opts, world)
+    record_property("note", "DistributedPipe transport: 'ordered' (on the gloo stand-in too).")
     label = f"K={world} {backend}: {check} (rank {rank})"
+    if not opts.dry and opts.gpus < world:
+        why = "NCCL refuses two ranks on one GPU; a world of one sends nothing over NCCL"
+        not_here(record_property, TWO_GPUS, label, "-", why)
+    rows = world_rows(opts, world)
     _, verdict, measured, criterion = rows.get(
         f"{check} (rank {rank})", rows.get(f"rank {rank}", (label, FAIL, "no row", ""))
     )

@@ -24,8 +24,9 @@ def check() -> ModuleType:
 def test_dry_run_runs_every_case_and_passes(check: ModuleType, capsys, tmp_path: Path) -> None:
     assert check.main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for name in check.CASES:
-        assert f"## {name}: pass (" in out, name
+    for name in check.CASES:  # a case CPU stand-ins cannot judge at all is not a pass
+        verdict = "not run (CUDA only)" if name == "host-sync" else "pass"
+        assert f"## {name}: {verdict} (" in out, name
     for precision in ("fp32", "bf16"):  # every schedule x mode, each its own row
         table = out.split(f"## transparency-{precision}")[1].split("## ")[0]
         for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
@@ -59,6 +60,34 @@ def test_a_wrong_transparency_result_exits_1(check: ModuleType, capsys) -> None:
     out = capsys.readouterr().out
     assert "## transparency-fp32: FAIL" in out
     assert "| zb-v / never | FAIL |" in out and "- transparency-fp32: gpipe / always" in out
+
+
+def test_the_nccl_case_on_one_gpu_is_not_run_rather_than_passed(check: ModuleType) -> None:
+    """Issue 32, item 6: on one GPU the nccl case ran a world of one rank, which sends nothing
+    over NCCL, and reported a pass. Now every row of a one-GPU run skips as "needs 2 GPUs" (no
+    world of one is left), and a case none of whose rows could be judged says so."""
+    from giantpipe.testing.gpu import TWO_GPUS, GpuOptions
+    from tests.gpu import test_nccl
+
+    assert {world for world, _, _ in test_nccl.ROWS} == {2}
+    one_gpu = GpuOptions(dry=False, quick=True, gpus=1)
+    records = []
+    for world, rank, name in test_nccl.ROWS:
+        props: list[tuple[str, object]] = []
+        with pytest.raises(pytest.skip.Exception, match=TWO_GPUS):
+            test_nccl.test_each_rank_equals_the_plain_model(
+                world, rank, name, one_gpu, lambda key, value, into=props: into.append((key, value))
+            )
+        node = f"tests/gpu/test_nccl.py::test_each_rank_equals_the_plain_model[{rank}-{name}]"
+        records.append(
+            {"nodeid": node, "outcome": "skipped", "when": "call", "properties": props,
+             "reason": TWO_GPUS}
+        )  # fmt: skip
+    case = check._tests_outcome("nccl", 1.0, records, "", 0)
+    assert case.verdict == "not run (needs 2 GPUs)" and not case.failed
+    assert {row[1] for row in case.rows} == {TWO_GPUS}
+    assert "## nccl: not run (needs 2 GPUs) (" in check.section(case)
+    assert "| nccl | not run (needs 2 GPUs) |" in check.summary([case], 1.0, None)
 
 
 def test_list_names_every_case(check: ModuleType, capsys) -> None:

@@ -5,7 +5,7 @@ running a phase, the actions, CUDA time, memory accounting).
 
 The threads belong to the pipe's :class:`~giantpipe.engine.workers.WorkerPool` and serve step
 after step (a fresh thread's first action is slow); ``pipe.close()`` or the pipe's collection
-joins them all, and those of a failed phase are joined by the next one.
+joins them all, and those of a failed phase are joined by the next one (or at exit).
 
 Each worker runs its list of actions in order. An action waits only for what it consumes::
 

@@ -17,6 +17,13 @@ joins them before it starts, so a thread of a failed step never overlaps the nex
 daemons, named ``giantpipe-worker-<i>``, at most one per worker of the largest schedule run. A
 thread holds nothing of a finished step: the task and its closure are dropped before it waits.
 
+At interpreter exit every worker thread still alive is stopped and joined (:func:`_join_at_exit`,
+an atexit hook; a retired one for at most its run's timeout), pools dropped or not. A daemon
+thread must not outlive the interpreter inside torch: when a failed step's thread finishes its
+last kernel during finalization, taking the GIL back ends the thread with ``pthread_exit``,
+whose unwinding through torch's ``noexcept`` GIL guard calls ``std::terminate``
+("terminate called without an active exception", exit status 134 after a caught exception).
+
 Example::
 
     >>> from giantpipe.engine.mailbox import Mailbox
@@ -29,11 +36,14 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 from giantpipe.engine.failures import PipelineTimeout
 from giantpipe.engine.spec import DEFAULT_TIMEOUT
@@ -41,7 +51,12 @@ from giantpipe.engine.spec import DEFAULT_TIMEOUT
 __all__ = ["WorkerPool"]
 
 Task = Callable[[], None]
-Worker = tuple[threading.Thread, "queue.SimpleQueue[Task | None]"]
+Inbox: TypeAlias = "queue.SimpleQueue[Task | None]"
+Worker = tuple[threading.Thread, Inbox]
+
+_alive: dict[threading.Thread, tuple[Inbox, float]] = {}
+"""Every worker thread not yet ended, any pool's: its inbox and its join timeout at exit."""
+_alive_lock = threading.Lock()
 
 
 class WorkerPool:
@@ -54,7 +69,7 @@ class WorkerPool:
         self._timeout = DEFAULT_TIMEOUT  # the last run's, for close()
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _stop, self._workers)
-        self._finalizer.atexit = False  # daemons die with the interpreter; never wait on one
+        self._finalizer.atexit = False  # at exit, _join_at_exit stops every pool's threads
 
     def run(self, tasks: Sequence[Task], timeout: float = DEFAULT_TIMEOUT) -> None:
         """Runs ``tasks[i]`` on thread i, all at once; returns when every task has returned.
@@ -72,6 +87,9 @@ class WorkerPool:
             self._timeout = timeout
             self._join_retired(timeout)
             self._grow(len(tasks))
+            with _alive_lock:  # a failed run's threads get this long to end at exit
+                for thread, inbox in self._workers:
+                    _alive[thread] = (inbox, timeout)
             done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
             for (_, inbox), task in zip(self._workers, tasks):
                 inbox.put(_reporting(task, done))
@@ -109,6 +127,8 @@ class WorkerPool:
             inbox: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
             name = f"giantpipe-worker-{len(self._workers)}"
             thread = threading.Thread(target=_serve, args=(inbox,), daemon=True, name=name)
+            with _alive_lock:
+                _alive[thread] = (inbox, self._timeout)
             thread.start()
             self._workers.append((thread, inbox))
 
@@ -146,9 +166,13 @@ def _reporting(task: Task, done: queue.SimpleQueue[BaseException | None]) -> Tas
 
 
 def _serve(inbox: queue.SimpleQueue[Task | None]) -> None:
-    while (task := inbox.get()) is not None:
-        task()
-        del task  # don't keep the finished step (its activations) alive while idle
+    try:
+        while (task := inbox.get()) is not None:
+            task()
+            del task  # don't keep the finished step (its activations) alive while idle
+    finally:
+        with _alive_lock:
+            _alive.pop(threading.current_thread(), None)
 
 
 def _stop(workers: list[Worker]) -> None:
@@ -158,3 +182,28 @@ def _stop(workers: list[Worker]) -> None:
         if thread is not threading.current_thread():
             thread.join()
     workers.clear()
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """Stops every worker thread still alive and joins it: an idle one at once, one still in
+    an action of a failed step once that action ends (at most its run's timeout, as
+    :meth:`WorkerPool.close` waits; a thread stuck longer is left as it is)."""
+    with _alive_lock:
+        alive = list(_alive.items())
+    start = time.monotonic()
+    for _, (inbox, _) in alive:
+        inbox.put(None)  # a thread ends at its first None; one more is harmless
+    for thread, (_, timeout) in alive:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, start + timeout - time.monotonic()))
+
+
+def _forget_after_fork() -> None:
+    """A forked child has none of its parent's threads (and the lock may have been held)."""
+    global _alive_lock
+    _alive.clear()
+    _alive_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -246,22 +246,25 @@ def clear_frames(exc: BaseException) -> None:
 
 
 def wait_work(work: Any, timeout: float, what: str, board: FailureBoard | None) -> None:
-    """Waits for a collective or p2p request; a failure or timeout raises :class:`RankFailure`.
+    """Waits on the host until a collective or p2p request is done, at most ``timeout``
+    seconds; an error, an abort or the timeout raises :class:`RankFailure` naming ``what``.
 
-    What the wait guarantees depends on the group's backend:
+    Given a timeout, torch's ``Work.wait`` blocks the calling thread on every backend (torch
+    2.14's ``c10d/Work.hpp`` and ``ProcessGroupNCCL.hpp``, ``WorkNCCL::wait``):
 
-    - gloo (host groups, every group on CPU): the host waits until the request is done, at most
-      ``timeout``. Gloo wakes a waiting request as soon as a peer's connection closes, so a
-      killed peer is noticed at once; a peer that is alive but silent is caught by the timeout.
-    - NCCL (device groups on CUDA): the wait only makes the current stream wait for NCCL's
-      (unless ``TORCH_NCCL_BLOCKING_WAIT`` is set) and returns at once; ``timeout`` is not
-      applied here. A hung NCCL operation is caught by the host wait at the end of the step
-      (:func:`wait_device`, under the same timeout), and by NCCL's watchdog, which aborts the
-      communicator at the group's timeout (see ``layout.default_nccl_error_handling``). An error
-      the watchdog already found is raised here.
+    - gloo (host groups, every group on CPU): until the request is done or the timeout
+      passes. Gloo wakes a waiting request as soon as a peer's connection closes, so a killed
+      peer is noticed at once; a peer that is alive but silent is caught by the timeout.
+    - NCCL (device groups on CUDA): until the operation has run on the GPU, or the timeout
+      passed (it then raises); the current stream is also made to wait for NCCL's. An error
+      NCCL's watchdog found is raised; a request whose communicator was aborted returns False
+      (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` aborts it at the group's timeout), which is a
+      failure here too. Only a wait *without* a timeout returns at once on NCCL, having made
+      the stream wait: what the ordered transport does inside a step, whose requests are then
+      checked with this function after the step's device wait (``OrderedMailbox.check``).
     """
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - turned into one message naming the peer
         label = board.label if board is not None else "this rank"
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -272,6 +275,9 @@ def wait_work(work: Any, timeout: float, what: str, board: FailureBoard | None) 
         else:
             local = f"{label}: {what} failed: {text}"
         raise RankFailure(explain(board, local)) from exc
+    if done is False:  # aborted: its buffers hold whatever arrived before the abort
+        label = board.label if board is not None else "this rank"
+        raise RankFailure(explain(board, f"{label}: {what} was aborted (communicator torn down)"))
 
 
 class DeviceEvent(Protocol):

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from giantpipe.engine.dist.faults import FailureBoard, wait_work
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -252,6 +254,113 @@ def drop_groups(groups: Groups) -> None:
             dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001, S110 - already gone with the world
             pass
+
+
+WARM_UP = 7
+"""Tag of the warm-up's messages (apart from the transports' tags; all waited before step 1)."""
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """One operation of the warm-up: an all-reduce over ``ranks`` on a device group (``group``:
+    ``"p2p"``, the world's; ``"pipeline"``; ``"replica"``; ``"tied"``), or (``group="pair"``) one
+    message from ``ranks[0]`` to ``ranks[1]`` on the p2p group: what makes NCCL create the
+    communicator the pair's boundary values travel on."""
+
+    group: str
+    ranks: tuple[int, ...]
+
+
+def tied_workers(
+    shared: Sequence[Sequence[tuple[int, str]]], balance: Sequence[int], placement: Sequence[int]
+) -> list[tuple[int, ...]]:
+    """The pipeline ranks (workers) of each parameter tied across ranks, once each, in the
+    order of ``shared`` (``partition.shared_parameters``: the same on every rank).
+
+    >>> tied_workers([[(0, "weight"), (3, "weight")]], balance=[2, 2], placement=[0, 1])
+    [(0, 1)]
+    """
+    stage_of = [s for s, count in enumerate(balance) for _ in range(count)]
+    found: list[tuple[int, ...]] = []
+    for places in shared:
+        workers = tuple(sorted({placement[stage_of[i]] for i, _ in places}))
+        if len(workers) > 1 and workers not in found:
+            found.append(workers)
+    return found
+
+
+def warm_up_order(layout: Layout, tied: Sequence[tuple[int, ...]] = ()) -> list[WarmUp]:
+    """Every device communicator of the world, in the one order every rank derives alike:
+    the world's group, each replica's pipeline group, each stage's replica group, each tied
+    group, then each pair of pipeline ranks that exchange boundary values, replica by replica.
+
+    NCCL creates a group's communicator at its first operation, a pair's at its first send:
+    lazily inside step 1, each creation a collective of its members, while other pairs'
+    kernels may already wait on the GPU (NCCL documents deadlocks from concurrent creation).
+    :func:`warm_up` creates them all when the pipe is built instead, one at a time; each rank
+    runs the operations it is a member of, in this order, so no two ranks wait for each other
+    in different orders (a global order filtered per rank cannot deadlock).
+
+    >>> for op in warm_up_order(Layout(4, 0, 2, (0, 1))):
+    ...     print(op.group, op.ranks)
+    p2p (0, 1, 2, 3)
+    pipeline (0, 1)
+    pipeline (2, 3)
+    replica (0, 2)
+    replica (1, 3)
+    pair (0, 1)
+    pair (2, 3)
+    """
+    w, r = layout.workers, layout.replicas
+    order = [WarmUp("p2p", tuple(range(layout.world_size)))]
+    order += [WarmUp("pipeline", tuple(q * w + i for i in range(w))) for q in range(r)]
+    if r > 1:
+        order += [WarmUp("replica", tuple(q * w + i for q in range(r))) for i in range(w)]
+    order += [WarmUp("tied", tuple(q * w + i for i in ws)) for ws in tied for q in range(r)]
+    pairs = sorted(
+        {(min(a, b), max(a, b)) for a, b in zip(layout.placement, layout.placement[1:]) if a != b}
+    )
+    order += [WarmUp("pair", (q * w + a, q * w + b)) for q in range(r) for a, b in pairs]
+    return order
+
+
+def warm_up(
+    layout: Layout,
+    groups: Groups,
+    tied: Sequence[tuple[int, ...]],
+    device: torch.device,
+    timeout: float,
+    board: FailureBoard | None = None,
+) -> list[WarmUp]:
+    """Runs this rank's operations of :func:`warm_up_order` (collective: every rank calls it
+    when its pipe is built), each waited on the host under ``timeout`` before the next starts;
+    returns them. On gloo (CPU) the same operations run, and cost a few round trips.
+
+    Example (on every rank, right after its groups exist)::
+
+        warm_up(layout, groups, tied_workers(shared, balance, placement), device, 60.0, board)
+    """
+    done = []
+    for op in warm_up_order(layout, tied):
+        if layout.rank not in op.ranks:
+            continue
+        value = torch.zeros(1, device=comm_device(device))
+        if op.group == "pair":
+            sender = layout.rank == op.ranks[0]
+            peer = op.ranks[1] if sender else op.ranks[0]
+            call = dist.isend if sender else dist.irecv
+            work = call(value, peer, group=groups.p2p, tag=WARM_UP)
+            what = f"the warm-up message {'to' if sender else 'from'} {layout.rank_label(peer)}"
+        else:
+            if op.group == "tied":
+                group = tied_group(layout, [i % layout.workers for i in op.ranks], timeout, device)
+            else:
+                group = getattr(groups, op.group)
+            work = dist.all_reduce(value, group=group, async_op=True)
+            what = f"the warm-up all-reduce of the {op.group} group over ranks {list(op.ranks)}"
+        wait_work(work, timeout, what, board)
+        done.append(op)
+    return done
 
 
 def default_nccl_error_handling() -> None:

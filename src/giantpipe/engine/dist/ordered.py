@@ -24,7 +24,11 @@ ways, and :class:`OrderedMailbox` is the same mailbox built for them:
 3. **Failures on the host.** A dead or silent peer is named by the control plane's waits, which
    time out and wake on closed connections (gloo); a device operation's ``wait`` only makes the
    stream wait, so the end of the step waits for the device with a deadline
-   (:func:`giantpipe.engine.dist.faults.wait_device`).
+   (:func:`giantpipe.engine.dist.faults.wait_device`), and then :meth:`OrderedMailbox.check`
+   asks every payload request of the step whether it succeeded: NCCL's watchdog may have
+   aborted one (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) before the device wait ended, leaving a
+   buffer partly received, and no value of such a step may leave it. A request found complete
+   earlier is checked (and let go) at once, so a step holds only requests still in flight.
 
 The same code runs on CPU with gloo for both groups (``DistributedPipe(transport="ordered")``):
 the tests record its device operations and replay them under NCCL's rule. Which transport a
@@ -40,6 +44,7 @@ Example (on each rank; ``known`` lives as long as the pipe)::
     run = StepRun(config, micro_batches if layout.needs_inputs else [], mailbox=box)
     run.run(my_schedule)
     box.finish()
+    box.check()          # after the step's device wait: every payload request succeeded
 """
 
 from __future__ import annotations
@@ -112,7 +117,9 @@ class OrderedMailbox(Mailbox):
         self._index: dict[tuple[str, Key], int] = {}
         self._issued = 0  # self._ops[: self._issued] are issued
         self._posted: dict[Key, tuple[Frame, torch.Tensor | None, Any]] = {}
-        self._sends: list[tuple[Key, Any, torch.Tensor]] = []
+        # Payload requests not yet checked: (request, what it moves to or from whom, the bytes
+        # a send must keep alive until it is through).
+        self._pending: list[tuple[Any, str, torch.Tensor | None]] = []
 
     @property
     def seed(self) -> int | None:
@@ -165,8 +172,9 @@ class OrderedMailbox(Mailbox):
             message = pack(frame, tensors, seed, key, self.device)
             dst = self._peer(self._ops[position].peer)
             work = dist.isend(message, dst=dst, group=self.payload_group, tag=PAYLOADS)
-            self._sends = [s for s in self._sends if not s[1].is_completed()]
-            self._sends.append((key, work, message))
+            self._settle()
+            to = self.layout.label(key[1])
+            self._pending.append((work, f"sending the payload of {describe(key)} to {to}", message))
         self._issued = position + 1
 
     # ---- receiving -------------------------------------------------------------------------
@@ -190,34 +198,53 @@ class OrderedMailbox(Mailbox):
         frame, buffer, work = self._posted.pop(key)
         if buffer is None:
             return unpack(frame, torch.empty(0, dtype=torch.uint8, device=self.device))
-        self._wait(work, key)
+        self._settle()
+        if self._on_device():  # the stream waits; the request is checked later (check)
+            work.wait()
+            producer = self.layout.label(key[1] - 1 if key[0] == "act" else key[1] + 1)
+            self._pending.append((work, f"receiving {describe(key)} from {producer}", None))
+        else:  # gloo standing in: the host waits, under the timeout, naming the peer
+            wait_receive(work, key, self.layout, self.wait_timeout, self.board)
         return unpack(frame, buffer)
 
-    def _wait(self, work: Any, key: Key) -> None:
-        """On the device, the consumer's stream waits for the payload (the host goes on); on
-        the host (gloo standing in), the rank waits, under the timeout, naming the peer."""
-        if self.device.type == "cuda":
-            work.wait()
-            return
-        wait_receive(work, key, self.layout, self.wait_timeout, self.board)
+    def _on_device(self) -> bool:
+        """Whether payloads are device operations (NCCL), which a wait without a timeout only
+        orders on the stream, rather than the host's (gloo: a request is waited on once)."""
+        return self.device.type == "cuda"
 
     # ---- the end of a step -----------------------------------------------------------------
 
     def finish(self) -> None:
         """Waits until this step's sends are through: the control plane's on the host; the
-        payloads' on the host where gloo carries them (NCCL holds its buffers itself, and the
-        step's end waits for the device)."""
+        payloads' on the host where gloo carries them (on CUDA the step's end waits for the
+        device, then :meth:`check`)."""
         self.control.finish()
-        if self.device.type != "cuda":
-            for key, work, _ in self._sends:
-                what = f"sending the payload of {describe(key)} to {self.layout.label(key[1])}"
-                wait_work(work, self.wait_timeout, what, self.board)
-        self._sends.clear()
+        if not self._on_device():
+            self.check()
         self._posted.clear()
+
+    def check(self) -> None:
+        """Raises :class:`~giantpipe.engine.dist.faults.RankFailure` naming the peer unless
+        every payload request of the step not yet waited on the host succeeded (on CUDA: call
+        it after the step's device wait, when each has run; each is waited on the host under
+        the timeout, once: a gloo request cannot be waited on twice)."""
+        pending, self._pending = self._pending, []
+        for work, what, _ in pending:
+            wait_work(work, self.wait_timeout, what, self.board)
+
+    def _settle(self) -> None:
+        """Checks and lets go of the requests already complete (their buffers with them)."""
+        done: list[tuple[Any, str, torch.Tensor | None]] = []
+        going: list[tuple[Any, str, torch.Tensor | None]] = []
+        for pending in self._pending:  # one look at each: it may complete meanwhile
+            (done if pending[0].is_completed() else going).append(pending)
+        self._pending = going
+        for work, what, _ in done:
+            wait_work(work, self.wait_timeout, what, self.board)
 
     def drop(self) -> None:
         """Forgets every request in flight (so a failed step's groups can be torn down)."""
         self.control.drop()
-        self._sends.clear()
+        self._pending.clear()
         self._posted.clear()
         self.payload_group = None

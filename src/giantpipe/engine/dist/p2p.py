@@ -113,18 +113,19 @@ def wait_receive(
     work: Any, key: Key, layout: Layout, timeout: float, board: FailureBoard | None
 ) -> None:
     """Waits (host) for the receive of ``key``; a failure raises RankFailure naming the peer:
-    it timed out, its connection closed, or what the backend said. Both mailboxes' receives.
+    it timed out, its connection closed, it was aborted, or what the backend said. Both
+    mailboxes' receives.
 
     Example::
 
         wait_receive(work, ("act", 1, 0), layout, 60.0, board)
     """
+    stage = key[1] - 1 if key[0] == "act" else key[1] + 1
+    me, them = layout.label(), layout.label(stage)
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - becomes a message naming the peer
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        stage = key[1] - 1 if key[0] == "act" else key[1] + 1
-        me, them = layout.label(), layout.label(stage)
         if "Timed out" in text:
             local = f"{me} timed out after {timeout:.0f}s waiting for {describe(key)} from {them}"
         elif "closed" in text.lower() or "reset" in text.lower():
@@ -132,6 +133,9 @@ def wait_receive(
         else:
             local = f"{me} failed to receive {describe(key)} from {them}: {text}"
         raise RankFailure(explain(board, local)) from exc
+    if done is False:  # aborted (see faults.wait_work): the buffer is not the message
+        local = f"{me}: the receive of {describe(key)} from {them} was aborted"
+        raise RankFailure(explain(board, local))
 
 
 def expected_receives(actions: Sequence[Action], layout: Layout) -> dict[int, list[Key]]:
@@ -430,6 +434,11 @@ class P2PMailbox(Mailbox):
             for work in works:
                 wait_work(work, self.wait_timeout, what, self.board)
         self.drop()
+
+    def check(self) -> None:
+        """Nothing is left to check after :meth:`finish`: every request of the step was waited
+        on the host, raising its failure (the device transport's is
+        :meth:`giantpipe.engine.dist.ordered.OrderedMailbox.check`)."""
 
     def drop(self) -> None:
         """Forgets every request in flight (so a failed step's groups can be torn down)."""

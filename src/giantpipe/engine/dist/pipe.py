@@ -80,6 +80,8 @@ from giantpipe.engine.dist.layout import (
     init_distributed,
     resolve_device,
     tied_group,
+    tied_workers,
+    warm_up,
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
 from giantpipe.engine.dist.ordered import OrderedMailbox, choose_transport
@@ -195,6 +197,9 @@ class DistributedPipe(Pipe):
         install_sigterm_note(self.board)
         self._uses: dict[int, int] = {}
         self.tied = self._tied_sync(model, shared)
+        # Every NCCL communicator now, in one order, not lazily inside step 1 (layout.warm_up).
+        tied = tied_workers(shared, self.balance, self.placement)
+        warm_up(self.layout, self.groups, tied, self.device, self.timeout, self.board)
         self._box: P2PMailbox | OrderedMailbox | None = None
         # Each boundary key's frame layout (with the ordered transport: of its description), as
         # both of its ends last saw it: from the second step on, a value's frame (description)
@@ -526,6 +531,8 @@ class DistributedPipe(Pipe):
             # The wall time of the kernels, not of their launches; first, so that the loss's
             # read-back below never blocks behind a hung NCCL operation (see wait_device).
             self._wait_device("the step's kernels and transfers")
+        if self._box is not None:  # no value from a step whose transfers failed
+            self._box.check()
         loss = 0.0 if local_loss is None else float(local_loss)
         if local_loss is not None and self.groups.host_replica is not None:
             group = self.groups.host_replica

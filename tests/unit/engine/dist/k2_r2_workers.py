@@ -1,0 +1,213 @@
+"""What each rank of tests/unit/engine/dist/test_k2_r2.py runs: K=2 pipeline ranks x R=2
+replicas on gloo, checked through the public API against the plain model.
+
+One :class:`DistributedPipe` (1F1B, M=4: sends and receives interleave) over the ordered
+transport (NCCL's order, on gloo), a small MLP with dropout; each rank returns what it saw,
+the test compares across ranks:
+
+1. the warm-up: the calls the pipe made while it was built are its share of
+   ``layout.warm_up_order``;
+2. two engine steps without ``zero_grad``: the loss of each and the accumulated gradients equal
+   the plain model's over the whole batch (both replicas' shards);
+3. ``pipe.clip_grad_norm_``: the global norm and the clipped gradients, as
+   ``torch.nn.utils.clip_grad_norm_`` on the plain model;
+4. resume with RNG: the runner's save (every rank's generators), a step, the generators
+   scrambled differently on each rank, the runner's restore on every rank, the same step: its
+   dropout (loss and gradients) equals the plain model's both times;
+5. fp16-style overflow on one rank: an inf planted in rank 3's gradients after a step with the
+   pipe's ``grad_scaler``: every rank skips the step and halves the scale; a clean step after
+   moves every rank;
+6. the ordered transport's payload sends and receives of step 1, recorded: exactly the order
+   ``message_order.worker_ops`` gives (the test replays every rank's under NCCL's rule).
+
+Gradients and weights are read as whole tensors (``full_tensor`` of a sharded parameter) or as
+this rank's shard (``to_local``), so the checks hold however the replicas hold a stage.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from giantpipe.engine.dist.layout import WARM_UP, Layout, warm_up_order
+from giantpipe.engine.dist.message_order import worker_ops
+from giantpipe.engine.dist.meta import init_layers
+from giantpipe.engine.dist.ordered import PAYLOADS
+from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.runner.build import parameter_names
+from giantpipe.runner.checkpoint.restore import restore
+from giantpipe.runner.checkpoint.saving import save_run
+from giantpipe.runner.checkpoint.state import Progress
+from giantpipe.runner.world import TorchrunWorld
+from giantpipe.testing import step_seed
+from tests.distributed.order_workers import recording
+from tests.distributed.workers import reference, shard
+
+SEED, INIT, CHUNKS, MAX_NORM, BAD_RANK = 5, 3, 4, 0.05, 3
+LOSS = nn.functional.cross_entropy
+
+
+def model() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Dropout(0.25), nn.ReLU(),
+        nn.Linear(16, 16), nn.Dropout(0.25), nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def shards(step: int, replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each replica's share of step ``step``'s batch of 16."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    return [(shard(x, r, replicas), shard(y, r, replicas)) for r in range(replicas)]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective for a sharded one: every replica of the stage calls it)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def step(pipe: DistributedPipe, number: int, scaler: Any = None) -> float:
+    x, y = shards(number, pipe.replicas)[pipe.replica]
+    loss = pipe.train_step(
+        x if pipe.needs_inputs else None,
+        y if pipe.needs_targets else None,
+        LOSS,
+        grad_scaler=scaler,
+    )
+    return float(loss)
+
+
+def grads_equal(pipe: DistributedPipe, plain: nn.Module, what: str) -> int:
+    """This rank's gradients equal the plain model's, by name; returns how many."""
+    want = dict(plain.named_parameters())
+    names = list(pipe.named_parameters())
+    for name, p in names:
+        assert p.grad is not None, f"{what}: {name} has no gradient"
+        got, expected = full(p.grad), want[name].grad
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=f"{what}: {name}")
+    return len(names)
+
+
+def payload_ops(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The recorded payload sends and receives (the ordered transport's device operations)."""
+    kinds = {"isend": "send", "irecv": "recv"}
+    return [
+        {"kind": kinds[e["call"]], "peer": e["peer"], "nbytes": e["nbytes"]}
+        for e in log
+        if e["call"] in kinds and e["tag"] == PAYLOADS
+    ]
+
+
+def check(tmp: Path) -> dict[str, Any]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    built: list[dict[str, Any]] = []
+    with recording(built):
+        pipe = DistributedPipe(
+            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=20,
+            transport="ordered",
+        )  # fmt: skip
+    layout = Layout(world_size, rank, 2, tuple(pipe.placement))
+    plan = [op for op in warm_up_order(layout) if rank in op.ranks]
+    warmed = [
+        (e["call"], tuple(e["group"]) if e["call"] == "all_reduce" else e["peer"])
+        for e in built
+        if e["call"] == "all_reduce" or (e["call"] in ("isend", "irecv") and e["tag"] == WARM_UP)
+    ]
+    expected_warm = [
+        ("all_reduce", op.ranks)
+        if op.group != "pair"
+        else ("isend" if rank == op.ranks[0] else "irecv", sum(op.ranks) - rank)
+        for op in plan
+    ]
+    assert warmed == expected_warm, (warmed, expected_warm)
+
+    plain = model()
+    init_layers(plain, INIT)
+    out: dict[str, Any] = {"rank": rank}
+
+    # 2. two engine steps, gradients accumulated; step 1's payloads recorded
+    losses, log = [], []
+    for number in (0, 1):
+        torch.manual_seed(SEED + number)
+        with recording(log if number == 1 else []):
+            losses.append(step(pipe, number))
+        seed = step_seed(SEED + number)
+        _, ref = reference(plain, shards(number, 2), CHUNKS, seed, accumulate=True)
+        assert abs(losses[-1] - ref) <= 1e-5 * abs(ref), (number, losses[-1], ref)
+    out["checked"] = grads_equal(pipe, plain, "two accumulated steps")
+    out["payloads"] = payload_ops(log)
+    steps = pipe.step_schedule()
+    actions = tuple(map(tuple, steps.actions))
+    want = [
+        (op.kind, layout.replica * 2 + op.peer)
+        for op in worker_ops(actions, tuple(steps.placement), layout.worker)
+    ]
+    assert [(o["kind"], o["peer"]) for o in out["payloads"]] == want, (out["payloads"], want)
+
+    # 3. the global-norm clip
+    norm = pipe.clip_grad_norm_(MAX_NORM)
+    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
+    torch.testing.assert_close(float(norm), float(ref_norm), rtol=1e-5, atol=0.0)
+    grads_equal(pipe, plain, "clipped")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt.step()
+    plain_opt.step()
+    opt.zero_grad()
+    plain_opt.zero_grad()
+
+    # 4. resume with RNG: save, a step, every rank's generators scrambled, restore, the step
+    world = TorchrunWorld(timeout=20.0)
+    world.bind(pipe)
+    parts = SimpleNamespace(
+        pipe=pipe,
+        names=parameter_names(pipe),
+        optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+        ema=None,
+        grad_scaler=None,
+    )
+    torch.manual_seed(SEED + 2)  # every rank: the generators the save keeps
+    save_run(parts, Progress(step=2, position=0), tmp / "ckpt", world)  # type: ignore[arg-type]
+    after_save = copy.deepcopy(plain)
+    _, ref = reference(after_save, shards(2, 2), CHUNKS, step_seed(SEED + 2), accumulate=True)
+    torch.manual_seed(SEED + 2)  # reference's step_seed drew from this process's generator
+    resumed = []
+    for attempt in ("after the save", "after the restore"):
+        if attempt == "after the restore":
+            torch.manual_seed(1000 + rank)  # what ran since: other draws on every rank
+            restore(parts, tmp / "ckpt", world)  # type: ignore[arg-type]
+        resumed.append(step(pipe, 2))
+        assert abs(resumed[-1] - ref) <= 1e-5 * abs(ref), (attempt, resumed[-1], ref)
+        grads_equal(pipe, after_save, attempt)
+        opt.zero_grad()
+    out["resumed"] = resumed
+
+    # 5. an overflow on one rank: every rank skips, the scale halves everywhere
+    scaler = pipe.grad_scaler(init_scale=2.0**10, growth_interval=1000)
+    moved, scales = [], []
+    for number, overflow in ((3, True), (4, False)):
+        torch.manual_seed(SEED + number)
+        step(pipe, number, scaler)
+        if overflow and rank == BAD_RANK:  # as if only this rank's stage overflowed
+            next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
+        before = [local(p).detach().clone() for p in pipe.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        now = [local(p).detach() for p in pipe.parameters()]
+        moved.append(not all(torch.equal(a, b) for a, b in zip(now, before, strict=True)))
+        scales.append(float(scaler.get_scale()))
+        opt.zero_grad()
+    out["moved"], out["scales"], out["losses"] = moved, scales, losses
+    pipe.release()
+    return out

@@ -1,0 +1,40 @@
+"""The fast lane's distributed check (issue 32, item 7): one K=2 x R=2 gloo world, through the
+public API, against the plain model.
+
+Every test under tests/distributed/ is ``slow`` (tests/conftest.py marks the folder), so
+``pytest -m "not slow"`` ran none of them and let through a replica gradient sync dropping
+accumulated gradients, clipping by a local norm, RNG restored on rank 0 only, the ordered
+transport's send order and an fp16 overflow verdict taken per rank. This file lives outside
+that folder and carries no ``slow`` mark, so the fast lane runs it: four spawned ranks (a
+forkserver that imported torch once), about 10 s of a quiet 2-core machine. What each rank
+checks is :mod:`tests.unit.engine.dist.k2_r2_workers`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launch import spawn
+from tests.distributed.nccl_rules import DeviceOp, replay
+
+pytestmark = pytest.mark.distributed
+
+
+def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Path) -> None:
+    results = spawn("tests.unit.engine.dist.k2_r2_workers:check", world=4, tmp=tmp_path)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert all(r["checked"] > 0 for r in results)  # every rank compared its gradients
+    losses = {tuple(r["losses"]) for r in results}
+    assert len(losses) == 1  # the global loss, the same on every rank
+    assert {tuple(r["resumed"]) for r in results} == {tuple(results[0]["resumed"])}
+    # rank 3 alone overflowed: every rank skipped and halved, then every rank stepped
+    assert [r["moved"] for r in results] == [[False, True]] * 4
+    assert [r["scales"] for r in results] == [[2.0**9, 2.0**9]] * 4
+    # the ordered transport's payloads of one step replay under NCCL's rule
+    ops = {
+        r["rank"]: [DeviceOp(o["kind"], o["peer"], nbytes=o["nbytes"]) for o in r["payloads"]]
+        for r in results
+    }
+    assert replay(ops) == sum(len(v) for v in ops.values()) // 2 > 0
