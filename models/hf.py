@@ -161,7 +161,9 @@ def cached_types() -> list[str]:
 @dataclass
 class PieceCache:
     """One piece's cache: the Hugging Face ``DynamicCache`` of its decoder layers (None: it has
-    none) and how many positions it has seen (the next position id).
+    none) and how many positions it has seen (the next position id). Prompts of unequal length
+    add ``mask`` [B, seen] (1 at tokens, 0 at the left padding, the attention mask Hugging Face
+    takes) and ``next`` [B], each row's next position.
 
     Example::
 
@@ -170,11 +172,31 @@ class PieceCache:
 
     layers: Any
     length: int
+    mask: torch.Tensor | None = None
+    next: torch.Tensor | None = None
 
     def reorder(self, index: torch.Tensor) -> PieceCache:
         if self.layers is not None:  # in place: the old order is not needed again
             self.layers.reorder_cache(index)
+        if self.mask is not None and self.next is not None:
+            self.mask = self.mask.index_select(0, index.to(self.mask.device))
+            self.next = self.next.index_select(0, index.to(self.next.device))
         return self
+
+    def positions(self, new: int, keep: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """Position ids [1 | B, new] of the ``new`` positions, the mask grown by them: a padded
+        prompt's (``keep``) count each row's tokens from 0, as Hugging Face's ``generate``
+        does; later ones follow each row's last."""
+        if keep is not None:
+            self.mask = keep.long()
+            self.next = self.mask.sum(dim=1)
+            return (self.mask.cumsum(dim=1) - 1).masked_fill(self.mask == 0, 0)
+        if self.mask is None or self.next is None:
+            return torch.arange(self.length, self.length + new, device=device)[None]
+        positions = self.next[:, None] + torch.arange(new, device=device)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], new)], dim=1)
+        self.next = self.next + new
+        return positions
 
 
 class PieceDecoder:
@@ -202,40 +224,56 @@ class PieceDecoder:
         if layout.head in span:
             parts[layout.head] = model.get_submodule(layout.head)
         self.parts = parts
+        self.modules = list(dict.fromkeys(m for part in parts.values() for m in part.modules()))
         self.kinds = _layer_kinds(config)
         self.bindings = _bindings(list(parts.values()), piece)
 
     def __call__(self, inputs: Any, cache: PieceCache | None) -> tuple[Any, PieceCache]:
-        self._bind()
-        if cache is None:
-            cache = PieceCache(self._new_layers(), 0)
+        flipped = self._bind()
+        try:
+            return self._run(inputs, PieceCache(self._new_layers(), 0) if cache is None else cache)
+        finally:
+            for module in flipped:  # the model's own submodules: left in the mode found
+                module.training = not module.training
+
+    def _run(self, inputs: Any, cache: PieceCache) -> tuple[Any, PieceCache]:
+        """The piece's submodules on ``inputs``: token ids (or ``(ids, keep)``, a padded prompt)
+        in the first piece, else (hidden, *extras) with ``keep`` last on a padded prompt."""
         layout, parts = self.layout, self.parts
+        keep = None
         if layout.tokens in parts:
-            hidden, extras = self._embed(inputs, cache.length)
+            tokens, keep = inputs if isinstance(inputs, tuple) else (inputs, None)
+            positions = cache.positions(tokens.shape[1], keep, tokens.device)
+            hidden, extras = self._embed(tokens, positions)
         else:
             hidden, *rest = inputs if isinstance(inputs, tuple) else (inputs,)
+            if len(rest) > (2 if layout.rotary is not None else 0):  # (cos, sin) and keep
+                keep = rest.pop()
             extras = tuple(rest)
-        new = hidden.shape[1]
-        positions = torch.arange(cache.length, cache.length + new, device=hidden.device)[None]
+            positions = cache.positions(hidden.shape[1], keep, hidden.device)
         if self.layer_ids:
-            hidden = self._layers(hidden, extras, positions, cache.layers)
-        cache.length += new
+            hidden = self._layers(hidden, extras, positions, cache)
+        cache.length += hidden.shape[1]
         if layout.norm in parts:
             hidden = parts[layout.norm](hidden)
         if layout.head in parts:  # logits of the last position: what scores the next token
             return parts[layout.head](hidden[:, -1:]), cache
-        return ((hidden, *extras) if extras else hidden), cache
+        out = (hidden, *extras, keep) if keep is not None else (hidden, *extras)
+        return (out if len(out) > 1 else hidden), cache
 
-    def _bind(self) -> None:
+    def _bind(self) -> list[nn.Module]:
+        """The piece's tensors bound into the submodules; those whose mode differs from the
+        piece's flipped to it (returned: the call flips them back)."""
         piece = self.piece()
         training = bool(piece is not None and piece.training)
         for owner, kind, name, source, source_kind, source_name in self.bindings:
             tensor = getattr(source, source_kind)[source_name]
             if getattr(owner, kind)[name] is not tensor:
                 getattr(owner, kind)[name] = tensor
-        for part in self.parts.values():
-            if part.training != training:
-                part.train(training)
+        flipped = [m for m in self.modules if m.training != training]
+        for module in flipped:
+            module.training = training
+        return flipped
 
     def _new_layers(self) -> Any:
         if not self.layer_ids:
@@ -244,10 +282,9 @@ class PieceDecoder:
 
         return DynamicCache(config=self.config)
 
-    def _embed(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, tuple]:
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         layout, parts = self.layout, self.parts
         hidden = parts[layout.tokens](tokens)
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
         if layout.positions is not None:
             hidden = hidden + parts[layout.positions](positions)
         if layout.dropout is not None:
@@ -258,7 +295,7 @@ class PieceDecoder:
         return hidden, (cos, sin)
 
     def _layers(
-        self, hidden: torch.Tensor, extras: tuple, positions: torch.Tensor, layers: Any
+        self, hidden: torch.Tensor, extras: tuple, positions: torch.Tensor, cache: PieceCache
     ) -> torch.Tensor:
         from transformers.masking_utils import (
             create_causal_mask,
@@ -268,13 +305,14 @@ class PieceDecoder:
         makers = {"full_attention": create_causal_mask}
         makers["sliding_attention"] = create_sliding_window_causal_mask
         masks: dict[str, Any] = {}
+        layers = cache.layers
         for i in self.layer_ids:  # as the model does: every mask before any layer grows its cache
             kind = self.kinds[i]
             if kind not in masks:
                 masks[kind] = makers[kind](
                     config=self.config,
                     inputs_embeds=hidden,
-                    attention_mask=None,
+                    attention_mask=cache.mask,  # None: no padding, every position a token
                     cache=layers,
                     position_ids=positions,
                     layer_idx=i,

@@ -48,8 +48,8 @@ from models.transformer_layers import (
     OutputHead,
     Seen,
     SelfAttentionLayer,
+    allowed_keys,
     attention_mask,
-    causal_block,
     count_parameters,
     ffn_factor,
     init_weights,
@@ -170,22 +170,11 @@ class DecoderLayer(nn.Module):
         if cache is not None:
             self_kv = cache.self_kv.extend(self_kv.key, self_kv.value)
             keep = torch.cat([cache.tgt_keep, keep], dim=1)
-        x = x + self.dropout(self.self_attn.attend(h, self_kv, _allowed(keep, x.shape[1])))
+        x = x + self.dropout(self.self_attn.attend(h, self_kv, allowed_keys(keep, x.shape[1])))
         h = self.cross_attn_norm(x)
         x = x + self.dropout(self.cross_attn.attend(h, cross_kv, src_allowed))
         x = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return (src_x, src_pad, x, tgt_pad), DecoderCache(self_kv, keep, cross_kv, src_allowed)
-
-
-def _allowed(keep: Tensor, queries: int) -> Tensor:
-    """Self-attention mask [B, 1, queries, T] of the last ``queries`` positions: causal, no
-    padding keys, a row with every key masked attending everywhere (as :func:`attention_mask`,
-    so that cached decoding masks exactly what the whole-prefix forward does)."""
-    allowed = keep[:, None, None, :]
-    block = causal_block(queries, keep.shape[1], keep.device)
-    if block is not None:
-        allowed = allowed & block
-    return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
 class SourceTargetEmbedding(nn.Module):

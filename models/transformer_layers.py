@@ -21,6 +21,14 @@ previous call returned (each later call gets only the new positions). Every cach
 ``reorder(index)``: the rows to keep, in their new order (beam search picks the parents of its
 new beams; finished sentences leave). :class:`KVCache` holds one attention's keys and values,
 :class:`Seen` only how many positions a child has seen (an embedding's next position).
+
+Prompts of unequal length (``giantpipe.engine.generate.prompts``): the first call of a language
+model takes ``(tokens, keep)``, left-padded tokens [B, T] with ``keep`` [B, T] True at each row's
+own tokens. The embedding places each row's first token at position 0 (:class:`SeenRows` keeps
+each row's next position) and passes ``(states, keep)`` on; each attending child keeps ``keep``
+in its :class:`KVCache`, so no query ever attends to padding (:func:`allowed_keys`); later calls
+carry only new positions, every one a token, as without padding. A row then decodes as its
+prompt alone.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ Batch4 = tuple[Tensor, Tensor, Tensor, Tensor]
 __all__ = [
     "KVCache",
     "Seen",
+    "SeenRows",
+    "allowed_keys",
     "sinusoidal_positions",
     "attention_mask",
     "MultiHeadAttention",
@@ -85,7 +95,8 @@ def attention_mask(key_pad: Tensor | None, causal_len: int | None = None) -> Ten
 
 @dataclass
 class KVCache:
-    """Keys and values [B, heads, T, head_dim] of one attention, for the positions seen so far.
+    """Keys and values [B, heads, T, head_dim] of one attention, for the positions seen so far;
+    ``keep`` [B, T] (None: every position) says which of them are tokens, not padding.
 
     Example::
 
@@ -95,17 +106,23 @@ class KVCache:
 
     key: Tensor
     value: Tensor
+    keep: Tensor | None = None
 
     @property
     def length(self) -> int:
         return int(self.key.shape[2])
 
     def extend(self, key: Tensor, value: Tensor) -> KVCache:
-        return KVCache(torch.cat([self.key, key], dim=2), torch.cat([self.value, value], dim=2))
+        keep = self.keep
+        if keep is not None:  # new positions are tokens: decoding drops finished rows
+            keep = torch.cat([keep, keep.new_ones(keep.shape[0], key.shape[2])], dim=1)
+        key, value = torch.cat([self.key, key], dim=2), torch.cat([self.value, value], dim=2)
+        return KVCache(key, value, keep)
 
     def reorder(self, index: Tensor) -> KVCache:
         index = index.to(self.key.device)
-        return KVCache(self.key.index_select(0, index), self.value.index_select(0, index))
+        keep = None if self.keep is None else self.keep.index_select(0, index)
+        return KVCache(self.key.index_select(0, index), self.value.index_select(0, index), keep)
 
 
 @dataclass
@@ -119,6 +136,17 @@ class Seen:
         return self
 
 
+@dataclass
+class SeenRows:
+    """An embedding's cache when the prompts had unequal lengths: each row's next position
+    [B] (its own tokens seen so far, padding not counted)."""
+
+    next: Tensor
+
+    def reorder(self, index: Tensor) -> SeenRows:
+        return SeenRows(self.next.index_select(0, index.to(self.next.device)))
+
+
 def causal_block(queries: int, keys: int, device: torch.device) -> Tensor | None:
     """Mask [1, 1, queries, keys] for the last ``queries`` of ``keys`` positions attending to
     themselves and earlier ones; None for a single query (it sees every key).
@@ -130,6 +158,22 @@ def causal_block(queries: int, keys: int, device: torch.device) -> Tensor | None
         return None
     ones = torch.ones(queries, keys, dtype=torch.bool, device=device)
     return ones.tril(diagonal=keys - queries)[None, None]
+
+
+def allowed_keys(keep: Tensor, queries: int) -> Tensor:
+    """Self-attention mask [B, 1, queries, T] of the last ``queries`` positions: causal, no
+    padding keys (``keep`` [B, T] False), a row with every key masked attending everywhere (as
+    :func:`attention_mask`: a padding query's output is never read, and the softmax never sees a
+    row of -inf).
+
+    >>> allowed_keys(torch.tensor([[False, True, True]]), 3).int().tolist()
+    [[[[1, 1, 1], [0, 1, 0], [0, 1, 1]]]]
+    """
+    allowed = keep[:, None, None, :]
+    block = causal_block(queries, keep.shape[1], keep.device)
+    if block is not None:
+        allowed = allowed & block
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
 
 
 class MultiHeadAttention(nn.Module):
@@ -213,13 +257,19 @@ class SelfAttentionLayer(nn.Module):
         x = x + self.dropout(self.self_attn(h, h, allowed))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
-    def causal_block_cached(self, x: Tensor, cache: KVCache | None) -> tuple[Tensor, KVCache]:
+    def causal_block_cached(
+        self, x: Tensor, cache: KVCache | None, keep: Tensor | None = None
+    ) -> tuple[Tensor, KVCache]:
         """:meth:`block` with causal attention for new positions ``x`` [B, t, D] after those
-        in ``cache`` (None: none before); returns the states and the grown cache."""
+        in ``cache`` (None: none before; ``keep`` [B, t]: which of the prompt's positions are
+        tokens); returns the states and the grown cache."""
         h = self.self_attn_norm(x)
         kv = self.self_attn.keys_values(h)
-        kv = kv if cache is None else cache.extend(kv.key, kv.value)
-        allowed = causal_block(x.shape[1], kv.length, x.device)
+        kv = KVCache(kv.key, kv.value, keep) if cache is None else cache.extend(kv.key, kv.value)
+        if kv.keep is None:
+            allowed = causal_block(x.shape[1], kv.length, x.device)
+        else:
+            allowed = allowed_keys(kv.keep, x.shape[1])
         x = x + self.dropout(self.self_attn.attend(h, kv, allowed))
         return x + self.dropout(self.ffn(self.ffn_norm(x))), kv
 
@@ -259,9 +309,15 @@ class OutputHead(nn.Module):
         x = inputs[2] if isinstance(inputs, tuple) else inputs
         return clip_logits(self.proj(self.norm(x)), self.logit_clip, self.logit_clip_mode)
 
-    def forward_cached(self, inputs: Batch4 | Tensor, cache: None) -> tuple[Tensor, None]:
-        """Incremental decoding: logits [B, 1, V] of the last position only (no state)."""
-        x = inputs[2] if isinstance(inputs, tuple) else inputs
+    def forward_cached(
+        self, inputs: Batch4 | tuple[Tensor, Tensor] | Tensor, cache: None
+    ) -> tuple[Tensor, None]:
+        """Incremental decoding: logits [B, 1, V] of the last position only (no state); a
+        language model's padded prompt comes as (states, keep), its last position a token."""
+        if isinstance(inputs, tuple):
+            x = inputs[2] if len(inputs) == 4 else inputs[0]
+        else:
+            x = inputs
         return self(x[:, -1:]), None
 
 

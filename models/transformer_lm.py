@@ -22,6 +22,7 @@ from models.transformer_layers import (
     KVCache,
     OutputHead,
     Seen,
+    SeenRows,
     SelfAttentionLayer,
     ffn_factor,
     init_weights,
@@ -38,15 +39,23 @@ class DecoderOnlyLayer(SelfAttentionLayer):
         causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
         return self.block(x, causal[None, None])
 
-    def forward_cached(self, x: Tensor, cache: KVCache | None) -> tuple[Tensor, KVCache]:
+    def forward_cached(
+        self, x: Tensor | tuple[Tensor, Tensor], cache: KVCache | None
+    ) -> tuple[Tensor | tuple[Tensor, Tensor], KVCache]:
         """Incremental decoding: states of the new positions ``x`` [B, t, D] given the keys and
         values of the earlier ones (None: the prompt); equals ``forward`` on the whole prefix.
+        A padded prompt comes as ``(x, keep)`` and goes on as ``(y, keep)``; its cache keeps
+        ``keep`` (``models.transformer_layers``).
 
         Example::
 
             y, cache = layer.forward_cached(x[:, :-1], None)
             last, cache = layer.forward_cached(x[:, -1:], cache)   # == layer(x)[:, -1:]
         """
+        if isinstance(x, tuple):
+            states, keep = x
+            y, kv = self.causal_block_cached(states, cache, keep)
+            return (y, keep), kv
         return self.causal_block_cached(x, cache)
 
 
@@ -73,10 +82,30 @@ class LMEmbedding(nn.Module):
         x = self.tokens(tokens) * self.scale + self.positions[start:end]
         return self.dropout(x)
 
-    def forward_cached(self, tokens: Tensor, cache: Seen | None) -> tuple[Tensor, Seen]:
-        """Incremental decoding: the new tokens [B, t] after the ``cache.length`` seen."""
+    def forward_cached(
+        self, tokens: Tensor | tuple[Tensor, Tensor], cache: Seen | SeenRows | None
+    ) -> tuple[Tensor | tuple[Tensor, Tensor], Seen | SeenRows]:
+        """Incremental decoding: the new tokens [B, t] after the ``cache.length`` seen. A padded
+        prompt, ``(tokens, keep)``, places each row's first token at position 0 and goes on as
+        ``(states, keep)``; the cache then keeps each row's next position."""
+        if isinstance(tokens, tuple):  # the prompts, left-padded (keep: their tokens)
+            ids, keep = tokens
+            positions = (keep.long().cumsum(dim=1) - 1).clamp(min=0)
+            return (self._at(ids, positions), keep), SeenRows(keep.long().sum(dim=1))
+        if isinstance(cache, SeenRows):
+            steps = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = cache.next.to(tokens.device)[:, None] + steps
+            return self._at(tokens, positions), SeenRows(cache.next + tokens.shape[1])
         start = 0 if cache is None else cache.length
         return self.embed(tokens, start), Seen(start + tokens.shape[1])
+
+    def _at(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """States of ``tokens`` [B, t] at per-row ``positions`` [B, t]."""
+        if int(positions.max()) >= self.positions.shape[0]:
+            last = int(positions.max())
+            raise ValueError(f"position {last} is past model.max_len={self.positions.shape[0]}")
+        x = self.tokens(tokens) * self.scale + self.positions[positions]
+        return self.dropout(x)
 
 
 def transformer_lm(

@@ -30,14 +30,18 @@ def llama_pieces() -> Any:
 
 
 def decode(tmp: Path, balance: list[int], chunks: int) -> dict[str, Any]:
-    """Greedy and beam through the pipe (prompts only where stage 0 is) and in one process;
-    which of the model's parameters this rank still keeps alive once it has its stage."""
+    """Greedy and beam through the pipe (prompts only where stage 0 is) and in one process,
+    and prompts of unequal length (greedy) against each alone; which of the model's parameters
+    this rank still keeps alive once it has its stage."""
     prompts = torch.randint(1, VOCAB, (5, 6), generator=torch.Generator().manual_seed(5))
     searches = {"greedy": Decoding(), "beam": Decoding(beam_size=3, eos_id=7)}
     alone, whole = {}, llama_pieces()
     for name, decoding in searches.items():
         out = generate(whole, split_rows(prompts, chunks), [8] * chunks, decoding)
         alone[name] = [row for chunk in out for row in chunk]
+    ragged = [[[5, 17, 9, 30, 2, 11], [8, 9]], [[4, 4, 21, 6], [33, 12, 40]]]
+    one = [generate(whole, [torch.tensor([r])], [8], Decoding())[0][0] for c in ragged for r in c]
+    alone["ragged"] = one
     del whole
     seq = llama_pieces()
     every = [weakref.ref(p) for p in seq.parameters()]
@@ -51,5 +55,7 @@ def decode(tmp: Path, balance: list[int], chunks: int) -> dict[str, Any]:
         feed = split_rows(prompts, chunks) if pipe.needs_inputs else None
         out = generate(pipe, feed, [8] * chunks, decoding, timeout=30)
         got[name] = [row for chunk in out for row in chunk]
+    out = generate(pipe, ragged if pipe.needs_inputs else None, [8, 8], Decoding(), timeout=30)
+    got["ragged"] = [row for chunk in out for row in chunk]
     held = sum(p.numel() for p in pipe.parameters())
     return {"got": got, "alone": alone, "held": held, "alive": alive, "total": total}

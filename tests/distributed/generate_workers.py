@@ -68,17 +68,34 @@ def translate(
             "held": held, "total": total}  # fmt: skip
 
 
+RAGGED = [[[5, 17, 9, 30, 2, 11], [8, 9]], [[4, 4, 21, 6], [33, 12, 40]]]
+"""Prompts of unequal length, two micro-batches: each row decodes as that prompt alone."""
+
+
 def sample(tmp: Path, balance: list[int]) -> dict[str, Any]:
     """Sampling through the pipe and in one process, same seed; every rank passes the prompts
-    (as recipes/generate.py does), which only stage 0 may take in."""
+    (as recipes/generate.py does), which only stage 0 may take in. Then :data:`RAGGED`,
+    greedy and beam, against each prompt decoded alone in one process; and the pipe's modes
+    (training, some modules not) as they were after every call."""
     prompts = split_rows(
         torch.randint(0, 41, (4, 5), generator=torch.Generator().manual_seed(0)), 2
     )
     decoding = Decoding(temperature=0.9, top_k=8, seed=4)
     alone = generate(lm(), prompts, [10, 10], decoding)
     pipe = DistributedPipe(lm(), balance, chunks=2, timeout=30)
+    pipe.train()
+    for module in list(pipe.modules())[1::3]:
+        module.eval()
+    modes = [m.training for m in pipe.modules()]
     got = generate(pipe, prompts, [10, 10], decoding, timeout=30)  # prompts on every rank too
-    return {"got": got, "alone": alone}
+    ragged: dict[str, Any] = {"got": [], "alone": []}
+    for search in (Decoding(), Decoding(beam_size=3, eos_id=7)):
+        out = generate(pipe, RAGGED, [8, 8], search, timeout=30)
+        ragged["got"].append([row for chunk in out for row in chunk])
+        one = [generate(lm(), [torch.tensor([r])], [8], search)[0][0] for c in RAGGED for r in c]
+        ragged["alone"].append(one)
+    kept = modes == [m.training for m in pipe.modules()]
+    return {"got": got, "alone": alone, "ragged": ragged, "modes_kept": kept}
 
 
 TRANSLATION = [*tiny.TRANSLATION, "logger.progress=none"]

@@ -1,6 +1,7 @@
 """Generation through the distributed pipe (gloo ranks on loopback): every rank gets the
 tokens of the plain model's uncached reference decoder, greedy and beam, and holds only its
-own stage's parameters; sampling equals the one-process figure."""
+own stage's parameters; sampling equals the one-process figure; prompts of unequal length each
+decode as alone."""
 
 from __future__ import annotations
 
@@ -40,9 +41,13 @@ def test_two_stages_times_two_replicas_each_decode_on_their_own(tmp_path: Path) 
         assert result["got"] == result["reference"]
 
 
-def test_three_ranks_sampling_equals_one_process(tmp_path: Path) -> None:
+def test_three_ranks_sampling_and_ragged_prompts_equal_one_process(tmp_path: Path) -> None:
+    """Sampling equals the one-process draws; prompts of unequal length in one micro-batch
+    (greedy and beam) each equal that prompt alone; the pipe's modes are left as found."""
     results = spawn(
         "tests.distributed.generate_workers:sample", world=3, tmp=tmp_path, balance=[2, 2, 1]
     )
     for result in results:
         assert result["got"] == result["alone"]
+        assert result["ragged"]["got"] == result["ragged"]["alone"]
+        assert result["modes_kept"]

@@ -1,12 +1,15 @@
 """recipes/generate.py on a saved run (config.yaml + a weights file): the continuation of each
-prompt through two stages and two micro-batches (prompts of two lengths), equal to cached
-generation of the plain model prompt by prompt."""
+prompt through two stages and two micro-batches (prompts of two lengths, sharing a
+micro-batch), equal to cached generation of the plain model prompt by prompt; a trained
+``data=text`` run decoded in words (``--text``); every kind of bad input one line, exit 2."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,24 +30,24 @@ MODEL = {
 }
 
 
-def run(*args: str) -> list[str]:
-    done = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "generate.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={
-            "PYTHONPATH": f"{REPO / 'src'}:{REPO}",
-            "PATH": "/usr/bin:/bin",
-            "OMP_NUM_THREADS": "1",
-        },
+ENV = {"PYTHONPATH": f"{REPO / 'src'}:{REPO}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+
+
+def launch(*args: str) -> subprocess.CompletedProcess:
+    script = str(REPO / "recipes" / "generate.py")
+    return subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=240, env=ENV
     )
+
+
+def run(*args: str) -> list[str]:
+    done = launch(*args)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.splitlines()
 
 
 PROMPTS = ["3 4 5", "7 8 9", "1 2"]
-"""Two lengths: the recipe puts equal lengths in one micro-batch."""
+"""Two lengths: "7 8 9" and "1 2" share the second micro-batch (left-padded, masked)."""
 
 
 def continue_prompts(weights: Path) -> list[str]:
@@ -127,3 +130,110 @@ def test_a_hugging_face_run_is_captured_and_continues_as_the_uncached_model(
                 ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
             expected.append(" ".join(map(str, ids[0, len(prompt.split()) :].tolist())))
     assert lines == [f"{p} -> {e}" for p, e in zip(PROMPTS, expected, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small ``data=text`` run trained two steps by train.py (a tokenizer trained on a
+    generated corpus, kept in the run directory; a 2-layer transformer_lm), saved in last/."""
+    work = tmp_path_factory.mktemp("text_run")
+    python = [sys.executable]
+    subprocess.run([*python, str(REPO / "recipes" / "text_lm.py"), "--generate", "corpus"],
+                   cwd=work, env=ENV, check=True, capture_output=True, timeout=120)  # fmt: skip
+    overrides = [
+        "model=transformer_lm", "data=text", "data.files=[corpus/*.txt]", "data.seq_len=32",
+        "data.batch_size=8", "data.vocab_size=200", "model.num_layers=2", "model.d_model=32",
+        "model.ffn_dim=64", "model.num_heads=2", "model.max_len=64", "trainer.max_steps=2",
+        "trainer.eval_every=0", "trainer.predict=false", "logger.progress=none",
+        "pipeline.chunks=2", "hydra.run.dir=run",
+    ]  # fmt: skip
+    done = subprocess.run([*python, str(REPO / "train.py"), *overrides], cwd=work, env=ENV,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (work / "run" / "last" / "manifest.json").is_file()
+    return work / "run"
+
+
+@pytest.mark.slow
+def test_a_text_run_continues_words_as_its_tokenizer_and_model_do_by_hand(text_run: Path) -> None:
+    """``--text``: encoded by the run's own tokenizer, continued through two stages (three
+    prompts of unequal length in two micro-batches) up to the end of text, decoded to words;
+    equal to doing each step by hand with the run's tokenizer and the plain model."""
+    from giantpipe.data.text.vocabulary import Vocabulary
+    from giantpipe.runner.checkpoint.init_from import read_weights
+
+    texts = ["the old farmer", "a fox", "the brave sailor watches"]
+    args = [f"--text={t}" for t in texts]
+    lines = run(str(text_run / "last"), *args, "--max-new=10", "--stages=2", "--chunks=2")
+    vocab = Vocabulary.load(next(text_run.glob("spm-*.model")))
+    config = yaml.safe_load((text_run / "config.yaml").read_text())["model"]
+    model = transformer_lm(**{k: v for k, v in config.items() if k != "_target_"})
+    model.load_state_dict(read_weights(text_run / "last"))
+    decoding = Decoding(eos_id=vocab.eos_id)
+    expected = []
+    for text in texts:
+        ids = torch.tensor([vocab.encode(text)])
+        out = generate(model.eval(), [ids], [10], decoding)[0][0]
+        expected.append(f"{text} -> {vocab.decode(out).strip()}")
+    assert lines == expected
+    assert len({len(vocab.encode(t)) for t in texts[1:]}) == 2  # one micro-batch, two lengths
+
+
+def damaged(run: Path, tmp: Path) -> Path:
+    copy = tmp / "run"
+    shutil.copytree(run, copy)
+    (copy / "last" / "manifest.json").write_text("{garbage")
+    return copy / "last"
+
+
+def image_run(run: Path, tmp: Path) -> Path:
+    from models.amoebanet import amoebanetd
+
+    sizes = {"num_layers": 3, "num_filters": 16, "num_classes": 10}
+    torch.save(amoebanetd(**sizes).state_dict(), tmp / "model.pt")
+    config = {"model": {"_target_": "models.amoebanet.amoebanetd", **sizes}}
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
+    return tmp / "model.pt"
+
+
+def token_run(run: Path, tmp: Path) -> Path:
+    """The same weights, its config saying token data (no tokenizer kept)."""
+    shutil.copytree(run / "last", tmp / "last")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["data"] = {"_target_": "giantpipe.data.lm_tokens.lm_tokens", "vocab_size": 200}
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
+    return tmp / "last"
+
+
+def last(run: Path, tmp: Path) -> Path:
+    return run / "last"
+
+
+BAD: dict[str, tuple[Any, list[str], str]] = {
+    "damaged manifest": (damaged, ["--prompt=5 6"], r"last: .*manifest.json is damaged"),
+    "image model": (image_run, ["--prompt=5 6"], r"amoebanetd\) cannot generate: .* lacks it"),
+    "empty prompt": (last, ["--prompt="], r"--prompt '' is empty"),
+    "not ids": (last, ["--prompt=the dog"], r"'the dog' is not token ids.*--text"),
+    "beyond the vocabulary": (last, ["--prompt=5 200"], r"token 200 is outside .* \(0..199\)"),
+    "max-new 0": (last, ["--prompt=5", "--max-new=0"], r"--max-new must be >= 1, got 0"),
+    "max-new -3": (last, ["--prompt=5", "--max-new=-3"], r"--max-new must be >= 1, got -3"),
+    "no prompt": (last, [], r"give --prompt .* or --text"),
+    "text without tokenizer": (token_run, ["--text=a fox"], r"--text: .* kept no tokenizer"),
+    "no checkpoint": (lambda run, tmp: tmp / "last", ["--prompt=5"], r"no such checkpoint"),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_naming_it_and_exit_2(
+    case: str, text_run: Path, tmp_path: Path
+) -> None:
+    import re
+
+    where, args, message = BAD[case]
+    done = launch(str(where(text_run, tmp_path)), *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
+    assert re.search(message, lines[0]), lines[0]
+    assert done.stdout == ""

@@ -204,3 +204,63 @@ def test_virtual_stages_decode_as_the_uncached_model(captured: dict[str, Any]) -
     )
     out = generate(pipe, split_rows(captured["prompts"], 2), [STEPS] * 2, Decoding())
     assert [row for chunk in out for row in chunk] == captured["free"]
+
+
+FAMILIES = {"gpt2": {}, "llama": {}, "mistral": {"sliding_window": 4}, "qwen2": {}}
+RAGGED = [[5, 17, 9, 30, 2, 11], [8, 9], [4, 4, 21, 6], [33, 12, 40]]  # one to four pads
+
+
+def family(architecture: str) -> nn.Module:
+    kv_heads = None if architecture == "gpt2" else 2
+    config = {"initializer_range": 0.3, **FAMILIES[architecture]}  # attention that sees positions
+    return hf_causal_lm(architecture, 2, 32, 4, VOCAB, kv_heads, max_len=64, config=config).eval()
+
+
+@pytest.mark.parametrize(
+    "architecture",
+    # GPT-2 (learnt positions) and Llama (rotary) in the everyday lane; the windowed and the
+    # biased-attention variants of Llama's forward in the full suite (a capture each: seconds)
+    ["gpt2", "llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ("mistral", "qwen2"))],
+)
+def test_prompts_of_unequal_length_decode_as_alone_and_as_hugging_face(architecture: str) -> None:
+    """Ragged rows in two micro-batches through two stages: each row's greedy tokens equal the
+    plain model's on that prompt alone and Hugging Face's ``generate`` on the left-padded batch
+    with its attention mask; beam search equals each prompt alone too."""
+    model = family(architecture)
+    seq = sequentialize(model, torch.randint(1, VOCAB, (2, 5)), output="logits")
+    give_caches(model, list(seq), seq.spans)
+    pipe = GPipe(seq, balance=[2, 2], devices=["cpu"] * 2, chunks=2)
+    micro = [RAGGED[:2], RAGGED[2:]]
+    greedy = generate(pipe, micro, [STEPS] * 2, Decoding(), timeout=60.0)
+    alone = [uncached(model, torch.tensor([row]), Decoding())[0] for row in RAGGED]
+    assert [row for chunk in greedy for row in chunk] == alone
+    width = max(map(len, RAGGED))
+    ids = torch.tensor([[0] * (width - len(row)) + row for row in RAGGED])
+    mask = (ids != 0).long().cummax(dim=1).values  # the rows have no token 0
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=STEPS,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert out[:, width:].tolist() == alone
+    beam = Decoding(beam_size=3, eos_id=alone[0][3])
+    got = generate(pipe, micro, [STEPS] * 2, beam, timeout=60.0)
+    want = [uncached(model, torch.tensor([row]), beam)[0] for row in RAGGED]
+    assert [row for chunk in got for row in chunk] == want
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_generate_leaves_the_hugging_face_model_in_its_modes_also_on_error(mode: str) -> None:
+    """GPT-2 with dropout, captured and pipelined: its dropout modules are both the pieces'
+    (the captured graph calls them) and the cached decoders' (they run the original
+    submodules); generate must leave each one as it was, however it ends."""
+    model = hf_causal_lm("gpt2", 2, 32, 4, VOCAB, dropout=0.1).train(mode == "train")
+    seq = sequentialize(model, torch.randint(1, VOCAB, (2, 5)), output="logits")
+    give_caches(model, list(seq), seq.spans)
+    pipe = GPipe(seq, balance=[2, 2], devices=["cpu"] * 2, chunks=2)
+    every = [*model.modules(), *pipe.modules()]
+    before = [m.training for m in every]
+    assert any(before) and (mode == "train") == all(m.training for m in model.modules())
+    generate(pipe, [RAGGED[:2], RAGGED[2:]], [4, 4], Decoding(), timeout=60.0)
+    assert [m.training for m in every] == before
+    with pytest.raises(IndexError):  # an id beyond the vocabulary fails in the first piece
+        generate(pipe, [[[VOCAB + 3]]], [4], Decoding(), timeout=60.0)
+    assert [m.training for m in every] == before

@@ -32,6 +32,7 @@ class Vocabulary:
         vocab = Vocabulary.load(Path("corpus/.giantpipe_cache/spm-ab12...-500.model"))
         vocab.encode("the dog sees a cat")     # [17, 9, ...]
         vocab.size, vocab.eos_id               # (500, 2)
+        vocab.decode([17, 9, 4000])            # an id past the tokenizer reads as unknown
     """
 
     def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
@@ -47,7 +48,13 @@ class Vocabulary:
 
             sp = spm.SentencePieceProcessor(model_file=str(path))
             eos = sp.eos_id() if sp.eos_id() >= 0 else sp.unk_id()
-            return cls(sp.encode, sp.decode, sp.get_piece_size(), eos, str(path))
+            size, unk = sp.get_piece_size(), sp.unk_id()
+
+            def decode_pieces(ids: list[int]) -> str:
+                # a model's output may be wider than the tokenizer (data.vocab_size >= its size)
+                return str(sp.decode([i if 0 <= i < size else unk for i in ids]))
+
+            return cls(sp.encode, decode_pieces, size, eos, str(path))
         try:
             import transformers
         except ImportError as err:
@@ -67,7 +74,9 @@ class Vocabulary:
             return list(tok(text, add_special_tokens=False)["input_ids"])
 
         def decode(ids: list[int]) -> str:
-            return str(tok.decode(ids))
+            size, unk = len(tok), tok.unk_token_id  # ids past the tokenizer: unknown, or left out
+            kept = [i if 0 <= i < size else unk for i in ids]
+            return str(tok.decode([i for i in kept if i is not None]))
 
         return cls(encode, decode, len(tok), int(eos), str(path))
 

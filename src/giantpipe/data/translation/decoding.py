@@ -26,7 +26,7 @@ from typing import Protocol, cast
 import torch
 from torch import Tensor, nn
 
-from giantpipe.engine.generate import Decoding, generate, split_rows
+from giantpipe.engine.generate import Decoding, evaluating, generate, split_rows
 from giantpipe.engine.generate.search import trim_tokens
 
 __all__ = [
@@ -90,22 +90,20 @@ def greedy_decode(
 
         hyps = greedy_decode(model, batch.src_tokens)   # [[17, 5, 9], [8, 4], ...]
     """
-    was_training = model.training
-    model.eval()
-    decoder = seq2seq(model)
-    src_x, src_pad = decoder.encode(src_tokens)
-    prefix = torch.full((src_tokens.shape[0], 1), bos_id, dtype=torch.long)
-    prefix = prefix.to(src_tokens.device)
-    finished = torch.zeros(src_tokens.shape[0], dtype=torch.bool, device=src_tokens.device)
-    for _ in range(_max_steps(decoder, src_tokens, max_len)):
-        logits = decoder.decode_logits(src_x, src_pad, prefix)[:, -1]
-        step = logits.argmax(dim=-1).to(prefix.device)  # the head may sit on another device
-        step = step.masked_fill(finished, pad_id)
-        prefix = torch.cat([prefix, step[:, None]], dim=1)
-        finished |= step.eq(eos_id)
-        if bool(finished.all()):
-            break
-    model.train(was_training)
+    with evaluating(model):  # every module left in the mode it was found in
+        decoder = seq2seq(model)
+        src_x, src_pad = decoder.encode(src_tokens)
+        prefix = torch.full((src_tokens.shape[0], 1), bos_id, dtype=torch.long)
+        prefix = prefix.to(src_tokens.device)
+        finished = torch.zeros(src_tokens.shape[0], dtype=torch.bool, device=src_tokens.device)
+        for _ in range(_max_steps(decoder, src_tokens, max_len)):
+            logits = decoder.decode_logits(src_x, src_pad, prefix)[:, -1]
+            step = logits.argmax(dim=-1).to(prefix.device)  # the head may sit on another device
+            step = step.masked_fill(finished, pad_id)
+            prefix = torch.cat([prefix, step[:, None]], dim=1)
+            finished |= step.eq(eos_id)
+            if bool(finished.all()):
+                break
     return [trim_tokens(row, eos_id, pad_id) for row in prefix[:, 1:].tolist()]
 
 
@@ -163,27 +161,27 @@ def beam_search(
 
         hyps = beam_search(model, batch.src_tokens, beam_size=4, length_penalty=0.6)
     """
-    was_training = model.training
-    model.eval()
-    decoder = seq2seq(model)
-    src_x, src_pad = decoder.encode(src_tokens)
-    beams = [_Beams([(0.0, [bos_id])]) for _ in range(src_tokens.shape[0])]
-    for _ in range(_max_steps(decoder, src_tokens, max_len)):
-        active = [i for i, b in enumerate(beams) if len(b.done) < beam_size and b.live]
-        if not active:
-            break
-        rows = [i for i in active for _ in beams[i].live]
-        prefix = torch.tensor([t for i in active for _, t in beams[i].live], device=src_x.device)
-        logits = decoder.decode_logits(src_x[rows], src_pad[rows], prefix)[:, -1]
-        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-        start = 0
-        for i in active:
-            count = len(beams[i].live)
-            beams[i] = _advance(
-                beams[i], logprobs[start : start + count], beam_size, eos_id, length_penalty
+    with evaluating(model):
+        decoder = seq2seq(model)
+        src_x, src_pad = decoder.encode(src_tokens)
+        beams = [_Beams([(0.0, [bos_id])]) for _ in range(src_tokens.shape[0])]
+        for _ in range(_max_steps(decoder, src_tokens, max_len)):
+            active = [i for i, b in enumerate(beams) if len(b.done) < beam_size and b.live]
+            if not active:
+                break
+            rows = [i for i in active for _ in beams[i].live]
+            prefix = torch.tensor(
+                [t for i in active for _, t in beams[i].live], device=src_x.device
             )
-            start += count
-    model.train(was_training)
+            logits = decoder.decode_logits(src_x[rows], src_pad[rows], prefix)[:, -1]
+            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+            start = 0
+            for i in active:
+                count = len(beams[i].live)
+                beams[i] = _advance(
+                    beams[i], logprobs[start : start + count], beam_size, eos_id, length_penalty
+                )
+                start += count
     results = []
     for b in beams:
         pool = b.done + [(s / _length_penalty(len(t) - 1, length_penalty), t) for s, t in b.live]

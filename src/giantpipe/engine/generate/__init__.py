@@ -30,11 +30,13 @@ Its parts, one concept each:
   (``Message``);
 - :mod:`.caches`: one stage's layers and their key/value caches per micro-batch;
 - :mod:`.search`: greedy, sampled and beam search, where the logits are;
+- :mod:`.prompts`: prompts of unequal length in one micro-batch, left-padded with a mask;
 - :mod:`.ring`: the ring of stages: a worker's stages served from one inbox, the ring between
   threads, and the protocol of a ring between processes (a DistributedPipe gives it).
 
 This package's own code is the entry, :func:`generate` (and :func:`split_rows` to cut a batch
-into micro-batches); it imports no torch.distributed.
+into micro-batches, :func:`evaluating` for the modes it leaves as it found them); it imports no
+torch.distributed.
 
 Example::
 
@@ -46,16 +48,18 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
 from giantpipe.engine.generate.caches import StageCaches
 from giantpipe.engine.generate.decoding import Decoding, Message, Tokens, Value
+from giantpipe.engine.generate.prompts import padded_prompt, prompt_input
 from giantpipe.engine.generate.ring import generate_local, serve_held_stages
 
-__all__ = ["Decoding", "generate", "split_rows"]
+__all__ = ["Decoding", "evaluating", "generate", "padded_prompt", "split_rows"]
 
 
 def split_rows(batch: Value, chunks: int) -> list[Value]:
@@ -84,17 +88,23 @@ def generate(
     a DistributedPipe (one process per worker; ``prompts`` and ``steps`` are read where stage 0
     is, and the result reaches every rank of the pipeline) or a plain Sequential. Any schedule's
     placement: with virtual stages a worker keeps the caches of each stage it holds.
-    ``steps[m]``: most tokens micro-batch m generates. Returns, per micro-batch and row, the
-    token ids without </s> and padding.
+    A language model's micro-batch may hold prompts of unequal length: a list of rows, or a
+    tensor left-padded with ``decoding.pad_id`` (:mod:`.prompts`); each row decodes as that
+    prompt alone. ``steps[m]``: most tokens micro-batch m generates. Returns, per micro-batch
+    and row, the token ids without </s> and padding. Every module of ``pipe`` is left in the
+    mode it was found in (:func:`evaluating`), also when decoding fails.
 
     Example::
 
         out = generate(pipe, split_rows(prompt_tokens, 4), [32] * 4, Decoding(temperature=0.8))
+        out = generate(model, [[[5, 6, 7], [8, 9]]], [16], Decoding())   # two lengths, one batch
     """
-    was_training = pipe.training
-    pipe.eval()
-    try:
-        messages = [Message(m, p, None, steps[m]) for m, p in enumerate(prompts or [])]
+    given = list(prompts or [])
+    if len(steps) < len(given):
+        raise ValueError(f"{len(given)} micro-batches of prompts but {len(steps)} steps")
+    inputs = [prompt_input(p, decoding.pad_id, m) for m, p in enumerate(given)]
+    with evaluating(pipe):
+        messages = [Message(m, p, None, steps[m]) for m, p in enumerate(inputs)]
         ring = getattr(pipe, "generation_link", None)  # a pipe over processes gives its own
         if ring is not None:
             results = serve_held_stages(pipe, ring(timeout), messages, decoding)
@@ -104,8 +114,29 @@ def generate(
             stages, placement = _local_stages(pipe)
             results = generate_local(stages, placement, messages, decoding, timeout)
         return [results[m] for m in range(len(results))]
+
+
+@contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode inside the block; after it, each of its submodules in the mode
+    it was found in (``module.train(was)`` would set them all alike), also on error.
+
+    >>> model = nn.Sequential(nn.Dropout(), nn.Dropout()).train()
+    >>> model[1].eval()
+    Dropout(p=0.5, inplace=False)
+    >>> with evaluating(model):
+    ...     model[0].training
+    False
+    >>> [model.training, model[0].training, model[1].training]
+    [True, True, False]
+    """
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
     finally:
-        pipe.train(was_training)
+        for m, training in modes:
+            m.training = training
 
 
 def _local_stages(pipe: nn.Module) -> tuple[list[StageCaches], list[int]]:

@@ -3,7 +3,9 @@
 The model's children offer ``forward_cached(inputs, cache) -> (outputs, cache)``: cache None on
 the first call (the prompt), then what they returned, with ``cache.reorder(index)``; the last
 child returns logits whose last position scores the next token (``models.transformer_layers``
-describes the convention). The engine knows nothing else of the model.
+describes the convention). A micro-batch of prompts of unequal length reaches the first child
+as ``(tokens, keep)`` (:mod:`.prompts`); the children carry the mask on. The engine knows
+nothing else of the model.
 """
 
 from __future__ import annotations

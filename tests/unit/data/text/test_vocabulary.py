@@ -1,5 +1,5 @@
 """The tokenizer: SentencePiece trained once and keyed by the files' content, or a Hugging Face
-tokenizer directory checked against data.vocab_size."""
+tokenizer directory checked against data.vocab_size; ids past it decode as unknown."""
 
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ def test_the_tokenizer_is_trained_once_and_keyed_by_the_files_content(tmp_path: 
     assert len(list(cache.glob("*.model"))) == 2  # other content, another tokenizer
 
 
+def test_ids_past_the_tokenizer_decode_as_unknown(tmp_path: Path) -> None:
+    """A model's output may be wider than its tokenizer (data.vocab_size >= the tokenizer's
+    size): what it generates there reads as the unknown piece, not an error."""
+    data = write_corpus(tmp_path / "c", documents=40)
+    vocab = read_text_corpus([str(data / "*.txt")], 8, 300).vocab
+    ids = vocab.encode("the old farmer")
+    assert vocab.decode([*ids, vocab.size + 7]) == vocab.decode([*ids, 0])  # 0: <unk>
+
+
 def test_a_hugging_face_tokenizer_directory(corpus: Path, tmp_path: Path) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
@@ -43,5 +52,6 @@ def test_a_hugging_face_tokenizer_directory(corpus: Path, tmp_path: Path) -> Non
     c = read_text_corpus([str(corpus / "*.txt")], 8, len(vocab), tokenizer=str(tmp_path / "tok"))
     assert c.vocab.size == len(vocab) and c.vocab.eos_id == 1
     assert c.vocab.decode(c.train_rows[0, :3].tolist()).split()[0] in words
+    assert c.vocab.decode([*c.train_rows[0, :3].tolist(), len(vocab) + 2]).endswith("[UNK]")
     with pytest.raises(ConfigError, match=rf"data.vocab_size: is 10, but .* has {len(vocab)} ids"):
         read_text_corpus([str(corpus / "*.txt")], 8, 10, tokenizer=str(tmp_path / "tok"))
