@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, DataBundle, batch_size
+from giantpipe.engine.generate import evaluating
 from giantpipe.engine.pipe import Pipe
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
 from giantpipe.runner.step import autocast, replica_slice, to_device
@@ -122,9 +123,7 @@ def evaluate(
     inputs_wanted = getattr(pipe, "needs_inputs", True)  # a plain module evaluates too
     targets_wanted = getattr(pipe, "needs_targets", True)
     r, replicas = getattr(pipe, "replica", 0), getattr(pipe, "replicas", 1)
-    was_training = pipe.training
-    pipe.eval()
-    try:
+    with evaluating(pipe):  # each module back in the mode it was in (a frozen one stays)
         for batch in eval_stream(bundle, max_batches, inputs_wanted or targets_wanted, world):
             inputs: Any = None
             if batch is not None and inputs_wanted:
@@ -137,8 +136,6 @@ def evaluate(
                     raise TypeError("the runner's losses need a tensor output and tensor targets")
                 if batch_size(targets) > 0:  # a replica's share of a short last batch may be none
                     add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
-    finally:
-        pipe.train(was_training)
     figures = _figures(world.sum(tally.as_list()), bundle.metric)
     if per_token(bundle):
         figures["perplexity"] = math.exp(min(figures["loss"], 80.0))  # exp(mean token NLL)

@@ -97,3 +97,16 @@ def test_a_last_batch_smaller_than_m_is_evaluated_and_an_empty_share_counts_noth
     assert figures["loss"] == pytest.approx(float(plain.mean()), rel=1e-6)
     share = evaluate(ReplicaOne(pipe), bundle, None, "fp32", ["cpu"])  # rows 2, 3, 6, 7; none of 8
     assert share["loss"] == pytest.approx(float(plain[[2, 3, 6, 7]].mean()), rel=1e-6)
+
+
+def test_evaluation_leaves_each_module_in_the_mode_it_found() -> None:
+    """A module the user froze in eval mode (a BatchNorm kept fixed while fine-tuning) stays in
+    eval mode after the run's evaluation; the rest train again."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    pipe = GPipe(model, [2, 1], devices=["cpu", "cpu"], chunks=2)
+    pipe.train()
+    model[1].eval()
+    batches = [(torch.randn(4, 3), torch.randn(4, 1))]
+    evaluate(pipe, bundle_of(batches, loss="mse", metric=None), None, "fp32", ["cpu"])
+    assert pipe.training and model[0].training and model[2].training
+    assert not model[1].training
