@@ -85,7 +85,7 @@ class TrainerConfig:
     """Optimizer steps to write as Chrome / Perfetto traces, ``trace-stepN.json`` in the run
     directory (e.g. ``[5]``): one track per stage (per rank under torchrun) with forward,
     backward, recompute, wait, send and receive, beside the simulated step once
-    trainer.predict has made it (docs/profiling.md)."""
+    trainer.predict has made it (docs/profiling.md). A step past the run's end is refused."""
     save_signal: str | None = None
     """A signal that saves a checkpoint at the next step boundary and goes on, e.g. ``SIGUSR1``
     (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), SIGHUP (a dropped

@@ -169,8 +169,8 @@ def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> 
 
 def finished_run(resume: bool | str, run_dir: Path, max_steps: int | None) -> bool:
     """``trainer.resume=auto``: whether ``run_dir`` holds a run that completed and has nothing
-    left to do (its summary says ``completed`` and either no checkpoint can continue it or it
-    reached ``trainer.max_steps``). Such a run is skipped, unchanged.
+    left to do (its summary says ``completed`` and either no checkpoint can continue it, a kept
+    ``step_N/`` included, or it reached ``trainer.max_steps``). Such a run is skipped, unchanged.
 
     Example::
 
