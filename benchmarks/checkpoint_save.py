@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn

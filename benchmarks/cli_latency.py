@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "src")]  # run from a checkout without installing
 CASES = {
     "bad override": (["trainer.max_stpes=5"], 2),
     "bad value": (["trainer.max_steps=-1"], 2),

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "src")]  # run from a checkout without installing
 
 # The measurement, run in a fresh process against one tree (its PYTHONPATH).
 PROBE = r"""

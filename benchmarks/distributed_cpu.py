@@ -60,7 +60,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "src")]  # this checkout's engine
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(ROOT / "src")]  # run from a checkout
 from engine_cpu import mlp, plain_step, timed  # noqa: E402
 
 from giantpipe.engine.dist.pipe import DistributedPipe  # noqa: E402

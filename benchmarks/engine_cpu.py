@@ -32,6 +32,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
 import torch
 import torch.multiprocessing as mp

@@ -52,11 +52,12 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]  # models/ from a checkout
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.engine.generate import Decoding, generate, split_rows  # noqa: E402
 from giantpipe.perf.balance import even_balance  # noqa: E402
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 from models.transformer import transformer_lm  # noqa: E402
 
 LAYERS, D_MODEL, HEADS, VOCAB, ROWS, PROMPT = 12, 64, 4, 1000, 8, 8
@@ -250,7 +251,7 @@ def main() -> None:
     global D_MODEL, ROWS  # set from the options, read by the forked cases
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="lengths 32 and 128, fewer pipes")
-    parser.add_argument("--out", default="results/generation_cpu", help="OUT.md and OUT.png")
+    add_output_options(parser, "generation_cpu")  # OUT.md and OUT.png
     parser.add_argument("--no-hf", action="store_true", help="leave out the Hugging Face peer")
     parser.add_argument("--lengths", type=int, nargs="+", help="output lengths (overrides)")
     parser.add_argument("--pipes", nargs="+", help="K,M pairs, e.g. 2,1 2,2 (overrides)")
@@ -291,7 +292,7 @@ def main() -> None:
     report = render(results, cases, lengths, pipes, command, args.rounds, (before, load()))
     if args.note:
         report = report.replace("\nModel:", f"\n{args.note}\nModel:", 1)
-    out = Path(args.out)
+    out = output_path(args, ROOT, "generation_cpu")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(report)
     plot(results, cases, lengths, out.with_suffix(".png"))

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT / "src", ROOT / "benchmarks"):
+for _path in (ROOT, ROOT / "src", ROOT / "benchmarks"):  # run from a checkout
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 

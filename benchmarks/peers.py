@@ -68,6 +68,7 @@ from engine_cpu import mlp, plain_step, timed  # noqa: E402
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.perf.balance import balance_by_time  # noqa: E402
 from giantpipe.testing import free_port, rank_env  # noqa: E402
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "1"}
 MEMORY_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": "4096"}  # the memory pass: RSS = live memory
@@ -459,10 +460,11 @@ def reexec_with_env() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, one round (for tests)")
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
+    add_output_options(p, "peers")
     p.add_argument("--models", nargs="+", choices=FULL.models)
     p.add_argument("--memory-pass", type=Path, help=argparse.SUPPRESS)  # the child process
     args = p.parse_args(argv)
+    args.out = output_path(args, ROOT, "peers")
     setup = QUICK if args.quick else FULL
     if args.models:
         setup = replace(setup, models=tuple(args.models))

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
 README = (
     "--model amoebanet-d --layers 18 --filters 256 --devices 8 --memory-gib 16 --batch 512 "

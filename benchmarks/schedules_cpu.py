@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]  # models/ from a checkout
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.perf.predict import predict  # noqa: E402

@@ -35,6 +35,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
 import torch
 import yaml
 from hydra.utils import instantiate

@@ -55,6 +55,7 @@ from giantpipe.perf.sizing import (  # noqa: E402
     search,
     size_model,
 )
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 from recipes.model_sizes import AmoebaNetD, TransformerL  # noqa: E402
 
 GIB = 2**30
@@ -474,7 +475,7 @@ def plot(results: dict[str, tuple[list[Column], dict]], path: Path, how: str) ->
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small search space (seconds)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "table1")
+    add_output_options(parser, "table1")
     parser.add_argument("--optimizer", default="rmsprop", choices=["rmsprop", "sgd", "adam"])
     parser.add_argument("--amoebanet-gib", type=float, default=8.0)
     parser.add_argument("--transformer-gib", type=float, default=16.0)
@@ -490,7 +491,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="only the paper's settings, not our own search")  # fmt: skip
     parser.add_argument("--no-measure", action="store_true",
                         help="paper's columns: predicted peaks only, no engine step")  # fmt: skip
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.out = output_path(args, ROOT, "table1")
+    return args
 
 
 @dataclass

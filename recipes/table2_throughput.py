@@ -71,6 +71,7 @@ from giantpipe.perf.costs import DeviceModel, LayerCost, measure_layers  # noqa:
 from giantpipe.perf.planner import DeviceSpec, combine, merge_costs  # noqa: E402
 from giantpipe.perf.simulate import StageCost, simulate  # noqa: E402
 from giantpipe.perf.stage_profile import profile_stages  # noqa: E402
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 from recipes.model_sizes import build as build_full_size  # noqa: E402
 
 GIB = 2**30
@@ -741,7 +742,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny stand-ins, seconds (for tests)")
     p.add_argument("--device-only", action="store_true",
                    help="only the full-size models on the device model (no CPU runs)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "table2")
+    add_output_options(p, "table2")
     p.add_argument("--steps", type=int, help="optimizer steps per measured run (default 6)")
     p.add_argument("--only", nargs="+", help="model keys to run (default: all four)")
     p.add_argument("--device", choices=sorted(PRESETS),
@@ -753,7 +754,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag, (name, unit) in FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=float,
                        help=f"override the preset's {name} (in units of {unit:g})")  # fmt: skip
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.out = output_path(args, ROOT, "table2")
+    return args
 
 
 def presets_from(args: argparse.Namespace) -> dict[str, Preset]:

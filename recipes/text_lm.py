@@ -29,6 +29,9 @@ import random
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
 TOPICS = {
     "farm": (["farmer", "horse", "cow", "field", "barn", "goat"], ["feeds", "sees", "leads"]),
     "sea": (["sailor", "boat", "fish", "wave", "harbor", "gull"], ["watches", "finds", "pulls"]),

@@ -62,6 +62,7 @@ from giantpipe.runner.registry import build_from_target  # noqa: E402
 from giantpipe.runner.seeding import seed_everything  # noqa: E402
 from giantpipe.runner.step import accumulate_gradients  # noqa: E402
 from giantpipe.testing import accumulate_micro_batches  # noqa: E402
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 
 StepFn = Callable[[Any, Any], float]
 
@@ -345,9 +346,10 @@ def run_setup(setup: Setup) -> list[Run]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, a few steps (for tests)")
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "transparency")
+    add_output_options(p, "transparency")
     p.add_argument("--only", nargs="+", choices=["amoebanet", "transformer"])
     args = p.parse_args(argv)
+    args.out = output_path(args, ROOT, "transparency")
     torch.set_num_threads(1)  # the plain runs on one core, each stage on one core
     started, load = datetime.datetime.now(), os.getloadavg()[0]
     setups = [s for s in (QUICK if args.quick else FULL) if not args.only or s.key in args.only]

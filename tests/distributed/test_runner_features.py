@@ -131,6 +131,41 @@ def test_sigterm_under_torchrun_saves_every_shard(tmp_path: Path) -> None:
     assert steps == list(range(1, stopped["steps"] + 3))
 
 
+def test_sigterm_under_torchrun_with_loader_workers_saves_every_shard(tmp_path: Path) -> None:
+    """torchrun passes SIGTERM on to each rank's process group (every rank runs in a session of
+    its own), loader workers included: they died first and every rank failed (`DataLoader
+    worker (pid N) is killed by signal: Terminated`, issue 32 item 1). Now each rank's workers
+    leave it to the rank, which saves its shard and stops with the others."""
+    from giantpipe.data.images.generated import write_image_folder
+
+    photos = write_image_folder(tmp_path / "photos", num_train=40, num_val=30, image_size=16)
+    images = [
+        "recipe=amoebanet_quickstart",
+        "data=images_folder",
+        f"data.root={photos}",
+        "data.batch_size=8",
+        "data.num_workers=2",
+        "pipeline.balance=params",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.predict=false",
+        "logger.progress=none",
+    ]
+    run = tmp_path / "run"
+    proc = train_under_torchrun(run, *images, "trainer.max_steps=5000", timeout=120)
+    deadline = time.monotonic() + 300
+    while len(losses(run) if (run / "metrics.jsonl").exists() else []) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 1)[1][-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, output = finish(proc, timeout=120)
+    assert "DataLoader worker" not in output, output[-3000:]
+    stopped = summary(run)
+    assert stopped["status"] == "preempted", stopped
+    manifest = json.loads((run / "last" / "manifest.json").read_text())
+    assert manifest["step"] == stopped["steps"] >= 2 and len(manifest["shards"]) == 2
+
+
 def test_a_rank_that_dies_is_named_in_rank_0s_summary(tmp_path: Path) -> None:
     """Rank 1 (the head's stage) dies in step 3: every survivor names it, never itself or "a
     peer", and rank 0 records the failure in summary.json, whichever of the engine's own

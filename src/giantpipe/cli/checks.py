@@ -122,17 +122,31 @@ def as_config_error(err: ValueError) -> ValueError:
     return err
 
 
+def near_key(key: str, schema: Any) -> str:
+    """``; did you mean GROUP.FIELD?`` for an unknown ``key`` whose ``schema`` (a dataclass or
+    one of its instances) has a field spelt nearly the same; "" when none is near.
+
+    Example::
+
+        near_key("pipeline.chunk", PipelineConfig)     # "; did you mean pipeline.chunks?"
+    """
+    if not dataclasses.is_dataclass(schema):
+        return ""
+    group, _, field = key.rpartition(".")
+    names = [f.name for f in dataclasses.fields(schema)]
+    close = difflib.get_close_matches(field, names, n=1)
+    return f"; did you mean {group + '.' if group else ''}{close[0]}?" if close else ""
+
+
 def check_known_keys(cfg: DictConfig, experiment: ExperimentConfig) -> None:
     """Every key the composed config holds is a field of its schema: ``+KEY=VALUE`` may add a
     key no schema has (a typo), which Hydra lets through and the dataclasses would ignore."""
     for key in _extra_keys(cfg, experiment, ""):
-        group, _, field = key.rpartition(".")
+        group = key.rpartition(".")[0]
         node = experiment
         for part in group.split(".") if group else []:
             node = getattr(node, part)
-        names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
-        close = difflib.get_close_matches(field, names, n=1)
-        hint = f"; did you mean {group}.{close[0]}?" if close else ""
+        hint = near_key(key, node)
         raise ConfigError(key, f"unknown key (not a field of {type(node).__name__}){hint}")
 
 

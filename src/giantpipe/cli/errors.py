@@ -4,8 +4,9 @@ Hydra, OmegaConf and YAML report over several lines, often with the reason on th
 :func:`one_line` condenses each to the line ``train.py`` prints after ``error:``, and
 :func:`is_config_error` tells a refused config (exit 2) from a run that failed (exit 1)::
 
-    $ python train.py trainer.foo=1
-    error: trainer.foo: unknown key (Key 'foo' not in 'TrainerConfig')
+    $ python train.py pipeline.chunk=4
+    error: pipeline.chunk: unknown key (Key 'chunk' not in 'PipelineConfig'); did you mean
+    pipeline.chunks?
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
-from giantpipe.cli.checks import renamed
+from giantpipe.cli.checks import near_key, renamed
 from giantpipe.cli.registration import OPTION_SCHEMAS
 from giantpipe.config import ConfigError
 
@@ -61,8 +62,8 @@ def _omegaconf_line(cause: OmegaConfBaseException) -> str:
     if renamed(key):
         return f"{key}: renamed to {renamed(key)}"
     problem = _first_line(str(cause))
-    if "not in" in problem and key:
-        return f"{key}: unknown key ({problem})"
+    if "not in" in problem and key:  # a typo: name the field it was probably meant to be
+        return f"{key}: unknown key ({problem}){near_key(key, getattr(cause, 'object_type', None))}"
     return f"{key}: {problem}" if key else _joined(str(cause))
 
 

@@ -30,7 +30,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -118,6 +120,7 @@ def run_job(cfg: DictConfig) -> float:
             raise ConfigError(
                 "pipeline.executor", "distributed runs one job per torchrun launch, not sweeps"
             )
+        ignore_save_signal(experiment.trainer.save_signal)
         from giantpipe.runner import train  # torch: only once the config holds
 
         experiment = late_checks(experiment)  # rules needing torchvision's or transformers' lists
@@ -140,6 +143,19 @@ def run_job(cfg: DictConfig) -> float:
         code = USAGE_EXIT if is_config_error(err) else FAILED_EXIT
         FAILURES.append((code, _failure_line(err, run_dir, hydra_cfg, multirun)))
         return math.nan
+
+
+def ignore_save_signal(name: str | None) -> None:
+    """``trainer.save_signal`` outside the run (while it is set up, once it has ended) is
+    ignored: SIGUSR1's default action would kill the process (exit -10). The run catches it
+    meanwhile (giantpipe.runner.world.StopSignals, which puts this back when the run ends).
+
+    Example::
+
+        ignore_save_signal("SIGUSR1")       # SLURM's --signal=USR1@120 can come at any time
+    """
+    if name is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def derived_keys(cfg: DictConfig) -> list[str]:

@@ -85,7 +85,7 @@ class TrainerConfig:
     """Optimizer steps to write as Chrome / Perfetto traces, ``trace-stepN.json`` in the run
     directory (e.g. ``[5]``): one track per stage (per rank under torchrun) with forward,
     backward, recompute, wait, send and receive, beside the simulated step once
-    trainer.predict has made it (docs/profiling.md)."""
+    trainer.predict has made it (docs/profiling.md). A step past the run's end is refused."""
     save_signal: str | None = None
     """A signal that saves a checkpoint at the next step boundary and goes on, e.g. ``SIGUSR1``
     (SLURM: ``--signal=USR1@120``). SIGTERM always saves and stops (exit 143), SIGHUP (a dropped
@@ -118,6 +118,8 @@ class TrainerConfig:
             "trainer.trace_steps",
             f"must be a list of optimizer steps (>= 1), e.g. [5]; got {self.trace_steps!r}",
         )
+        if self.max_steps is not None:
+            check_trace_steps(self.trace_steps, self.max_steps)
         check(
             isinstance(self.resume, bool | str) and self.resume != "",
             "trainer.resume",
@@ -160,3 +162,22 @@ class TrainerConfig:
                 f"{entry} is not checked on resume (only trainer.seed, model.* and data.* are); "
                 "other keys may change without it",
             )
+
+
+def check_trace_steps(trace_steps: list[int], total_steps: int) -> None:
+    """``trainer.trace_steps`` past the run's last step would never be written: refused at the
+    start (the runner checks it again against the steps ``trainer.max_epochs`` gives).
+
+    Example::
+
+        check_trace_steps([50], 5)
+        # ConfigError: trainer.trace_steps: [50] is past the run's end (it trains 5 optimizer
+        # steps), so nothing would be traced; choose steps from 1 to 5
+    """
+    late = sorted(n for n in trace_steps if n > total_steps)
+    check(
+        not late,
+        "trainer.trace_steps",
+        f"{late} is past the run's end (it trains {total_steps} optimizer steps), so nothing "
+        f"would be traced; choose steps from 1 to {total_steps}",
+    )

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -55,6 +56,16 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full or unwritable disk); the last good one stays."""
 
 
+WRITE_FIXES = {
+    errno.ENOSPC: "free the space",
+    errno.EDQUOT: "free the space (the disk quota is used up)",
+    errno.EACCES: "make {directory} writable for this user",
+    errno.EPERM: "make {directory} writable for this user",
+    errno.EROFS: "move the run to a writable file system (this one is mounted read-only)",
+}
+"""What to do about a save that failed, by its error number (the line says the cause too)."""
+
+
 class TrainingLoop:
     """Runs optimizer steps from ``progress`` to ``parts.total_steps`` on this process."""
 
@@ -85,7 +96,12 @@ class TrainingLoop:
         from this process's start (a resumed run counts from the resume)."""
         self.checkpoints = CheckpointWriter(world, cfg.trainer.async_save, self._committed)
         """Writes the checkpoints, in the step or (trainer.async_save) in the background."""
+        self.signals = StopSignals(cfg.trainer.save_signal, on_term=self._dying)
+        """SIGTERM, SIGHUP, Ctrl-C and the save signal, caught while the run runs (:meth:`run`;
+        the caller may hold them longer: ``with loop.signals:`` around its record)."""
         self._about: dict[str, Any] | None = None
+        self._last_at: int | None = None
+        """The step ``last/`` was last saved at by this process (it is written once a step)."""
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -97,6 +113,15 @@ class TrainingLoop:
         if self.last_good is None:
             return "no checkpoint was written"
         return f"last good checkpoint: {self.last_good[0]} (step {self.last_good[1]})"
+
+    def _resume_how(self) -> str:
+        """The setting that resumes from the last good checkpoint."""
+        if self.last_good is None:
+            return "run again"
+        where = self.last_good[0]
+        return "resume with " + (
+            "trainer.resume=true" if where.name == LAST else f"trainer.resume={where}"
+        )
 
     def _fail(self, what: str, value: float, step: int | None = None) -> NonFiniteLossError:
         step = self.progress.step + 1 if step is None else step
@@ -257,7 +282,7 @@ class TrainingLoop:
         eval_set = getattr(err, "eval_set", None) or self.parts.bundle.eval_set
         problem = getattr(err, "problem", None) or f"{type(err).__name__}: {err}"
         if self.world.size == 1:
-            self.save(LAST)
+            self.save_last()
             self.finish_saves()
             kept = f"the {self.progress.step} steps trained are saved in {self.run_dir / LAST}"
         else:
@@ -279,6 +304,14 @@ class TrainingLoop:
             raise self._write_failed(err, directory, self.progress.step) from err
         except BackgroundSaveError as err:
             raise self._background_failed(err) from err.cause
+        if name == LAST:
+            self._last_at = self.progress.step
+
+    def save_last(self) -> None:
+        """Saves ``last/`` unless it already holds this step: a step that evaluates and
+        checkpoints, a signal at a step that saved, and the end of the run write it once."""
+        if self._last_at != self.progress.step:
+            self.save(LAST)
 
     def finish_saves(self) -> None:
         """Waits for the checkpoint written in the background (trainer.async_save), if any;
@@ -289,15 +322,20 @@ class TrainingLoop:
             raise self._background_failed(err) from err.cause
 
     def _committed(self, directory: Path, step: int) -> None:
-        """A save is committed (in the background under trainer.async_save)."""
-        if directory.name == LAST:
+        """A save is committed (in the background under trainer.async_save): the newest one
+        is the last good checkpoint (``last/`` where it holds the same step as a ``step_N/``)."""
+        held = self.last_good
+        if held is None or step > held[1] or (step == held[1] and directory.name == LAST):
             self.last_good = (directory, step)
 
     def _write_failed(self, err: OSError, directory: Path, step: int) -> CheckpointWriteError:
         reason = err.strerror or str(err)
+        where = err.filename or directory
+        kept = self.kept()
+        fix = WRITE_FIXES.get(err.errno or 0, "remove the cause")
         return CheckpointWriteError(
-            f"{err.filename or directory}: cannot save the checkpoint of step {step} "
-            f"({reason}); {self.kept()}: free the space and resume with trainer.resume=true"
+            f"{where}: cannot save the checkpoint of step {step} ({reason}); {kept}: "
+            f"{fix.format(directory=directory.parent)} and {self._resume_how()}"
         )
 
     def _background_failed(self, err: BackgroundSaveError) -> Exception:
@@ -313,43 +351,48 @@ class TrainingLoop:
     def after_step(self) -> None:
         """The cadence after each optimizer step: every ``trainer.eval_every`` steps before the
         end, evaluate, then refresh ``last/`` (with ``trainer.save_last``); every
-        ``trainer.checkpoint_every`` steps, write ``step_N/`` and ``last/``."""
+        ``trainer.checkpoint_every`` steps, write ``step_N/`` and ``last/`` (once a step)."""
         trainer, step = self.cfg.trainer, self.progress.step
-        if trainer.eval_every and step % trainer.eval_every == 0 and step < self.parts.total_steps:
+        evaluates = bool(trainer.eval_every) and step % trainer.eval_every == 0
+        evaluates = evaluates and step < self.parts.total_steps
+        keeps = bool(trainer.checkpoint_every) and step % trainer.checkpoint_every == 0
+        if evaluates:
             self.evaluate()
-            if trainer.save_last:
-                self.save(LAST)
-        if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
+        if keeps:
             self.save(f"step_{step}")
-            self.save(LAST)
+        if keeps or (evaluates and trainer.save_last):
+            self.save_last()
 
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        try:
-            self._run()
-        except KeyboardInterrupt:
-            raise  # the second Ctrl-C: stop at once, even while a save is written
-        except BaseException:
-            self._finish_quietly()  # the save in flight commits; the first failure is the news
-            raise
-        self.finish_saves()
+        """Steps to the end (or to a stop), then the final evaluation and save. The run's
+        signal handling (:attr:`signals`) holds throughout: a signal after the last step is
+        caught too (a stop then changes nothing: the run ends anyway; a save is the final one)."""
+        with self.signals:
+            try:
+                self._run()
+            except KeyboardInterrupt:
+                raise  # the second Ctrl-C: stop at once, even while a save is written
+            except BaseException:
+                self._finish_quietly()  # the save in flight commits; the first failure is news
+                raise
+            self.finish_saves()
 
     def _run(self) -> None:
-        with StopSignals(self.cfg.trainer.save_signal, on_term=self._dying) as signals:
-            try:
-                self._steps(signals)
-            except KeyboardInterrupt:  # the second Ctrl-C: no save, say where the run stands
-                step = self.progress.step + 1
-                kept = self.kept(wait=False)
-                raise KeyboardInterrupt(f"stopped at once in step {step}; {kept}") from None
+        try:
+            self._steps(self.signals)
+        except KeyboardInterrupt:  # the second Ctrl-C: no save, say where the run stands
+            step = self.progress.step + 1
+            kept = self.kept(wait=False)
+            raise KeyboardInterrupt(f"stopped at once in step {step}; {kept}") from None
         if self.stopped is not None:
             return
         if self.forecast is not None and self.world.writes:
             self.forecast.report(self.run_dir, self.parts.pipe)
         self.evaluate()
         if self.cfg.trainer.save_last:
-            self.save(LAST)
+            self.save_last()
 
     def _finish_quietly(self) -> None:
         try:
@@ -378,7 +421,7 @@ class TrainingLoop:
     def _honour(self, request: Request) -> bool:
         """Saves on the save signal; on a stop, saves and says so. True: stop now."""
         if request.save or request.stop:
-            self.save(LAST)
+            self.save_last()
             if request.stop:  # about to leave: the save must be on disk first
                 self.finish_saves()
             why = request.stop or f"{self.cfg.trainer.save_signal} received"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from giantpipe.config import ExperimentConfig
+from giantpipe.config.trainer import check_trace_steps
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.checkpoint.init_from import load_initial_weights
@@ -143,6 +144,7 @@ def _checked(
     """Builds, restores, checks what is left to check, then runs and records the run."""
     seed_everything(cfg.trainer.seed)  # then data, then model: every rank in the same order
     parts = build_experiment(cfg, run_dir, world)
+    check_trace_steps(cfg.trainer.trace_steps, parts.total_steps)  # max_epochs: known by now
 
     def restore_or_start() -> Progress:
         if resume_from is not None:
@@ -175,15 +177,16 @@ def _checked(
     metrics = _open(cfg, run_dir, config_yaml, parts, progress, resume_from is not None, world)
     last_good = (resume_from, progress.step) if resume_from is not None else None
     loop = TrainingLoop(cfg, parts, run_dir, metrics, progress, last_good, world)
-    summary = run_to_summary(
-        cfg.name,
-        run_dir,
-        metrics,
-        loop.run,
-        lambda: summarize(cfg, loop, time.perf_counter() - start),
-        lambda: loop.progress.step,
-    )
-    shared: dict[str, Any] = world.from_rank0(summary)
+    with loop.signals:  # until the record is written: a signal at the end kills no summary
+        summary = run_to_summary(
+            cfg.name,
+            run_dir,
+            metrics,
+            loop.run,
+            lambda: summarize(cfg, loop, time.perf_counter() - start),
+            lambda: loop.progress.step,
+        )
+        shared: dict[str, Any] = world.from_rank0(summary)
     return shared
 
 

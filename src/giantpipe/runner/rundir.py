@@ -9,6 +9,9 @@ Decided before anything is written:
   holds; ``trainer.resume=auto`` resumes where there is one, starts where there is none (moving
   an unfinished run's record aside) and skips a run that completed (:func:`finished_run`), so
   one command restarts a killed sweep;
+- a directory whose ``last/`` lost its commit record (a save folder but no ``manifest.json``) or
+  that keeps ``step_N/`` checkpoints without a ``last/`` is refused by every mode, naming the
+  newest good ``step_N/`` to resume from (:func:`lost_last`): starting over would rewrite it;
 - a resume continues the same run: :func:`check_resumed_config` refuses a changed
   ``trainer.seed``, ``model.*`` or ``data.*`` (against the ``config.yaml`` the run saved) unless
   ``trainer.resume_changed`` names the change;
@@ -16,7 +19,8 @@ Decided before anything is written:
   refuses a second run naming the holder, and takes over a lock whose process is gone.
 
 Once the checkpoint to resume from has been read, :func:`clean_interrupted_saves` removes
-what killed saves left in the run's checkpoint directories, under giantpipe's own names only.
+what killed saves left in the run's checkpoint directories, under giantpipe's own names only, and
+only beside a manifest that commits another save.
 
 Example::
 
@@ -44,6 +48,8 @@ import yaml
 
 from giantpipe.config import RESUME_AUTO, RESUME_CHECKED, ConfigError
 from giantpipe.engine.dist.shards import MANIFEST, stale
+from giantpipe.engine.dist.shards.cleanup import MANIFEST_TMP, SAVE_FOLDER
+from giantpipe.runner.checkpoint.reading import kept_beside
 from giantpipe.runner.registry import current_target
 
 log = logging.getLogger(__name__)
@@ -72,6 +78,45 @@ def _shown(path: Path, run_dir: Path) -> str:
     return f"{name}/{MANIFEST}" if path.is_dir() else str(name)
 
 
+def lost_last(run_dir: Path, resume: bool | str) -> ConfigError | None:
+    """The refusal of a run directory without a committed ``last/`` that still holds the run's
+    checkpoints: a ``last/`` save folder whose ``manifest.json`` is missing (lost, or the first
+    save of ``last/`` was killed: the two look alike), or good ``step_N/`` copies. Starting over
+    would move the record aside and rewrite them, so every mode refuses, naming the newest good
+    ``step_N/`` to resume from; nothing is changed. None when there is no such checkpoint.
+
+    Example::
+
+        lost_last(Path("outputs/run"), "auto")
+        # ConfigError: trainer.resume: outputs/run/last/manifest.json is missing (...); nothing
+        # was changed: resume from outputs/run/step_40 with trainer.resume=outputs/run/step_40
+    """
+    last = run_dir / LAST
+    orphan = last.is_dir() and any(
+        p.is_dir() and SAVE_FOLDER.fullmatch(p.name) for p in last.iterdir()
+    )
+    kept = kept_beside(last)
+    if orphan:
+        problem = f"{last / MANIFEST} is missing ({last} holds a save without its commit record)"
+    elif kept is None:
+        return None
+    elif resume is False:
+        problem = f"{run_dir} already holds a run ({kept.name}/{MANIFEST}, no {LAST}/)"
+    else:
+        problem = f"no checkpoint at {last}, but {run_dir} keeps {kept.name}/"
+    if kept is None:
+        return ConfigError(
+            KEY,
+            f"{problem}; nothing was changed, and no step_N/ is kept beside it: move {last} "
+            "aside to start over",
+        )
+    return ConfigError(
+        KEY,
+        f"{problem}; nothing was changed: resume from {kept} with {KEY}={kept}, or choose "
+        "another hydra.run.dir",
+    )
+
+
 def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> Path | None:
     """The checkpoint to resume from (a directory, or a ``.pt`` of the earlier format), or None
     for a fresh run; ConfigError when the request cannot be met. A checkpoint from elsewhere
@@ -82,6 +127,9 @@ def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> 
         resume_point(True, Path("outputs/2024-05-01/10-00-00"))   # .../last
     """
     held = held_checkpoint(run_dir)
+    lost = lost_last(run_dir, resume) if held is None else None
+    if lost is not None and resume in (True, False, RESUME_AUTO):
+        raise lost
     if resume == RESUME_AUTO:  # a record without a checkpoint: see moves_record_aside
         return held
     if resume is False:
@@ -121,8 +169,8 @@ def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> 
 
 def finished_run(resume: bool | str, run_dir: Path, max_steps: int | None) -> bool:
     """``trainer.resume=auto``: whether ``run_dir`` holds a run that completed and has nothing
-    left to do (its summary says ``completed`` and either no checkpoint can continue it or it
-    reached ``trainer.max_steps``). Such a run is skipped, unchanged.
+    left to do (its summary says ``completed`` and either no checkpoint can continue it, a kept
+    ``step_N/`` included, or it reached ``trainer.max_steps``). Such a run is skipped, unchanged.
 
     Example::
 
@@ -138,7 +186,8 @@ def finished_run(resume: bool | str, run_dir: Path, max_steps: int | None) -> bo
         return False
     steps = summary.get("steps")
     reached = max_steps is not None and isinstance(steps, int) and steps >= max_steps
-    return reached or held_checkpoint(run_dir) is None
+    unheld = held_checkpoint(run_dir) is None and lost_last(run_dir, resume) is None
+    return reached or unheld
 
 
 def moves_record_aside(resume: bool | str, run_dir: Path, overwrite: bool) -> bool:
@@ -399,14 +448,21 @@ def clean_interrupted_saves(run_dir: Path) -> int:
     save folders and temporary manifests under giantpipe's own names that the directory's
     manifest does not commit (:func:`giantpipe.engine.dist.shards.stale`). A directory whose
     manifest cannot be read is left as it is, and so is everything outside ``last/`` and
-    ``step_N/``. Call it after the checkpoint to resume from has been read. Returns how many
-    files and folders went.
+    ``step_N/``. In a directory with no manifest at all only temporary manifests go: its save
+    folder may be a save whose manifest was lost, as well as a first save that was killed; the
+    next save into that directory replaces it. Call it after the checkpoint to resume from has
+    been read. Returns how many files and folders went.
 
     Example::
 
         clean_interrupted_saves(Path("outputs/2026-12-01/10-00-00"))   # 1
     """
-    removed = [path for folder in checkpoint_directories(run_dir) for path in stale(folder)]
+    removed = [
+        path
+        for folder in checkpoint_directories(run_dir)
+        for path in stale(folder)
+        if (folder / MANIFEST).exists() or MANIFEST_TMP.fullmatch(path.name)
+    ]
     for path in removed:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

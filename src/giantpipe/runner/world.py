@@ -236,12 +236,15 @@ class StopSignals:
         self._stop: str | None = None
         self._save = False
         self._previous: dict[int, Any] = {}
+        self._depth = 0
+        """Nested ``with`` blocks: the handlers go back when the outermost one ends."""
         self._terminals: list[int] = []
         """stdout and stderr, where they are a terminal (known before it hangs up: after, the
         test itself fails)."""
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
+        self._depth += 1
+        if self._depth == 1 and threading.current_thread() is threading.main_thread():
             wanted = {signal.SIGTERM, signal.SIGINT}
             if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # under nohup: keep going
                 wanted.add(signal.SIGHUP)
@@ -252,6 +255,9 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()

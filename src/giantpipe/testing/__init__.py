@@ -4,6 +4,8 @@
   (``reference_step``, ``accumulate_micro_batches``, ``plain_forward``, ``step_seed``);
 - :mod:`.world`: a world of ranks on this machine (``free_port``, ``rank_env``);
 - :mod:`.gpu`: where the GPU checks run, CUDA devices or CPU stand-ins (``GpuOptions``).
+- :mod:`.outputs`: where a script writes its report, ``outputs/`` or (``--update-results``)
+  ``results/`` (``add_output_options``, ``output_path``).
 
 It sits beside the entry points, above the engine, perf and runner: the library itself never
 imports it.

@@ -1,5 +1,6 @@
 """Issue 13, items 9-11: sizes refused before anything is allocated, unknown ``+KEY``s refused,
-and one-line errors that keep the key, the file and the reason."""
+and one-line errors that keep the key, the file and the reason; issue 32, item 8: every unknown
+key names the key it probably meant."""
 
 import shutil
 from pathlib import Path
@@ -73,6 +74,30 @@ def test_an_unknown_plus_key_is_refused_with_the_key_it_meant() -> None:
     line = refusal("+trainer.checkpoint_evry=5")
     assert line.startswith("trainer.checkpoint_evry: unknown key (not a field of TrainerConfig)")
     assert line.endswith("did you mean trainer.checkpoint_every?")
+
+
+@pytest.mark.parametrize(
+    ("override", "meant"),
+    [
+        ("pipeline.chunk=4", "pipeline.chunks"),
+        ("trainer.max_stpes=5", "trainer.max_steps"),
+        ("optim.lr_schedule.nme=cosine", "optim.lr_schedule.name"),
+        ("model.num_layer=3", "model.num_layers"),  # an option's own schema
+        ("data.batchsize=8", "data.batch_size"),
+        ("pipelin.chunks=4", "pipeline"),  # a group: named where Hydra stops, at the group
+    ],
+)
+def test_every_unknown_key_names_the_key_it_meant(override: str, meant: str) -> None:
+    """Issue 32, item 8: only +KEY= additions named the near key; `pipeline.chunk=4` did not."""
+    line = refusal(override)
+    assert line.split(": unknown key (Key ")[0] in override.split("=")[0]
+    assert line.endswith(f"; did you mean {meant}?"), line
+
+
+def test_an_unknown_key_with_no_near_field_is_refused_without_a_guess() -> None:
+    assert refusal("trainer.zzzz=1") == (
+        "trainer.zzzz: unknown key (Key 'zzzz' not in 'TrainerConfig')"
+    )
 
 
 def test_a_composition_error_keeps_its_reason() -> None:

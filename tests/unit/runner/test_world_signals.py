@@ -83,3 +83,24 @@ def test_a_hung_up_terminal_is_swapped_for_dev_null() -> None:
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_nested_holds_keep_the_handlers_until_the_outermost_ends(hangups: list[int]) -> None:
+    """Issue 32, item 1: the loop put the handlers back before the run's final evaluation and
+    save, where a save signal then killed the process (SIGUSR1's default action). The run
+    holds them around the loop and its record (``with loop.signals:`` twice)."""
+    stray: list[int] = []  # what reaches no StopSignals (SIGUSR1 would end the test process)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: stray.append(signum))
+    try:
+        signals = StopSignals("SIGUSR1")
+        with signals:
+            with signals:
+                send(signal.SIGUSR1)
+            send(signal.SIGUSR1)  # after the inner block: still the run's
+            send(signal.SIGHUP)
+            assert signals.take() == Request("hangup", save=True)
+        assert stray == [] and hangups == []
+        send(signal.SIGUSR1)  # after the outer block: the handler from before is back
+        assert stray == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

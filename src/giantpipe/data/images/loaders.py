@@ -5,6 +5,11 @@ Batch ``p`` of the training stream is batch ``p % per_epoch`` of epoch ``p // pe
 permutation, and each image's crop, flip and cutout are drawn from an RNG seeded by (seed, epoch,
 image index), so a resumed run sees exactly the batches an uninterrupted run would have seen.
 
+The workers leave stop and save signals to the training process (:data:`RUN_SIGNALS`): SLURM,
+``timeout`` and a terminal's Ctrl-C signal every process of the job, and a worker that died of
+SIGTERM would fail the run (``DataLoader worker (pid N) is killed by signal``) instead of letting
+it save and stop.
+
 Example::
 
     from giantpipe.data.images.loaders import build_image_loader, train_stream
@@ -17,7 +22,12 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
+import signal
+import threading
 from collections.abc import Iterator
+from multiprocessing.context import BaseContext
 from typing import Any
 
 import torch
@@ -28,13 +38,90 @@ from giantpipe.data.bundle import Batch
 from giantpipe.data.images.files import BadFiles, Readable, collate_readable
 
 __all__ = [
+    "RUN_SIGNALS",
     "EpochBatches",
     "SeededTransforms",
     "build_image_loader",
+    "end_on_parents_sigterm",
+    "leave_signals_to_the_run",
     "loader_options",
     "sample_seed",
     "train_stream",
 ]
+
+RUN_SIGNALS = frozenset(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
+)
+"""What stops a run or asks it to save (``trainer.save_signal``): the training process acts on
+them at a step boundary; its loader workers leave them to it."""
+
+
+def leave_signals_to_the_run(worker_id: int) -> None:
+    """A loader worker's ``worker_init_fn``: leave :data:`RUN_SIGNALS` to the training process.
+    SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 are ignored (torch's worker would die of Ctrl-C, of
+    SIGUSR1 Python's default action would kill it). SIGTERM stays blocked and a thread of the
+    worker takes it (:func:`end_on_parents_sigterm`): from the training process it ends the worker,
+    as torch's own worker does (DataLoader's and multiprocessing's shutdown send it), from
+    anyone else (the whole job being stopped) it is dropped.
+
+    Example::
+
+        DataLoader(data, num_workers=2, worker_init_fn=leave_signals_to_the_run)
+    """
+    others = RUN_SIGNALS - {signal.SIGTERM}
+    for signum in others:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # for the threads started later
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, others)  # held back while it started: now dropped
+    threading.Thread(
+        target=end_on_parents_sigterm, args=(os.getppid(),), name="giantpipe-sigterm", daemon=True
+    ).start()
+
+
+def end_on_parents_sigterm(parent: int) -> None:
+    """Takes the worker's SIGTERM (blocked in every thread): the training process's (``parent``)
+    ends the worker at once, with status 0, as torch's own worker handler does; another
+    sender's is dropped."""
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)
+
+
+class HeldSignalsProcess(multiprocessing.context.ForkProcess):
+    """A forked process started with :data:`RUN_SIGNALS` blocked in the starting thread: the
+    child inherits the mask, so a signal sent to the whole job while it starts waits (in the
+    child until :func:`leave_signals_to_the_run` takes it over; in the parent the mask is
+    restored at once, and the signal delivered then)."""
+
+    def start(self) -> None:
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, RUN_SIGNALS)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+class HeldSignalsContext(multiprocessing.context.ForkContext):
+    """The fork start method, its processes started by :class:`HeldSignalsProcess`."""
+
+    Process = HeldSignalsProcess  # type: ignore[assignment]
+
+
+def worker_context() -> BaseContext | None:
+    """The context loader workers start in: :class:`HeldSignalsContext` where processes fork
+    (Linux's default), else None (the default start method; a worker then leaves the signals to
+    the run from its ``worker_init_fn`` on, and one that comes while it starts may still kill
+    it).
+
+    Example::
+
+        DataLoader(data, num_workers=2, multiprocessing_context=worker_context(),
+                   worker_init_fn=leave_signals_to_the_run)
+    """
+    forks = multiprocessing.get_context().get_start_method() == "fork"
+    return HeldSignalsContext() if forks else None
 
 
 def build_image_loader(
@@ -56,11 +143,9 @@ def build_image_loader(
         dataset,
         batch_size=batch_size,
         shuffle=shuffle,
-        num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
         drop_last=drop_last,
-        generator=torch.Generator().manual_seed(seed),
         persistent_workers=num_workers > 0,
+        **{**loader_options(num_workers, seed), "collate_fn": None},
     )
 
 
@@ -131,15 +216,23 @@ class SeededTransforms(Dataset[Any]):
 
 
 def loader_options(num_workers: int, seed: int) -> dict[str, Any]:
-    """DataLoader settings of the image bundles: workers, pinned memory on CUDA machines, a
-    seeded generator and the collation that passes unreadable images on."""
+    """DataLoader settings of the image bundles: workers that leave stop and save signals to the
+    training process, pinned memory on CUDA machines, a seeded generator and the collation that
+    passes unreadable images on."""
     # A generator of our own: without one, every new iterator draws its workers' base seed from
     # the global RNG, and a resumed run would draw at another point than an uninterrupted one.
+    workers: dict[str, Any] = {}
+    if num_workers > 0:
+        workers = {
+            "multiprocessing_context": worker_context(),
+            "worker_init_fn": leave_signals_to_the_run,
+        }
     return {
         "num_workers": num_workers,
         "pin_memory": torch.cuda.is_available(),
         "generator": torch.Generator().manual_seed(seed),
         "collate_fn": collate_readable,
+        **workers,
     }
 
 
