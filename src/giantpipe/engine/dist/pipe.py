@@ -10,14 +10,16 @@ executor (the very same ``StepRun``; only its mailbox sends to other processes, 
 
     last stage:  all-reduce of the loss normaliser over replicas (global batch / token count)
     every rank:  its actions; boundary values by isend/irecv, the step's dropout seed (drawn
-                 where stage 0 is) riding in their headers; the replica all-reduce of gradient
-                 buckets starts inside the last backward (giantpipe.engine.dist.gradsync)
+                 where stage 0 is) riding in their headers; with R > 1 each stage lives on
+                 FSDP2 over its replicas, gathered once per step and its gradients reduced
+                 once, after its last backward (giantpipe.engine.dist.replicas)
     pipeline:    one all-gather of [loss, wall, span, busy, peak memory, recompute]: the loss
                  and the step's statistics on every rank
 
-Each collective runs on a group that serves its tensors (``layout.Groups``): gradients,
-BatchNorm statistics and the norm on the device groups (NCCL on CUDA), host numbers (loss,
-normaliser, statistics rows) and objects (checkpoints, the runner) on gloo groups.
+Each collective runs on a group that serves its tensors (``layout.Groups``): FSDP2's
+(its mesh is the replica group), BatchNorm statistics and the norm on the device groups (NCCL on
+CUDA), host numbers (loss, normaliser, statistics rows) and objects (checkpoints, the runner) on
+gloo groups.
 
 What it shares with GPipe (defaults, checks, loss scaling, the step's configuration) is
 :class:`giantpipe.engine.pipe.Pipe`; its hooks sum the loss normaliser and merge deferred
@@ -30,7 +32,7 @@ Example (``torchrun --nproc_per_node=2 train.py``)::
 
     init_distributed()                                      # reads torchrun's environment
     pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)   # R = world size / K
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)        # this rank's parameters only
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)        # this rank's (its shards with R > 1)
     x = batch if pipe.needs_inputs else None
     y = target if pipe.needs_targets else None
     loss = pipe.train_step(x, y, nn.functional.cross_entropy)   # same value on every rank
@@ -45,14 +47,19 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
 from giantpipe.engine.dist import shards
+from giantpipe.engine.dist.clipping import clip_grad_norm_
+from giantpipe.engine.dist.collectives import all_gather_rows, all_reduce_, all_reduce_sum
 from giantpipe.engine.dist.faults import (
     FailureBoard,
     RankFailure,
@@ -62,14 +69,6 @@ from giantpipe.engine.dist.faults import (
     wait_device,
 )
 from giantpipe.engine.dist.generation import RankLink, generation_link
-from giantpipe.engine.dist.gradsync import (
-    GradientSync,
-    TiedSync,
-    all_gather_rows,
-    all_reduce_,
-    all_reduce_sum,
-    clip_grad_norm_,
-)
 from giantpipe.engine.dist.layout import (
     Groups,
     Layout,
@@ -84,6 +83,13 @@ from giantpipe.engine.dist.layout import (
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
 from giantpipe.engine.dist.ordered import OrderedMailbox, choose_transport
 from giantpipe.engine.dist.p2p import P2PMailbox
+from giantpipe.engine.dist.replicas import (
+    DEFAULT_REPLICA_SHARDING,
+    ReplicaShards,
+    check_replica_sharding,
+    last_backwards,
+)
+from giantpipe.engine.dist.tied import TiedSync
 from giantpipe.engine.dist.wire import KnownLayouts
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.fp16 import AgreedGradScaler, check_agreed
@@ -91,7 +97,7 @@ from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
 from giantpipe.engine.partition import shared_parameters
 from giantpipe.engine.pipe import Normalizer, Pipe, check_model
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
-from giantpipe.engine.schedules.actions import Schedule
+from giantpipe.engine.schedules.actions import Action, Schedule
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
@@ -125,8 +131,12 @@ class DistributedPipe(Pipe):
             leave them uninitialised (load a checkpoint right after).
         deferred_batch_norm: BatchNorm running statistics once per mini-batch, as GPipe's.
         timeout: seconds any wait for another rank may take before the run fails.
-        bucket_mb: size of the gradient buckets all-reduced over replicas.
-        overlap_grad_sync: start a bucket's all-reduce inside the backward (else at the end).
+        replica_sharding: how each stage is spread over its R replicas, on FSDP2
+            (:mod:`giantpipe.engine.dist.replicas`): ``'full'`` (ZeRO-3, the default: 1/R
+            of the parameters, gradients and optimizer state per rank between steps),
+            ``'grads'`` (ZeRO-2) or ``'none'`` (replicated, torch's ``replicate``).
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy`` of the units (parameters gathered
+            and gradients reduced in its types; see ``replicas.mixed_precision_policy``).
         transport: how boundary values travel. ``'frames'`` (gloo, CPU): a value is one
             message carrying its own header, receives posted ahead (:mod:`.p2p`).
             ``'ordered'`` (NCCL, CUDA): descriptions on a host group, bare payloads on the
@@ -137,7 +147,9 @@ class DistributedPipe(Pipe):
             deferred_batch_norm at once (:class:`~giantpipe.engine.spec.PipelineSpec`, its
             ``devices`` unused: a rank's is ``device``); then pass none of those.
 
-    The replicas R are the world size over the K pipeline ranks the schedule needs.
+    The replicas R are the world size over the K pipeline ranks the schedule needs. With
+    R > 1 this rank's parameters (``pipe.parameters()``, what its optimizer steps) are FSDP2's
+    DTensors: its shards (``full``, ``grads``) or replicated copies (``none``).
     """
 
     def __init__(
@@ -154,13 +166,14 @@ class DistributedPipe(Pipe):
         seed: int = 0,
         init: LayerInit | None | str = "seeded",
         timeout: float = DEFAULT_TIMEOUT,
-        bucket_mb: float = 25.0,
-        overlap_grad_sync: bool = True,
+        replica_sharding: str = DEFAULT_REPLICA_SHARDING,
+        mixed_precision: MixedPrecisionPolicy | None = None,
         transport: str = "auto",
         spec: PipelineSpec | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
+        check_replica_sharding(replica_sharding)
         spec = PipelineSpec.from_keywords(
             spec,
             balance=balance,
@@ -192,15 +205,15 @@ class DistributedPipe(Pipe):
         peers = self.layout.pipeline_ranks + self.layout.replica_ranks
         self.board.watch(self.layout.rank, peers, self.layout.rank_label)
         install_sigterm_note(self.board)
-        self._uses: dict[int, int] = {}
-        self.tied = self._tied_sync(model, shared)
+        self.replica_sharding = replica_sharding
+        self.shards = self._spread(replica_sharding, mixed_precision)
+        self.tied = self._tied_sync(model, shared)  # after the spread: it holds the DTensors
         self._box: P2PMailbox | OrderedMailbox | None = None
         # Each boundary key's frame layout (with the ordered transport: of its description), as
         # both of its ends last saw it: from the second step on, a value's frame (description)
         # crosses as one message into a receive posted ahead (dist/p2p.py).
         self._known = KnownLayouts()
         self._broken: str | None = None
-        self.sync = self._gradient_sync(bucket_mb, overlap_grad_sync)
 
     def _hold_layers(
         self, model: nn.Sequential, seed: int, init: LayerInit | None | str, deferred: bool
@@ -232,8 +245,6 @@ class DistributedPipe(Pipe):
             workers = sorted({self.placement[stage_of[i]] for i, _ in places})
             mine = [(i, n) for i, n in places if self.placement[stage_of[i]] == layout.worker]
             param = model[mine[0][0]].get_parameter(mine[0][1]) if mine else None
-            if param is not None:  # its gradient accumulates once in each stage here using it
-                self._uses[id(param)] = len({stage_of[i] for i, _ in mine})
             if len(workers) < 2:
                 continue
             # every rank makes every group
@@ -242,19 +253,13 @@ class DistributedPipe(Pipe):
                 held.append((param, group, layout.replica * layout.workers + workers[0]))
         return TiedSync(held, self.timeout, self.board)
 
-    def _gradient_sync(self, bucket_mb: float, overlap: bool) -> GradientSync | None:
+    def _spread(self, mode: str, policy: MixedPrecisionPolicy | None) -> ReplicaShards | None:
+        """This rank's stages on FSDP2 over its replica group (None with R = 1: nothing to
+        spread). Collective over the replica group (its units' first all-gathers come later)."""
         if self.layout.replicas == 1:
-            return None  # nothing to all-reduce
-        return GradientSync(
-            list(self.named_parameters()),
-            self.groups.replica,
-            self.chunks,
-            self.timeout,
-            bucket_bytes=int(bucket_mb * 2**20),
-            overlap=overlap,
-            board=self.board,
-            uses=self._uses,
-        )
+            return None
+        held = {s: self.partitions[s] for s in self.layout.local_stages}
+        return ReplicaShards(held, self.groups.replica, self.device, mode, policy)
 
     # ---- who needs what ------------------------------------------------------------------
 
@@ -344,15 +349,11 @@ class DistributedPipe(Pipe):
             raise ValueError("loss_fn is required (on every rank, though only the last uses it)")
         spec = self._rank_loss_spec(targets, loss_fn, loss_normalizer, loss_scale)
         if grad:
-            self.tied.begin()  # first: the replicas' sum below then covers this step only
-        if self.sync is not None and grad:
-            self.sync.begin()
+            self.tied.begin()  # first: the sums below then cover this step only
         steps = self.step_schedule()
         run = self._run(grad, spec, self._scatter(inputs), steps if grad else steps.phase("F"))
-        if self.sync is not None and grad:
-            self.sync.finish()
         if grad:
-            self.tied.finish()
+            self.tied.finish()  # after the replicas' reduce (in _run)
         self._commit_batchnorm()
         return self._finish(run, started, self._total_loss(run.losses) if run.losses else None)
 
@@ -432,9 +433,39 @@ class DistributedPipe(Pipe):
             )
         run = StepRun(config, micro, mailbox=self._box)
         self._box.start(steps.actions)
-        run.run(local)
+        if self.shards is None:
+            run.run(local)
+        else:
+            self._run_sharded(run, local, grad)
         self._box.finish()
         return run
+
+    def _run_sharded(self, run: StepRun, local: Schedule, grad: bool) -> None:
+        """This rank's actions with its stages on FSDP2: every unit gathered once at the start,
+        each stage's units reduced right after its last B (or W), in the middle of the actions
+        when the rank holds several stages; see :mod:`giantpipe.engine.dist.replicas`."""
+        assert self.shards is not None
+        actions = list(local.actions[self.layout.worker])
+        # The whole step's split backwards, known before its actions run in parts.
+        run.split |= {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+        run.w_next |= {
+            (b.stage, b.microbatch)
+            for b, after in zip(actions, actions[1:])
+            if b.kind == "B" and after == Action("W", b.stage, b.microbatch)
+        }
+        cuts: dict[int, list[int]] = {}
+        if grad:
+            for stage, index in last_backwards(actions).items():
+                cuts.setdefault(index, []).append(stage)
+        self.shards.begin(grad)
+        start = 0
+        for end in sorted({*cuts, len(actions) - 1}):
+            part = [acts[start : end + 1] for acts in local.actions]
+            run.run(replace(local, actions=tuple(part)))
+            start = end + 1
+            if end in cuts:
+                self.shards.reduce(cuts[end])
+        self.shards.finish(grad)
 
     def _draw_seed(self) -> int:
         """The step's dropout seed, drawn where stage 0 is (as GPipe draws it from the caller's
@@ -466,8 +497,6 @@ class DistributedPipe(Pipe):
         if self._box is not None:
             self._box.drop()
             self._box = None
-        if self.sync is not None:
-            self.sync.drop()
         self.tied = TiedSync([], self.timeout)
         self._broken = self._broken or "the pipe was released"
         gc.collect()
@@ -476,8 +505,6 @@ class DistributedPipe(Pipe):
         self._broken = message
         if self._box is not None:
             self._box.drop()
-        if self.sync is not None:
-            self.sync.drop()
         groups, self.groups = self.groups, Groups.torn_down()
         drop_groups(groups)
         del groups
@@ -547,14 +574,25 @@ class DistributedPipe(Pipe):
             raise RuntimeError("the pipeline failed earlier; its ranks can no longer agree")
         return all_reduce_(tensor, group, self.timeout, self.board, what)
 
-    def generation_link(self, timeout: float) -> RankLink:
+    def generation_link(self, timeout: float) -> RankLink | _GatheredLink:
         """This rank's ends of the ring that :func:`giantpipe.engine.generate.generate` circles
-        (:mod:`giantpipe.engine.dist.generation`)."""
-        return generation_link(self, timeout)
+        (:mod:`giantpipe.engine.dist.generation`). With R > 1 (collective over the replicas)
+        every FSDP2 unit is gathered until the link's ``finish``: each replica then decodes
+        its own prompts for as many tokens as they take, with no collective per token."""
+        link = generation_link(self, timeout)
+        if self.shards is None:
+            return link
+        self.shards.gather()
+        return _GatheredLink(link, self.shards.release)
+
+    def norm_group(self) -> Any:
+        """The device group the global norm is summed over: the pipeline's ranks, and with
+        R > 1 every rank of the world (each replica holds a shard of its stage's gradients)."""
+        return self.groups.pipeline if self.layout.replicas == 1 else self.groups.p2p
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Collective. Clips by the global 2-norm over every stage of the pipeline (each
-        replica counted once; their gradients are equal after the all-reduce): equal to
+        """Collective. Clips by the global 2-norm over every stage of the pipeline and every
+        replica's shard (:mod:`giantpipe.engine.dist.clipping`): equal to
         ``torch.nn.utils.clip_grad_norm_`` on the plain model. Returns the norm, on every rank.
 
         Example::
@@ -563,26 +601,57 @@ class DistributedPipe(Pipe):
             norm = pipe.clip_grad_norm_(1.0)
             optimizer.step()
         """
-        return clip_grad_norm_(self, max_norm, group=self.groups.pipeline, device=self.device)
+        return clip_grad_norm_(self, max_norm, group=self.norm_group(), device=self.device)
 
     # ---- state -------------------------------------------------------------------------------
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Loads this rank's entries of a full (or any partial) un-partitioned state dict."""
-        own = set(self.state_dict().keys())
-        local = {k: v for k, v in state_dict.items() if k in own}
+        """Loads this rank's entries of a full (or any partial) un-partitioned state dict. A
+        whole tensor for one of this rank's FSDP2 parameters gives it its own shard (sliced
+        here, no communication); a DTensor is copied as it is."""
+        own = self.state_dict()
+        local = {}
+        for name, value in state_dict.items():
+            if name not in own:
+                continue
+            mine = own[name]
+            if isinstance(mine, DTensor) and not isinstance(value, DTensor):
+                value = distribute_tensor(
+                    value.to(mine.device), mine.device_mesh, mine.placements, src_data_rank=None
+                )
+            local[name] = value
         return super().load_state_dict(local, strict=strict, assign=assign)
 
     def save_checkpoint(
         self, directory: str | os.PathLike[str], step: int = 0, extra: dict[str, Any] | None = None
     ) -> None:
-        """Collective. Every rank of replica 0 writes its shard; rank 0 commits the manifest."""
+        """Collective. Every rank of replica 0 writes its stages' tensors (with FSDP2, every
+        rank its shards, gathered nowhere); rank 0 commits the manifest."""
         self._guarded(lambda: shards.save(self, directory, step, extra, self.groups.control))
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
-        """Loads this rank's names from whichever shards hold them; returns the manifest."""
+        """Loads this rank's names from whichever shards hold them (with FSDP2, only the parts
+        of its own shards); returns the manifest."""
         manifest = shards.read_manifest(directory)
-        self.load_state_dict(shards.load(directory, self.state_dict().keys(), self.device))
+        own = self.state_dict()
+        self.load_state_dict(shards.load(directory, own.keys(), self.device, like=own))
         return manifest
+
+
+class _GatheredLink:
+    """A generation link during which the pipe's FSDP2 units stay gathered: ``finish`` (the end
+    of the ring, see ``engine.generate.ring``) releases them."""
+
+    def __init__(self, link: RankLink, release: Callable[[], None]) -> None:
+        self._link, self._release = link, release
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._link, name)
+
+    def finish(self) -> None:
+        try:
+            self._link.finish()
+        finally:
+            self._release()

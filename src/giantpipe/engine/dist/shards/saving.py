@@ -265,7 +265,9 @@ def save(
     extra: dict[str, Any] | None = None,
     group: Any = None,
 ) -> None:
-    """Collective: replica 0's ranks write their weights, rank 0 commits the manifest.
+    """Collective: replica 0's ranks write their weights (with FSDP2, every rank writes its
+    shards, none gathered; DCP keeps one copy of a replicated DTensor), rank 0 commits the
+    manifest.
 
     ``pipe`` is a :class:`~giantpipe.engine.dist.pipe.DistributedPipe` (its layout, balance
     and local state dict are used). ``extra`` (JSON-safe) is stored in the manifest. DCP's
@@ -281,8 +283,10 @@ def save(
     token = [new_token(step)]
     dist.broadcast_object_list(token, src=0, group=group)  # one name for this save everywhere
     tensors, entry = {}, None
-    if layout.replica == 0:
+    sharded = getattr(pipe, "shards", None) is not None
+    if layout.replica == 0 or sharded:
         tensors = {k: v.detach() for k, v in pipe.state_dict().items()}
+    if layout.replica == 0:  # the names, once: every replica holds the same ones
         entry = {"rank": layout.rank, "stages": list(layout.local_stages), "names": list(tensors)}
     commit_as = (layout_meta(pipe, step), extra or {}) if layout.rank == 0 else None
     save_collective(folder, token[0], tensors, {}, entry, commit_as, group)

@@ -1,0 +1,341 @@
+"""Each stage spread over its R replicas on torch's FSDP2: the sharding modes, the units, and a
+step's one gather and one reduce per unit.
+
+A rank holds its stages (one, or V of them); the R ranks holding the same stages in the R
+replicas form its replica group (``layout.Groups.replica``), the mesh of its FSDP2 units.
+``replica_sharding`` chooses how a stage lives on that mesh, always on torch's one engine::
+
+    mode   torch's call                               at rest: params, grads,     per step
+                                                      optimizer state per rank    and unit
+    full   fully_shard(reshard_after_forward=True)    1/R of each (ZeRO-3)        1 all-gather,
+    grads  fully_shard(reshard_after_forward=False)   1/R of each (ZeRO-2)        1 reduce-scatter
+    none   replicate (FSDP2's DDP)                    all of each                 1 all-reduce
+
+A unit is one layer of the stage holding parameters (a block, the unit the model is cut in);
+layers of this rank sharing a parameter (tied embeddings) form one unit. One FSDP2 root, a
+holder of every stage of the rank, makes the units share one state (and one set of streams).
+
+**A step.** Gradients accumulate unsharded over the step's micro-batches and are reduced once
+per unit (reduce-scatter, or all-reduce with ``none``), right after its stage's last backward:
+its last B (gpipe, 1f1b, interleaved) or, with the split backward of zb-h1 and zb-v, its last
+W. The parameters are gathered once per step, at its start, and stay gathered until that
+reduce (registered as the module's parameters, which the executor's meters read)::
+
+    rank of stage 1, 1f1b, M=4:  gather | F0 F1 B0 F2 B1 F3 B2 B3 | reduce + reshard
+                                 (units)   no gather, no reduce     (each unit once)
+
+The same in every schedule and in both sharded modes: a stage's forwards and backwards
+interleave (1F1B), its backward phase needs every layer for every micro-batch (GPipe), and its
+unsharded gradients, accumulated over the micro-batches, are as large as its parameters, so
+re-gathering per micro-batch (2M all-gathers per unit) would at best halve the bytes a stage
+holds during the step while it moves M times more. Recompute runs inside B with the parameters
+already gathered. ``full`` and ``grads`` differ in a forward-only pass (evaluation, the
+pipelined forward): ``full`` frees each unit right after its forward (one unit whole at a
+time), ``grads`` and ``none`` gather once for the pass. Between steps every unit is sharded
+(``full``, ``grads``): the optimizer steps on its 1/R shard.
+
+The reduce is a sum (``gradient_divide_factor=1``, sum-only collectives, which gloo also runs):
+the engine divides each micro-batch's loss by the global batch already.
+
+Example (every rank of a K=2 x R=2 world)::
+
+    shards = ReplicaShards(held_stages, groups.replica, torch.device("cpu"), "full")
+    shards.begin(grad=True)         # before the step's actions: the one all-gather per unit
+    ...                             # the stage's actions, up to its last B (or W)
+    shards.reduce([stage])          # its units' one reduce-scatter, then resharded
+    shards.finish()                 # waits for the reduces; every unit sharded
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from giantpipe.engine.schedules.actions import Action
+
+__all__ = [
+    "DEFAULT_REPLICA_SHARDING",
+    "REPLICA_SHARDING",
+    "ReplicaShards",
+    "last_backwards",
+    "local_tensor",
+    "mixed_precision_policy",
+    "units_of",
+]
+
+REPLICA_SHARDING = ("full", "grads", "none")
+"""How a stage is spread over its replicas (see the module docstring)."""
+
+DEFAULT_REPLICA_SHARDING = "full"
+"""ZeRO-3: what a model too big for one device needs, each rank holding 1/R of its stage's
+parameters, gradients and optimizer state (Adam: 4x the weights) between steps."""
+
+
+def check_replica_sharding(mode: str) -> str:
+    """``mode`` if it is one of :data:`REPLICA_SHARDING`; else ValueError naming them.
+
+    >>> check_replica_sharding("grads")
+    'grads'
+    """
+    if mode not in REPLICA_SHARDING:
+        known = ", ".join(REPLICA_SHARDING)
+        raise ValueError(f"replica_sharding must be one of {known}; got {mode!r}")
+    return mode
+
+
+def mixed_precision_policy(precision: str, device: torch.device | str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a run's precision: on a GPU, ``bf16`` and ``fp16`` gather the
+    parameters (and compute) in that type and reduce the gradients in float32; otherwise (fp32,
+    or the CPU, where the engine's autocast alone sets the compute type) torch's default,
+    parameters and reduce in their own type.
+
+    >>> policy = mixed_precision_policy("bf16", "cuda:0")
+    >>> policy.param_dtype, policy.reduce_dtype
+    (torch.bfloat16, torch.float32)
+    >>> mixed_precision_policy("bf16", "cpu") == MixedPrecisionPolicy()
+    True
+    """
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None or torch.device(device).type != "cuda":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def units_of(stages: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """The FSDP2 units of ``stages``: each layer holding parameters, and layers sharing a
+    parameter (across stages of this rank too) together, in layer order.
+
+    >>> embed, head = nn.Embedding(5, 2), nn.Linear(2, 5, bias=False)
+    >>> head.weight = embed.weight
+    >>> units = units_of([nn.Sequential(embed, nn.ReLU()), nn.Sequential(nn.Linear(2, 2), head)])
+    >>> [len(u) for u in units]
+    [2, 1]
+    """
+    layers = [layer for stage in stages for layer in stage.children()]
+    unit_of: dict[int, list[nn.Module]] = {}  # id(param) -> its unit
+    units: list[list[nn.Module]] = []
+    for layer in layers:
+        params = list(layer.parameters())
+        if not params:
+            continue
+        joined = [unit_of[id(p)] for p in params if id(p) in unit_of]
+        unit = joined[0] if joined else []
+        if not joined:
+            units.append(unit)
+        for other in joined[1:]:
+            if other is not unit:
+                unit.extend(m for m in other if all(m is not n for n in unit))
+                units.remove(other)
+        unit.append(layer)
+        for member in unit:
+            for p in member.parameters():
+                unit_of[id(p)] = unit
+    return units
+
+
+def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
+    """For each stage in ``actions`` (one worker's), the index of its last B or W: after it,
+    the stage's gradients are complete and its units are reduced.
+
+    >>> last_backwards([Action("F", 0, 0), Action("B", 0, 0), Action("W", 0, 0), Action("F", 1, 0)])
+    {0: 2}
+    """
+    last: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        if action.kind in ("B", "W"):
+            last[action.stage] = index
+    return last
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard (the whole tensor if replicated),
+    any other tensor itself. No communication.
+
+    >>> local_tensor(torch.ones(2)).tolist()
+    [1.0, 1.0]
+    """
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ReplicaShards:
+    """The FSDP2 units of one rank's stages on its replica group, and their step.
+
+    ``stages``: the rank's stages by index (Sequentials of layers, their parameters real);
+    ``group``: the replica group (R ranks); ``mode``: one of :data:`REPLICA_SHARDING`;
+    ``mp_policy``: FSDP2's mixed precision (:func:`mixed_precision_policy`).
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        group: Any,
+        device: torch.device,
+        mode: str = DEFAULT_REPLICA_SHARDING,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> None:
+        self.mode = check_replica_sharding(mode)
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        ordered = [stages[s] for s in sorted(stages)]
+        self.units: list[FSDPModule] = []
+        self.stage_units: dict[int, list[FSDPModule]] = {s: [] for s in stages}
+        for members in units_of(ordered):
+            unit = self._spread(members if len(members) > 1 else members[0])
+            self.units.append(unit)
+            # A unit shared by several stages is reduced after the last of them (see reduce).
+            for s, stage in stages.items():
+                if any(m is child for m in members for child in stage.children()):
+                    self.stage_units[s].append(unit)
+        # The root holds every stage, so that the units share one state and one set of streams
+        # (a unit spanning two stages included); its forward never runs: its lazy init, which
+        # the first forward would do, is done here.
+        self.root = self._spread(_Held(ordered))
+        self._state().lazy_init_root()
+        for unit in [*self.units, self.root]:
+            unit.set_gradient_divide_factor(1.0)  # a sum: the loss is divided already
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG nor PREMUL_SUM
+        for unit in self.units:
+            # FSDP2 prefetches, in backward, the unit that ran forward before: with V stages per
+            # rank that may be one of another stage, already reduced and resharded. Every unit
+            # is gathered for the whole step anyway: its "prefetch" is itself, a no-op.
+            unit.set_modules_to_backward_prefetch([unit])
+        self._reduced: set[int] = set()  # stages whose backward is over, this step
+        self._done: set[int] = set()  # parameter groups reduced, this step
+
+    def _spread(self, module: nn.Module | list[nn.Module]) -> FSDPModule:
+        if self.mode == "none":
+            spread: Any = replicate(module, mesh=self.mesh, mp_policy=self.mp_policy)
+        else:
+            spread = fully_shard(
+                module,
+                mesh=self.mesh,
+                reshard_after_forward=self.mode == "full",
+                mp_policy=self.mp_policy,
+            )
+        return spread[0] if isinstance(spread, list) else spread
+
+    def _state(self) -> _RootState:
+        return _RootState(self.root, self.mode)
+
+    def _groups_of(self, units: Sequence[FSDPModule]) -> list[Any]:
+        seen: dict[int, Any] = {}
+        for unit in units:
+            for group in self._state().groups_of(unit):
+                seen.setdefault(id(group), group)
+        return list(seen.values())
+
+    # ---- a step --------------------------------------------------------------------------
+
+    def begin(self, grad: bool) -> None:
+        """Before a step's actions (every replica, collective). A training step (``grad``), or
+        a forward-only pass in ``grads`` / ``none``: every unit's all-gather starts now and its
+        parameters stay gathered for the whole step; the gradients accumulate unsharded, with
+        no reduce until :meth:`reduce`."""
+        self.release()  # whatever a pass left gathered is stale after an optimizer step
+        self._reduced.clear()
+        self._done.clear()
+        self._sync(False)
+        if grad or self.mode != "full":
+            if self.mode != "none":
+                self.root.set_reshard_after_forward(False)
+            for unit in self.units:
+                unit.unshard()  # on CUDA, the stream (not the host) waits for it
+
+    def reduce(self, stages: Sequence[int]) -> None:
+        """After the last B (or W) of each of ``stages``: their units' gradients are reduced
+        over the replicas (reduce-scatter; all-reduce with ``none``), accumulated into the
+        sharded ``p.grad``, and their parameters resharded. A unit shared with a stage whose
+        backward is not over yet waits for that one."""
+        self._reduced.update(stages)
+        units = [
+            u
+            for s in stages
+            for u in self.stage_units[s]
+            if all(t in self._reduced for t, held in self.stage_units.items() if u in held)
+        ]
+        groups = [g for g in self._groups_of(units) if id(g) not in self._done]
+        for group in groups:
+            self._done.add(id(group))
+            group.reduce_grads = group.all_reduce_grads = True
+            group.reshard_after_backward = True
+            group.post_backward()
+            # Back to accumulating: a later micro-batch's autograd callback (another stage of
+            # this rank) calls post_backward on every unit again, which must then do nothing.
+            group.reduce_grads = group.all_reduce_grads = False
+            group.reshard_after_backward = False
+
+    def finish(self, grad: bool) -> None:
+        """After a step's actions: waits for the reduces (``grad``), and leaves every unit
+        sharded, FSDP2 configured as between steps."""
+        if grad:
+            self.root.set_is_last_backward(True)
+            self._state().final_callback()
+        self._sync(True)
+        self.release()
+
+    def _sync(self, on: bool) -> None:
+        self.root.set_requires_gradient_sync(on)
+        self.root.set_reshard_after_backward(on)
+        self.root.set_is_last_backward(on)
+
+    def gather(self) -> None:
+        """Every unit gathered until :meth:`release` (collective, every replica): forwards in
+        between communicate nothing, so replicas may run different numbers of them
+        (generation, each replica decoding its own prompts)."""
+        if self.mode != "none":
+            self.root.set_reshard_after_forward(False)
+        for unit in self.units:
+            unit.unshard()
+
+    def release(self) -> None:
+        """Every unit sharded again, FSDP2 configured as between steps (no communication)."""
+        if self.mode == "full":
+            self.root.set_reshard_after_forward(True)
+        for unit in self.units:
+            unit.reshard()
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """:meth:`gather` for the block, then :meth:`release`."""
+        self.gather()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+class _Held(nn.Module):
+    """The FSDP2 root of a rank: its stages, whose forward the engine runs one by one."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("a rank's stages run one by one, through the pipe's schedule")
+
+
+class _RootState:
+    """The few FSDP2 internals the pipeline drives, as torch.distributed.pipelining's stage
+    does (``perform_reduce_grad``): the root's lazy init, each unit's parameter groups and the
+    root's end-of-backward callback."""
+
+    def __init__(self, root: FSDPModule, mode: str) -> None:
+        self.state = (replicate if mode == "none" else fully_shard).state(root)  # type: ignore[attr-defined]
+
+    def lazy_init_root(self) -> None:
+        self.state._lazy_init()  # noqa: SLF001 - what the root's first forward would do
+
+    def groups_of(self, unit: FSDPModule) -> list[Any]:
+        return list(unit._get_fsdp_state()._fsdp_param_groups)  # noqa: SLF001
+
+    def final_callback(self) -> None:
+        self.state._root_post_backward_final_callback()  # noqa: SLF001
