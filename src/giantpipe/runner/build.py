@@ -285,7 +285,7 @@ def build_experiment(
         pipe = build_pipe(model, spec)
         inputs_to, targets_to = devices[0], devices[workers - 1]
     else:
-        pipe = build_distributed_pipe(model, spec, own)
+        pipe = build_distributed_pipe(model, spec, own, cfg.pipeline)
         world.bind(pipe)
         inputs_to = targets_to = own
     # Rank 0 keeps the whole plain model under torchrun only for a whole-model evaluation that

@@ -60,36 +60,23 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from giantpipe.engine.schedules.actions import Action
+from giantpipe.engine.spec import (
+    DEFAULT_REPLICA_SHARDING,
+    REPLICA_SHARDINGS,
+    check_replica_sharding,
+)
 
 __all__ = [
     "DEFAULT_REPLICA_SHARDING",
-    "REPLICA_SHARDING",
+    "MixedPrecisionPolicy",
+    "REPLICA_SHARDINGS",
     "ReplicaShards",
     "last_backwards",
     "local_tensor",
     "mixed_precision_policy",
     "units_of",
+    "whole_tensor",
 ]
-
-REPLICA_SHARDING = ("full", "grads", "none")
-"""How a stage is spread over its replicas (see the module docstring)."""
-
-DEFAULT_REPLICA_SHARDING = "full"
-"""ZeRO-3: what a model too big for one device needs, each rank holding 1/R of its stage's
-parameters, gradients and optimizer state (Adam: 4x the weights) between steps."""
-
-
-def check_replica_sharding(mode: str) -> str:
-    """``mode`` if it is one of :data:`REPLICA_SHARDING`; else ValueError naming them.
-
-    >>> check_replica_sharding("grads")
-    'grads'
-    """
-    if mode not in REPLICA_SHARDING:
-        known = ", ".join(REPLICA_SHARDING)
-        raise ValueError(f"replica_sharding must be one of {known}; got {mode!r}")
-    return mode
-
 
 def mixed_precision_policy(precision: str, device: torch.device | str) -> MixedPrecisionPolicy:
     """FSDP2's policy for a run's precision: on a GPU, ``bf16`` and ``fp16`` gather the
@@ -165,11 +152,21 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s whole value: a DTensor's shards gathered (a collective over its mesh, every
+    rank of it calls this in the same order), any other tensor itself.
+
+    >>> whole_tensor(torch.ones(2)).tolist()
+    [1.0, 1.0]
+    """
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 class ReplicaShards:
     """The FSDP2 units of one rank's stages on its replica group, and their step.
 
     ``stages``: the rank's stages by index (Sequentials of layers, their parameters real);
-    ``group``: the replica group (R ranks); ``mode``: one of :data:`REPLICA_SHARDING`;
+    ``group``: the replica group (R ranks); ``mode``: one of ``REPLICA_SHARDINGS``;
     ``mp_policy``: FSDP2's mixed precision (:func:`mixed_precision_policy`).
     """
 
