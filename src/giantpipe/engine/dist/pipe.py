@@ -47,14 +47,12 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
 from giantpipe.engine.dist import shards
@@ -85,9 +83,10 @@ from giantpipe.engine.dist.ordered import OrderedMailbox, choose_transport
 from giantpipe.engine.dist.p2p import P2PMailbox
 from giantpipe.engine.dist.replicas import (
     DEFAULT_REPLICA_SHARDING,
+    GatheredLink,
     ReplicaShards,
     check_replica_sharding,
-    last_backwards,
+    shard_like,
 )
 from giantpipe.engine.dist.tied import TiedSync
 from giantpipe.engine.dist.wire import KnownLayouts
@@ -97,7 +96,7 @@ from giantpipe.engine.microbatch import TensorOrTensors, gather, scatter
 from giantpipe.engine.partition import shared_parameters
 from giantpipe.engine.pipe import Normalizer, Pipe, check_model
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, mix
-from giantpipe.engine.schedules.actions import Action, Schedule
+from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
@@ -254,12 +253,11 @@ class DistributedPipe(Pipe):
         return TiedSync(held, self.timeout, self.board)
 
     def _spread(self, mode: str, policy: MixedPrecisionPolicy | None) -> ReplicaShards | None:
-        """This rank's stages on FSDP2 over its replica group (None with R = 1: nothing to
-        spread). Collective over the replica group (its units' first all-gathers come later)."""
-        if self.layout.replicas == 1:
-            return None
+        """This rank's stages on FSDP2 over its replica group (None with R = 1)."""
         held = {s: self.partitions[s] for s in self.layout.local_stages}
-        return ReplicaShards(held, self.groups.replica, self.device, mode, policy)
+        if self.layout.replicas > 1:
+            return ReplicaShards(held, self.groups.replica, self.device, mode, policy)
+        return None
 
     # ---- who needs what ------------------------------------------------------------------
 
@@ -435,37 +433,10 @@ class DistributedPipe(Pipe):
         self._box.start(steps.actions)
         if self.shards is None:
             run.run(local)
-        else:
-            self._run_sharded(run, local, grad)
+        else:  # the units gathered once, each stage reduced after its last B (or W)
+            self.shards.run(run, local, self.layout.worker, grad)
         self._box.finish()
         return run
-
-    def _run_sharded(self, run: StepRun, local: Schedule, grad: bool) -> None:
-        """This rank's actions with its stages on FSDP2: every unit gathered once at the start,
-        each stage's units reduced right after its last B (or W), in the middle of the actions
-        when the rank holds several stages; see :mod:`giantpipe.engine.dist.replicas`."""
-        assert self.shards is not None
-        actions = list(local.actions[self.layout.worker])
-        # The whole step's split backwards, known before its actions run in parts.
-        run.split |= {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
-        run.w_next |= {
-            (b.stage, b.microbatch)
-            for b, after in zip(actions, actions[1:])
-            if b.kind == "B" and after == Action("W", b.stage, b.microbatch)
-        }
-        cuts: dict[int, list[int]] = {}
-        if grad:
-            for stage, index in last_backwards(actions).items():
-                cuts.setdefault(index, []).append(stage)
-        self.shards.begin(grad)
-        start = 0
-        for end in sorted({*cuts, len(actions) - 1}):
-            part = [acts[start : end + 1] for acts in local.actions]
-            run.run(replace(local, actions=tuple(part)))
-            start = end + 1
-            if end in cuts:
-                self.shards.reduce(cuts[end])
-        self.shards.finish(grad)
 
     def _draw_seed(self) -> int:
         """The step's dropout seed, drawn where stage 0 is (as GPipe draws it from the caller's
@@ -574,7 +545,7 @@ class DistributedPipe(Pipe):
             raise RuntimeError("the pipeline failed earlier; its ranks can no longer agree")
         return all_reduce_(tensor, group, self.timeout, self.board, what)
 
-    def generation_link(self, timeout: float) -> RankLink | _GatheredLink:
+    def generation_link(self, timeout: float) -> RankLink | GatheredLink:
         """This rank's ends of the ring that :func:`giantpipe.engine.generate.generate` circles
         (:mod:`giantpipe.engine.dist.generation`). With R > 1 (collective over the replicas)
         every FSDP2 unit is gathered until the link's ``finish``: each replica then decodes
@@ -583,7 +554,7 @@ class DistributedPipe(Pipe):
         if self.shards is None:
             return link
         self.shards.gather()
-        return _GatheredLink(link, self.shards.release)
+        return GatheredLink(link, self.shards.release)
 
     def norm_group(self) -> Any:
         """The device group the global norm is summed over: the pipeline's ranks, and with
@@ -612,16 +583,7 @@ class DistributedPipe(Pipe):
         whole tensor for one of this rank's FSDP2 parameters gives it its own shard (sliced
         here, no communication); a DTensor is copied as it is."""
         own = self.state_dict()
-        local = {}
-        for name, value in state_dict.items():
-            if name not in own:
-                continue
-            mine = own[name]
-            if isinstance(mine, DTensor) and not isinstance(value, DTensor):
-                value = distribute_tensor(
-                    value.to(mine.device), mine.device_mesh, mine.placements, src_data_rank=None
-                )
-            local[name] = value
+        local = {k: shard_like(v, own[k]) for k, v in state_dict.items() if k in own}
         return super().load_state_dict(local, strict=strict, assign=assign)
 
     def save_checkpoint(
@@ -638,20 +600,3 @@ class DistributedPipe(Pipe):
         own = self.state_dict()
         self.load_state_dict(shards.load(directory, own.keys(), self.device, like=own))
         return manifest
-
-
-class _GatheredLink:
-    """A generation link during which the pipe's FSDP2 units stay gathered: ``finish`` (the end
-    of the ring, see ``engine.generate.ring``) releases them."""
-
-    def __init__(self, link: RankLink, release: Callable[[], None]) -> None:
-        self._link, self._release = link, release
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._link, name)
-
-    def finish(self) -> None:
-        try:
-            self._link.finish()
-        finally:
-            self._release()

@@ -48,8 +48,9 @@ Example (every rank of a K=2 x R=2 world)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -57,9 +58,10 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from giantpipe.engine.schedules.actions import Action
+from giantpipe.engine.executor import StepRun
+from giantpipe.engine.schedules.actions import Action, Schedule
 from giantpipe.engine.spec import (
     DEFAULT_REPLICA_SHARDING,
     REPLICA_SHARDINGS,
@@ -68,12 +70,14 @@ from giantpipe.engine.spec import (
 
 __all__ = [
     "DEFAULT_REPLICA_SHARDING",
+    "GatheredLink",
     "MixedPrecisionPolicy",
     "REPLICA_SHARDINGS",
     "ReplicaShards",
     "last_backwards",
     "local_tensor",
     "mixed_precision_policy",
+    "shard_like",
     "units_of",
     "whole_tensor",
 ]
@@ -150,6 +154,21 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     [1.0, 1.0]
     """
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor) as ``like`` holds it: this rank's shard as a DTensor of
+    ``like``'s mesh and placements when ``like`` is a DTensor and ``value`` is not (sliced
+    here, no communication), else ``value`` itself.
+
+    >>> shard_like(torch.ones(2), torch.zeros(2)).tolist()
+    [1.0, 1.0]
+    """
+    if not isinstance(like, DTensor) or isinstance(value, DTensor):
+        return value
+    return distribute_tensor(
+        value.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+    )
 
 
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -231,6 +250,33 @@ class ReplicaShards:
 
     # ---- a step --------------------------------------------------------------------------
 
+    def run(self, run: StepRun, local: Schedule, worker: int, grad: bool) -> None:
+        """Runs ``worker``'s actions of ``local`` (this rank's) as one step: :meth:`begin`, the
+        actions in parts cut after each stage's last B (or W), where that stage is reduced
+        (:meth:`reduce`, in the middle of the actions when the rank holds several stages),
+        then :meth:`finish`."""
+        actions = list(local.actions[worker])
+        # The whole step's split backwards, known before its actions run in parts.
+        run.split |= {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
+        run.w_next |= {
+            (b.stage, b.microbatch)
+            for b, after in zip(actions, actions[1:])
+            if b.kind == "B" and after == Action("W", b.stage, b.microbatch)
+        }
+        cuts: dict[int, list[int]] = {}
+        if grad:
+            for stage, index in last_backwards(actions).items():
+                cuts.setdefault(index, []).append(stage)
+        self.begin(grad)
+        start = 0
+        for end in sorted({*cuts, len(actions) - 1}):
+            part = [acts[start : end + 1] for acts in local.actions]
+            run.run(replace(local, actions=tuple(part)))
+            start = end + 1
+            if end in cuts:
+                self.reduce(cuts[end])
+        self.finish(grad)
+
     def begin(self, grad: bool) -> None:
         """Before a step's actions (every replica, collective). A training step (``grad``), or
         a forward-only pass in ``grads`` / ``none``: every unit's all-gather starts now and its
@@ -307,6 +353,23 @@ class ReplicaShards:
             yield
         finally:
             self.release()
+
+
+class GatheredLink:
+    """A generation link (``engine/dist/generation.py``'s RankLink) during which the pipe's
+    FSDP2 units stay gathered: its ``finish`` (the end of the ring) releases them."""
+
+    def __init__(self, link: Any, release: Callable[[], None]) -> None:
+        self._link, self._release = link, release
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._link, name)
+
+    def finish(self) -> None:
+        try:
+            self._link.finish()
+        finally:
+            self._release()
 
 
 class _Held(nn.Module):
