@@ -208,3 +208,75 @@ def _mine(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from tests.distributed.workers import mine
 
     return mine(value, like)
+
+
+def resume_across_layouts(tmp: Path, steps: int = 4, resume_at: int = 2) -> dict[str, Any]:
+    """The runner on K=2 x R=2 with ``full`` sharding (AdamW, an EMA), saving at ``resume_at``;
+    then that checkpoint resumed under K=1 x R=4 ``grads``, K=4 x R=1 (no FSDP2) and K=2 x R=2
+    ``none``. Rank 0 returns each run's train and eval losses, and the first run's last
+    weights, gathered whole (what consolidate must give)."""
+    from dataclasses import replace
+    from unittest import mock
+
+    from giantpipe.config import PipelineConfig
+    from giantpipe.engine.dist.replicas import whole_tensor
+    from giantpipe.metrics.jsonl import read_jsonl
+    from giantpipe.runner import build as runner_build
+    from giantpipe.runner import train
+    from tests.unit.runner.test_runner_loop import tiny
+
+    cfg = tiny(
+        max_steps=steps,
+        eval_every=steps,
+        log_every=1,
+        checkpoint_every=resume_at,
+        predict=False,
+        ema_decay=0.5,
+    )
+    cfg.model = replace(cfg.model, norm="none")
+
+    def pipeline(k: int, sharding: str) -> PipelineConfig:
+        return PipelineConfig(
+            devices="cpu",
+            num_devices=k,
+            chunks=2,
+            executor="distributed",
+            balance="params",
+            replica_sharding=sharding,
+        )
+
+    checkpoint = str(tmp / "run" / f"step_{resume_at}")
+    runs = {"run": replace(cfg, pipeline=pipeline(2, "full"))}
+    others = [("k1r4_grads", 1, "grads"), ("k4r1", 4, "full"), ("k2r2_none", 2, "none")]
+    for name, k, sharding in others:
+        trainer = replace(cfg.trainer, resume=checkpoint)
+        runs[name] = replace(cfg, trainer=trainer, pipeline=pipeline(k, sharding))
+    out: dict[str, Any] = {}
+    built: list[Any] = []
+    real_build = runner_build.build_experiment
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        parts = real_build(*args, **kwargs)
+        built.append(parts)
+        return parts
+
+    # The runner leaves the world at the end; the launcher does that here, after the result.
+    with (
+        mock.patch.object(dist, "destroy_process_group", lambda *_, **__: None),
+        mock.patch("giantpipe.runner.run.build_experiment", keep),
+    ):
+        for name, run_cfg in runs.items():
+            summary = train(run_cfg, tmp / name, "")
+            assert summary["status"] == "completed", summary
+            if name == "run":
+                pipe = built[-1].pipe
+                whole = {k: whole_tensor(v.detach()) for k, v in pipe.state_dict().items()}
+                out["weights"] = whole if pipe.replica == 0 else {}
+            dist.barrier()
+            if dist.get_rank() == 0:
+                lines = read_jsonl(tmp / name / "metrics.jsonl")
+                out[name] = {
+                    "train": [r["loss"] for r in lines if r["kind"] == "train"],
+                    "eval": [r["loss"] for r in lines if r["kind"] == "eval"],
+                }
+    return out

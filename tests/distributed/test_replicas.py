@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from giantpipe.engine.dist import shards
 from tests.distributed.launch import spawn
 from tests.distributed.workers import registered_schedules
 
@@ -61,3 +63,30 @@ def test_one_stage_times_four_replicas_every_schedule_and_sharding(tmp_path: Pat
     for sharding in SHARDINGS:
         assert schedules_checked(grid, sharding) == set(registered_schedules()), sharding
     assert all(r[1]["tied"] == 0 for r in results)  # one stage holds both uses: one unit
+
+
+def test_a_sharded_checkpoint_resumes_under_another_k_r_and_sharding(tmp_path: Path) -> None:
+    """Saved by K=2 x R=2 ``full`` (every rank its own shards: a weight's rows come from two
+    files), resumed under K=1 x R=4 ``grads``, K=4 x R=1 and K=2 x R=2 ``none``: each resumed
+    run's losses (AdamW's moments, the EMA and the data position restored) equal the
+    uninterrupted run's; consolidate gives the plain model's weights, gathered by no rank."""
+    target = "tests.distributed.replica_workers:resume_across_layouts"
+    results = spawn(target, world=4, tmp=tmp_path, timeout=300)
+    out = results[0]
+    run = out["run"]
+    assert len(run["train"]) == 4
+    for name in ("k1r4_grads", "k4r1", "k2r2_none"):
+        assert out[name]["train"] == pytest.approx(run["train"][2:], rel=1e-5), name
+        assert out[name]["eval"] == pytest.approx(run["eval"], rel=1e-5), name
+    ckpt = tmp_path / "run" / "step_2"
+    meta = shards.read_metadata(ckpt, shards.read_manifest(ckpt))
+    weight = meta.state_dict_metadata["0.0.weight"]  # the first Linear: 16 rows, 8 per replica
+    assert sorted(tuple(c.offsets) for c in weight.chunks) == [(0, 0), (8, 0)]
+    moment = meta.state_dict_metadata["optimizer/0.0.weight/exp_avg"]
+    assert len(moment.chunks) == 2  # AdamW's state, sharded as its parameter
+    last = tmp_path / "run" / "last"
+    merged, _ = shards.merged(last)
+    weights = {k: v for r in results for k, v in r["weights"].items()}
+    assert merged.keys() == weights.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(merged[name], value, rtol=0, atol=0, msg=name)
