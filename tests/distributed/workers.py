@@ -22,7 +22,7 @@ from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_defer
 from giantpipe.engine.dist.clipping import clip_grad_norm_
 from giantpipe.engine.dist.meta import init_layers
 from giantpipe.engine.dist.pipe import DistributedPipe
-from giantpipe.engine.dist.replicas import local_tensor
+from giantpipe.engine.dist.replicas import local_tensor, whole_tensor
 from giantpipe.engine.microbatch import batch_size
 from giantpipe.engine.rng import install_rng_hooks, mix
 from giantpipe.engine.schedules import build_schedule
@@ -445,7 +445,9 @@ def faulty(
 
     step(0)
     pipe.save_checkpoint(tmp / "ckpt", step=1)
-    torch.save(pipe.state_dict(), tmp / f"expected-{rank}.pt")
+    # whole tensors (FSDP2 shards gathered, by every replica in the same order)
+    whole = {k: whole_tensor(v.detach()) for k, v in pipe.state_dict().items()}
+    torch.save(whole, tmp / f"expected-{rank}.pt")
     trigger = tmp / "trigger"
     if rank == fail_rank:
         calls = [0]
@@ -467,8 +469,26 @@ def faulty(
     except RankFailure as exc:
         stopped = time.time()
         started = float(trigger.read_text()) if trigger.exists() else stopped
+        _outlive_the_others(rank, dist.get_world_size() - 1)
         return {"failure": str(exc), "after_s": stopped - started}
     return {"failure": None}
+
+
+def _outlive_the_others(rank: int, others: int, patience: float = 10.0) -> None:
+    """The failure board lives in the world's store, which rank 0's process hosts in these
+    launches (torchrun's agent does under torchrun): rank 0 stays until ``others`` ranks have
+    read the board (a rank woken late, its peer torn down, would find no store)."""
+    import time
+
+    store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the board's store
+    try:
+        done = store.add("tests/read_the_board", 1)
+        deadline = time.monotonic() + patience
+        while rank == 0 and done < others + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            done = store.add("tests/read_the_board", 0)
+    except Exception:  # noqa: BLE001, S110 - the store went with rank 0: nothing to wait for
+        pass
 
 
 def several(tmp: Path, calls: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:

@@ -124,8 +124,8 @@ def stage(
     write); ``copied``: such a copy made earlier in the same step (only a step changes them)."""
     pipe, place = parts.pipe, place_of(parts.pipe)
     token = world.from_rank0(shards.new_token(progress.step))
-    leader = place.replica == 0  # replicas hold the same weights, optimizer state and EMA ...
-    sharded = getattr(pipe, "shards", None) is not None  # ... or each its shards (FSDP2)
+    leader = place.replica == 0  # replicas hold the same weights, optimizer state and EMA,
+    sharded = getattr(pipe, "shards", None) is not None  # or each its FSDP2 shards of them
     tensors: dict[str, Tensor] = {}
     optimizer, entry = None, None
     if leader or sharded:
@@ -134,6 +134,7 @@ def stage(
         tensors.update({**weights, **opt_tensors})
         if parts.ema is not None:
             tensors.update({f"{EMA}{n}": t for n, t in parts.ema.state_dict().items()})
+        tensors = shards.replica_share(tensors, place.replica)
         if leader:
             entry = {"rank": place.rank, "stages": list(place.stages), "names": list(weights)}
         else:
