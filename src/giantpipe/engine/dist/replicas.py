@@ -1,49 +1,56 @@
-"""Each stage spread over its R replicas on torch's FSDP2: the sharding modes, the units, and a
-step's one gather and one reduce per unit.
+"""Each stage spread over its R replicas on torch's FSDP2: the sharding modes, the units, and
+when a step gathers and reduces them.
 
 A rank holds its stages (one, or V of them); the R ranks holding the same stages in the R
 replicas form its replica group (``layout.Groups.replica``), the mesh of its FSDP2 units.
 ``replica_sharding`` chooses how a stage lives on that mesh, always on torch's one engine::
 
-    mode   torch's call                               at rest: params, grads,     per step
-                                                      optimizer state per rank    and unit
-    full   fully_shard(reshard_after_forward=True)    1/R of each (ZeRO-3)        1 all-gather,
-    grads  fully_shard(reshard_after_forward=False)   1/R of each (ZeRO-2)        1 reduce-scatter
-    none   replicate (FSDP2's DDP)                    all of each                 1 all-reduce
+    mode   torch's call                               per rank between steps: params,
+                                                      grads, optimizer state
+    full   fully_shard(reshard_after_forward=True)    1/R of each (ZeRO-3)
+    grads  fully_shard(reshard_after_forward=False)   1/R of each (ZeRO-2)
+    none   replicate (FSDP2's DDP)                    all of each
 
 A unit is one layer of the stage holding parameters (a block, the unit the model is cut in);
 layers of this rank sharing a parameter (tied embeddings) form one unit. One FSDP2 root, a
 holder of every stage of the rank, makes the units share one state (and one set of streams).
 
-**A step.** Gradients accumulate unsharded over the step's micro-batches and are reduced once
-per unit (reduce-scatter, or all-reduce with ``none``), right after its stage's last backward:
-its last B (gpipe, 1f1b, interleaved) or, with the split backward of zb-h1 and zb-v, its last
-W. The parameters are gathered once per step, at its start, and stay gathered until that
-reduce (registered as the module's parameters, which the executor's meters read)::
+**Gradients** accumulate unsharded over the step's micro-batches and are reduced once per unit
+(reduce-scatter, or all-reduce with ``none``; a sum, ``gradient_divide_factor=1`` with
+sum-only collectives, which gloo also runs: the engine divides each micro-batch's loss by the
+global batch already), right after its stage's last backward: its last B (gpipe, 1f1b,
+interleaved) or, with the split backward of zb-h1 and zb-v, its last W.
 
-    rank of stage 1, 1f1b, M=4:  gather | F0 F1 B0 F2 B1 F3 B2 B3 | reduce + reshard
-                                 (units)   no gather, no reduce     (each unit once)
+**Parameters**, per schedule and mode::
 
-The same in every schedule and in both sharded modes: a stage's forwards and backwards
-interleave (1F1B), its backward phase needs every layer for every micro-batch (GPipe), and its
-unsharded gradients, accumulated over the micro-batches, are as large as its parameters, so
-re-gathering per micro-batch (2M all-gathers per unit) would at best halve the bytes a stage
-holds during the step while it moves M times more. Recompute runs inside B with the parameters
-already gathered. ``full`` and ``grads`` differ in a forward-only pass (evaluation, the
-pipelined forward): ``full`` frees each unit right after its forward (one unit whole at a
-time), ``grads`` and ``none`` gather once for the pass. Between steps every unit is sharded
-(``full``, ``grads``): the optimizer steps on its 1/R shard.
+    grads (every schedule),       each unit gathered once per step, at its start, and kept
+    full with zb-h1 / zb-v        until its reduce: 1 all-gather per unit and step. A W
+                                  computes weight gradients from the graph its B kept, which
+                                  holds the gathered parameters, so zero bubble keeps them.
+    full with gpipe / 1f1b /      FSDP2's ZeRO-3: each unit gathered for each forward, each
+    interleaved                   recompute and each backward of each micro-batch and freed
+                                  right after, one unit whole at a time: 2M all-gathers per
+                                  unit and step (plus one per recomputed micro-batch)
+    none                          nothing to gather (every replica holds the whole stage)
 
-The reduce is a sum (``gradient_divide_factor=1``, sum-only collectives, which gloo also runs):
-the engine divides each micro-batch's loss by the global batch already.
+    rank of stage 1, 1f1b, M=4, grads:  gather | F0 F1 B0 F2 B1 F3 B2 B3 | reduce + reshard
+    the same, full:                     each F and B gathers its units and frees them | reduce
+
+So a stage holds during a step, besides its activations: ``grads``, its whole parameters and
+its whole gradients (2 x its parameter bytes) plus its 1/R shards; ``full`` (not zero bubble)
+its whole gradients, one unit's parameters and its shards. Where memory allows, ``grads``
+moves M times fewer bytes; ``full`` is for a stage whose whole parameters and gradients do not
+fit together. A forward-only pass (evaluation) gathers each unit per micro-batch with ``full``,
+once with ``grads``. Between steps every unit is sharded (``full``, ``grads``): the optimizer
+steps on its 1/R shard.
 
 Example (every rank of a K=2 x R=2 world)::
 
-    shards = ReplicaShards(held_stages, groups.replica, torch.device("cpu"), "full")
-    shards.begin(grad=True)         # before the step's actions: the one all-gather per unit
-    ...                             # the stage's actions, up to its last B (or W)
-    shards.reduce([stage])          # its units' one reduce-scatter, then resharded
-    shards.finish()                 # waits for the reduces; every unit sharded
+    shards = ReplicaShards(held_stages, groups.replica, torch.device("cpu"), "grads")
+    shards.begin(grad=True, split=False)   # the one all-gather per unit (grads)
+    ...                                    # the stage's actions, up to its last B (or W)
+    shards.reduce([stage])                 # its units' one reduce-scatter, then resharded
+    shards.finish(grad=True)               # waits for the reduces; every unit sharded
 """
 
 from __future__ import annotations
@@ -225,6 +232,7 @@ class ReplicaShards:
             unit.set_modules_to_backward_prefetch([unit])
         self._reduced: set[int] = set()  # stages whose backward is over, this step
         self._done: set[int] = set()  # parameter groups reduced, this step
+        self._keep = True  # whether this step keeps every unit gathered (see begin)
 
     def _spread(self, module: nn.Module | list[nn.Module]) -> FSDPModule:
         if self.mode == "none":
@@ -256,6 +264,7 @@ class ReplicaShards:
         (:meth:`reduce`, in the middle of the actions when the rank holds several stages),
         then :meth:`finish`."""
         actions = list(local.actions[worker])
+        split = any(a.kind == "W" for a in actions)
         # The whole step's split backwards, known before its actions run in parts.
         run.split |= {(a.stage, a.microbatch) for a in actions if a.kind == "W"}
         run.w_next |= {
@@ -267,7 +276,7 @@ class ReplicaShards:
         if grad:
             for stage, index in last_backwards(actions).items():
                 cuts.setdefault(index, []).append(stage)
-        self.begin(grad)
+        self.begin(grad, split)
         start = 0
         for end in sorted({*cuts, len(actions) - 1}):
             part = [acts[start : end + 1] for acts in local.actions]
@@ -277,16 +286,20 @@ class ReplicaShards:
                 self.reduce(cuts[end])
         self.finish(grad)
 
-    def begin(self, grad: bool) -> None:
-        """Before a step's actions (every replica, collective). A training step (``grad``), or
-        a forward-only pass in ``grads`` / ``none``: every unit's all-gather starts now and its
-        parameters stay gathered for the whole step; the gradients accumulate unsharded, with
-        no reduce until :meth:`reduce`."""
+    def begin(self, grad: bool, split: bool = False) -> None:
+        """Before a step's actions (every replica, collective): the gradients accumulate
+        unsharded, with no reduce until :meth:`reduce`. With ``grads``, and with ``full``
+        under a split backward (``split``: the step has W actions), every unit is gathered
+        now and stays so until its reduce; ``full`` otherwise gathers and frees each unit
+        around each forward and backward (see the module docstring)."""
         self.release()  # whatever a pass left gathered is stale after an optimizer step
         self._reduced.clear()
         self._done.clear()
-        self._sync(False)
-        if grad or self.mode != "full":
+        self._keep = self.mode != "full" or (grad and split)
+        self.root.set_requires_gradient_sync(False)
+        self.root.set_is_last_backward(False)
+        self.root.set_reshard_after_backward(not self._keep)
+        if self._keep:
             if self.mode != "none":
                 self.root.set_reshard_after_forward(False)
             for unit in self.units:
@@ -313,7 +326,7 @@ class ReplicaShards:
             # Back to accumulating: a later micro-batch's autograd callback (another stage of
             # this rank) calls post_backward on every unit again, which must then do nothing.
             group.reduce_grads = group.all_reduce_grads = False
-            group.reshard_after_backward = False
+            group.reshard_after_backward = not self._keep
 
     def finish(self, grad: bool) -> None:
         """After a step's actions: waits for the reduces (``grad``), and leaves every unit
@@ -321,13 +334,10 @@ class ReplicaShards:
         if grad:
             self.root.set_is_last_backward(True)
             self._state().final_callback()
-        self._sync(True)
+        # FSDP2 as torch leaves it between steps (what a caller running a unit alone expects)
+        self.root.set_requires_gradient_sync(True)
+        self.root.set_reshard_after_backward(True)
         self.release()
-
-    def _sync(self, on: bool) -> None:
-        self.root.set_requires_gradient_sync(on)
-        self.root.set_reshard_after_backward(on)
-        self.root.set_is_last_backward(on)
 
     def gather(self) -> None:
         """Every unit gathered until :meth:`release` (collective, every replica): forwards in
