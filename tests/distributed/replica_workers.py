@@ -292,3 +292,29 @@ def resume_across_layouts(tmp: Path, steps: int = 4, resume_at: int = 2) -> dict
                     "eval": [r["loss"] for r in lines if r["kind"] == "eval"],
                 }
     return out
+
+
+def memory(tmp: Path, workers: int, shardings: list[str]) -> dict[str, float]:
+    """Two AdamW steps per mode; this rank's parameters + gradients + optimizer state (by the
+    storages they live in: a shard counts its part) over the same stage's un-sharded bytes."""
+    from giantpipe.testing.held import training_bytes
+
+    model = plain_model(6)
+    balance = solve_balance([1.0] * len(model), workers)
+    inputs, target = tuple_batch(n=16)
+    ratios = {}
+    for sharding in shardings:
+        pipe = DistributedPipe(
+            model_fn(6), balance, chunks=2, seed=INIT, timeout=20, replica_sharding=sharding
+        )
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        x, y = (shard(t, pipe.replica, pipe.replicas) for t in (inputs, target))
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            pipe.train_step(x, y, nn.functional.cross_entropy)
+            opt.step()
+        held = sum(training_bytes(pipe.parameters(), opt).values())
+        whole = sum(p.numel() * p.element_size() for p in pipe.parameters())  # global shapes
+        ratios[sharding] = held / (whole * 4)  # weights, gradients, AdamW's two moments
+        pipe.release()
+    return ratios

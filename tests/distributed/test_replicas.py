@@ -38,6 +38,7 @@ def test_two_stages_times_two_replicas_every_schedule_and_sharding(tmp_path: Pat
             ("grid", {"workers": 2, "shardings": SHARDINGS}),
             ("tied", {"workers": 2, "schedule": "1f1b"}),
             ("tied", {"workers": 2, "schedule": "zb-v", "sharding": "grads"}),
+            ("memory", {"workers": 2, "shardings": SHARDINGS}),
         ],
     )
     grid = results[0][0]
@@ -46,6 +47,10 @@ def test_two_stages_times_two_replicas_every_schedule_and_sharding(tmp_path: Pat
     held = {s: sum(h for what, _, h in grid["checked"] if what.startswith(s)) for s in SHARDINGS}
     assert held["full"] == held["grads"] < 0.6 * held["none"]  # a shard: about 1/R of a stage
     assert all(r[1]["tied"] and r[2]["tied"] == 0 for r in results)  # zb-v: one rank holds both
+    for rank in results:  # parameters, gradients and AdamW's moments over the un-sharded bytes
+        ratios = rank[3]
+        assert 0.45 < ratios["full"] == ratios["grads"] < 0.6, ratios  # 1/R, AdamW's step counters
+        assert 1.0 <= ratios["none"] < 1.05, ratios
 
 
 def test_one_stage_times_four_replicas_every_schedule_and_sharding(tmp_path: Path) -> None:
