@@ -139,7 +139,7 @@ def table(setup: Setup, rows: list[tuple[int, str, dict[str, int]]]) -> str:
     state = ("params", "grads", "optimizer")
     base_total = sum(base[k] for k in state)
     lines = [
-        f"MLP {setup.layers} x Linear({setup.width}) + ReLU, K=2 stages of {setup.layers // 2}, "
+        f"MLP {setup.layers} x (Linear({setup.width}) + ReLU), K=2 stages of {setup.layers // 2}, "
         "AdamW, M=4; "
         f"rank 0 (stage 0, replica 0), MiB; 'vs R=1': the state over the un-sharded one",
         "",

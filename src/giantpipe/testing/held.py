@@ -1,6 +1,7 @@
 """What a process holds: the bytes of its training state (parameters, gradients, optimizer
 state, each counted by the storage it lives in, so an FSDP2 shard counts as its own part) and of
-every live tensor (CPU has no allocator statistics: the garbage collector's list stands in).
+every live tensor (CPU has no allocator statistics: the garbage collector's list stands in, and
+the gradients of the leaves it lists, which autograd writes with no Python object).
 
 Example::
 
@@ -69,10 +70,14 @@ def live_bytes() -> int:
         # type(), not isinstance: a deprecated module attribute warns when asked its __class__
         if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":
             continue
-        try:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        except RuntimeError:  # a DTensor (its local tensor is listed itself) or a fake tensor
-            continue
+        # A gradient autograd wrote has no Python object until someone reads ``.grad``: the
+        # collector would not list it, so it is counted through its leaf.
+        grad = obj.grad if obj.is_leaf and obj.requires_grad else None
+        for tensor in (obj, grad):
+            try:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, AttributeError):  # no grad, a DTensor or a fake tensor
+                continue
     storages.pop(0, None)  # empty tensors
     return sum(storages.values())
