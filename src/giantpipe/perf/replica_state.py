@@ -5,7 +5,9 @@ between steps.
 A layer with ``w`` bytes of parameters and ``s`` optimizer slots per parameter (RMSProp 1,
 Adam 2) costs a rank, at the peak of a step (its backward)::
 
-    R = 1, or none          w (parameters) + w (gradients) + s w (optimizer)    = (2 + s) w
+    R = 1                   w (parameters) + w (gradients) + s w (optimizer)    = (2 + s) w
+    none                    the same, and w more: FSDP2's replicate computes with unsharded
+                            parameters beside its replicated ones                = (3 + s) w
     grads, or full under    w (gathered parameters) + w (unsharded gradients,
     zb-h1 / zb-v            accumulated over the micro-batches) + (2 + s) w / R  (its shards)
     full                    w (unsharded gradients) + (2 + s) w / R, and per stage one
@@ -65,8 +67,10 @@ class ReplicaSharding:
     def layer_bytes(self, weights: float, slots: int) -> float:
         """A layer's state at the step's peak: ``weights`` bytes of parameters, ``slots``
         optimizer slots per parameter (see the module docstring)."""
-        if not self.sharded:
+        if self.replicas == 1:
             return float((2 + slots) * weights)
+        if self.mode == "none":
+            return float((3 + slots) * weights)
         whole = 2 if self.mode == "grads" or self.split else 1
         return whole * weights + (2 + slots) * weights / self.replicas
 

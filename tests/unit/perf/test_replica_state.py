@@ -15,7 +15,7 @@ from giantpipe.perf.replica_state import ReplicaSharding
     ("replicas", "mode", "split", "peak", "gathered", "rest"),
     [
         (1, "full", False, 4000, 0, 4000),  # one replica: nothing to spread
-        (2, "none", False, 4000, 0, 4000),
+        (2, "none", False, 5000, 0, 4000),  # replicate's unsharded parameters beside its own
         (2, "full", False, 1000 + 2000, 300, 2000),  # unsharded grads + shards + one unit
         (4, "full", False, 1000 + 1000, 300, 1000),
         (4, "full", True, 2000 + 1000, 0, 1000),  # zero bubble keeps the units gathered
