@@ -73,11 +73,11 @@ def live_bytes() -> int:
         # A gradient autograd wrote has no Python object until someone reads ``.grad``: the
         # collector would not list it, so it is counted through its leaf.
         grad = obj.grad if obj.is_leaf and obj.requires_grad else None
-        for tensor in (obj, grad):
+        for tensor in (obj, grad) if grad is not None else (obj,):
             try:
                 storage = tensor.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
-            except (RuntimeError, AttributeError):  # no grad, a DTensor or a fake tensor
+            except RuntimeError:  # a DTensor (its local tensor is listed) or a fake tensor
                 continue
     storages.pop(0, None)  # empty tensors
     return sum(storages.values())

@@ -107,21 +107,21 @@ def mixed_precision_policy(precision: str, device: torch.device | str) -> MixedP
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def units_of(stages: Sequence[nn.Module]) -> list[list[nn.Module]]:
-    """The FSDP2 units of ``stages``: each layer holding parameters, and layers sharing a
-    parameter (across stages of this rank too) together, in layer order.
+def units_of(stages: Sequence[nn.Module], per_layer: bool = True) -> list[list[nn.Module]]:
+    """The FSDP2 units of ``stages``: each layer holding parameters (``per_layer``), else each
+    stage; pieces sharing a parameter (across stages of this rank too) together, in order.
 
     >>> embed, head = nn.Embedding(5, 2), nn.Linear(2, 5, bias=False)
     >>> head.weight = embed.weight
-    >>> units = units_of([nn.Sequential(embed, nn.ReLU()), nn.Sequential(nn.Linear(2, 2), head)])
-    >>> [len(u) for u in units]
-    [2, 1]
+    >>> stages = [nn.Sequential(embed, nn.ReLU()), nn.Sequential(nn.Linear(2, 2), head)]
+    >>> [len(u) for u in units_of(stages)], [len(u) for u in units_of(stages, per_layer=False)]
+    ([2, 1], [2])
     """
-    layers = [layer for stage in stages for layer in stage.children()]
+    pieces = [layer for stage in stages for layer in stage.children()] if per_layer else stages
     unit_of: dict[int, list[nn.Module]] = {}  # id(param) -> its unit
     units: list[list[nn.Module]] = []
-    for layer in layers:
-        params = list(layer.parameters())
+    for piece in pieces:
+        params = list(piece.parameters())
         if not params:
             continue
         joined = [unit_of[id(p)] for p in params if id(p) in unit_of]
@@ -132,7 +132,7 @@ def units_of(stages: Sequence[nn.Module]) -> list[list[nn.Module]]:
             if other is not unit:
                 unit.extend(m for m in other if all(m is not n for n in unit))
                 units.remove(other)
-        unit.append(layer)
+        unit.append(piece)
         for member in unit:
             for p in member.parameters():
                 unit_of[id(p)] = unit
@@ -210,12 +210,15 @@ class ReplicaShards:
         ordered = [stages[s] for s in sorted(stages)]
         self.units: list[FSDPModule] = []
         self.stage_units: dict[int, list[FSDPModule]] = {s: [] for s in stages}
-        for members in units_of(ordered):
+        # full frees each layer after its use: a unit per layer. grads and none keep every
+        # layer gathered through the step: a unit per stage, one all-gather and one reduce.
+        for members in units_of(ordered, per_layer=self.mode == "full"):
             unit = self._spread(members if len(members) > 1 else members[0])
             self.units.append(unit)
             # A unit shared by several stages is reduced after the last of them (see reduce).
             for s, stage in stages.items():
-                if any(m is child for m in members for child in stage.children()):
+                held = [stage, *stage.children()]
+                if any(m is piece for m in members for piece in held):
                     self.stage_units[s].append(unit)
         # The root holds every stage, so that the units share one state and one set of streams
         # (a unit spanning two stages included); its forward never runs: its lazy init, which
@@ -227,8 +230,9 @@ class ReplicaShards:
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG nor PREMUL_SUM
         for unit in self.units:
             # FSDP2 prefetches, in backward, the unit that ran forward before: with V stages per
-            # rank that may be one of another stage, already reduced and resharded. Every unit
-            # is gathered for the whole step anyway: its "prefetch" is itself, a no-op.
+            # rank that may be one of another stage, already reduced and resharded (an
+            # all-gather too many). Its "prefetch" is itself, a no-op: a unit is gathered by its
+            # own pre-backward (with full, on GPUs, not overlapped with the unit after it).
             unit.set_modules_to_backward_prefetch([unit])
         self._reduced: set[int] = set()  # stages whose backward is over, this step
         self._done: set[int] = set()  # parameter groups reduced, this step
@@ -399,7 +403,8 @@ class _RootState:
     root's end-of-backward callback."""
 
     def __init__(self, root: FSDPModule, mode: str) -> None:
-        self.state = (replicate if mode == "none" else fully_shard).state(root)  # type: ignore[attr-defined]
+        contract: Any = replicate if mode == "none" else fully_shard
+        self.state = contract.state(root)
 
     def lazy_init_root(self) -> None:
         self.state._lazy_init()  # noqa: SLF001 - what the root's first forward would do
