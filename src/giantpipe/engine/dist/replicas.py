@@ -11,9 +11,12 @@ replicas form its replica group (``layout.Groups.replica``), the mesh of its FSD
     grads  fully_shard(reshard_after_forward=False)   1/R of each (ZeRO-2)
     none   replicate (FSDP2's DDP)                    all of each
 
-A unit is one layer of the stage holding parameters (a block, the unit the model is cut in);
-layers of this rank sharing a parameter (tied embeddings) form one unit. One FSDP2 root, a
-holder of every stage of the rank, makes the units share one state (and one set of streams).
+A unit (what FSDP2 gathers and reduces in one collective) is, with ``full``, one layer of the
+stage holding parameters (a block, the unit the model is cut in): ZeRO-3 holds one whole at a
+time; with ``grads`` and ``none``, whose layers all stay gathered through the step, the stage
+itself (one collective rather than one per layer; V stages a rank: V units). Pieces of this
+rank sharing a parameter (tied embeddings) form one unit. One FSDP2 root, a holder of every
+stage of the rank, makes the units share one state (and one set of streams).
 
 **Gradients** accumulate unsharded over the step's micro-batches and are reduced once per unit
 (reduce-scatter, or all-reduce with ``none``; a sum, ``gradient_divide_factor=1`` with
