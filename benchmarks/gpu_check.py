@@ -25,6 +25,8 @@ tests in a pytest of its own) and the speed and memory measurements (gpu_measure
     throughput          samples/s against the plain model, torchgpipe and pippy
     memory              allocator peak against predict(pipe, ...)'s forecast
     nccl                DistributedPipe over NCCL, one rank per GPU, equals the plain model
+    replicas            K=2 x R=2 over NCCL, each stage on FSDP2 (full, grads, none; bf16's
+                        policy): equals the plain model; needs 4 GPUs, skipped with fewer
 
 Each case prints a markdown table (check, verdict, measured, criterion: a test's row, or a
 measurement's) and its seconds; a summary lists the failures; the exit status is 1 when any
@@ -102,6 +104,10 @@ CASES: dict[str, Case] = {
     "host-sync": Case("no host synchronisation inside a step", _tests("test_host_sync.py")),
     **{name: Case(measurement.proves) for name, measurement in MEASUREMENTS.items()},
     "nccl": Case("DistributedPipe over NCCL equals the plain model", _tests("test_nccl.py")),
+    "replicas": Case(
+        "K=2 x R=2 over NCCL, stages on FSDP2, each sharding equals the plain model (4 GPUs)",
+        _tests("test_replicas.py"),
+    ),
 }
 """Every case, in the order a run takes them (correctness first: a short loan proves most)."""
 

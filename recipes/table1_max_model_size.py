@@ -43,6 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
+from giantpipe.perf.replica_state import ReplicaSharding  # noqa: E402
 from giantpipe.perf.sizing import (  # noqa: E402
     MeasuredSize,
     ModelFamily,
@@ -383,6 +384,42 @@ def paper_table(
     return "\n".join([title, "", settings, "", *rows, "", *[f"- {n}" for n in notes]]) + "\n"
 
 
+def replica_table(
+    family: ModelFamily,
+    columns: list[PaperColumn],
+    usable: int,
+    depths: Sequence[int],
+    opt: str,
+    replicas: int,
+) -> str:
+    """Markdown: per pipeline column, the largest model of the paper's width on its K devices
+    and on K x R devices, each stage spread over R replicas with ``full`` sharding (FSDP2,
+    ``pipeline.replica_sharding=full``); both predicted (``perf/replica_state.py``)."""
+    rows = ["| column | K devices | K x R devices, full | parameters, x |", "|---|---|---|---|"]
+    for column in columns:
+        if column.label.startswith("Naive"):
+            continue
+        spec, width = column.size.spec, column.size.width
+        spread = Setting.uncut(column.label, spec.num_stages, ReplicaSharding(replicas, "full"),
+                               chunks=spec.chunks, recompute=spec.recompute)  # fmt: skip
+        alone, wide = column.largest, deepest(family, spread, width, depths, usable, opt)
+        cells = [(f"{family.describe(m.layers, m.width)} {_fmt_params(m.params)}" if m
+                  else "none fits") for m in (alone, wide)]  # fmt: skip
+        gain = f"{wide.params / alone.params:.2f}" if alone and wide else "-"
+        k = spec.num_stages
+        rows.append(f"| {column.label} ({k} x {replicas} = {k * replicas}) | {cells[0]} | "
+                    f"{cells[1]} | {gain} |")  # fmt: skip
+    title = f"### {family.name}: K x R = {replicas} replicas of each stage, full sharding"
+    about = (
+        f"The largest model of each column's width (its M, re-materialization and {opt}), "
+        f"predicted: on K devices as above, and on K x {replicas} devices with each stage's "
+        "parameters, gradients and optimizer state spread over its replicas (FSDP2 ZeRO-3, one "
+        "unit gathered at a time; its gradients accumulate whole over the micro-batches: "
+        "src/giantpipe/perf/replica_state.py, measured in results/replicas/memory.md)."
+    )
+    return "\n".join([title, "", about, "", *rows]) + "\n"
+
+
 # The paper's memory cells in GiB: AmoebaNet-D's are decimal GB (318M parameters x 12 B =
 # 3.82e9 B, printed 3.8GB), Transformer-L's are GiB (282.2M x 12 B = 3.15 GiB, printed 3.15G).
 PAPER_UNIT = {"AmoebaNet-D": ("GB", 1e9 / GIB), "Transformer-L": ("GiB", 1.0)}
@@ -491,6 +528,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="only the paper's settings, not our own search")  # fmt: skip
     parser.add_argument("--no-measure", action="store_true",
                         help="paper's columns: predicted peaks only, no engine step")  # fmt: skip
+    parser.add_argument("--replicas", type=int, default=4,
+                        help="R of the K x R column, full sharding (1: none)")  # fmt: skip
     args = parser.parse_args(argv)
     args.out = output_path(args, ROOT, "table1")
     return args
@@ -543,6 +582,10 @@ def run(args: argparse.Namespace) -> Results:
                                 depths, args.optimizer, measure, labels)  # fmt: skip
         markdown.append(paper_table(family, columns, paper, budget, chunks, args.recompute,
                                     args.reserve, args.optimizer))  # fmt: skip
+        if args.replicas > 1:
+            usable = int(budget * (1 - args.reserve))
+            markdown.append(replica_table(family, columns, usable, depths, args.optimizer,
+                                          args.replicas))  # fmt: skip
         results.paper[family.name] = columns
     search_md = [
         "## 2. Our own search: the largest model giantpipe can train here",

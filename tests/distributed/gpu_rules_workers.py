@@ -21,9 +21,10 @@ from torch import nn
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from giantpipe.engine.dist.meta import init_layers
 from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.dist.replicas import local_tensor
 from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
-from tests.distributed.workers import INIT, SEED, reference, shard, toy_data
+from tests.distributed.workers import INIT, SEED, mine, reference, shard, toy_data
 from tests.unit.engine.engine_helpers import Block
 
 D_IN, D = 6, 16
@@ -75,7 +76,9 @@ def _check_grads(pipe: nn.Module, plain: nn.Module, what: str) -> int:
     count = 0
     for name, p in pipe.named_parameters():
         assert p.grad is not None, f"{what}: {name} has no gradient"
-        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(  # this rank's shard with replicas (FSDP2)
+            local_tensor(p.grad), mine(want[name].grad, p.grad), rtol=1e-4, atol=1e-5, msg=name
+        )
         count += 1
     buffers = dict(plain.named_buffers())
     for name, b in pipe.named_buffers():
@@ -138,14 +141,14 @@ def train_round(tmp: Path, workers: int, chunks: int = 2, max_norm: float = 0.05
         plain_opt.zero_grad()
         losses.append(loss.item())
         norms.append(float(norm))
-    saved = {k: v.clone() for k, v in pipe.state_dict().items()}
+    saved = {k: local_tensor(v).clone() for k, v in pipe.state_dict().items()}
     pipe.save_checkpoint(tmp / "ckpt", step=2)
     with torch.no_grad():
         for p in pipe.parameters():
             p.zero_()
     manifest = pipe.load_checkpoint(tmp / "ckpt")
     for name, value in pipe.state_dict().items():
-        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(local_tensor(value), saved[name], rtol=0, atol=0, msg=name)
     world = TorchrunWorld(timeout=20.0)  # its set-up collectives, as before a pipe exists
     _round_of_the_runner(world, "set-up")
     world.bind(pipe)

@@ -16,6 +16,7 @@ from torch import nn
 
 from giantpipe.engine import pipeline_grad_scaler
 from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.dist.replicas import local_tensor, whole_tensor
 from tests.distributed.workers import shard
 
 mse = nn.functional.mse_loss
@@ -50,10 +51,11 @@ def step(
 
 def update(pipe: DistributedPipe, scaler: Any, opt: torch.optim.Optimizer) -> bool:
     """scaler.step + update; whether this rank's weights moved."""
-    before = [p.detach().clone() for p in pipe.parameters()]
+    before = [local_tensor(p.detach()).clone() for p in pipe.parameters()]
     scaler.step(opt)
     scaler.update()
-    return not all(torch.equal(p, b) for p, b in zip(pipe.parameters(), before, strict=True))
+    after = [local_tensor(p.detach()) for p in pipe.parameters()]
+    return not all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
 def agreement(tmp: Path, workers: int, bad_rank: int) -> dict[str, Any]:
@@ -68,26 +70,28 @@ def agreement(tmp: Path, workers: int, bad_rank: int) -> dict[str, Any]:
     except TypeError as err:
         refused = str(err)
     step(pipe, 0)
-    unscaled = [p.grad.clone() for p in pipe.parameters()]
+    unscaled = [local_tensor(p.grad).clone() for p in pipe.parameters()]
     pipe.zero_grad()
     scaler = pipeline_grad_scaler(pipe, init_scale=2.0**10, growth_interval=1)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     step(pipe, 0, scaler)
     for p, u in zip(pipe.parameters(), unscaled, strict=True):
-        assert torch.equal(p.grad, 2.0**10 * u)  # fp32, a power of two: exact
+        assert torch.equal(local_tensor(p.grad), 2.0**10 * u)  # fp32, a power of two: exact
     scales, moved = [], [update(pipe, scaler, opt)]
     scales.append(scaler.get_scale())
     opt.zero_grad()
     step(pipe, 1, scaler, fp16=True)
     if dist.get_rank() == bad_rank:
-        next(pipe.parameters()).grad.view(-1)[0] = float("inf")
+        # this rank's shard of its first gradient (FSDP2 with replicas)
+        local_tensor(next(pipe.parameters()).grad).view(-1)[0] = float("inf")
     moved.append(update(pipe, scaler, opt))
     scales.append(scaler.get_scale())
     opt.zero_grad()
     step(pipe, 2, scaler, fp16=True)
     moved.append(update(pipe, scaler, opt))
     scales.append(scaler.get_scale())
-    weights = {name: p.detach().clone() for name, p in pipe.named_parameters()}
+    # whole (every replica's shard, gathered in the same order on every rank of the stage)
+    weights = {name: whole_tensor(p.detach()).clone() for name, p in pipe.named_parameters()}
     pipe.release()
     return {"refused": refused, "scales": scales, "moved": moved, "weights": weights}
 

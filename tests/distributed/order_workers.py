@@ -31,6 +31,8 @@ RECORDED = (
     "all_gather",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "all_gather_single",  # FSDP2's parameter all-gather
+    "reduce_scatter_single",  # and its gradient reduce-scatter
     "broadcast",
     "barrier",
     "all_gather_object",

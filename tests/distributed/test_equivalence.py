@@ -66,7 +66,6 @@ def test_two_stages_times_two_replicas_clipping_and_accumulation(tmp_path: Path)
                     "chunks": [2],
                     "modes": ["except_last"],
                     "schedules": ["gpipe", "1f1b"],
-                    "bucket_mb": 0.0005,  # a bucket per parameter: order and overlap matter
                 },
             ),
             ("clipping", {"workers": 2}),

@@ -223,9 +223,10 @@ def as_device_ops(log: list[dict[str, Any]]) -> list[DeviceOp]:
 @pytest.mark.distributed
 def test_real_steps_over_the_ordered_transport_replay_under_nccls_rule(tmp_path) -> None:
     """K=2 x R=2 gloo processes, every schedule, M = 2 and 4: each step over the ordered
-    transport equals the plain model (BatchNorm, dropout, an integer mask, bucketed gradient
-    all-reduce over the replicas), every call to torch.distributed comes from the rank's main
-    thread, and the device operations and collectives of all ranks replay under NCCL's rule."""
+    transport equals the plain model (BatchNorm, dropout, an integer mask, each stage on FSDP2
+    over its replicas: its all-gathers and reduce-scatters among the sends), every call to
+    torch.distributed comes from the rank's main thread, and the device operations and
+    collectives of all ranks replay under NCCL's rule."""
     from tests.distributed.launch import spawn
 
     results = spawn(
@@ -235,7 +236,6 @@ def test_real_steps_over_the_ordered_transport_replay_under_nccls_rule(tmp_path)
         workers=2,
         chunks=[2, 4],
         modes=["except_last"],
-        bucket_mb=0.0005,  # a bucket per parameter: many all-reduces among the sends
     )
     ops = {}
     for result in results:
@@ -243,6 +243,8 @@ def test_real_steps_over_the_ordered_transport_replay_under_nccls_rule(tmp_path)
         assert names == set(registered_schedules()), names
         log = result["log"]
         assert any(e["tag"] == PAYLOADS for e in log), "nothing went over the ordered transport"
+        calls = {e["call"] for e in log}
+        assert {"all_gather_single", "reduce_scatter_single"} <= calls, "FSDP2 not recorded"
         off_main = [e["call"] for e in log if not e["main_thread"]]
         assert not off_main, f"rank {result['rank']}: called from another thread: {off_main}"
         ops[result["rank"]] = as_device_ops(log)

@@ -33,6 +33,7 @@ from giantpipe.config.checks import ConfigError, check, check_choice, check_fiel
 from giantpipe.engine.spec import (
     DEFAULT_CHUNKS,
     DEFAULT_RECOMPUTE,
+    DEFAULT_REPLICA_SHARDING,
     DEFAULT_SCHEDULE,
     DEFAULT_TIMEOUT,
     MAX_TIMEOUT_S,
@@ -40,6 +41,7 @@ from giantpipe.engine.spec import (
     check_chunks,
     check_layer_counts,
     check_recompute,
+    check_replica_sharding,
     check_timeout,
     check_virtual_stages,
 )
@@ -78,6 +80,15 @@ class PipelineConfig:
     """``local``: one process, a worker thread per stage. ``distributed``: one process per
     stage under torchrun (``torchrun --nproc_per_node=K train.py pipeline.executor=distributed``;
     K pipeline ranks x R replicas = the world size, see giantpipe.runner.pipeline)."""
+    replica_sharding: str = DEFAULT_REPLICA_SHARDING
+    """With R > 1 replicas under torchrun, how each stage is spread over its replicas, on
+    torch's FSDP2: ``full`` (ZeRO-3, the default: each rank holds 1/R of its stage's
+    parameters, gradients and optimizer state between steps, so the model that fits grows with
+    K x R devices), ``grads`` (ZeRO-2: the same at rest; forward-only passes gather each unit
+    once rather than per micro-batch) or ``none`` (every replica holds the whole stage;
+    gradients all-reduced). Gradients are reduced once per step, after each stage's last
+    backward; on GPUs ``precision`` bf16/fp16 also gathers the parameters in that type and
+    reduces the gradients in float32."""
     timeout: float = DEFAULT_TIMEOUT
     """Seconds any wait for another stage (a worker thread, or another rank under torchrun) may
     take before the step fails."""
@@ -147,6 +158,7 @@ class PipelineConfig:
             self._check_devices()
             self._check_policy_or_counts()
             check_choice(self.executor, EXECUTORS, "pipeline.executor")
+            check_replica_sharding(self.replica_sharding)
             check_timeout(self.timeout)
             self._check_split_points()
 

@@ -62,6 +62,13 @@ DEFAULT_TIMEOUT = 300.0
 a silent hang (a failure is reported at once), so a long bound costs a failing run nothing, while
 a short one (60 s) kills healthy runs whose first step sets up NCCL or runs on loaded CPUs."""
 RECOMPUTE_MODES = ("always", "except_last", "never")
+REPLICA_SHARDINGS = ("full", "grads", "none")
+"""How a stage is spread over its R replicas on FSDP2 (``engine/dist/replicas.py``): ZeRO-3,
+ZeRO-2, replicated. Not the pipeline's shape, but its one owner is here, beside the shape's
+rules: the config's schema (no torch) and the distributed pipe check it alike."""
+DEFAULT_REPLICA_SHARDING = "full"
+"""ZeRO-3: what a model too big for one device needs, each rank holding 1/R of its stage's
+parameters, gradients and optimizer state (Adam: 4x the weights) between steps."""
 MAX_CHUNKS = 2**20
 """More micro-batches than this is a typo, not a plan: refused before a schedule is built."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -319,6 +326,18 @@ def check_recompute(mode: Any, key: str) -> str:
             f"must be one of 'always', 'except_last' or 'never', got {mode!r}",
             problem=f"must be one of {', '.join(RECOMPUTE_MODES)}; got {mode!r}",
         )
+    return str(mode)
+
+
+def check_replica_sharding(mode: Any, key: str = "pipeline.replica_sharding") -> str:
+    """The mode as a str, one of :data:`REPLICA_SHARDINGS`; ``key`` names it in the message.
+
+    >>> check_replica_sharding("grads")
+    'grads'
+    """
+    if str(mode) not in REPLICA_SHARDINGS:
+        known = ", ".join(REPLICA_SHARDINGS)
+        raise SpecError(key, f"must be one of {known}; got {mode!r}")
     return str(mode)
 
 

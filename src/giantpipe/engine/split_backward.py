@@ -232,8 +232,9 @@ def _run_group(group: _Group, captured: dict[Node, tuple[Any, ...]]) -> None:
 
 def _post_accumulate(param: torch.Tensor) -> None:
     """Runs ``param``'s post-accumulate-grad hooks, as autograd does after it accumulates into
-    ``.grad``: W accumulates by hand, and the gradient buckets of the replicas start from these
-    hooks (giantpipe.engine.dist.gradsync). torch keeps them in a private dict, in order."""
+    ``.grad``: W accumulates by hand, and a hook a caller registered (an optimizer in the
+    backward, a gradient hook) must still see each accumulation. torch keeps them in a private
+    dict, in order."""
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     for hook in list((hooks or {}).values()):
         hook(param)

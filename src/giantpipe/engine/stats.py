@@ -166,7 +166,13 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     >>> len(storage_keys(layer.parameters()))
     2
     """
-    return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+    keys = set()
+    for t in tensors:
+        try:
+            keys.add(t.untyped_storage().data_ptr())
+        except RuntimeError:  # a DTensor (a rank's FSDP2 shard) has no storage of its own
+            continue
+    return frozenset(keys)
 
 
 class SavedTensorMeter:

@@ -48,6 +48,7 @@ from giantpipe.engine.schedules.actions import Schedule
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.perf.costs import LayerCost
+from giantpipe.perf.replica_state import ReplicaSharding, keeps_units
 from giantpipe.perf.simulate import Simulation, StageCost, peak_activations, simulate
 
 GIB = 2**30
@@ -123,6 +124,7 @@ def plan(
     overhead: float = 0.0,
     top: int | None = None,
     progress: Progress | None = None,
+    replicas: ReplicaSharding | None = None,
 ) -> Ranked:
     """Every configuration that fits, fastest first (ties: least peak memory).
 
@@ -139,11 +141,14 @@ def plan(
     that fit), but a configuration whose busiest worker alone (a lower bound of the step) takes
     longer than the ``top``-th fastest step found so far cannot rank and is not replayed.
     ``progress(done, total)`` is called as configurations are checked and simulated.
+    ``replicas``: R replicas of every stage and their sharding (``pipeline.replica_sharding``):
+    what a device holds of its stages' parameters, gradients and optimizer state
+    (:mod:`giantpipe.perf.replica_state`); ``batch_size`` is then one replica's share.
     """
     options = chunks or [2**i for i in range(batch_size.bit_length()) if 2**i <= batch_size]
     budget = device.memory_bytes * (1 - device.reserve)
     measured = _Measured(layer_times, overhead) if layer_times is not None else None
-    search = _Search(layers, batch_size, device, optimizer_slots, measured)
+    search = _Search(layers, batch_size, device, optimizer_slots, measured, replicas)
     grid = search_space(num_devices, len(layers), schedules, virtual_stages, options, recompute)
     total = 2 * len(grid)  # each configuration is checked, then simulated or ruled out
     tick = progress if progress is not None else (lambda done, total: None)
@@ -226,12 +231,15 @@ class _Search:
         device: DeviceSpec,
         slots: int,
         measured: _Measured | None,
+        replicas: ReplicaSharding | None = None,
     ) -> None:
         self.layers, self.batch_size, self.device = layers, batch_size, device
         self.slots, self.measured = slots, measured
+        self.replicas = replicas or ReplicaSharding()
+        self.largest = max((c.param_bytes for c in layers), default=0)  # full's gathered unit
         self._schedules: dict[tuple[str, int, int, int], Schedule] = {}
         self._pressure: dict[tuple[int, str], list[list[tuple[int, int]]]] = {}
-        self._per_layer: dict[int, list[StageCost]] = {}
+        self._per_layer: dict[tuple[int, bool], list[StageCost]] = {}
 
     def schedule(self, name: str, k: int, m: int, v: int) -> Schedule:
         key = (name, k, m, v)
@@ -245,33 +253,42 @@ class _Search:
             self._pressure[key] = pressure(schedule, mode)
         return self._pressure[key]
 
-    def per_layer(self, micro: int) -> list[StageCost]:
-        if micro not in self._per_layer:
+    def sharding(self, schedule: Schedule) -> ReplicaSharding:
+        """The replicas' sharding under ``schedule`` (full keeps units under zero bubble)."""
+        return dataclasses.replace(self.replicas, split=keeps_units(schedule.name))
+
+    def per_layer(self, micro: int, sharding: ReplicaSharding | None = None) -> list[StageCost]:
+        sharding = sharding or self.replicas
+        key = (micro, sharding.split)
+        if key not in self._per_layer:
             device, slots = self.device, self.slots
             costs = [
-                _layer_cost(c, micro, device, slots, first=i == 0)
+                _layer_cost(c, micro, device, slots, first=i == 0, replicas=sharding)
                 for i, c in enumerate(self.layers)
             ]
             if self.measured is not None:
                 costs = self.measured.apply(costs, micro)
-            self._per_layer[micro] = costs
-        return self._per_layer[micro]
+            self._per_layer[key] = costs
+        return self._per_layer[key]
 
     def fit(self, schedule: Schedule, mode: str, budget: float) -> _Fitted | None:
         """The balance and peak memory of one configuration; None if it does not fit."""
         micro = split_sizes(self.batch_size, schedule.chunks)[0]  # the largest one
-        per_layer, layers = self.per_layer(micro), self.layers
+        sharding = self.sharding(schedule)
+        per_layer, layers = self.per_layer(micro, sharding), self.layers
         recomputed = 0.0 if mode == "never" else 1.0
         times = [c.forward + c.backward + recomputed * c.recompute for c in per_layer]
         memory = _stage_memory(per_layer, layers, micro, self.pressure(schedule, mode))
         # a worker of an interleaved schedule holds V stages: give each its share of the budget
-        share = budget / schedule.virtual_stages
+        share = budget / schedule.virtual_stages - sharding.gathered_bytes(self.largest)
         try:
             balance = solve_balance(times, schedule.num_stages, lambda *cut: memory(*cut) <= share)
         except NoFit:
             return None
         bounds = list(itertools.accumulate([0, *balance]))
         costs = [combine(per_layer[a:b], layers[a:b], micro) for a, b in itertools.pairwise(bounds)]
+        gathered = sharding.gathered_bytes(self.largest)
+        costs = [dataclasses.replace(c, static_bytes=c.static_bytes + gathered) for c in costs]
         overhead = self.measured.overhead if self.measured is not None else 0.0
         fitted = _Fitted(schedule, mode, balance, costs, overhead, self.batch_size)
         if max(fitted.peak_memory()) > budget:
@@ -380,9 +397,17 @@ class _Measured:
         ]
 
 
-def _layer_cost(c: LayerCost, micro: int, device: DeviceSpec, slots: int, first: bool) -> StageCost:
+def _layer_cost(
+    c: LayerCost,
+    micro: int,
+    device: DeviceSpec,
+    slots: int,
+    first: bool,
+    replicas: ReplicaSharding | None = None,
+) -> StageCost:
     """One layer for one micro-batch. Backward = input gradient + weight gradient, each about
-    the forward's FLOPs; the model's first layer needs no input gradient."""
+    the forward's FLOPs; the model's first layer needs no input gradient. Its state (weights,
+    gradients, optimizer slots) as ``replicas`` spreads it (default: one replica)."""
     flops = c.flops * micro
     forward = device.seconds(flops, 1)
     backward_input = 0.0 if first else device.seconds(flops, 1)
@@ -396,7 +421,7 @@ def _layer_cost(c: LayerCost, micro: int, device: DeviceSpec, slots: int, first:
         send=send,
         input_bytes=c.input_bytes * micro,
         activation_bytes=c.saved_bytes * micro,
-        static_bytes=c.param_bytes * (2 + slots),
+        static_bytes=int((replicas or ReplicaSharding()).layer_bytes(c.param_bytes, slots)),
     )
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from torch import nn
@@ -47,6 +47,7 @@ from torch import nn
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.perf.balance import solve_balance
 from giantpipe.perf.memory import Spec, StageLoss
+from giantpipe.perf.replica_state import ReplicaSharding, keeps_units
 from giantpipe.perf.stage_memory import (
     LayerMemory,
     StageMemory,
@@ -106,12 +107,20 @@ class Setting:
 
     label: str
     spec: PipelineSpec
+    replicas: ReplicaSharding = ReplicaSharding()
+    """R replicas of every stage on FSDP2 (default one): K x R devices, each stage's state
+    spread as :mod:`giantpipe.perf.replica_state` says (predicted only: :func:`measure_size`
+    runs each stage alone)."""
 
     @classmethod
-    def uncut(cls, label: str, partitions: int, **shape: Any) -> Setting:
+    def uncut(
+        cls, label: str, partitions: int, replicas: ReplicaSharding | None = None, **shape: Any
+    ) -> Setting:
         """``partitions`` stages, not yet cut (one layer each); ``shape``: the spec's other
-        keywords (``chunks``, ``recompute``, ``schedule``)."""
-        return cls(label, PipelineSpec.from_keywords(balance=(1,) * partitions, **shape))
+        keywords (``chunks``, ``recompute``, ``schedule``); ``replicas``: see above."""
+        spec = PipelineSpec.from_keywords(balance=(1,) * partitions, **shape)
+        sharding = replicas or ReplicaSharding()
+        return cls(label, spec, replace(sharding, split=keeps_units(spec.schedule)))
 
 
 @dataclass(frozen=True)
@@ -146,27 +155,41 @@ class MeasuredSize:
 
 
 def stage_peaks(
-    costs: Sequence[LayerMemory], balance: Sequence[int], chunks: int, recompute: str
+    costs: Sequence[LayerMemory],
+    balance: Sequence[int],
+    chunks: int,
+    recompute: str,
+    replicas: ReplicaSharding | None = None,
 ) -> list[int]:
     """Predicted peak bytes of each stage (see the module docstring for the sum) under the
-    re-materialization mode ``recompute`` ('always', 'except_last' or 'never').
+    re-materialization mode ``recompute`` ('always', 'except_last' or 'never'), each stage
+    spread over ``replicas`` (default: one).
 
     Example::
 
         stage_peaks(template_memory(family, 208, 4, "rmsprop"), [7, 8], 32, "always")
     """
     peaks, start = [], 0
+    sharding = replicas or ReplicaSharding()
     for count in balance:
         layers = costs[start : start + count]
         others = 0 if recompute != "never" else (chunks - 1) * sum(c.saved for c in layers)
         peaks.append(
-            sum(c.resident for c in layers)
+            sum(resident(c, sharding) for c in layers)
+            + sharding.gathered_bytes(max(c.weights for c in layers))
             + chunks * layers[0].input
             + others
             + _backward_peak(layers)
         )
         start += count
     return peaks
+
+
+def resident(layer: LayerMemory, replicas: ReplicaSharding) -> int:
+    """A layer's resident bytes (weights, gradients, optimizer slots, buffers) at the step's
+    peak on one rank, its state spread over ``replicas``."""
+    unsharded = (2 + layer.slots) * layer.weights
+    return int(layer.resident - unsharded + replicas.layer_bytes(layer.weights, layer.slots))
 
 
 def _backward_peak(layers: Sequence[LayerMemory]) -> int:
@@ -180,7 +203,11 @@ def _backward_peak(layers: Sequence[LayerMemory]) -> int:
 
 
 def balance_memory(
-    costs: Sequence[LayerMemory], partitions: int, chunks: int, recompute: str
+    costs: Sequence[LayerMemory],
+    partitions: int,
+    chunks: int,
+    recompute: str,
+    replicas: ReplicaSharding | None = None,
 ) -> list[int]:
     """A balance minimising the predicted largest stage peak, cut by ``solve_balance``.
 
@@ -192,12 +219,14 @@ def balance_memory(
 
         balance_memory(template_memory(family, 208, 4, "rmsprop"), 2, 32, "always")   # [7, 8]
     """
-    base = [max(0, c.resident + c.saved) for c in costs]  # a layer may free more than it saves
+    sharding = replicas or ReplicaSharding()
+    # a layer may free more than it saves
+    base = [max(0, resident(c, sharding) + c.saved) for c in costs]
     candidates = [solve_balance(base, partitions)]
     if len({c.input for c in costs[1:]}) > 1:  # equal inputs add the same to every cut
         with_inputs = [b + chunks * c.input for b, c in zip(base, costs)]
         candidates.append(solve_balance(with_inputs, partitions))
-    return min(candidates, key=lambda b: max(stage_peaks(costs, b, chunks, recompute)))
+    return min(candidates, key=lambda b: max(stage_peaks(costs, b, chunks, recompute, sharding)))
 
 
 def micro_batch(family: ModelFamily, setting: Setting) -> int:
@@ -234,8 +263,9 @@ def size_model(
     shape = setting.spec
     if len(costs) < shape.num_stages:
         return None
-    balance = balance_memory(costs, shape.num_stages, shape.chunks, shape.recompute)
-    peaks = stage_peaks(costs, balance, shape.chunks, shape.recompute)
+    sharding = setting.replicas
+    balance = balance_memory(costs, shape.num_stages, shape.chunks, shape.recompute, sharding)
+    peaks = stage_peaks(costs, balance, shape.chunks, shape.recompute, sharding)
     params = sum(c.params for c in costs)
     cut = shape.replace(balance=tuple(balance))
     return ModelSize(setting, layers, width, params, cut, tuple(peaks))

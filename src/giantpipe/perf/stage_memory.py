@@ -291,6 +291,8 @@ class LayerMemory:
     saved: int  # kept for backward by its forward, output included
     transient: int  # the most extra bytes during its backward (weight gradients exist)
     spec: Spec  # shape of its input (one micro-batch)
+    weights: int = 0  # its parameters' bytes (in resident, with their gradients and slots)
+    slots: int = 0  # optimizer slots per parameter (in resident)
 
 
 def profile_layer_memory(
@@ -329,6 +331,8 @@ def profile_layer_memory(
                     saved=saved[i],
                     transient=transient,
                     spec=specs[i],
+                    weights=weights,
+                    slots=slots,
                 )
             )
     return costs

@@ -240,7 +240,11 @@ def loss_of(cfg: ExperimentConfig, bundle: DataBundle) -> LossFn:
 
 
 def plan_and_spec(
-    cfg: ExperimentConfig, model: nn.Sequential, bundle: DataBundle, devices: list[str]
+    cfg: ExperimentConfig,
+    model: nn.Sequential,
+    bundle: DataBundle,
+    devices: list[str],
+    replicas: int = 1,
 ) -> tuple[PipelineSpec, dict[str, Any] | None]:
     """The pipeline's spec and, under plan=auto, the planner's choice (else None): the
     planner's spec, else the config's with its balance (profiled on the first device by the
@@ -249,7 +253,9 @@ def plan_and_spec(
     sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
     if cfg.pipeline.plan == "auto":
         loss_fn = loss_of(cfg, bundle)
-        return plan_pipeline(cfg, model, devices, sample_inputs, sample_targets, loss_fn)
+        return plan_pipeline(
+            cfg, model, devices, sample_inputs, sample_targets, loss_fn, replicas=replicas
+        )
     sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
     balance = resolve_balance(cfg.pipeline, model, devices, sample)
     spec = pipeline_spec(cfg.pipeline, balance, devices)
@@ -272,7 +278,8 @@ def build_experiment(
     def model_and_plan() -> tuple[DataBundle, nn.Sequential, Any]:
         bundle = first or build_bundle(cfg, run_dir)
         model = build_model(cfg, bundle)
-        decided = plan_and_spec(cfg, model, bundle, devices) if world.rank == 0 else None
+        replicas = world.size // len(devices) if world.size % len(devices) == 0 else 1
+        decided = plan_and_spec(cfg, model, bundle, devices, replicas) if world.rank == 0 else None
         return bundle, model, decided
 
     bundle, model, decided = world.agree(model_and_plan)
@@ -285,7 +292,7 @@ def build_experiment(
         pipe = build_pipe(model, spec)
         inputs_to, targets_to = devices[0], devices[workers - 1]
     else:
-        pipe = build_distributed_pipe(model, spec, own)
+        pipe = build_distributed_pipe(model, spec, own, cfg.pipeline)
         world.bind(pipe)
         inputs_to = targets_to = own
     # Rank 0 keeps the whole plain model under torchrun only for a whole-model evaluation that

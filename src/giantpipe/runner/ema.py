@@ -18,6 +18,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from giantpipe.engine.dist.replicas import shard_like
 
 
 class WeightEMA:
@@ -50,12 +53,16 @@ class WeightEMA:
             self._swap()
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {name: t.detach().cpu() for name, t in self.shadow.items()}
+        # An FSDP2 shard stays where it is: a save stages it (runner.checkpoint.saving).
+        return {
+            name: t.detach() if isinstance(t, DTensor) else t.detach().cpu()
+            for name, t in self.shadow.items()
+        }
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         missing = set(self.shadow) - set(state)
         if missing:
             raise KeyError(f"EMA state lacks {sorted(missing)[:3]}")
         for name, tensor in state.items():
-            if name in self.shadow:
-                self.shadow[name].copy_(tensor)
+            if name in self.shadow:  # a whole tensor for an FSDP2 shard: this rank's part
+                self.shadow[name].copy_(shard_like(tensor, self.shadow[name]))

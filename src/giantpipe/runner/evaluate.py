@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, DataBundle, batch_size
+from giantpipe.engine.dist.replicas import whole_tensor
 from giantpipe.engine.generate import evaluating
 from giantpipe.engine.pipe import Pipe
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
@@ -155,7 +156,8 @@ def whole_model_figures(
 
     A hook that takes the pipe (``takes_pipe``) runs on every rank, through the stages (held-out
     BLEU decodes with each stage's caches, for every schedule). For any other, under torchrun
-    the ranks of replica 0 send their weights to rank 0, which loads them into its plain model
+    the ranks of replica 0 send their weights (with FSDP2 gathered from every replica's shards)
+    to rank 0, which loads them into its plain model
     and runs the evaluation; the figures then reach every rank.
     """
     hook = bundle.evaluate_model
@@ -165,8 +167,10 @@ def whole_model_figures(
         through_pipe: dict[str, float | str] = world.from_rank0(hook(pipe))
         return through_pipe
     if world.size > 1:
-        held = pipe.state_dict() if pipe.replica == 0 else {}
-        state = {k: v.detach().cpu() for k, v in held.items()}
+        # FSDP2 shards are gathered first, by every replica of a stage in the same order.
+        whole = {k: whole_tensor(v.detach()) for k, v in pipe.state_dict().items()}
+        held = whole if pipe.replica == 0 else {}
+        state = {k: v.cpu() for k, v in held.items()}
         gathered = world.collect(state)
         if gathered is not None:
             assert model is not None, "rank 0 keeps the plain model for whole-model evaluation"

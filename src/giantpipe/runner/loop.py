@@ -32,6 +32,7 @@ import torch
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, EvaluationError, batch_size
+from giantpipe.engine.dist.replicas import local_tensor
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.step import EngineStats, StepRecord
 from giantpipe.metrics.summary import write_summary
@@ -345,7 +346,11 @@ class TrainingLoop:
 
     def _finite(self) -> bool:
         """Whether every weight of this process is finite, agreed by every process."""
-        bad = sum(int(not torch.isfinite(p).all()) for p in self.parts.names.values())
+        # an FSDP2 shard: this rank's part (the sum over every process covers the rest)
+        bad = sum(
+            int(not torch.isfinite(local_tensor(p.detach())).all())
+            for p in self.parts.names.values()
+        )
         return self.world.sum([float(bad)])[0] == 0
 
     def after_step(self) -> None:

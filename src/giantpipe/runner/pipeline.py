@@ -35,6 +35,7 @@ from giantpipe.config.pipeline import as_config_error
 from giantpipe.data.bundle import Tensors
 from giantpipe.engine import GPipe
 from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.dist.replicas import MixedPrecisionPolicy, mixed_precision_policy
 from giantpipe.engine.spec import PipelineSpec, virtual_stages_of
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 
@@ -218,8 +219,31 @@ def build_pipe(model: nn.Sequential, spec: PipelineSpec) -> GPipe:
 
 
 def build_distributed_pipe(
-    model: nn.Sequential, spec: PipelineSpec, device: str
+    model: nn.Sequential, spec: PipelineSpec, device: str, cfg: PipelineConfig | None = None
 ) -> DistributedPipe:
     """This rank's engine (collective): it keeps its own stage of ``model``, built whole on the
-    host as the local runner builds it, so that both start from the same weights."""
-    return DistributedPipe(model, spec=spec, device=torch.device(device), init=None)
+    host as the local runner builds it, so that both start from the same weights. With R > 1
+    replicas its stages are spread over them as ``cfg.replica_sharding`` says, with FSDP2's
+    mixed precision for ``cfg.precision`` on this device (:func:`replica_precision`)."""
+    cfg = cfg or PipelineConfig()
+    return DistributedPipe(
+        model,
+        spec=spec,
+        device=torch.device(device),
+        init=None,
+        replica_sharding=cfg.replica_sharding,
+        mixed_precision=replica_precision(cfg, device),
+    )
+
+
+def replica_precision(cfg: PipelineConfig, device: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision for the replicas of a stage on ``device``: on a GPU, bf16 and
+    fp16 gather the parameters in that type and reduce the gradients in float32; torch's
+    default (each tensor's own type) on the CPU and in fp32.
+
+    Example::
+
+        replica_precision(PipelineConfig(precision="bf16"), "cuda:0").param_dtype  # bfloat16
+        replica_precision(PipelineConfig(precision="bf16"), "cpu").param_dtype     # None
+    """
+    return mixed_precision_policy(cfg.precision, device)

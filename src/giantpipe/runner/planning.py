@@ -52,6 +52,7 @@ from giantpipe.perf.costs import (
 )
 from giantpipe.perf.planner import Candidate, DeviceSpec, format_table, plan, progress_bar
 from giantpipe.perf.predict import executor_overhead
+from giantpipe.perf.replica_state import ReplicaSharding
 from giantpipe.runner.losses import LossFn
 from giantpipe.runner.step import autocast
 
@@ -69,15 +70,18 @@ def plan_pipeline(
     inputs: Tensors,
     targets: Tensors,
     loss_fn: LossFn,
+    replicas: int = 1,
 ) -> tuple[PipelineSpec, dict[str, Any]]:
     """The planner's spec (its balance, chunks, recompute, schedule and V; the config's
     timeout and deferred BatchNorm; ``devices``), and the choice as a dict for summary.json.
-    ``inputs`` and ``targets`` are one training batch.
+    ``inputs`` and ``targets`` are one training batch; under torchrun each of the
+    ``replicas`` pipelines takes its share of it, and holds its stages' state as
+    ``pipeline.replica_sharding`` spreads it (:mod:`giantpipe.perf.replica_state`).
 
     Leaves the model's parameters, gradients, buffers and the RNG streams as they were.
     """
     started = time.perf_counter()
-    size, k = batch_size(inputs), len(devices)
+    size, k = max(1, batch_size(inputs) // replicas), len(devices)
     min_micro = 2 if has_batchnorm(model) else 1
     chunks = chunk_options(size, min_micro)
     budget = memory_budget(cfg.pipeline, devices)
@@ -97,6 +101,7 @@ def plan_pipeline(
         optimizer_slots=optimizer_slots(cfg.optim),
         layer_times=timer,
         overhead=overhead,
+        replicas=ReplicaSharding(replicas, cfg.pipeline.replica_sharding),
     )
     with progress_bar() as progress:
         candidates = search(spec, top=TOP, progress=progress)

@@ -42,12 +42,14 @@ class TinyFamily:
 
 
 def test_a_setting_is_a_label_beside_a_pipeline_spec() -> None:
-    assert [f.name for f in dataclasses.fields(Setting)] == ["label", "spec"]
+    # and its replicas: K x R devices (one replica unless given)
+    assert [f.name for f in dataclasses.fields(Setting)] == ["label", "spec", "replicas"]
     setting = Setting.uncut("Pipeline-2", 2, chunks=4, recompute="always")
     assert isinstance(setting.spec, PipelineSpec)
     assert (setting.spec.num_stages, setting.spec.chunks, setting.spec.recompute) == (
         2, 4, "always")  # fmt: skip
     assert micro_batch(TinyFamily(), setting) == 2
+    assert setting.replicas.replicas == 1
 
 
 def test_a_sized_model_carries_the_spec_with_its_cut() -> None:

@@ -9,7 +9,10 @@ What lives here, one concept per module:
 - :mod:`.p2p`: the executor's mailbox across processes, frames over gloo;
 - :mod:`.message_order`: one agreed order of a step's device operations, from the schedule;
 - :mod:`.ordered`: the device transport (NCCL): descriptions on the host, bytes in that order;
-- :mod:`.gradsync`: gradients over replicas, the global-norm clip, a step's collectives;
+- :mod:`.replicas`: each stage spread over its replicas on FSDP2, gathered and reduced per step;
+- :mod:`.clipping`: the global-norm clip over every stage and replica's shard;
+- :mod:`.tied`: parameters tied across pipeline ranks, their gradients summed once per step;
+- :mod:`.collectives`: a step's collectives under the pipe's timeout;
 - :mod:`.faults`: failures that stop every rank, named;
 - :mod:`.meta`: a model built on meta, only a rank's layers allocated;
 - :mod:`.generation`: the generation ring between ranks (a DistributedPipe's link);

@@ -114,11 +114,13 @@ class Groups:
     fails ("No backend type associated with device type cpu" for a CPU tensor on NCCL)::
 
         group          backend      ranks                    carries
-        p2p            device       every rank               boundary payloads
+        p2p            device       every rank               boundary payloads, the global
+                                                             norm with replicas
         control        host         every rank               frame headers, object collectives
                                                              (runner, checkpoint), barriers
-        pipeline       device       this rank's pipeline     the global gradient norm
-        replica        device       this stage's replicas    gradient buckets, BatchNorm stats
+        pipeline       device       this rank's pipeline     the global gradient norm (R = 1)
+        replica        device       this stage's replicas    FSDP2's mesh (its all-gathers,
+                                                             reduces), BatchNorm stats
         host_pipeline  host         this rank's pipeline     step statistics rows, the loss
         host_replica   host         this stage's replicas    loss normaliser, loss sum
 

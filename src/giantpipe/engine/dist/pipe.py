@@ -5,32 +5,15 @@ dividers group its members: who needs what, steps, failures, state).
 
 Each rank builds the model with its parameters on the meta device, allocates only the layers
 of its own stage(s), and runs its own list of actions from the same schedule data as the local
-executor (the very same ``StepRun``; only its mailbox sends to other processes, see
-:mod:`giantpipe.engine.dist.p2p`). Per step::
-
-    last stage:  all-reduce of the loss normaliser over replicas (global batch / token count)
-    every rank:  its actions; boundary values by isend/irecv, the step's dropout seed (drawn
-                 where stage 0 is) riding in their headers; the replica all-reduce of gradient
-                 buckets starts inside the last backward (giantpipe.engine.dist.gradsync)
-    pipeline:    one all-gather of [loss, wall, span, busy, peak memory, recompute]: the loss
-                 and the step's statistics on every rank
-
-Each collective runs on a group that serves its tensors (``layout.Groups``): gradients,
-BatchNorm statistics and the norm on the device groups (NCCL on CUDA), host numbers (loss,
-normaliser, statistics rows) and objects (checkpoints, the runner) on gloo groups.
-
-What it shares with GPipe (defaults, checks, loss scaling, the step's configuration) is
-:class:`giantpipe.engine.pipe.Pipe`; its hooks sum the loss normaliser and merge deferred
-BatchNorm statistics over the replicas.
-
-Any failure is reported on the failure board, this rank's groups are torn down (which wakes
-every rank waiting on it) and :class:`RankFailure` names the rank and stage that failed first.
+executor (the very same ``StepRun``; only its mailbox sends to other processes). What a step
+sends, over which group, is in docs/engine.md ("Beyond one process"). A failure on any rank
+tears down this rank's groups and raises :class:`RankFailure` naming the rank that failed first.
 
 Example (``torchrun --nproc_per_node=2 train.py``)::
 
     init_distributed()                                      # reads torchrun's environment
     pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)   # R = world size / K
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)        # this rank's parameters only
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)        # this rank's (its shards with R > 1)
     x = batch if pipe.needs_inputs else None
     y = target if pipe.needs_targets else None
     loss = pipe.train_step(x, y, nn.functional.cross_entropy)   # same value on every rank
@@ -45,14 +28,17 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
 from giantpipe.engine.dist import shards
+from giantpipe.engine.dist.clipping import clip_grad_norm_
+from giantpipe.engine.dist.collectives import all_gather_rows, all_reduce_, all_reduce_sum
 from giantpipe.engine.dist.faults import (
     FailureBoard,
     RankFailure,
@@ -62,14 +48,6 @@ from giantpipe.engine.dist.faults import (
     wait_device,
 )
 from giantpipe.engine.dist.generation import RankLink, generation_link
-from giantpipe.engine.dist.gradsync import (
-    GradientSync,
-    TiedSync,
-    all_gather_rows,
-    all_reduce_,
-    all_reduce_sum,
-    clip_grad_norm_,
-)
 from giantpipe.engine.dist.layout import (
     Groups,
     Layout,
@@ -79,13 +57,20 @@ from giantpipe.engine.dist.layout import (
     drop_groups,
     init_distributed,
     resolve_device,
-    tied_group,
     tied_workers,
     warm_up,
 )
 from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
 from giantpipe.engine.dist.ordered import OrderedMailbox, choose_transport
 from giantpipe.engine.dist.p2p import P2PMailbox
+from giantpipe.engine.dist.replicas import (
+    DEFAULT_REPLICA_SHARDING,
+    GatheredLink,
+    ReplicaShards,
+    check_replica_sharding,
+    shard_like,
+)
+from giantpipe.engine.dist.tied import TiedSync, tied_copies
 from giantpipe.engine.dist.wire import KnownLayouts
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.fp16 import AgreedGradScaler, check_agreed
@@ -111,6 +96,14 @@ ModelSource = nn.Sequential | Callable[[], nn.Sequential]
 _T = TypeVar("_T")
 
 
+class _Ends(TypedDict):
+    """What both mailboxes take alike: the step's seed, where it is learnt, the known layouts."""
+
+    seed: int | None
+    on_seed: Callable[[int], None]
+    known: KnownLayouts
+
+
 class DistributedPipe(Pipe):
     """This rank's share of a pipeline x data-parallel model; a step door like ``GPipe``'s.
 
@@ -128,19 +121,23 @@ class DistributedPipe(Pipe):
             leave them uninitialised (load a checkpoint right after).
         deferred_batch_norm: BatchNorm running statistics once per mini-batch, as GPipe's.
         timeout: seconds any wait for another rank may take before the run fails.
-        bucket_mb: size of the gradient buckets all-reduced over replicas.
-        overlap_grad_sync: start a bucket's all-reduce inside the backward (else at the end).
-        transport: how boundary values travel. ``'frames'`` (gloo, CPU): a value is one
-            message carrying its own header, receives posted ahead (:mod:`.p2p`).
-            ``'ordered'`` (NCCL, CUDA): descriptions on a host group, bare payloads on the
-            device, every device operation in the order all ranks derive from the schedule
-            (:mod:`.ordered`; it also runs on CPU, which is how the tests check NCCL's rule).
-            ``'auto'``: ordered on CUDA, frames on CPU.
+        replica_sharding: how each stage is spread over its R replicas, on FSDP2
+            (:mod:`giantpipe.engine.dist.replicas`): ``'full'`` (ZeRO-3, the default: 1/R
+            of the parameters, gradients and optimizer state per rank between steps),
+            ``'grads'`` (ZeRO-2) or ``'none'`` (replicated, torch's ``replicate``).
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy`` of the units (parameters gathered
+            and gradients reduced in its types; see ``replicas.mixed_precision_policy``).
+        transport: how boundary values travel: ``'frames'`` (gloo, CPU; :mod:`.p2p`),
+            ``'ordered'`` (NCCL's rule: device operations in one order all ranks derive from
+            the schedule; :mod:`.ordered`, also on CPU, which is how the tests check NCCL's
+            rule), ``'auto'``: ordered on CUDA, frames on CPU.
         spec: balance, chunks, recompute, schedule, virtual_stages, timeout and
             deferred_batch_norm at once (:class:`~giantpipe.engine.spec.PipelineSpec`, its
             ``devices`` unused: a rank's is ``device``); then pass none of those.
 
-    The replicas R are the world size over the K pipeline ranks the schedule needs.
+    The replicas R are the world size over the K pipeline ranks the schedule needs. With
+    R > 1 this rank's parameters (``pipe.parameters()``, what its optimizer steps) are FSDP2's
+    DTensors: its shards (``full``, ``grads``) or replicated copies (``none``).
     """
 
     def __init__(
@@ -157,13 +154,14 @@ class DistributedPipe(Pipe):
         seed: int = 0,
         init: LayerInit | None | str = "seeded",
         timeout: float = DEFAULT_TIMEOUT,
-        bucket_mb: float = 25.0,
-        overlap_grad_sync: bool = True,
+        replica_sharding: str = DEFAULT_REPLICA_SHARDING,
+        mixed_precision: MixedPrecisionPolicy | None = None,
         transport: str = "auto",
         spec: PipelineSpec | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedPipe needs a process group: call init_distributed()")
+        check_replica_sharding(replica_sharding)
         spec = PipelineSpec.from_keywords(
             spec,
             balance=balance,
@@ -196,7 +194,19 @@ class DistributedPipe(Pipe):
         self.board.watch(self.layout.rank, peers, self.layout.rank_label)
         install_sigterm_note(self.board)
         self._uses: dict[int, int] = {}
-        self.tied = self._tied_sync(model, shared)
+        self.replica_sharding = replica_sharding
+        self.shards = self._spread(replica_sharding, mixed_precision)
+        # After the spread: the tied copies are its DTensors.
+        self.tied = tied_copies(
+            model,
+            shared,
+            self.layout,
+            self.balance,
+            self.placement,
+            self.timeout,
+            self.device,
+            self.board,
+        )
         # Every NCCL communicator now, in one order, not lazily inside step 1 (layout.warm_up).
         tied = tied_workers(shared, self.balance, self.placement)
         warm_up(self.layout, self.groups, tied, self.device, self.timeout, self.board)
@@ -206,7 +216,6 @@ class DistributedPipe(Pipe):
         # crosses as one message into a receive posted ahead (dist/p2p.py).
         self._known = KnownLayouts()
         self._broken: str | None = None
-        self.sync = self._gradient_sync(bucket_mb, overlap_grad_sync)
 
     def _hold_layers(
         self, model: nn.Sequential, seed: int, init: LayerInit | None | str, deferred: bool
@@ -229,38 +238,12 @@ class DistributedPipe(Pipe):
         if names is not None:  # a sequentialized model: checkpoints keep the model's names
             names.install(self)
 
-    def _tied_sync(self, model: nn.Sequential, shared: list[list[tuple[int, str]]]) -> TiedSync:
-        """One copy of each tied parameter per pipeline rank that uses it, kept equal by
-        :class:`TiedSync`; a rank using it in several of its stages holds one object."""
-        stage_of = [s for s, count in enumerate(self.balance) for _ in range(count)]
-        layout, held = self.layout, []
-        for places in shared:
-            workers = sorted({self.placement[stage_of[i]] for i, _ in places})
-            mine = [(i, n) for i, n in places if self.placement[stage_of[i]] == layout.worker]
-            param = model[mine[0][0]].get_parameter(mine[0][1]) if mine else None
-            if param is not None:  # its gradient accumulates once in each stage here using it
-                self._uses[id(param)] = len({stage_of[i] for i, _ in mine})
-            if len(workers) < 2:
-                continue
-            # every rank makes every group
-            group = tied_group(layout, workers, self.timeout, self.device)
-            if param is not None:
-                held.append((param, group, layout.replica * layout.workers + workers[0]))
-        return TiedSync(held, self.timeout, self.board)
-
-    def _gradient_sync(self, bucket_mb: float, overlap: bool) -> GradientSync | None:
-        if self.layout.replicas == 1:
-            return None  # nothing to all-reduce
-        return GradientSync(
-            list(self.named_parameters()),
-            self.groups.replica,
-            self.chunks,
-            self.timeout,
-            bucket_bytes=int(bucket_mb * 2**20),
-            overlap=overlap,
-            board=self.board,
-            uses=self._uses,
-        )
+    def _spread(self, mode: str, policy: MixedPrecisionPolicy | None) -> ReplicaShards | None:
+        """This rank's stages on FSDP2 over its replica group (None with R = 1)."""
+        held = {s: self.partitions[s] for s in self.layout.local_stages}
+        if self.layout.replicas > 1:
+            return ReplicaShards(held, self.groups.replica, self.device, mode, policy)
+        return None
 
     # ---- who needs what ------------------------------------------------------------------
 
@@ -373,15 +356,11 @@ class DistributedPipe(Pipe):
         chunks = self.chunks if grad else self._forward_chunks(inputs)
         spec = self._rank_loss_spec(targets, loss_fn, loss_normalizer, loss_scale, chunks)
         if grad:
-            self.tied.begin()  # first: the replicas' sum below then covers this step only
-        if self.sync is not None and grad:
-            self.sync.begin()
+            self.tied.begin()  # first: the sums below then cover this step only
         steps = self.step_schedule() if grad else self._forward_steps(chunks)
         run = self._run(grad, spec, self._scatter(inputs, chunks), steps)
-        if self.sync is not None and grad:
-            self.sync.finish()
         if grad:
-            self.tied.finish()
+            self.tied.finish()  # after the replicas' reduce (in _run)
         self._commit_batchnorm()
         loss = self._total_loss(run.losses, chunks) if run.losses else None
         return self._finish(run, started, loss, chunks)
@@ -439,31 +418,22 @@ class DistributedPipe(Pipe):
         def learn_seed(value: int) -> None:
             config.seed = value
 
+        ends = _Ends(seed=seed, on_seed=learn_seed, known=self._known)
+        groups, timeout, board = self.groups, self.timeout, self.board
         if self.transport == "ordered":
-            self._box = OrderedMailbox(
-                self.layout,
-                self.groups.control,
-                self.groups.p2p,
-                self.timeout,
-                self.board,
-                comm_device(self.device),
-                seed=seed,
-                on_seed=learn_seed,
-                known=self._known,
+            device = comm_device(self.device)
+            box: OrderedMailbox | P2PMailbox = OrderedMailbox(
+                self.layout, groups.control, groups.p2p, timeout, board, device, **ends
             )
         else:
-            self._box = P2PMailbox(
-                self.layout,
-                self.groups.p2p,
-                self.timeout,
-                self.board,
-                seed=seed,
-                on_seed=learn_seed,
-                known=self._known,
-            )
+            box = P2PMailbox(self.layout, groups.p2p, timeout, board, **ends)
+        self._box = box
         run = StepRun(config, micro, mailbox=self._box)
         self._box.start(steps.actions)
-        run.run(local)
+        if self.shards is None:
+            run.run(local)
+        else:  # the units gathered once, each stage reduced after its last B (or W)
+            self.shards.run(run, local, self.layout.worker, grad)
         self._box.finish()
         return run
 
@@ -497,8 +467,6 @@ class DistributedPipe(Pipe):
         if self._box is not None:
             self._box.drop()
             self._box = None
-        if self.sync is not None:
-            self.sync.drop()
         self.tied = TiedSync([], self.timeout)
         self._broken = self._broken or "the pipe was released"
         gc.collect()
@@ -507,8 +475,6 @@ class DistributedPipe(Pipe):
         self._broken = message
         if self._box is not None:
             self._box.drop()
-        if self.sync is not None:
-            self.sync.drop()
         groups, self.groups = self.groups, Groups.torn_down()
         drop_groups(groups)
         del groups
@@ -529,8 +495,12 @@ class DistributedPipe(Pipe):
         layout, on_cuda = self.layout, self.device.type == "cuda"
         if on_cuda:
             # The wall time of the kernels, not of their launches; first, so that the loss's
-            # read-back below never blocks behind a hung NCCL operation (see wait_device).
-            self._wait_device("the step's kernels and transfers")
+            # read-back below never blocks behind a hung NCCL operation (faults.wait_device). On
+            # the current stream: NCCL's waits and the executor's side streams join it.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            what = f"the step's kernels and transfers on {self.device}"
+            wait_device(event, self.timeout, what, self.board)
         if self._box is not None:  # no value from a step whose transfers failed
             self._box.check()
         loss = 0.0 if local_loss is None else float(local_loss)
@@ -551,14 +521,6 @@ class DistributedPipe(Pipe):
         )
         self.last_timings = list(run.timings)  # this rank's actions
         return table[self.placement[-1], 0].to(torch.float32)
-
-    def _wait_device(self, what: str) -> None:
-        """Waits until this rank's CUDA device has run everything enqueued so far, at most
-        ``timeout`` seconds (then RankFailure, on the board). The event goes on the current
-        stream: the waits on NCCL's requests and the executor's side streams join it."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        wait_device(event, self.timeout, f"{what} on {self.device}", self.board)
 
     def grad_scaler(self, **kwargs: Any) -> AgreedGradScaler:
         """A gradient scaler whose inf/NaN check every rank of the world agrees on (fp16):
@@ -581,14 +543,25 @@ class DistributedPipe(Pipe):
             raise RuntimeError("the pipeline failed earlier; its ranks can no longer agree")
         return all_reduce_(tensor, group, self.timeout, self.board, what)
 
-    def generation_link(self, timeout: float) -> RankLink:
+    def generation_link(self, timeout: float) -> RankLink | GatheredLink:
         """This rank's ends of the ring that :func:`giantpipe.engine.generate.generate` circles
-        (:mod:`giantpipe.engine.dist.generation`)."""
-        return generation_link(self, timeout)
+        (:mod:`giantpipe.engine.dist.generation`). With R > 1 (collective over the replicas)
+        every FSDP2 unit is gathered until the link's ``finish``: each replica then decodes
+        its own prompts for as many tokens as they take, with no collective per token."""
+        link = generation_link(self, timeout)
+        if self.shards is None:
+            return link
+        self.shards.gather()
+        return GatheredLink(link, self.shards.release)
+
+    def norm_group(self) -> Any:
+        """The device group the global norm is summed over: the pipeline's ranks, and with
+        R > 1 every rank of the world (each replica holds a shard of its stage's gradients)."""
+        return self.groups.pipeline if self.layout.replicas == 1 else self.groups.p2p
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Collective. Clips by the global 2-norm over every stage of the pipeline (each
-        replica counted once; their gradients are equal after the all-reduce): equal to
+        """Collective. Clips by the global 2-norm over every stage of the pipeline and every
+        replica's shard (:mod:`giantpipe.engine.dist.clipping`): equal to
         ``torch.nn.utils.clip_grad_norm_`` on the plain model. Returns the norm, on every rank.
 
         Example::
@@ -597,26 +570,31 @@ class DistributedPipe(Pipe):
             norm = pipe.clip_grad_norm_(1.0)
             optimizer.step()
         """
-        return clip_grad_norm_(self, max_norm, group=self.groups.pipeline, device=self.device)
+        return clip_grad_norm_(self, max_norm, group=self.norm_group(), device=self.device)
 
     # ---- state -------------------------------------------------------------------------------
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Loads this rank's entries of a full (or any partial) un-partitioned state dict."""
-        own = set(self.state_dict().keys())
-        local = {k: v for k, v in state_dict.items() if k in own}
+        """Loads this rank's entries of a full (or any partial) un-partitioned state dict. A
+        whole tensor for one of this rank's FSDP2 parameters gives it its own shard (sliced
+        here, no communication); a DTensor is copied as it is."""
+        own = self.state_dict()
+        local = {k: shard_like(v, own[k]) for k, v in state_dict.items() if k in own}
         return super().load_state_dict(local, strict=strict, assign=assign)
 
     def save_checkpoint(
         self, directory: str | os.PathLike[str], step: int = 0, extra: dict[str, Any] | None = None
     ) -> None:
-        """Collective. Every rank of replica 0 writes its shard; rank 0 commits the manifest."""
+        """Collective. Every rank of replica 0 writes its stages' tensors (with FSDP2, every
+        rank its shards, gathered nowhere); rank 0 commits the manifest."""
         self._guarded(lambda: shards.save(self, directory, step, extra, self.groups.control))
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
-        """Loads this rank's names from whichever shards hold them; returns the manifest."""
+        """Loads this rank's names from whichever shards hold them (with FSDP2, only the parts
+        of its own shards); returns the manifest."""
         manifest = shards.read_manifest(directory)
-        self.load_state_dict(shards.load(directory, self.state_dict().keys(), self.device))
+        own = self.state_dict()
+        self.load_state_dict(shards.load(directory, own.keys(), self.device, like=own))
         return manifest

@@ -1,6 +1,7 @@
 """Restoring: a checkpoint's weights, optimizer, EMA, LR schedule, loss scale and RNG into the
-built parts, under any K, R or executor (every rank reads its names from whichever files hold
-them); a ``.pt`` file of the earlier format goes to :mod:`giantpipe.runner.checkpoint.legacy`.
+built parts, under any K, R, replica sharding or executor (every rank reads its names from
+whichever files hold them; an FSDP2 shard only its own part, see ``shards.load``'s ``like``);
+a ``.pt`` file of the earlier format goes to :mod:`giantpipe.runner.checkpoint.legacy`.
 
 Example::
 
@@ -49,14 +50,19 @@ def restore_run(parts: Experiment, directory: Path, rank: int) -> Progress:
     if parts.ema is not None and not extra.get("ema"):
         raise ConfigError("trainer.ema_decay", f"{directory} was saved without an EMA")
     wanted = list(live)
+    like: dict[str, Tensor] = dict(live)  # where a name lands (an FSDP2 shard: only its part)
     if manifest["format"] != shards.OLD_FORMAT:  # the optimizer's and EMA's tensors: DCP's
         held = shards.tensor_names(directory)
         mine = {f"{OPTIMIZER}{n}/" for n in parts.names}
-        wanted += [k for k in held if k.startswith(OPTIMIZER) and k.rsplit("/", 1)[0] + "/" in mine]
+        states = [k for k in held if k.startswith(OPTIMIZER) and k.rsplit("/", 1)[0] + "/" in mine]
+        wanted += states
+        # a state shaped like its parameter (momentum, Adam's moments) is sharded like it
+        like.update({k: parts.names[k[len(OPTIMIZER) :].rsplit("/", 1)[0]] for k in states})
         shadow = parts.ema.shadow if parts.ema is not None else {}
         wanted += [f"{EMA}{n}" for n in shadow]
+        like.update({f"{EMA}{n}": t for n, t in shadow.items()})
     try:
-        loaded = shards.load(directory, wanted)
+        loaded = shards.load(directory, wanted, like=like)
     except KeyError as err:
         raise ConfigError(RESUME, f"{directory} does not fit this model ({err.args[0]})") from err
     saved = {n: loaded[n] for n in live}

@@ -2,8 +2,9 @@
 by rank 0's manifest, with what the manifest says of the run and of the model.
 
 Every rank writes its run state (LR schedule, fp16's loss scale, RNG, the optimizer's other
-values), replica 0's ranks the tensors (weights, optimizer, EMA), and rank 0 commits the save
-with the manifest (:func:`giantpipe.engine.dist.shards.save_collective`). Staging copies the
+values), replica 0's ranks the tensors (weights, optimizer, EMA; with the stages on FSDP2,
+every rank its own shards of them, gathered nowhere), and rank 0 commits the save with the
+manifest (:func:`giantpipe.engine.dist.shards.save_collective`). Staging copies the
 tensors to host memory first when the write runs in the background
 (:mod:`giantpipe.runner.checkpoint.writer`).
 
@@ -25,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from giantpipe.engine.dist import shards
+from giantpipe.engine.dist.replicas import local_tensor
 from giantpipe.runner.checkpoint.state import (
     EMA,
     OPTIMIZER,
@@ -121,16 +124,21 @@ def stage(
     write); ``copied``: such a copy made earlier in the same step (only a step changes them)."""
     pipe, place = parts.pipe, place_of(parts.pipe)
     token = world.from_rank0(shards.new_token(progress.step))
-    leader = place.replica == 0  # replicas hold the same weights, optimizer state and EMA
+    leader = place.replica == 0  # replicas hold the same weights, optimizer state and EMA,
+    sharded = getattr(pipe, "shards", None) is not None  # or each its FSDP2 shards of them
     tensors: dict[str, Tensor] = {}
     optimizer, entry = None, None
-    if leader:
+    if leader or sharded:
         weights = pipe.state_dict()
-        entry = {"rank": place.rank, "stages": list(place.stages), "names": list(weights)}
         opt_tensors, optimizer = split_optimizer(parts.optimizer, parts.names)
         tensors.update({**weights, **opt_tensors})
         if parts.ema is not None:
             tensors.update({f"{EMA}{n}": t for n, t in parts.ema.state_dict().items()})
+        tensors = shards.replica_share(tensors, place.replica)
+        if leader:
+            entry = {"rank": place.rank, "stages": list(place.stages), "names": list(weights)}
+        else:
+            optimizer = None  # its other values: the leaders' files hold them
     state = {
         "rank": place.rank,
         "step": progress.step,
@@ -147,7 +155,7 @@ def stage(
     elif buffers is not None:
         tensors = copy_to_host(tensors, buffers)
     else:
-        tensors = {k: t.detach().cpu() for k, t in tensors.items()}
+        tensors = {k: to_host(t.detach()) for k, t in tensors.items()}
     if buffers is not None or copied is not None:
         state = copy.deepcopy(state)
     commit_as = None
@@ -185,19 +193,44 @@ def copy_to_host(tensors: dict[str, Tensor], buffers: dict[str, Tensor]) -> dict
     """``tensors`` copied into ``buffers`` (host memory, kept from save to save: a fresh 1 GiB
     costs the kernel a quarter of a million page faults every time, here slower than the copy;
     pinned for a GPU's tensors, so the copies run asynchronously and at full speed)."""
-    copies = {}
+    copies: dict[str, Tensor] = {}
     for name, tensor in tensors.items():
+        local = local_tensor(tensor.detach())  # an FSDP2 shard: only this rank's part
         buffer = buffers.get(name)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
             buffers[name] = buffer
-        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-        copies[name] = buffer
+        buffer.copy_(local, non_blocking=local.is_cuda)
+        copies[name] = as_held_by(buffer, tensor)
     for name in set(buffers) - set(tensors):
         del buffers[name]
     if any(t.is_cuda for t in tensors.values()):
         torch.cuda.synchronize()  # the copies are done before the step changes the tensors
     return copies
+
+
+def to_host(tensor: Tensor) -> Tensor:
+    """``tensor`` in host memory: an FSDP2 shard stays a shard (its local part copied).
+
+    >>> to_host(torch.ones(2)).device.type
+    'cpu'
+    """
+    return as_held_by(local_tensor(tensor).cpu(), tensor)
+
+
+def as_held_by(local: Tensor, tensor: Tensor) -> Tensor:
+    """``local`` (a copy of ``tensor``'s local part) as the part of the same whole tensor,
+    for DCP: a DTensor like ``tensor`` where ``tensor`` is one, else ``local``."""
+    if not isinstance(tensor, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
 
 
 def write_staged(staged: Staged, directory: Path, group: Any) -> None:

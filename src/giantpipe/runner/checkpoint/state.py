@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.config import ConfigError
+from giantpipe.engine.dist.replicas import shard_like
 
 RUN_FORMAT = "giantpipe-run/1"
 RESUME = "trainer.resume"
@@ -67,15 +68,30 @@ def load_optimizer_state_by_name(
         if set(saved) != set(live):  # e.g. an sgd checkpoint (momentum) into adamw (betas)
             raise ValueError(f"optimizer settings {sorted(set(saved) ^ set(live))} differ")
     index_of = {name: i for i, name in enumerate(n for g in live_groups for n in g)}
+    # A whole state for a parameter held as an FSDP2 shard (a checkpoint of the earlier
+    # format): this rank's shard of it, as the parameter (torch's optimizers keep the state's
+    # type as it is loaded).
+    per_name = {
+        n: {k: _as_param(v, names[n]) for k, v in values.items()}
+        for n, values in state["state"].items()
+    }
     optimizer.load_state_dict(
         {
-            "state": {index_of[n]: s for n, s in state["state"].items()},
+            "state": {index_of[n]: s for n, s in per_name.items()},
             "param_groups": [
                 {**saved, "params": [index_of[n] for n in live]}
                 for saved, live in zip(saved_groups, live_groups, strict=True)
             ],
         }
     )
+
+
+def _as_param(value: Any, param: Tensor) -> Any:
+    """An optimizer state value as ``param`` holds it: a whole tensor shaped like an FSDP2
+    parameter becomes this rank's shard (:func:`giantpipe.engine.dist.replicas.shard_like`)."""
+    if isinstance(value, Tensor) and tuple(value.shape) == tuple(param.shape) and value.dim():
+        return shard_like(value, param)
+    return value
 
 
 def check_model_fits(saved: Mapping[str, Tensor], live: Mapping[str, Tensor], path: Path) -> None:

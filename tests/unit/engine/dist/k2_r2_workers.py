@@ -200,7 +200,7 @@ def check(tmp: Path) -> dict[str, Any]:
         torch.manual_seed(SEED + number)
         step(pipe, number, scaler)
         if overflow and rank == BAD_RANK:  # as if only this rank's stage overflowed
-            next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
+            local(next(iter(pipe.parameters())).grad).view(-1)[0] = float("inf")
         before = [local(p).detach().clone() for p in pipe.parameters()]
         scaler.step(opt)
         scaler.update()

@@ -81,7 +81,10 @@ def test_checkpoint_objects_go_to_the_control_group(monkeypatch: pytest.MonkeyPa
     assert seen == ["<control>"]
 
 
-def test_clipping_goes_to_the_device_pipeline_group(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_clipping_goes_to_a_device_group_of_every_rank_holding_a_part(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the pipeline's ranks; with replicas, each holding a shard of its stage, the world's
     seen: list[tuple[Any, Any]] = []
 
     def clip(pipe: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
@@ -89,5 +92,9 @@ def test_clipping_goes_to_the_device_pipeline_group(monkeypatch: pytest.MonkeyPa
         return torch.zeros(())
 
     monkeypatch.setattr(pipe_module, "clip_grad_norm_", clip)
-    DistributedPipe.clip_grad_norm_(_fake_pipe(), 1.0)
-    assert seen == [("<pipeline>", torch.device("cpu"))]
+    for world in (4, 2):
+        pipe = _fake_pipe()
+        pipe.layout = Layout(world_size=world, rank=1, workers=2, placement=(0, 1))
+        pipe.norm_group = lambda pipe=pipe: DistributedPipe.norm_group(pipe)
+        DistributedPipe.clip_grad_norm_(pipe, 1.0)
+    assert seen == [("<p2p>", torch.device("cpu")), ("<pipeline>", torch.device("cpu"))]

@@ -74,6 +74,7 @@ from giantpipe.engine.dist.shards.record import (
 from giantpipe.engine.dist.shards.saving import (
     commit,
     layout_meta,
+    replica_share,
     save,
     save_collective,
     write_folder,
@@ -98,6 +99,7 @@ __all__ = [
     "read_manifest",
     "read_metadata",
     "record_hash",
+    "replica_share",
     "save",
     "save_collective",
     "stale",

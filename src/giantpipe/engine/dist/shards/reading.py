@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.tensor import DTensor
 
 from giantpipe.engine.dist.shards.record import (
     OLD_FORMAT,
@@ -48,10 +49,15 @@ def load(
     directory: str | os.PathLike[str],
     names: Iterable[str] | None = None,
     device: torch.device | str = "cpu",
+    like: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors called ``names`` (default: the model's weights), from whichever files hold
     them; only those files are checked and read, so a rank of a new layout reads just what it
     needs. KeyError naming what is missing; :class:`CheckpointDamaged` naming a bad file.
+
+    ``like``: where a name's entry is a DTensor of the saved shape (an FSDP2 parameter's shard,
+    an optimizer state beside it), that name comes back as such a DTensor, this rank's part
+    read alone, whatever the sharding it was saved with; any other name comes back whole.
     """
     folder = Path(directory)
     manifest = read_manifest(folder)
@@ -70,10 +76,19 @@ def load(
     want = set(wanted)
     files = sorted({info.relative_path for i, info in meta.storage_data.items() if i.fqn in want})
     verify(folder, manifest, [f"{manifest['folder']}/{f}" for f in files])
-    state = {n: torch.empty(held[n].size, dtype=held[n].properties.dtype) for n in wanted}
+    state = {n: _destination(held[n], (like or {}).get(n)) for n in wanted}
     reader = _Reader(folder / manifest["folder"], meta)
     dcp.load(state, storage_reader=reader, planner=_TensorsOnly(), no_dist=True)
-    return {n: t.to(device) for n, t in state.items()}
+    return {n: t if isinstance(t, DTensor) else t.to(device) for n, t in state.items()}
+
+
+def _destination(saved: Any, like: torch.Tensor | None) -> torch.Tensor:
+    """Where DCP reads a tensor into: ``like``'s sharding when it is a DTensor of the saved
+    shape (only this rank's shard is read, on its device), else a whole tensor on the host."""
+    dtype = saved.properties.dtype
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(saved.size):
+        return torch.empty_like(like, dtype=dtype)
+    return torch.empty(saved.size, dtype=dtype)
 
 
 def _load_old(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.tensor import DTensor
 
 from giantpipe.engine.dist.shards.cleanup import _remove, stale
 from giantpipe.engine.dist.shards.files import (
@@ -35,7 +36,15 @@ from giantpipe.engine.dist.shards.files import (
 )
 from giantpipe.engine.dist.shards.record import FORMAT, MANIFEST, read_manifest, record_hash
 
-__all__ = ["commit", "gather", "layout_meta", "save", "save_collective", "write_folder"]
+__all__ = [
+    "commit",
+    "gather",
+    "layout_meta",
+    "replica_share",
+    "save",
+    "save_collective",
+    "write_folder",
+]
 
 
 def _rank(group: Any) -> int:
@@ -258,6 +267,19 @@ def layout_meta(pipe: Any, step: int) -> dict[str, Any]:
     }
 
 
+def replica_share(tensors: dict[str, torch.Tensor], replica: int) -> dict[str, torch.Tensor]:
+    """What one replica's rank writes of its ``tensors``: replica 0 all of them; any other
+    only its FSDP2 shards (DTensors), its plain tensors (buffers such as BatchNorm's running
+    statistics, which replicas may hold apart) being replica 0's to write.
+
+    >>> list(replica_share({"w": torch.ones(1)}, 0)), list(replica_share({"w": torch.ones(1)}, 1))
+    (['w'], [])
+    """
+    if replica == 0:
+        return tensors
+    return {k: v for k, v in tensors.items() if isinstance(v, DTensor)}
+
+
 def save(
     pipe: Any,
     directory: str | os.PathLike[str],
@@ -265,7 +287,9 @@ def save(
     extra: dict[str, Any] | None = None,
     group: Any = None,
 ) -> None:
-    """Collective: replica 0's ranks write their weights, rank 0 commits the manifest.
+    """Collective: replica 0's ranks write their weights (with FSDP2, every rank writes its
+    shards, none gathered; DCP keeps one copy of a replicated DTensor), rank 0 commits the
+    manifest.
 
     ``pipe`` is a :class:`~giantpipe.engine.dist.pipe.DistributedPipe` (its layout, balance
     and local state dict are used). ``extra`` (JSON-safe) is stored in the manifest. DCP's
@@ -280,9 +304,9 @@ def save(
     folder.mkdir(parents=True, exist_ok=True)
     token = [new_token(step)]
     dist.broadcast_object_list(token, src=0, group=group)  # one name for this save everywhere
-    tensors, entry = {}, None
-    if layout.replica == 0:
-        tensors = {k: v.detach() for k, v in pipe.state_dict().items()}
+    tensors = replica_share({k: v.detach() for k, v in pipe.state_dict().items()}, layout.replica)
+    entry = None
+    if layout.replica == 0:  # the names, once: every replica holds the same ones
         entry = {"rank": layout.rank, "stages": list(layout.local_stages), "names": list(tensors)}
     commit_as = (layout_meta(pipe, step), extra or {}) if layout.rank == 0 else None
     save_collective(folder, token[0], tensors, {}, entry, commit_as, group)

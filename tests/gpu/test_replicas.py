@@ -1,0 +1,175 @@
+"""K=2 pipeline ranks x R=2 replicas over NCCL, each stage on FSDP2 (four GPUs): one step per
+sharding mode equals the plain model on the whole mini-batch.
+
+Four GPUs, one rank each (NCCL refuses two ranks on one GPU): the smallest world where a stage
+has replicas AND pipeline ranks exchange activations (K=1 x R=2 or K=2 x R=1 on two GPUs show
+one or the other); with fewer the rows are skipped with that reason. CPU stand-ins
+(``GIANTPIPE_GPU_STANDINS=1``) run the world on gloo ranks of this machine. Each rank judges
+``full``, ``grads`` and ``none`` under 1f1b and zb-h1 (its split W: the reduce after the last
+W), M=4, the ordered transport: its loss and its whole gradients (the shards gathered) against
+the plain model (replica 0's and replica 1's shards, each under its own dropout seeds), fp32;
+and, on GPUs, ``full`` with ``pipeline.precision=bf16``'s FSDP2 policy (parameters gathered in
+bf16, gradients reduced in fp32) against the fp32 reference, within bf16's tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import traceback
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from giantpipe.engine.batchnorm import convert_deferred_batch_norm
+from giantpipe.engine.dist.layout import init_distributed
+from giantpipe.engine.dist.meta import init_layers
+from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.dist.replicas import mixed_precision_policy, whole_tensor
+from giantpipe.engine.rng import install_rng_hooks, mix
+from giantpipe.perf.balance import even_balance
+from giantpipe.testing import accumulate_micro_batches, free_port, rank_env, step_seed
+from giantpipe.testing.gpu import CUDA_ONLY, GpuOptions
+from tests.gpu.case import Record, marks, not_here, report
+from tests.gpu.errors import FP32_CRITERION, FP32_TOL, relative
+from tests.gpu.mask_model import Sizes, mask_batch, mask_model, to
+from tests.gpu.steps import SEED
+
+pytestmark = marks(300.0)
+
+FOUR_GPUS = "needs 4 GPUs"
+WORLD, K, CHUNKS, INIT = 4, 2, 4, 3
+BF16_TOL = 2e-2
+CASES = [(m, s) for m in ("full", "grads", "none") for s in ("1f1b", "zb-h1")] + [("bf16", "1f1b")]
+
+
+def _shard(batch: Any, r: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.tensor_split(2)[r]
+    return tuple(_shard(t, r) for t in batch)
+
+
+def _reference(sizes: Sizes, device: torch.device) -> tuple[float, dict[str, torch.Tensor]]:
+    """The plain model's step on both replicas' shards (each under its own dropout seeds, as
+    the pipe seeds replica r), weighted by the whole batch: loss and gradients, on the host."""
+    model = convert_deferred_batch_norm(mask_model(sizes)).to(device)
+    init_layers(model, INIT)
+    inputs, target = mask_batch(sizes)
+    hooks, loss = install_rng_hooks(model), 0.0
+    seed = step_seed(SEED)
+    for r in range(2):
+        losses = accumulate_micro_batches(
+            model, to(_shard(inputs, r), device), _shard(target, r).to(device), CHUNKS,
+            seed if r == 0 else mix(seed, r), total=float(sizes.batch),
+            placement=[(len(model), device)],
+        )  # fmt: skip
+        loss += sum(float(x) for x in losses)
+    for h in hooks:
+        h.remove()
+    return loss, {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+def _checks(opts: GpuOptions) -> list[tuple[str, str, str, str]]:
+    sizes = Sizes.of(opts)
+    rank = dist.get_rank()
+    device = (
+        torch.device("cpu") if opts.dry else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    )
+    ref_loss, ref_grads = _reference(sizes, device)
+    inputs, target = mask_batch(sizes)
+    rows = []
+    for mode, schedule in CASES:
+        label = f"{mode} {schedule} (rank {rank})"
+        if mode == "bf16" and opts.dry:
+            rows.append((label, CUDA_ONLY, "-", "MixedPrecisionPolicy on GPUs"))
+            continue
+        policy = mixed_precision_policy("bf16", device) if mode == "bf16" else None
+        pipe = DistributedPipe(lambda: mask_model(sizes), even_balance(sizes.blocks + 2, K),
+                               chunks=CHUNKS, schedule=schedule,
+                               recompute="except_last", device=device, seed=INIT,
+                               deferred_batch_norm=True, timeout=60.0, transport="ordered",
+                               replica_sharding="full" if mode == "bf16" else mode,
+                               mixed_precision=policy)  # fmt: skip
+        torch.manual_seed(SEED)
+        x, y = _shard(inputs, pipe.replica), _shard(target, pipe.replica)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16"):
+            loss = pipe.train_step(to(x, device) if pipe.needs_inputs else None,
+                                   y.to(device) if pipe.needs_targets else None,
+                                   nn.functional.cross_entropy)  # fmt: skip
+        errs = {"loss": relative(loss.detach().cpu(), torch.tensor(ref_loss))}
+        for name, p in pipe.named_parameters():  # gathered on every replica, in the same order
+            errs[f"grad:{name}"] = relative(whole_tensor(p.grad).cpu(), ref_grads[name])
+        name = max(errs, key=lambda n: errs[n])
+        tol = BF16_TOL if mode == "bf16" else FP32_TOL
+        verdict = "pass" if errs[name] <= tol else "FAIL"
+        rows.append((label, verdict, f"{errs[name]:.1e} ({name})", f"relative error <= {tol}"))
+        pipe.release()
+    return rows
+
+
+def _rank(rank: int, port: int, opts: GpuOptions, out: str) -> None:
+    os.environ.update(rank_env(rank, WORLD, port))
+    torch.set_num_threads(1)
+    init_distributed()
+    try:
+        rows: Any = _checks(opts)
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        traceback.print_exc()
+        rows = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+@cache
+def world_rows(opts: GpuOptions) -> dict[str, tuple[str, str, str, str]]:
+    """Every rank's rows of one run of the K=2 x R=2 world, by check."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx: Any = mp.get_context("fork" if opts.dry else "spawn")
+        port = free_port()
+        ranks = [ctx.Process(target=_rank, args=(r, port, opts, out)) for r in range(WORLD)]
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + 240.0
+        for p in ranks:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+        rows: dict[str, tuple[str, str, str, str]] = {}
+        for r in range(WORLD):
+            path = Path(out, f"rank{r}.json")
+            data = json.loads(path.read_text()) if path.exists() else {"error": "no result"}
+            if isinstance(data, dict):
+                rows[f"rank {r}"] = (f"rank {r}", "FAIL", data["error"], FP32_CRITERION)
+                continue
+            rows.update({row[0]: tuple(row) for row in data})  # type: ignore[misc]
+        return rows
+
+
+ROWS = [(m, s, r) for m, s in CASES for r in range(WORLD)]
+
+
+@pytest.mark.parametrize(("mode", "schedule", "rank"), ROWS,
+                         ids=[f"{m}-{s}-rank{r}" for m, s, r in ROWS])  # fmt: skip
+def test_each_replica_rank_equals_the_plain_model(
+    mode: str, schedule: str, rank: int, opts: GpuOptions, record_property: Record
+) -> None:
+    label = f"K=2 x R=2 FSDP2 {mode} {schedule} (rank {rank})"
+    criterion = f"relative error <= {BF16_TOL if mode == 'bf16' else FP32_TOL}"
+    if not opts.dry and opts.gpus < WORLD:
+        not_here(record_property, FOUR_GPUS, label, "-", "NCCL refuses two ranks on one GPU")
+    rows = world_rows(opts)
+    _, verdict, measured, criterion = rows.get(
+        f"{mode} {schedule} (rank {rank})",
+        rows.get(f"rank {rank}", (label, "FAIL", "no row", criterion)),
+    )
+    if verdict not in ("pass", "FAIL"):
+        not_here(record_property, verdict, label, measured, criterion)
+    report(record_property, label, verdict == "pass", measured, criterion)
