@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src")]  # this checkout's engine
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
 from giantpipe.testing import free_port, rank_env  # noqa: E402
 

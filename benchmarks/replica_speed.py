@@ -37,6 +37,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
+# The checkout's models/ (as every script); giantpipe comes from each method's src, put first
+# by its worker before the import.
+sys.path[:0] = [str(ROOT)]
 METHODS = ("gradsync", "fsdp-none", "fsdp-grads", "fsdp-full")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 

@@ -42,6 +42,9 @@ TINY = [
     "logger.progress=none",
 ]
 STEPS = 12
+LONG = 120
+"""The SIGTERM run's length: the signal, sent at step 5, always lands in the loop however loaded
+the machine (at 12 steps a loaded run could be past its last step and exit 0, completed)."""
 
 pytestmark = pytest.mark.slow
 
@@ -102,13 +105,22 @@ def fingerprint(directory: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float]]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, steps: int) -> list[tuple[int, float]]:
     """The uninterrupted run's loss at every step."""
     run_dir = tmp_path_factory.mktemp("faults") / "reference"
-    result = run(run_dir, f"trainer.max_steps={STEPS}")
+    result = run(run_dir, f"trainer.max_steps={steps}")
     assert result.returncode == 0, result.stderr[-2000:]
     return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float]]:
+    return uninterrupted(tmp_path_factory, STEPS)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float]]:
+    return uninterrupted(tmp_path_factory, LONG)
 
 
 def test_kill_9_at_random_moments_never_loses_a_checkpoint(tmp_path: Path, reference) -> None:
@@ -128,9 +140,11 @@ def test_kill_9_at_random_moments_never_loses_a_checkpoint(tmp_path: Path, refer
     assert not list(run_dir.rglob("*.tmp"))
 
 
-def test_sigterm_saves_marks_preempted_and_resumes_exactly(tmp_path: Path, reference) -> None:
+def test_sigterm_saves_marks_preempted_and_resumes_exactly(
+    tmp_path: Path, long_reference: list[tuple[int, float]]
+) -> None:
     run_dir = tmp_path / "run"
-    proc = start(run_dir, f"trainer.max_steps={STEPS}")
+    proc = start(run_dir, f"trainer.max_steps={LONG}")
     wait_for_step(run_dir, 5, proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -141,9 +155,9 @@ def test_sigterm_saves_marks_preempted_and_resumes_exactly(tmp_path: Path, refer
     assert stopped["status"] == "preempted"
     assert read_checkpoint(run_dir / "last")["step"] == stopped["steps"]
     assert f"preempted at step {stopped['steps']}: saved" in err
-    result = run(run_dir, f"trainer.max_steps={STEPS}", "trainer.resume=true")
+    result = run(run_dir, f"trainer.max_steps={LONG}", "trainer.resume=true")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert losses(run_dir) == reference
+    assert losses(run_dir) == long_reference
     assert summary(run_dir)["status"] == "completed"
 
 
