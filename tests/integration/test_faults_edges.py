@@ -13,6 +13,7 @@ import os
 import pty
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import termios
@@ -77,6 +78,14 @@ def test_a_data_file_that_would_run_code_is_refused_and_leaves_no_run(tmp_path: 
     assert not (tmp_path / "run").exists()
 
 
+def as_over_ssh() -> None:
+    """In the child: the pty as its controlling terminal, and SIGHUP's default disposition, as
+    a shell over SSH has it (pytest itself may run under ``nohup``, whose ignored SIGHUP the
+    child would inherit, and a run under nohup goes on by design)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 def on_a_terminal(run_dir: Path, *args: str) -> tuple[subprocess.Popen, int]:
     """The run in a session of its own whose controlling terminal is a pty, as over SSH; closing
     the returned master end is the session dropping (the kernel sends SIGHUP)."""
@@ -90,7 +99,7 @@ def on_a_terminal(run_dir: Path, *args: str) -> tuple[subprocess.Popen, int]:
         cwd=run_dir.parent,
         env=env(),
         start_new_session=True,
-        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        preexec_fn=as_over_ssh,
     )
     os.close(slave)
     return proc, master
