@@ -43,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.dist import shards
+from giantpipe.engine.distributed import shards
 from giantpipe.runner.checkpoint.state import Progress
 from giantpipe.runner.checkpoint.writer import CheckpointWriter
 from giantpipe.runner.world import World

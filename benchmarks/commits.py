@@ -64,7 +64,7 @@ def local():
 def worker(rank, rendezvous, out):
     import torch.distributed as dist
     try:
-        from giantpipe.engine.dist.pipe import DistributedPipe
+        from giantpipe.engine.distributed.pipe import DistributedPipe
     except ImportError:
         from giantpipe.pipe.distributed import DistributedPipe
     torch.set_num_threads(1)

@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(ROOT / "src")]  # run from a checkout
 from engine_cpu import mlp, plain_step, timed  # noqa: E402
 
-from giantpipe.engine.dist.pipe import DistributedPipe  # noqa: E402
+from giantpipe.engine.distributed.pipe import DistributedPipe  # noqa: E402
 from giantpipe.engine.schedules import build_schedule, schedule_builders  # noqa: E402
 from giantpipe.testing import free_port, rank_env  # noqa: E402
 

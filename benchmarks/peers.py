@@ -262,7 +262,7 @@ def _dist_steps(name: str, setup: Setup, rank: int, m: int, balance: list[int]
                 ) -> dict[str, Callable[[], None]]:  # fmt: skip
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from giantpipe.engine.dist.pipe import DistributedPipe
+    from giantpipe.engine.distributed.pipe import DistributedPipe
 
     model, x, y = build(name, setup.quick)
     loss = nn.functional.mse_loss

@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, setup: Setup, mode: str, out: str)
     import torch.distributed as dist
 
     from giantpipe.engine import executor
-    from giantpipe.engine.dist.pipe import DistributedPipe
+    from giantpipe.engine.distributed.pipe import DistributedPipe
     from giantpipe.testing.held import live_bytes, training_bytes
 
     torch.set_num_threads(1)

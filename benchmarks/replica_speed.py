@@ -73,7 +73,7 @@ def _worker(rank: int, port: int, src: str, method: str, setup: Setup, out: str)
     sys.path.insert(0, src)  # before giantpipe is imported: the method's own engine
     import torch.distributed as dist
 
-    from giantpipe.engine.dist.pipe import DistributedPipe
+    from giantpipe.engine.distributed.pipe import DistributedPipe
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))

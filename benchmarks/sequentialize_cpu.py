@@ -55,7 +55,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from giantpipe import GPipe, sequentialize
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.perf.balance import balance_by_time
 from giantpipe.testing import free_port
 

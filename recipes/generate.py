@@ -139,8 +139,8 @@ def distributed_pipe(checkpoint: Path, cfg: dict, chunks: int) -> tuple[nn.Modul
     """This rank's stage of the model (built on meta, only its layers allocated and loaded)."""
     import torch.distributed as dist
 
-    from giantpipe.engine.dist.layout import init_distributed
-    from giantpipe.engine.dist.pipe import DistributedPipe
+    from giantpipe.engine.distributed.layout import init_distributed
+    from giantpipe.engine.distributed.pipe import DistributedPipe
 
     init_distributed()
     with torch.device("meta"):  # the children's count only: no weights anywhere

@@ -14,7 +14,7 @@ recorded in its manifest) and ``model.safetensors``, which ``AutoModelForCausalL
 .from_pretrained`` loads. Every file read is checked against the manifest's hashes first; a
 bad input is one line naming the path, exit status 1, and nothing is written (an existing OUT is
 never replaced). Runs in one process, without torch.distributed; see
-:mod:`giantpipe.engine.dist.shards` for the layout on disk.
+:mod:`giantpipe.engine.distributed.shards` for the layout on disk.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import Tensor
 
-from giantpipe.engine.dist.shards import (
+from giantpipe.engine.distributed.shards import (
     FILE_MODE,
     CheckpointDamaged,
     atomic_save,
@@ -78,7 +78,7 @@ def _line(exc: BaseException) -> str:
 
 def export(directory: Path, out: Path, kind: str = "pt") -> dict[str, Any]:
     """Writes ``directory``'s weights to ``out`` in ``kind`` (pt, safetensors or hf); returns
-    what :func:`~giantpipe.engine.dist.shards.summary` says of them.
+    what :func:`~giantpipe.engine.distributed.shards.summary` says of them.
 
     Example::
 

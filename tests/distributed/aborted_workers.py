@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.dist.faults import RankFailure
-from giantpipe.engine.dist.ordered import PAYLOADS, OrderedMailbox
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.faults import RankFailure
+from giantpipe.engine.distributed.ordered import PAYLOADS, OrderedMailbox
+from giantpipe.engine.distributed.pipe import DistributedPipe
 
 
 class LikeNccl:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from giantpipe import sequentialize
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import step_seed
 from tests.distributed.workers import SEED, reference, virtual_stages_for

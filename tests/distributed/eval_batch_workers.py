@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.microbatch import forward_chunks
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import step_seed

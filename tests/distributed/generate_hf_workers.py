@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from giantpipe import sequentialize
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from models.hf import give_caches, hf_causal_lm
 

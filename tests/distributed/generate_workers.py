@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from giantpipe.data.translation.decoding import _max_steps, beam_search, greedy_decode
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from models.transformer import transformer_lm, transformer_t
 from tests import tiny

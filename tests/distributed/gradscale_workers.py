@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from giantpipe.engine import pipeline_grad_scaler
-from giantpipe.engine.dist.pipe import DistributedPipe
-from giantpipe.engine.dist.replicas import local_tensor, whole_tensor
+from giantpipe.engine.distributed.pipe import DistributedPipe
+from giantpipe.engine.distributed.replicas import local_tensor, whole_tensor
 from tests.distributed.workers import shard
 
 mse = nn.functional.mse_loss

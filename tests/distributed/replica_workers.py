@@ -20,8 +20,8 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from giantpipe.engine.dist.pipe import DistributedPipe
-from giantpipe.engine.dist.replicas import local_tensor
+from giantpipe.engine.distributed.pipe import DistributedPipe
+from giantpipe.engine.distributed.replicas import local_tensor
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import step_seed
@@ -156,7 +156,7 @@ def tied(tmp: Path, workers: int, schedule: str, sharding: str = "full") -> dict
 
     replicas = dist.get_world_size() // workers
     plain = convert_deferred_batch_norm(tied_model())
-    from giantpipe.engine.dist.meta import init_layers
+    from giantpipe.engine.distributed.meta import init_layers
 
     init_layers(plain, INIT)
     v = virtual_stages_for(schedule, workers, 2) or 1
@@ -231,7 +231,7 @@ def resume_across_layouts(tmp: Path, steps: int = 4, resume_at: int = 2) -> dict
     from unittest import mock
 
     from giantpipe.config import PipelineConfig
-    from giantpipe.engine.dist.replicas import whole_tensor
+    from giantpipe.engine.distributed.replicas import whole_tensor
     from giantpipe.metrics.jsonl import read_jsonl
     from giantpipe.runner import build as runner_build
     from giantpipe.runner import train

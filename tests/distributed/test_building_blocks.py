@@ -14,11 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.meta import allocate_layers, build_on_meta, init_layers, seeded_init
-from giantpipe.engine.dist.p2p import expected_receives, receive_plan
-from giantpipe.engine.dist.shards import atomic_save
-from giantpipe.engine.dist.wire import (
+from giantpipe.engine.distributed.layout import Layout
+from giantpipe.engine.distributed.meta import (
+    allocate_layers,
+    build_on_meta,
+    init_layers,
+    seeded_init,
+)
+from giantpipe.engine.distributed.p2p import expected_receives, receive_plan
+from giantpipe.engine.distributed.shards import atomic_save
+from giantpipe.engine.distributed.wire import (
     allocate,
     as_bytes,
     decode,
@@ -224,7 +229,7 @@ class DictStore:
 
 
 def board_of(rank: int, store: DictStore, layout: Layout, pid: int | None = None):
-    from giantpipe.engine.dist.faults import FailureBoard
+    from giantpipe.engine.distributed.faults import FailureBoard
 
     board = FailureBoard(store, layout.rank_label(rank))
     board.watch(rank, layout.pipeline_ranks + layout.replica_ranks, layout.rank_label)
@@ -235,7 +240,7 @@ def board_of(rank: int, store: DictStore, layout: Layout, pid: int | None = None
 
 
 def test_a_dead_peer_is_named_first_by_what_a_survivor_reports() -> None:
-    from giantpipe.engine.dist.faults import explain, failure_message, is_consequence
+    from giantpipe.engine.distributed.faults import explain, failure_message, is_consequence
     from giantpipe.engine.failures import note_failure
     from giantpipe.engine.schedules.actions import Action
 
@@ -274,7 +279,7 @@ def test_a_dead_peer_is_named_first_by_what_a_survivor_reports() -> None:
 
 
 def test_an_own_failure_is_reported_at_once_and_alive_peers_are_not_blamed() -> None:
-    from giantpipe.engine.dist.faults import explain
+    from giantpipe.engine.distributed.faults import explain
 
     layout = Layout(world_size=2, rank=0, workers=2, placement=(0, 1))
     store = DictStore()

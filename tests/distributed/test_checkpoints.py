@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from giantpipe.consolidate import main as consolidate_main
-from giantpipe.engine.dist import shards
+from giantpipe.engine.distributed import shards
 from tests.distributed.launch import REPO, spawn
 from tests.distributed.workers import plain_model
 

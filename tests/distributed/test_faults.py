@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.engine.dist import shards
+from giantpipe.engine.distributed import shards
 from tests.distributed.launch import REPO, finish, start_processes, torchrun
 
 pytestmark = pytest.mark.distributed

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.message_order import message_order, worker_ops
-from giantpipe.engine.dist.ordered import PAYLOADS, OrderedMailbox
-from giantpipe.engine.dist.p2p import P2PMailbox
-from giantpipe.engine.dist.wire import KnownLayouts
+from giantpipe.engine.distributed.layout import Layout
+from giantpipe.engine.distributed.message_order import message_order, worker_ops
+from giantpipe.engine.distributed.ordered import PAYLOADS, OrderedMailbox
+from giantpipe.engine.distributed.p2p import P2PMailbox
+from giantpipe.engine.distributed.wire import KnownLayouts
 from giantpipe.engine.schedules import build_schedule
 from tests.distributed.nccl_rules import Deadlock, DeviceOp, FakeNetwork, replay
 from tests.distributed.workers import registered_schedules, virtual_stages_for

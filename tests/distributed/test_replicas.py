@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.engine.dist import shards
+from giantpipe.engine.distributed import shards
 from tests.distributed.launch import spawn
 from tests.distributed.workers import registered_schedules
 

@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from giantpipe.cli.checks import to_experiment
 from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
-from giantpipe.engine.dist.shards import consolidate
+from giantpipe.engine.distributed.shards import consolidate
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.p2p import (
+from giantpipe.engine.distributed.layout import Layout
+from giantpipe.engine.distributed.p2p import (
     FOLLOW_UPS,
     FRAMES,
     POSTED_AT_START,
@@ -26,7 +26,7 @@ from giantpipe.engine.dist.p2p import (
     expected_receives,
     sends_to,
 )
-from giantpipe.engine.dist.wire import (
+from giantpipe.engine.distributed.wire import (
     ALIGN,
     HEADER_BYTES,
     Frame,
@@ -328,7 +328,7 @@ def mailbox_failure(tmp: Path, how: str) -> dict[str, Any]:
     import signal
     import time
 
-    from giantpipe.engine.dist.faults import RankFailure
+    from giantpipe.engine.distributed.faults import RankFailure
 
     rank = dist.get_rank()
     plan = build_schedule("gpipe", 2, 2)

@@ -25,7 +25,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     try:
-        from giantpipe.engine.dist.pipe import init_distributed
+        from giantpipe.engine.distributed.pipe import init_distributed
         from tests.distributed import workers
 
         init_distributed("gloo", timeout=30.0)

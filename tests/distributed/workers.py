@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from giantpipe import GPipe
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from giantpipe.engine.dist.clipping import clip_grad_norm_
-from giantpipe.engine.dist.meta import init_layers
-from giantpipe.engine.dist.pipe import DistributedPipe
-from giantpipe.engine.dist.replicas import local_tensor, whole_tensor
+from giantpipe.engine.distributed.clipping import clip_grad_norm_
+from giantpipe.engine.distributed.meta import init_layers
+from giantpipe.engine.distributed.pipe import DistributedPipe
+from giantpipe.engine.distributed.replicas import local_tensor, whole_tensor
 from giantpipe.engine.microbatch import batch_size
 from giantpipe.engine.rng import install_rng_hooks, mix
 from giantpipe.engine.schedules import build_schedule
@@ -429,7 +429,7 @@ def faulty(
     import signal
     import time
 
-    from giantpipe.engine.dist.faults import RankFailure
+    from giantpipe.engine.distributed.faults import RankFailure
 
     rank = dist.get_rank()
     model = plain_model(2)
@@ -523,7 +523,7 @@ def train_and_save(tmp: Path, workers: int, ckpt: str, steps: int = 2) -> dict[s
 def resume_and_step(tmp: Path, workers: int, ckpt: str, step: int = 2) -> dict[str, Any]:
     """Loads the shards into another K (parameters never initialised), takes one step and
     compares it with the plain model loaded from the same shards."""
-    from giantpipe.engine.dist import shards
+    from giantpipe.engine.distributed import shards
 
     model = plain_model(2)
     model.load_state_dict(shards.load(ckpt))

@@ -144,8 +144,8 @@ def test_no_working_notes(path: Path) -> None:
 
 
 def test_the_suite_runs_every_docstring_example(request: pytest.FixtureRequest) -> None:
-    """``python -m pytest`` collects src/'s doctests, engine/dist/ included (pytest's default
-    norecursedirs skips any directory named dist)."""
+    """``python -m pytest`` collects src/'s doctests from every folder that has them (no folder
+    of src/ is named like one pytest's norecursedirs skips, e.g. build/ or dist/)."""
     config = request.config
     assert config.getoption("doctestmodules"), "--doctest-modules is not in the suite's addopts"
     assert "src" in config.getini("testpaths")

@@ -335,7 +335,7 @@ def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_survives(tmp_path:
 
 
 def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> None:
-    from giantpipe.engine.dist import shards
+    from giantpipe.engine.distributed import shards
     from giantpipe.runner import train
     from giantpipe.runner.loop import CheckpointWriteError
     from tests.unit.runner.test_runner_loop import tiny

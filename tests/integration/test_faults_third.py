@@ -175,7 +175,7 @@ def test_a_trace_past_the_runs_end_is_refused_at_the_start(tmp_path: Path) -> No
 def saves_of(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int, OSError] | None = None):
     """Every save's (directory name, step), in order; ``fail``: (name, step, error) raises that
     error instead of writing that save."""
-    from giantpipe.engine.dist import shards
+    from giantpipe.engine.distributed import shards
 
     real, done = shards.save_collective, []
 

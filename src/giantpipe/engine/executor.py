@@ -128,7 +128,7 @@ class StepRun:
         self.pool = pool
         k = len(config.stages)
         # A rank of the distributed executor passes a mailbox that sends to other processes
-        # (giantpipe.engine.dist.p2p); its ``inputs`` are empty unless it holds stage 0.
+        # (giantpipe.engine.distributed.p2p); its ``inputs`` are empty unless it holds stage 0.
         self.mailbox = mailbox if mailbox is not None else Mailbox(config.timeout)
         self.leaves: list[dict[int, Any]] = [{} for _ in range(k)]
         self.held: list[dict[int, int]] = [{} for _ in range(k)]

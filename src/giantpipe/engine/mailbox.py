@@ -3,7 +3,7 @@
 Keys are ``("act", stage, m)`` (input of ``stage`` for micro-batch ``m``) and
 ``("grad", stage, m)`` (gradient of ``stage``'s output). A ``get`` blocks until the item
 arrives, the pipeline is aborted (another worker failed), or the timeout passes; nothing waits
-forever. The distributed executor's mailbox (:mod:`giantpipe.engine.dist.p2p`) keeps this
+forever. The distributed executor's mailbox (:mod:`giantpipe.engine.distributed.p2p`) keeps this
 interface and reaches other processes.
 
 Example::

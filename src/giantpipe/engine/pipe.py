@@ -5,7 +5,7 @@ One concept, one class (the section dividers below group its members): the pipes
 scaling, the configuration of a step, deferred BatchNorm's commit and the global-norm clip.
 
 :class:`~giantpipe.engine.gpipe.GPipe` (a worker thread per device) and
-:class:`~giantpipe.engine.dist.pipe.DistributedPipe` (a process per device) differ only in
+:class:`~giantpipe.engine.distributed.pipe.DistributedPipe` (a process per device) differ only in
 transport, so everything else lives here once::
 
     Pipe                          shared                        DistributedPipe's hook

@@ -63,7 +63,7 @@ a silent hang (a failure is reported at once), so a long bound costs a failing r
 a short one (60 s) kills healthy runs whose first step sets up NCCL or runs on loaded CPUs."""
 RECOMPUTE_MODES = ("always", "except_last", "never")
 REPLICA_SHARDINGS = ("full", "grads", "none")
-"""How a stage is spread over its R replicas on FSDP2 (``engine/dist/replicas.py``): ZeRO-3,
+"""How a stage is spread over its R replicas on FSDP2 (``engine/distributed/replicas.py``): ZeRO-3,
 ZeRO-2, replicated. Not the pipeline's shape, but its one owner is here, beside the shape's
 rules: the config's schema (no torch) and the distributed pipe check it alike."""
 DEFAULT_REPLICA_SHARDING = "full"

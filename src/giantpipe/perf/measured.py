@@ -36,12 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist.faults import wait_device
+from giantpipe.engine.distributed.faults import wait_device
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.perf.simulate import StageCost
 
 HEADER_BYTES = 512
-"""Size of the header that starts a value's frame on the wire (giantpipe.engine.dist.wire)."""
+"""Size of the header that starts a value's frame on the wire (engine/distributed/wire.py)."""
 
 
 def _median(values: Sequence[float]) -> float | None:

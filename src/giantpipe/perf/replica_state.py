@@ -1,6 +1,6 @@
 """The bytes of a stage's training state a rank holds when the stage is spread over R replicas
-on FSDP2 (``pipeline.replica_sharding``, ``engine/dist/replicas.py``): at the step's peak, and
-between steps.
+on FSDP2 (``pipeline.replica_sharding``, ``engine/distributed/replicas.py``): at the step's
+peak, and between steps.
 
 A layer with ``w`` bytes of parameters and ``s`` optimizer slots per parameter (RMSProp 1,
 Adam 2) costs a rank, at the peak of a step (its backward)::

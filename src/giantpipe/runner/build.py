@@ -4,7 +4,7 @@ One build for both executors. The local executor is a world of one: its pipe is 
 :class:`~giantpipe.engine.GPipe` over K devices of this process. Under torchrun every rank
 builds the same things in the same order (data bundle, model, plan, balance, optimizer, LR
 schedule, loss, EMA) but keeps only its own stage: a
-:class:`~giantpipe.engine.dist.pipe.DistributedPipe`, with an optimizer and an EMA over its
+:class:`~giantpipe.engine.distributed.pipe.DistributedPipe`, with an optimizer and an EMA over its
 parameters, and data only where stage 0 (inputs) or the last stage (targets) is. What one rank
 decides for all (the plan, a profiled balance) is decided on rank 0 and handed to the others;
 a failure on any rank fails every rank at once (:meth:`~giantpipe.runner.world.World.agree`).

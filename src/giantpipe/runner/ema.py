@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from giantpipe.engine.dist.replicas import shard_like
+from giantpipe.engine.distributed.replicas import shard_like
 
 
 class WeightEMA:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.data.bundle import Batch, DataBundle, batch_size
-from giantpipe.engine.dist.replicas import whole_tensor
+from giantpipe.engine.distributed.replicas import whole_tensor
 from giantpipe.engine.generate import evaluating
 from giantpipe.engine.pipe import Pipe
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k

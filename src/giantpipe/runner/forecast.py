@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from giantpipe.data.bundle import Batch, batch_size
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.gpipe import GPipe
 from giantpipe.engine.recompute import recompute_stop
 from giantpipe.engine.schedules.actions import Schedule
@@ -129,7 +129,7 @@ class Forecast:
     def _predict_distributed(self, parts: Experiment, batch: Batch | None, step: int) -> None:
         """Every rank: its timings and parameter bytes to rank 0, its boundaries probed; rank 0
         simulates the schedule on the costs they make."""
-        from giantpipe.engine.dist.layout import comm_device
+        from giantpipe.engine.distributed.layout import comm_device
         from giantpipe.perf.measured import probe_link, stage_costs
         from giantpipe.perf.predict import Prediction
         from giantpipe.perf.simulate import simulate

@@ -32,7 +32,7 @@ import torch
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.bundle import Batch, EvaluationError, batch_size
-from giantpipe.engine.dist.replicas import local_tensor
+from giantpipe.engine.distributed.replicas import local_tensor
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.step import EngineStats, StepRecord
 from giantpipe.metrics.summary import write_summary

@@ -1,8 +1,9 @@
 """From ``PipelineConfig`` to an engine: devices, balance, the pipeline's spec and the pipe.
 
 The local executor's pipe is a :class:`~giantpipe.engine.GPipe` over K devices of this process;
-under torchrun each rank builds a :class:`~giantpipe.engine.dist.pipe.DistributedPipe` over its
-own device, and the world is K pipeline ranks x R replicas::
+under torchrun each rank builds a
+:class:`~giantpipe.engine.distributed.pipe.DistributedPipe` over its own device, and
+the world is K pipeline ranks x R replicas::
 
     K: len(pipeline.balance) / V for a listed balance, else pipeline.num_devices, else the
        world size (R = 1)
@@ -34,8 +35,8 @@ from giantpipe.config import ConfigError, PipelineConfig
 from giantpipe.config.pipeline import as_config_error
 from giantpipe.data.bundle import Tensors
 from giantpipe.engine import GPipe
-from giantpipe.engine.dist.pipe import DistributedPipe
-from giantpipe.engine.dist.replicas import MixedPrecisionPolicy, mixed_precision_policy
+from giantpipe.engine.distributed.pipe import DistributedPipe
+from giantpipe.engine.distributed.replicas import MixedPrecisionPolicy, mixed_precision_policy
 from giantpipe.engine.spec import PipelineSpec, virtual_stages_of
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 

@@ -47,8 +47,8 @@ from typing import Any
 import yaml
 
 from giantpipe.config import RESUME_AUTO, RESUME_CHECKED, ConfigError
-from giantpipe.engine.dist.shards import MANIFEST, stale
-from giantpipe.engine.dist.shards.cleanup import MANIFEST_TMP, SAVE_FOLDER
+from giantpipe.engine.distributed.shards import MANIFEST, stale
+from giantpipe.engine.distributed.shards.cleanup import MANIFEST_TMP, SAVE_FOLDER
 from giantpipe.runner.checkpoint.reading import kept_beside
 from giantpipe.runner.registry import current_target
 
@@ -446,7 +446,7 @@ def checkpoint_directories(run_dir: Path) -> list[Path]:
 def clean_interrupted_saves(run_dir: Path) -> int:
     """Removes what killed saves left in the run's checkpoint directories, and nothing else:
     save folders and temporary manifests under giantpipe's own names that the directory's
-    manifest does not commit (:func:`giantpipe.engine.dist.shards.stale`). A directory whose
+    manifest does not commit (:func:`giantpipe.engine.distributed.shards.stale`). A directory whose
     manifest cannot be read is left as it is, and so is everything outside ``last/`` and
     ``step_N/``. In a directory with no manifest at all only temporary manifests go: its save
     folder may be a save whose manifest was lost, as well as a first save that was killed; the

@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from giantpipe.config import ConfigError, PipelineConfig
-from giantpipe.engine.dist.faults import wait_work
-from giantpipe.engine.dist.layout import HOST_BACKEND, init_distributed
+from giantpipe.engine.distributed.faults import wait_work
+from giantpipe.engine.distributed.layout import HOST_BACKEND, init_distributed
 
 _T = TypeVar("_T")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from giantpipe.engine.dist.replicas import local_tensor
+from giantpipe.engine.distributed.replicas import local_tensor
 
 __all__ = ["live_bytes", "storage_bytes", "training_bytes"]
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.spec import DEFAULT_TIMEOUT, PipelineSpec, SpecError
 from giantpipe.testing import reference_step, step_seed
 from tests.unit.engine.engine_helpers import tuple_batch, tuple_model

@@ -207,7 +207,7 @@ def test_checkpoint_is_torchgpipes_alias_of_recompute_at_gpipes_door_only() -> N
 
 
 def test_one_set_of_defaults_for_the_spec_both_pipes_and_the_config() -> None:
-    from giantpipe.engine.dist.pipe import DistributedPipe
+    from giantpipe.engine.distributed.pipe import DistributedPipe
 
     config = PipelineConfig()
     spec = PipelineSpec((2, 2))

@@ -18,7 +18,7 @@ from giantpipe.config import (
 )
 from giantpipe.data.options import LMTokensDataConfig, RandomImagesDataConfig, SyntheticDataConfig
 from giantpipe.engine.capture import Sequentialized
-from giantpipe.engine.dist.shards import consolidate
+from giantpipe.engine.distributed.shards import consolidate
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, build_model
 from models.options import MlpModelConfig, TorchvisionModelConfig

@@ -14,8 +14,8 @@ from torch import nn
 
 from giantpipe.config import ConfigError
 from giantpipe.engine import GPipe
-from giantpipe.engine.dist import shards
-from giantpipe.engine.dist.shards import atomic_save
+from giantpipe.engine.distributed import shards
+from giantpipe.engine.distributed.shards import atomic_save
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, parameter_names

@@ -13,7 +13,7 @@ import torch
 from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
 from giantpipe.data.lm_tokens import lm_tokens
 from giantpipe.data.options import LMTokensDataConfig
-from giantpipe.engine.dist.shards import consolidate
+from giantpipe.engine.distributed.shards import consolidate
 from giantpipe.runner import train
 
 pytest.importorskip("transformers")

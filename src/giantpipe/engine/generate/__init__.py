@@ -19,7 +19,7 @@ The model's children offer ``forward_cached(inputs, cache) -> (outputs, cache)``
 
 Both executors, any schedule's placement: a :class:`~giantpipe.GPipe` runs one thread per
 worker, a ``DistributedPipe`` one process per worker (the messages between ranks travel on its
-host group: the pipe gives the link, :mod:`giantpipe.engine.dist.generation`), and a worker
+host group: the pipe gives the link, :mod:`giantpipe.engine.distributed.generation`), and a worker
 holding V stages (interleaved, zb-v) keeps the caches of each, so a token's step goes round the
 workers V times (:mod:`.ring`); no rank holds more than its stages' weights and caches. A plain
 ``nn.Sequential`` decodes in the caller's thread.

@@ -228,7 +228,7 @@ def generate_local(
 class ProcessRing(Link, Protocol):
     """This process's ends of a ring spread over processes, as the pipe gives them
     (``pipe.generation_link(timeout)``; a DistributedPipe's is
-    :class:`giantpipe.engine.dist.generation.RankLink`): the stages of the ring (``count``),
+    :class:`giantpipe.engine.distributed.generation.RankLink`): the stages of the ring (``count``),
     those this process holds (``held``), a wait for this process's sends (``finish``), and the
     last stage's results handed to every process of the pipeline (``share``)."""
 

@@ -2,7 +2,7 @@
 un-partitioned names, committed by a manifest holding every file's hash.
 
 A checkpoint is a directory (``RUN/last/``, ``RUN/step_N/``) in the format of
-:mod:`giantpipe.engine.dist.shards`, with the run's state beside the weights::
+:mod:`giantpipe.engine.distributed.shards`, with the run's state beside the weights::
 
     last/
       manifest.json                    the commit point: layout, step, data position, the model's

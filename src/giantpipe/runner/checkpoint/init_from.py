@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from giantpipe.config import ConfigError
-from giantpipe.engine.dist import shards
+from giantpipe.engine.distributed import shards
 from giantpipe.runner.checkpoint.reading import read_checkpoint, refusing_damage
 from giantpipe.runner.checkpoint.state import RUN_FORMAT
 from giantpipe.runner.checkpoint.unpickling import safe_load

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from giantpipe.config import ConfigError
-from giantpipe.engine.dist import shards
+from giantpipe.engine.distributed import shards
 from giantpipe.runner.checkpoint.state import EMA, RESUME, RUN_FORMAT
 from giantpipe.runner.checkpoint.unpickling import safe_load
 

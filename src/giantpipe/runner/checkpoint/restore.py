@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from giantpipe.config import ConfigError
-from giantpipe.engine.dist import shards
+from giantpipe.engine.distributed import shards
 from giantpipe.runner.checkpoint.legacy import restore_legacy
 from giantpipe.runner.checkpoint.reading import read_run, read_state_file, refusing_damage
 from giantpipe.runner.checkpoint.state import (

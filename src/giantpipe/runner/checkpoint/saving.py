@@ -4,7 +4,7 @@ by rank 0's manifest, with what the manifest says of the run and of the model.
 Every rank writes its run state (LR schedule, fp16's loss scale, RNG, the optimizer's other
 values), replica 0's ranks the tensors (weights, optimizer, EMA; with the stages on FSDP2,
 every rank its own shards of them, gathered nowhere), and rank 0 commits the save with the
-manifest (:func:`giantpipe.engine.dist.shards.save_collective`). Staging copies the
+manifest (:func:`giantpipe.engine.distributed.shards.save_collective`). Staging copies the
 tensors to host memory first when the write runs in the background
 (:mod:`giantpipe.runner.checkpoint.writer`).
 
@@ -28,8 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from giantpipe.engine.dist import shards
-from giantpipe.engine.dist.replicas import local_tensor
+from giantpipe.engine.distributed import shards
+from giantpipe.engine.distributed.replicas import local_tensor
 from giantpipe.runner.checkpoint.state import (
     EMA,
     OPTIMIZER,

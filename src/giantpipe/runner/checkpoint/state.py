@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from giantpipe.config import ConfigError
-from giantpipe.engine.dist.replicas import shard_like
+from giantpipe.engine.distributed.replicas import shard_like
 
 RUN_FORMAT = "giantpipe-run/1"
 RESUME = "trainer.resume"
@@ -88,7 +88,8 @@ def load_optimizer_state_by_name(
 
 def _as_param(value: Any, param: Tensor) -> Any:
     """An optimizer state value as ``param`` holds it: a whole tensor shaped like an FSDP2
-    parameter becomes this rank's shard (:func:`giantpipe.engine.dist.replicas.shard_like`)."""
+    parameter becomes this rank's shard
+    (:func:`giantpipe.engine.distributed.replicas.shard_like`)."""
     if isinstance(value, Tensor) and tuple(value.shape) == tuple(param.shape) and value.dim():
         return shard_like(value, param)
     return value

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import Tensor
 
-from giantpipe.engine.dist.layout import HOST_BACKEND
+from giantpipe.engine.distributed.layout import HOST_BACKEND
 from giantpipe.runner.checkpoint.saving import Staged, host_group, stage, write_staged
 from giantpipe.runner.checkpoint.state import Progress
 

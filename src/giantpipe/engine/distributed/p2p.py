@@ -8,8 +8,8 @@ The local executor hands values between stages through a :class:`Mailbox` keyed
 very same ``StepRun`` drives one rank of a distributed pipeline:
 
 - ``put`` of a key whose consumer stage lives on another rank is an asynchronous send
-  (``isend``) of one message, the value's *frame* (:mod:`giantpipe.engine.dist.wire`): the rank
-  computes on while the bytes travel;
+  (``isend``) of one message, the value's *frame*
+  (:mod:`giantpipe.engine.distributed.wire`): the rank computes on while the bytes travel;
 - the schedule says which keys each peer sends this rank and in which order, and every key's
   frame size is known from the step before, so receives are posted ahead, in the peer's order,
   into buffers of exactly that size; ``get`` waits for its key's message and returns views of
@@ -37,13 +37,13 @@ taken in the order the peer sent them and a rank only ever waits for messages it
 already committed to sending before the one it needs, so under gloo's matching by peer and tag
 it cannot deadlock. It is the gloo transport: under NCCL, where a pair's operations run in issue
 order, its receives posted ahead would hold up the rank's own sends (even with ``ahead=1``, one
-per peer); the device transport is :mod:`giantpipe.engine.dist.ordered`, which also carries a
+per peer); the device transport is :mod:`giantpipe.engine.distributed.ordered`, which also carries a
 ``P2PMailbox`` of its own for the descriptions of values, on a host group.
 
 A receive that fails names its peer: a closed connection ("rank 1 (stage 1) is gone"), or a wait
 longer than ``timeout`` ("rank 0 (stage 0) timed out after 60s waiting for the gradient of
 micro-batch 3 from rank 1 (stage 1)"); it is reported on the failure board and raised as
-:class:`~giantpipe.engine.dist.faults.RankFailure`.
+:class:`~giantpipe.engine.distributed.faults.RankFailure`.
 
 Example (on each rank, inside a process group; ``known`` lives as long as the pipe)::
 
@@ -67,9 +67,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist.faults import FailureBoard, RankFailure, explain, wait_work
-from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.wire import (
+from giantpipe.engine.distributed.faults import FailureBoard, RankFailure, explain, wait_work
+from giantpipe.engine.distributed.layout import Layout
+from giantpipe.engine.distributed.wire import (
     HEADER_BYTES,
     Frame,
     KnownLayouts,
@@ -438,7 +438,7 @@ class P2PMailbox(Mailbox):
     def check(self) -> None:
         """Nothing is left to check after :meth:`finish`: every request of the step was waited
         on the host, raising its failure (the device transport's is
-        :meth:`giantpipe.engine.dist.ordered.OrderedMailbox.check`)."""
+        :meth:`giantpipe.engine.distributed.ordered.OrderedMailbox.check`)."""
 
     def drop(self) -> None:
         """Forgets every request in flight (so a failed step's groups can be torn down)."""

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from giantpipe.engine.dist.shards.files import atomic_save
-from giantpipe.engine.dist.shards.reading import load
-from giantpipe.engine.dist.shards.record import read_manifest
+from giantpipe.engine.distributed.shards.files import atomic_save
+from giantpipe.engine.distributed.shards.reading import load
+from giantpipe.engine.distributed.shards.record import read_manifest
 
 __all__ = ["consolidate", "merged", "summary"]
 

@@ -13,7 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
-from giantpipe.engine.dist.shards.record import MANIFEST, committed_files, read_manifest
+from giantpipe.engine.distributed.shards.record import MANIFEST, committed_files, read_manifest
 
 __all__ = ["IN_FOLDER", "MANIFEST_TMP", "OLD_FILE", "SAVE_FOLDER", "stale"]
 

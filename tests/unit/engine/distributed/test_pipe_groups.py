@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from giantpipe.engine.dist import pipe as pipe_module
-from giantpipe.engine.dist.layout import Groups, Layout
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed import pipe as pipe_module
+from giantpipe.engine.distributed.layout import Groups, Layout
+from giantpipe.engine.distributed.pipe import DistributedPipe
 
 NAMES = ("p2p", "control", "pipeline", "replica", "host_pipeline", "host_replica")
 

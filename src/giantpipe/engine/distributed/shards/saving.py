@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from giantpipe.engine.dist.shards.cleanup import _remove, stale
-from giantpipe.engine.dist.shards.files import (
+from giantpipe.engine.distributed.shards.cleanup import _remove, stale
+from giantpipe.engine.distributed.shards.files import (
     _write_error,
     atomic_save,
     atomic_write_text,
@@ -34,7 +34,7 @@ from giantpipe.engine.dist.shards.files import (
     fsync_directory,
     new_token,
 )
-from giantpipe.engine.dist.shards.record import FORMAT, MANIFEST, read_manifest, record_hash
+from giantpipe.engine.distributed.shards.record import FORMAT, MANIFEST, read_manifest, record_hash
 
 __all__ = [
     "commit",
@@ -291,7 +291,7 @@ def save(
     shards, none gathered; DCP keeps one copy of a replicated DTensor), rank 0 commits the
     manifest.
 
-    ``pipe`` is a :class:`~giantpipe.engine.dist.pipe.DistributedPipe` (its layout, balance
+    ``pipe`` is a :class:`~giantpipe.engine.distributed.pipe.DistributedPipe` (its layout, balance
     and local state dict are used). ``extra`` (JSON-safe) is stored in the manifest. DCP's
     collectives, the gather of the hashes and the barrier run on ``group``, a host (gloo)
     group of every rank: by default the pipe's ``groups.control``, which a failure tears down,

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from giantpipe.engine.dist.faults import FailureBoard, RankFailure, wait_device, wait_work
-from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.ordered import PAYLOADS, OrderedMailbox
+from giantpipe.engine.distributed.faults import FailureBoard, RankFailure, wait_device, wait_work
+from giantpipe.engine.distributed.layout import Layout
+from giantpipe.engine.distributed.ordered import PAYLOADS, OrderedMailbox
 from giantpipe.engine.schedules import build_schedule
 from tests.distributed.nccl_rules import FakeNetwork
 

@@ -374,7 +374,7 @@ class ReplicaShards:
 
 
 class GatheredLink:
-    """A generation link (``engine/dist/generation.py``'s RankLink) during which the pipe's
+    """A generation link (``engine/distributed/generation.py``'s RankLink) during which the pipe's
     FSDP2 units stay gathered: its ``finish`` (the end of the ring) releases them."""
 
     def __init__(self, link: Any, release: Callable[[], None]) -> None:

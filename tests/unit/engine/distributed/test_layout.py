@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist import layout as layout_module
-from giantpipe.engine.dist.layout import (
+from giantpipe.engine.distributed import layout as layout_module
+from giantpipe.engine.distributed.layout import (
     Layout,
     build_groups,
     comm_device,

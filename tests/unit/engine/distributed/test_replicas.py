@@ -14,7 +14,7 @@ from torch import nn
 from giantpipe.cli.checks import to_experiment
 from giantpipe.cli.registration import register_configs
 from giantpipe.config import ConfigError, PipelineConfig
-from giantpipe.engine.dist.replicas import (
+from giantpipe.engine.distributed.replicas import (
     DEFAULT_REPLICA_SHARDING,
     last_backwards,
     mixed_precision_policy,

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.tensor import DTensor
 
-from giantpipe.engine.dist.shards.record import (
+from giantpipe.engine.distributed.shards.record import (
     OLD_FORMAT,
     CheckpointDamaged,
     read_manifest,

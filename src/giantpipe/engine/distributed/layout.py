@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist.faults import FailureBoard, wait_work
+from giantpipe.engine.distributed.faults import FailureBoard, wait_work
 
 
 @dataclass(frozen=True)

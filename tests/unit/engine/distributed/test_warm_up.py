@@ -7,7 +7,7 @@ on the GPU, creations can deadlock. ``layout.warm_up`` runs one operation on eve
 and every pair of pipeline ranks that exchange values, before step 1, in the order
 ``layout.warm_up_order`` derives, which is the same on every rank. The order is replayed here
 under NCCL's rule (``tests/distributed/nccl_rules.py``, every group its own communicator); the
-real run on gloo is ``tests/unit/engine/dist/test_k2_r2.py`` (its recorded calls) and
+real run on gloo is ``tests/unit/engine/distributed/test_k2_r2.py`` (its recorded calls) and
 ``tests/distributed/test_nccl_order.py``.
 """
 
@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist import layout as layout_module
-from giantpipe.engine.dist.layout import Groups, Layout, WarmUp, tied_workers, warm_up_order
-from giantpipe.engine.dist.message_order import message_order
+from giantpipe.engine.distributed import layout as layout_module
+from giantpipe.engine.distributed.layout import Groups, Layout, WarmUp, tied_workers, warm_up_order
+from giantpipe.engine.distributed.message_order import message_order
 from giantpipe.engine.schedules import build_schedule
 from tests.distributed.nccl_rules import Deadlock, DeviceOp, replay
 

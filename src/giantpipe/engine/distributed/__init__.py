@@ -2,7 +2,7 @@
 
 What lives here, one concept per module:
 
-- :mod:`.pipe`: :class:`~giantpipe.engine.dist.pipe.DistributedPipe`, a rank's share of the
+- :mod:`.pipe`: :class:`~giantpipe.engine.distributed.pipe.DistributedPipe`, a rank's share of the
   pipeline (sharing :class:`giantpipe.engine.pipe.Pipe` with GPipe);
 - :mod:`.layout`: who is who in the world (ranks, stages, replicas) and the process groups;
 - :mod:`.wire`: the one wire format of values between ranks (layouts announced, then frames);
@@ -23,7 +23,7 @@ the engine outside this package imports it. The runner and scripts may.
 
 Example (``torchrun --nproc_per_node=2 train.py``)::
 
-    from giantpipe.engine.dist.pipe import DistributedPipe, init_distributed
+    from giantpipe.engine.distributed.pipe import DistributedPipe, init_distributed
 
     init_distributed()
     pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.engine.dist.clipping import clip_grad_norm_
+from giantpipe.engine.distributed.clipping import clip_grad_norm_
 
 HOST_READS = ("item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 

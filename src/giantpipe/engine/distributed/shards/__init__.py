@@ -50,17 +50,17 @@ from __future__ import annotations
 
 import warnings
 
-from giantpipe.engine.dist.shards.cleanup import stale
-from giantpipe.engine.dist.shards.consolidation import consolidate, merged, summary
-from giantpipe.engine.dist.shards.files import (
+from giantpipe.engine.distributed.shards.cleanup import stale
+from giantpipe.engine.distributed.shards.consolidation import consolidate, merged, summary
+from giantpipe.engine.distributed.shards.files import (
     FILE_MODE,
     atomic_save,
     describe,
     file_digest,
     new_token,
 )
-from giantpipe.engine.dist.shards.reading import load, read_metadata, tensor_names
-from giantpipe.engine.dist.shards.record import (
+from giantpipe.engine.distributed.shards.reading import load, read_metadata, tensor_names
+from giantpipe.engine.distributed.shards.record import (
     FORMAT,
     MANIFEST,
     OLD_FORMAT,
@@ -71,7 +71,7 @@ from giantpipe.engine.dist.shards.record import (
     verify,
     weight_names,
 )
-from giantpipe.engine.dist.shards.saving import (
+from giantpipe.engine.distributed.shards.saving import (
     commit,
     layout_meta,
     replica_share,

@@ -7,7 +7,7 @@ accumulated gradients, clipping by a local norm, RNG restored on rank 0 only, th
 transport's send order and an fp16 overflow verdict taken per rank. This file lives outside
 that folder and carries no ``slow`` mark, so the fast lane runs it: four spawned ranks (a
 forkserver that imported torch once), about 10 s of a quiet 2-core machine. What each rank
-checks is :mod:`tests.unit.engine.dist.k2_r2_workers`.
+checks is :mod:`tests.unit.engine.distributed.k2_r2_workers`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.distributed
 
 
 def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Path) -> None:
-    results = spawn("tests.unit.engine.dist.k2_r2_workers:check", world=4, tmp=tmp_path)
+    results = spawn("tests.unit.engine.distributed.k2_r2_workers:check", world=4, tmp=tmp_path)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert all(r["checked"] > 0 for r in results)  # every rank compared its gradients
     losses = {tuple(r["losses"]) for r in results}

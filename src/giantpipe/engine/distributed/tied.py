@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.dist.faults import FailureBoard, wait_work
-from giantpipe.engine.dist.layout import Layout, tied_group
-from giantpipe.engine.dist.replicas import local_tensor
+from giantpipe.engine.distributed.faults import FailureBoard, wait_work
+from giantpipe.engine.distributed.layout import Layout, tied_group
+from giantpipe.engine.distributed.replicas import local_tensor
 from giantpipe.engine.partition import set_aside_gradients
 
 __all__ = ["TiedSync", "tied_copies"]

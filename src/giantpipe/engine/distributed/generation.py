@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from giantpipe.engine.dist.wire import HEADER_WORDS, Frame, encode, pack, unpack
+from giantpipe.engine.distributed.wire import HEADER_WORDS, Frame, encode, pack, unpack
 from giantpipe.engine.generate.decoding import Message, Tokens
 
 __all__ = ["RankLink", "generation_link"]

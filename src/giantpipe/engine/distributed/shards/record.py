@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from giantpipe.engine.dist.shards.files import file_digest
+from giantpipe.engine.distributed.shards.files import file_digest
 
 __all__ = [
     "FORMAT",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist.faults import FailureBoard, wait_work
+from giantpipe.engine.distributed.faults import FailureBoard, wait_work
 
 __all__ = ["all_gather_rows", "all_reduce_", "all_reduce_sum"]
 

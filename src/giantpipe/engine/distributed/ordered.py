@@ -1,12 +1,12 @@
 """The device transport: descriptions on the host, bytes on the device, in one agreed order.
 
-:class:`~giantpipe.engine.dist.p2p.P2PMailbox` suits gloo: messages match by peer and tag, a
+:class:`~giantpipe.engine.distributed.p2p.P2PMailbox` suits gloo: messages match by peer and tag, a
 receive may be posted far ahead, and a frame carries its own header. NCCL differs in three
 ways, and :class:`OrderedMailbox` is the same mailbox built for them:
 
 1. **One order per pair.** NCCL runs a pair's sends and receives on one stream in issue order,
    each blocking until its match runs on the peer. Every device operation is issued in the
-   order of :func:`~giantpipe.engine.dist.message_order.worker_ops`, which every rank derives
+   order of :func:`~giantpipe.engine.distributed.message_order.worker_ops`, which every rank derives
    from the schedule, so both ends of every pair agree (:mod:`.message_order`).
 2. **No host round trip.** Reading a header that arrived on the GPU waits for the GPU
    (``.cpu()``), and writing one from the host is a blocking copy: the host could never run
@@ -24,7 +24,7 @@ ways, and :class:`OrderedMailbox` is the same mailbox built for them:
 3. **Failures on the host.** A dead or silent peer is named by the control plane's waits, which
    time out and wake on closed connections (gloo); a device operation's ``wait`` only makes the
    stream wait, so the end of the step waits for the device with a deadline
-   (:func:`giantpipe.engine.dist.faults.wait_device`), and then :meth:`OrderedMailbox.check`
+   (:func:`giantpipe.engine.distributed.faults.wait_device`), and then :meth:`OrderedMailbox.check`
    asks every payload request of the step whether it succeeded: NCCL's watchdog may have
    aborted one (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) before the device wait ended, leaving a
    buffer partly received, and no value of such a step may leave it. A request found complete
@@ -55,11 +55,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from giantpipe.engine.dist.faults import FailureBoard, wait_work
-from giantpipe.engine.dist.layout import Layout
-from giantpipe.engine.dist.message_order import Op, worker_ops
-from giantpipe.engine.dist.p2p import P2PMailbox, describe, wait_receive
-from giantpipe.engine.dist.wire import Frame, KnownLayouts, encode, pack, unpack
+from giantpipe.engine.distributed.faults import FailureBoard, wait_work
+from giantpipe.engine.distributed.layout import Layout
+from giantpipe.engine.distributed.message_order import Op, worker_ops
+from giantpipe.engine.distributed.p2p import P2PMailbox, describe, wait_receive
+from giantpipe.engine.distributed.wire import Frame, KnownLayouts, encode, pack, unpack
 from giantpipe.engine.mailbox import Key, Mailbox
 from giantpipe.engine.schedules.actions import Action
 
@@ -224,7 +224,7 @@ class OrderedMailbox(Mailbox):
         self._posted.clear()
 
     def check(self) -> None:
-        """Raises :class:`~giantpipe.engine.dist.faults.RankFailure` naming the peer unless
+        """Raises :class:`~giantpipe.engine.distributed.faults.RankFailure` naming the peer unless
         every payload request of the step not yet waited on the host succeeded (on CUDA: call
         it after the step's device wait, when each has run; each is waited on the host under
         the timeout, once: a gloo request cannot be waited on twice)."""

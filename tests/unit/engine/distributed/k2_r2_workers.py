@@ -1,4 +1,4 @@
-"""What each rank of tests/unit/engine/dist/test_k2_r2.py runs: K=2 pipeline ranks x R=2
+"""What each rank of tests/unit/engine/distributed/test_k2_r2.py runs: K=2 pipeline ranks x R=2
 replicas on gloo, checked through the public API against the plain model.
 
 One :class:`DistributedPipe` (1F1B, M=4: sends and receives interleave) over the ordered
@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.dist.layout import WARM_UP, Layout, warm_up_order
-from giantpipe.engine.dist.message_order import worker_ops
-from giantpipe.engine.dist.meta import init_layers
-from giantpipe.engine.dist.ordered import PAYLOADS
-from giantpipe.engine.dist.pipe import DistributedPipe
+from giantpipe.engine.distributed.layout import WARM_UP, Layout, warm_up_order
+from giantpipe.engine.distributed.message_order import worker_ops
+from giantpipe.engine.distributed.meta import init_layers
+from giantpipe.engine.distributed.ordered import PAYLOADS
+from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.runner.build import parameter_names
 from giantpipe.runner.checkpoint.restore import restore
 from giantpipe.runner.checkpoint.saving import save_run

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.engine.dist import shards
-from giantpipe.engine.dist.shards import CheckpointDamaged
+from giantpipe.engine.distributed import shards
+from giantpipe.engine.distributed.shards import CheckpointDamaged
 
 
 def weights() -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ tuple layouts may change between steps), the sender announces the new layout (th
 the description inline, an ``extra`` message for words beyond ``INLINE``), then sends the
 frame. Both ends remember each key's frame layout (:class:`KnownLayouts`); in the steady state a
 value is one message into a receive buffer of exactly the known size, posted ahead
-(:mod:`giantpipe.engine.dist.p2p`).
+(:mod:`giantpipe.engine.distributed.p2p`).
 
 Example::
 

@@ -36,10 +36,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
-from giantpipe.engine.dist import shards
-from giantpipe.engine.dist.clipping import clip_grad_norm_
-from giantpipe.engine.dist.collectives import all_gather_rows, all_reduce_, all_reduce_sum
-from giantpipe.engine.dist.faults import (
+from giantpipe.engine.distributed import shards
+from giantpipe.engine.distributed.clipping import clip_grad_norm_
+from giantpipe.engine.distributed.collectives import all_gather_rows, all_reduce_, all_reduce_sum
+from giantpipe.engine.distributed.faults import (
     FailureBoard,
     RankFailure,
     default_store,
@@ -47,8 +47,8 @@ from giantpipe.engine.dist.faults import (
     run_guarded,
     wait_device,
 )
-from giantpipe.engine.dist.generation import RankLink, generation_link
-from giantpipe.engine.dist.layout import (
+from giantpipe.engine.distributed.generation import RankLink, generation_link
+from giantpipe.engine.distributed.layout import (
     Groups,
     Layout,
     bind_device,
@@ -60,18 +60,18 @@ from giantpipe.engine.dist.layout import (
     tied_workers,
     warm_up,
 )
-from giantpipe.engine.dist.meta import LayerInit, build_on_meta, local_stages, seeded_init
-from giantpipe.engine.dist.ordered import OrderedMailbox, choose_transport
-from giantpipe.engine.dist.p2p import P2PMailbox
-from giantpipe.engine.dist.replicas import (
+from giantpipe.engine.distributed.meta import LayerInit, build_on_meta, local_stages, seeded_init
+from giantpipe.engine.distributed.ordered import OrderedMailbox, choose_transport
+from giantpipe.engine.distributed.p2p import P2PMailbox
+from giantpipe.engine.distributed.replicas import (
     DEFAULT_REPLICA_SHARDING,
     GatheredLink,
     ReplicaShards,
     check_replica_sharding,
     shard_like,
 )
-from giantpipe.engine.dist.tied import TiedSync, tied_copies
-from giantpipe.engine.dist.wire import KnownLayouts
+from giantpipe.engine.distributed.tied import TiedSync, tied_copies
+from giantpipe.engine.distributed.wire import KnownLayouts
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.fp16 import AgreedGradScaler, check_agreed
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, forward_chunks, gather, scatter
@@ -116,13 +116,13 @@ class DistributedPipe(Pipe):
         schedule: a name of :func:`giantpipe.engine.schedules.build_schedule`.
         virtual_stages: V (interleaved schedules); default 2 for ``'interleaved'``, else 1.
         device: this rank's device (default ``cuda:LOCAL_RANK`` if CUDA, else CPU).
-        seed: initialisation seed of the layers (see :mod:`giantpipe.engine.dist.meta`).
+        seed: initialisation seed of the layers (see :mod:`giantpipe.engine.distributed.meta`).
         init: ``init(index, layer)`` for meta layers; default: ``seeded_init(seed)``; None to
             leave them uninitialised (load a checkpoint right after).
         deferred_batch_norm: BatchNorm running statistics once per mini-batch, as GPipe's.
         timeout: seconds any wait for another rank may take before the run fails.
         replica_sharding: how each stage is spread over its R replicas, on FSDP2
-            (:mod:`giantpipe.engine.dist.replicas`): ``'full'`` (ZeRO-3, the default: 1/R
+            (:mod:`giantpipe.engine.distributed.replicas`): ``'full'`` (ZeRO-3, the default: 1/R
             of the parameters, gradients and optimizer state per rank between steps),
             ``'grads'`` (ZeRO-2) or ``'none'`` (replicated, torch's ``replicate``).
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` of the units (parameters gathered
@@ -213,7 +213,7 @@ class DistributedPipe(Pipe):
         self._box: P2PMailbox | OrderedMailbox | None = None
         # Each boundary key's frame layout (with the ordered transport: of its description), as
         # both of its ends last saw it: from the second step on, a value's frame (description)
-        # crosses as one message into a receive posted ahead (dist/p2p.py).
+        # crosses as one message into a receive posted ahead (distributed/p2p.py).
         self._known = KnownLayouts()
         self._broken: str | None = None
 
@@ -448,7 +448,7 @@ class DistributedPipe(Pipe):
 
     def _guarded(self, body: Callable[[], _T]) -> _T:
         """Runs a step; a failure tears down this rank's groups (waking every rank waiting on
-        it, see :mod:`giantpipe.engine.dist.faults`) and raises RankFailure. The pipe is
+        it, see :mod:`giantpipe.engine.distributed.faults`) and raises RankFailure. The pipe is
         unusable afterwards."""
         if self._broken is not None:
             raise RankFailure(f"the pipeline failed earlier and cannot run: {self._broken}")
@@ -545,7 +545,7 @@ class DistributedPipe(Pipe):
 
     def generation_link(self, timeout: float) -> RankLink | GatheredLink:
         """This rank's ends of the ring that :func:`giantpipe.engine.generate.generate` circles
-        (:mod:`giantpipe.engine.dist.generation`). With R > 1 (collective over the replicas)
+        (:mod:`giantpipe.engine.distributed.generation`). With R > 1 (collective over the replicas)
         every FSDP2 unit is gathered until the link's ``finish``: each replica then decodes
         its own prompts for as many tokens as they take, with no collective per token."""
         link = generation_link(self, timeout)
@@ -561,7 +561,7 @@ class DistributedPipe(Pipe):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Collective. Clips by the global 2-norm over every stage of the pipeline and every
-        replica's shard (:mod:`giantpipe.engine.dist.clipping`): equal to
+        replica's shard (:mod:`giantpipe.engine.distributed.clipping`): equal to
         ``torch.nn.utils.clip_grad_norm_`` on the plain model. Returns the norm, on every rank.
 
         Example::
