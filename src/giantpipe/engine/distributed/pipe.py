@@ -544,12 +544,12 @@ class DistributedPipe(Pipe):
         return all_reduce_(tensor, group, self.timeout, self.board, what)
 
     def generation_link(self, timeout: float) -> RankLink | GatheredLink:
-        """This rank's ends of the ring that :func:`giantpipe.engine.generate.generate` circles
-        (:mod:`giantpipe.engine.distributed.generation`). With R > 1 (collective over the replicas)
-        every FSDP2 unit is gathered until the link's ``finish``: each replica then decodes
-        its own prompts for as many tokens as they take, with no collective per token."""
+        """This rank's ends of the ring :func:`giantpipe.engine.generate.generate` circles
+        (:mod:`giantpipe.engine.distributed.generation`). With R > 1 (collective over the
+        replicas): ``full`` decodes in lockstep, a layer gathered at a time; ``grads`` gathers
+        every unit until the link's ``finish``, and each replica decodes on its own."""
         link = generation_link(self, timeout)
-        if self.shards is None:
+        if self.shards is None or link.lockstep is not None:
             return link
         self.shards.gather()
         return GatheredLink(link, self.shards.release)
