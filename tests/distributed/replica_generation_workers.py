@@ -1,7 +1,8 @@
 """What each rank runs in tests/distributed/test_generate_replicas.py: decoding through a
 DistributedPipe of K stages x R replicas whose stages FSDP2 shards over the replicas, each
 replica with prompts of its own (other counts of micro-batches, other lengths), against the plain
-model in one process; and the bytes of parameters gathered on the rank at any moment."""
+model in one process; and the most bytes of parameters gathered on the rank at once, against its
+largest FSDP2 unit's (a layer, or a tied embedding and head)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from giantpipe.data.translation.decoding import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.distributed.pipe import DistributedPipe
+from giantpipe.engine.distributed.replicas import units_of
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from tests.distributed.generate_workers import BOS, EOS, PAD, lm, seq2seq
 
@@ -25,9 +27,16 @@ def gathered_bytes(pipe: nn.Module) -> int:
     return sum(p.nbytes for p in pipe.parameters() if not isinstance(p, DTensor))
 
 
-def largest_layer(model: nn.Sequential, layers: list[int]) -> int:
-    """Bytes of the largest of ``layers``' parameters (each layer counted whole)."""
-    return max(sum(p.nbytes for p in model[i].parameters()) for i in layers)
+def distinct_bytes(modules: list[nn.Module]) -> int:
+    """Bytes of the parameters of ``modules``, a shared one once."""
+    params = {id(p): p for m in modules for p in m.parameters()}
+    return sum(p.nbytes for p in params.values())
+
+
+def largest_unit(model: nn.Sequential, layers: list[int]) -> int:
+    """Bytes of the largest FSDP2 unit ``full`` makes of ``layers``: a layer, or the layers of
+    this rank sharing a parameter (a tied embedding and head), counted whole."""
+    return max(distinct_bytes(unit) for unit in units_of([model[i] for i in layers], False))
 
 
 class GatherWatch:
@@ -67,9 +76,11 @@ def decode(
     balance: list[int],
     sharding: str = "full",
     schedule: str = "gpipe",
+    lm_balance: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Greedy and beam (translation), then sampling (a language model, other step counts per
-    micro-batch), each replica with its own prompts; the references decoded in one process."""
+    """Greedy and beam (translation), then, given ``lm_balance``, sampling (a language model,
+    other step counts per micro-batch), each replica with its own prompts; the references
+    decoded in one process."""
     virtual = 1 if schedule == "gpipe" else 2
     kwargs = {"chunks": 2, "schedule": schedule, "virtual_stages": virtual, "timeout": 30}
     pipe = DistributedPipe(seq2seq(), balance, replica_sharding=sharding, **kwargs)  # type: ignore[arg-type]
@@ -90,17 +101,19 @@ def decode(
     bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
     mine = [i for s in pipe.layout.local_stages for i in range(bounds[s], bounds[s + 1])]
     result = {"got": got, "reference": reference, "peak": watch.peak, "unshards": watch.calls,
-              "largest_layer": largest_layer(plain, mine),
-              "stages_bytes": sum(p.nbytes for i in mine for p in plain[i].parameters()),
+              "largest_unit": largest_unit(plain, mine),
+              "stages_bytes": distinct_bytes([plain[i] for i in mine]),
               "sharded_after": gathered_bytes(pipe) == 0}  # fmt: skip
-    result["sampled"], result["sampled_alone"] = sample(r, sharding, kwargs)
+    if lm_balance is not None:
+        result["sampled"], result["sampled_alone"] = sample(r, lm_balance, sharding, kwargs)
     return result
 
 
-def sample(replica: int, sharding: str, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+def sample(
+    replica: int, balance: list[int], sharding: str, kwargs: dict[str, Any]
+) -> tuple[Any, Any]:
     """A language model's samples, replica 0 with two micro-batches of 8 and 3 tokens, replica
     1 with one of 5 (fewer steps than replica 0's longest: it waits as a ghost)."""
-    balance = [2, 3] if kwargs["schedule"] == "gpipe" else [1, 1, 1, 2]
     pipe = DistributedPipe(lm(), balance, replica_sharding=sharding, **kwargs)
     generator = torch.Generator().manual_seed(5 + replica)
     rows = torch.randint(0, 41, (4 if replica == 0 else 2, 5), generator=generator)
