@@ -1,5 +1,6 @@
 """The generation ring between ranks: a DistributedPipe's link for :mod:`giantpipe.engine.generate`,
-its messages on the wire format of :mod:`.wire`.
+its messages on the wire format of :mod:`.wire`, and the last stage's values (the ring's
+results, a forward's outputs) handed to every rank of the pipeline (:func:`from_last_stage`).
 
 A message of the ring (:class:`~giantpipe.engine.generate.decoding.Message`: micro-batch, value,
 order, steps, ghost, stage) travels as wire's announcement and frame of one value, the tuple
@@ -40,11 +41,11 @@ from torch import Tensor, nn
 
 from giantpipe.engine.distributed.collectives import all_reduce_sum
 from giantpipe.engine.distributed.faults import FailureBoard, wait_work
-from giantpipe.engine.distributed.replicas import ReplicaShards
+from giantpipe.engine.distributed.replicas import GatheredLink, ReplicaShards
 from giantpipe.engine.distributed.wire import HEADER_WORDS, Frame, encode, pack, unpack
 from giantpipe.engine.generate.decoding import Message, Tokens
 
-__all__ = ["Lockstep", "RankLink", "generation_link"]
+__all__ = ["Lockstep", "RankLink", "from_last_stage", "generation_link"]
 
 TAG = 23  # generation's messages, apart from training's frames on the same pair of ranks
 FIXED_WORDS = 5  # m, ghost, steps, stage, n (description words); then the description
@@ -221,15 +222,41 @@ class RankLink:
 
     def share(self, results: dict[int, Tokens]) -> dict[int, Tokens]:
         """The last stage's ``results`` on every rank of this rank's pipeline."""
-        shared: list[Any] = [results]
-        dist.broadcast_object_list(shared, src=self.ranks[-1], group=self.share_group)
-        return dict(shared[0])
+        return dict(_broadcast(results, self.ranks[-1], self.share_group))
 
 
-def generation_link(pipe: Any, timeout: float) -> RankLink:
+def _broadcast(value: Any, src: int, group: Any) -> Any:
+    shared: list[Any] = [value]
+    dist.broadcast_object_list(shared, src=src, group=group)
+    return shared[0]
+
+
+def _on_host(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.cpu()
+    return tuple(_on_host(v) for v in value) if isinstance(value, tuple) else value
+
+
+def from_last_stage(pipe: Any, value: Any) -> Any:
+    """``value`` of the rank holding ``pipe``'s last stage (e.g. its forward's outputs) on
+    every rank of its pipeline, tensors on the host (collective over the pipeline's host group;
+    ignored elsewhere than the last stage).
+
+    Example::
+
+        outputs = from_last_stage(pipe, pipe(inputs))   # every rank: the last stage's outputs
+    """
+    layout = pipe.layout
+    last = layout.rank_of_stage(layout.num_stages - 1)
+    mine = _on_host(value) if layout.rank == last else None
+    return _broadcast(mine, last, pipe.groups.host_pipeline)
+
+
+def generation_link(pipe: Any, timeout: float) -> RankLink | GatheredLink:
     """``pipe``'s (a DistributedPipe's) ends of the generation ring: its stages' ranks on the
-    control group, results shared over its pipeline's host group; in :class:`Lockstep` with
-    its replicas when its stages are sharded by FSDP2's ``full``.
+    control group, results shared over its pipeline's host group. With R > 1 (collective over
+    the replicas): ``full`` decodes in :class:`Lockstep`, a layer gathered at a time; ``grads``
+    gathers every FSDP2 unit until the link's ``finish``, and each replica decodes on its own.
 
     Example::
 
@@ -239,4 +266,8 @@ def generation_link(pipe: Any, timeout: float) -> RankLink:
     ranks = [layout.rank_of_stage(s) for s in range(layout.num_stages)]
     full = shards is not None and shards.mode == "full"
     lockstep = Lockstep(shards, groups, timeout, pipe.board) if full else None
-    return RankLink(groups.control, ranks, layout.rank, timeout, groups.host_pipeline, lockstep)
+    link = RankLink(groups.control, ranks, layout.rank, timeout, groups.host_pipeline, lockstep)
+    if shards is None or full:
+        return link
+    shards.gather()
+    return GatheredLink(link, shards.release)
