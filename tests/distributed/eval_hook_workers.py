@@ -1,7 +1,8 @@
 """What each process runs in tests/distributed/test_eval_hooks.py: a small language-model run
 through the runner (build, four optimizer steps, evaluations at steps 2 and 4) whose data has a
 user's whole-model evaluation hook (:func:`lm_with_hook`), and what the process holds while
-that hook runs."""
+that hook runs: its live parameters after each call, the most bytes FSDP2 gathered at once
+during them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from giantpipe.data.lm_tokens import lm_tokens
 from giantpipe.engine.inference import PipedModel
 from giantpipe.testing.held import storage_bytes
 from tests.distributed.launch import REPO
+from tests.distributed.replica_generation_workers import GatherWatch
 
 SEEN: dict[str, Any] = {}
 """This process's notes from inside the hook (each process its own)."""
@@ -53,6 +55,12 @@ def live_parameter_bytes() -> int:
     return storage_bytes(params)
 
 
+def largest_layer(pipe: nn.Module) -> int:
+    """Bytes of the largest layer this process holds, whole (a DTensor's numel is its whole)."""
+    layers = [layer for stage in pipe.partitions for layer in stage.children()]
+    return max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+
+
 def lm_with_hook(**fields: Any) -> DataBundle:
     """``data=lm_tokens`` with its samples, and a user's hook written as for a plain model:
     the share of a held-out batch's next tokens the model's arg-max gets right, then the
@@ -63,11 +71,13 @@ def lm_with_hook(**fields: Any) -> DataBundle:
     inputs, targets = bundle.eval_batches()[0]
 
     def hook(model: PipedModel) -> dict[str, float | str]:
-        logits = model(inputs)
-        right = logits.argmax(-1) == targets.to(logits.device)  # type: ignore[union-attr]
-        figures: dict[str, float | str] = {"argmax_right": float(right.float().mean())}
-        figures.update(samples(model))
+        with GatherWatch(model.pipe) as watch:
+            logits = model(inputs)
+            right = logits.argmax(-1) == targets.to(logits.device)  # type: ignore[union-attr]
+            figures: dict[str, float | str] = {"argmax_right": float(right.float().mean())}
+            figures.update(samples(model))
         SEEN.setdefault("live", []).append(live_parameter_bytes())
+        SEEN["peak_gathered"], SEEN["largest_layer"] = watch.peak, largest_layer(model.pipe)
         SEEN["own"] = storage_bytes(model.pipe.parameters())
         return figures
 

@@ -52,4 +52,6 @@ def test_a_users_hook_runs_through_the_pipe_as_in_one_process(
         assert 0 < rank["own"] < one_process["own"]
     if world == 2:
         assert sum(r["own"] for r in ranks) == one_process["own"]
+    else:  # FSDP2 full: the forward and the samples gathered one layer at a time
+        assert all(0 < r["peak_gathered"] <= r["largest_layer"] for r in ranks), ranks
     assert one_process["live"] == [one_process["own"]] * 2  # one process: the whole model, once
