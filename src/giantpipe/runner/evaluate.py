@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from giantpipe.data.bundle import Batch, DataBundle, batch_size
+from giantpipe.data.bundle import Batch, DataBundle, Tensors, batch_size
 from giantpipe.engine.generate import evaluating
 from giantpipe.engine.inference import PipedModel
 from giantpipe.engine.pipe import Pipe
@@ -125,19 +125,41 @@ def evaluate(
         for batch in eval_stream(bundle, max_batches, inputs_wanted or targets_wanted, world):
             inputs: Any = None
             if batch is not None and inputs_wanted:
-                inputs = to_device(replica_slice(batch[0], r, replicas), devices[0])
+                inputs = to_device(even_share(batch[0], r, replicas), devices[0])
             with autocast(precision, devices[0]):
                 output = pipe(inputs)
             if batch is not None and targets_wanted:
                 targets = replica_slice(batch[1], r, replicas)
                 if not isinstance(output, Tensor) or not isinstance(targets, Tensor):
                     raise TypeError("the runner's losses need a tensor output and tensor targets")
+                output = output[: batch_size(targets)]  # the rows even_share added go
                 if batch_size(targets) > 0:  # a replica's share of a short last batch may be none
                     add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
     figures = _figures(world.sum(tally.as_list()), bundle.metric)
     if per_token(bundle):
         figures["perplexity"] = math.exp(min(figures["loss"], 80.0))  # exp(mean token NLL)
     return figures
+
+
+def even_share(tensors: Tensors, replica: int, replicas: int) -> Tensors:
+    """Replica ``replica``'s share of an evaluation batch (:func:`replica_slice`), made up to
+    the largest share with the batch's first rows, so that every replica's forward runs the
+    same micro-batches: with FSDP2's ``full`` each gathers its layers per micro-batch, a
+    collective of the replicas. The rows added are scored nowhere.
+
+    >>> [even_share(torch.arange(5), r, 2).tolist() for r in (0, 1)]
+    [[0, 1, 2], [3, 4, 0]]
+    """
+    if replicas == 1:
+        return tensors
+    whole = batch_size(tensors)
+    rows = -(-whole // replicas)  # the first shares of tensor_split's are the largest
+
+    def padded(t: Tensor) -> Tensor:
+        share = torch.tensor_split(t, replicas)[replica]
+        return torch.cat([share, t[: rows - share.shape[0]]])
+
+    return tuple(padded(t) for t in tensors) if isinstance(tensors, tuple) else padded(tensors)
 
 
 def per_token(bundle: DataBundle) -> bool:
