@@ -44,8 +44,9 @@ its whole gradients (2 x its parameter bytes) plus its 1/R shards; ``full`` (not
 its whole gradients, one unit's parameters and its shards. Where memory allows, ``grads``
 moves M times fewer bytes; ``full`` is for a stage whose whole parameters and gradients do not
 fit together. A forward-only pass (evaluation) gathers each unit per micro-batch with ``full``,
-once with ``grads``. Between steps every unit is sharded (``full``, ``grads``): the optimizer
-steps on its 1/R shard.
+once with ``grads``; generation likewise, with ``full`` each layer around its use, the replicas
+in lockstep (``layer_gathered``; ``generation.py``). Between steps every unit is sharded
+(``full``, ``grads``): the optimizer steps on its 1/R shard.
 
 Example (every rank of a K=2 x R=2 world)::
 
