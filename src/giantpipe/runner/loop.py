@@ -254,7 +254,7 @@ class TrainingLoop:
             [parts.input_device],
             world,
         )
-        whole = whole_model_figures(parts.pipe, parts.model, parts.bundle, world)
+        whole = whole_model_figures(parts.pipe, parts.bundle, world)
         notes = {k: v for k, v in whole.items() if isinstance(v, str)}
         for key, note in notes.items():
             log.info("step %d eval %s: %s", self.progress.step, key, note)

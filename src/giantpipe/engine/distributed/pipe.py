@@ -47,7 +47,7 @@ from giantpipe.engine.distributed.faults import (
     run_guarded,
     wait_device,
 )
-from giantpipe.engine.distributed.generation import RankLink, generation_link
+from giantpipe.engine.distributed.generation import RankLink, from_last_stage, generation_link
 from giantpipe.engine.distributed.layout import (
     Groups,
     Layout,
@@ -544,15 +544,13 @@ class DistributedPipe(Pipe):
         return all_reduce_(tensor, group, self.timeout, self.board, what)
 
     def generation_link(self, timeout: float) -> RankLink | GatheredLink:
-        """This rank's ends of the ring that :func:`giantpipe.engine.generate.generate` circles
-        (:mod:`giantpipe.engine.distributed.generation`). With R > 1 (collective over the replicas)
-        every FSDP2 unit is gathered until the link's ``finish``: each replica then decodes
-        its own prompts for as many tokens as they take, with no collective per token."""
-        link = generation_link(self, timeout)
-        if self.shards is None:
-            return link
-        self.shards.gather()
-        return GatheredLink(link, self.shards.release)
+        """This rank's ends of the ring :func:`giantpipe.engine.generate.generate` circles."""
+        return generation_link(self, timeout)  # engine/distributed/generation.py
+
+    def share_outputs(self, outputs: Any) -> Any:
+        """The last stage's :meth:`forward` outputs on every rank of this pipeline, on the host
+        (collective over the pipeline; the door ``engine.inference.PipedModel`` takes)."""
+        return from_last_stage(self, outputs)
 
     def norm_group(self) -> Any:
         """The device group the global norm is summed over: the pipeline's ranks, and with
