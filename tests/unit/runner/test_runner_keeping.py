@@ -93,17 +93,18 @@ def test_a_resumed_run_counts_patience_on_from_its_earlier_evaluations(tmp_path:
 
 
 class Recorder(Callback):
-    """Records every call, on every rank, in ``calls`` (or in RUN/calls-rankR.jsonl)."""
+    """Records every call, on every rank, in ``calls`` (or, given a ``name``, in
+    RUN/NAME-rankR.jsonl with the rank and the world's size)."""
 
     every_rank = True
     calls: list[tuple[Any, ...]] = []
 
-    def __init__(self, to_file: bool = False) -> None:
-        self.to_file = to_file
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
 
     def note(self, run: RunInfo, *call: Any) -> None:
-        if self.to_file:
-            with (run.run_dir / f"calls-rank{run.rank}.jsonl").open("a") as handle:
+        if self.name is not None:
+            with (run.run_dir / f"{self.name}-rank{run.rank}.jsonl").open("a") as handle:
                 handle.write(json.dumps([*call, run.rank, run.world_size]) + "\n")
         else:
             Recorder.calls.append(call)
@@ -122,11 +123,22 @@ class Recorder(Callback):
         self.note(run, "at_end", run.step, summary["status"])
 
 
+class RankZeroRecorder(Recorder):
+    """The same, on rank 0 only."""
+
+    every_rank = False
+
+
 class Failing:
-    """Raises in its hook at step 3."""
+    """Raises in its hook at step 3 (on rank ``rank``; every rank calls it)."""
+
+    every_rank = True
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
 
     def after_step(self, run: RunInfo, figures: dict[str, float]) -> None:
-        if run.step == 3:
+        if run.step == 3 and run.rank == self.rank:
             raise ValueError("no room on the dashboard")
 
 
