@@ -1,10 +1,12 @@
 """``python train.py`` refuses a bad value of checkpoint retention, early stopping or callbacks
 in one line naming the key, exit 2, before torch is imported and with nothing written."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from giantpipe.config import TrainerConfig
 from tests.integration.test_cli import HEAVY, error_lines, imported, train
 
 
@@ -43,3 +45,16 @@ def test_a_callback_that_does_not_import_exits_2_with_nothing_written(tmp_path: 
         "error: trainer.callbacks[0]._target_: cannot import 'mypkg' (No module named 'mypkg')"
     ]
     assert not (tmp_path / "outputs").exists()
+
+
+KEYS = ("keep_last", "keep_best", "monitor", "monitor_mode", "early_stop_patience")
+KEYS += ("early_stop_min_delta", "callbacks")
+
+
+def test_help_shows_the_keys_of_keeping_and_hooks(tmp_path: Path):
+    result = train("--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    fields = {f.name for f in dataclasses.fields(TrainerConfig)}
+    for key in KEYS:
+        assert f"trainer.{key}=" in result.stdout and key in fields, key
+    assert "docs/running.md#keeping-checkpoints" in result.stdout
