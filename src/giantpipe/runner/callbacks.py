@@ -41,7 +41,8 @@ class RunInfo:
     name: str
     run_dir: Path
     step: int
-    """Optimizer steps done."""
+    """Optimizer steps done (``after_save``: the step the checkpoint holds; with
+    trainer.async_save the hook comes once the write is committed, a few steps later)."""
     total_steps: int
     rank: int
     world_size: int

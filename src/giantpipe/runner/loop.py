@@ -356,7 +356,7 @@ class TrainingLoop:
             if self.keeping is not None:
                 self.keeping.committed(directory, step)
             if self.callbacks.built:
-                self.callbacks.call("after_save", self._info(), directory)
+                self.callbacks.call("after_save", self._info(step), directory)
 
     def _write_failed(self, err: OSError, directory: Path, step: int) -> CheckpointWriteError:
         reason = err.strerror or str(err)
@@ -428,12 +428,11 @@ class TrainingLoop:
             self.keeping.planned(step, why)
         self.save(f"step_{step}")
 
-    def _info(self) -> RunInfo:
-        world = self.world
-        total = self.parts.total_steps
-        return RunInfo(
-            self.cfg.name, self.run_dir, self.progress.step, total, world.rank, world.size
-        )
+    def _info(self, step: int | None = None) -> RunInfo:
+        """Where the run is, for a hook (``step``: the step a save holds, if not the run's)."""
+        world, total = self.world, self.parts.total_steps
+        step = self.progress.step if step is None else step
+        return RunInfo(self.cfg.name, self.run_dir, step, total, world.rank, world.size)
 
     def _check_callbacks(self) -> None:
         """At a step's end: a hook that raised on any rank stops the run on every rank."""
