@@ -199,35 +199,50 @@ class Ledger:
         }
         atomic_write_text(one_per_line(data), self.path)
 
+    def record(self) -> bool:
+        """:meth:`write`, in the run: a ledger that cannot be written (a full disk) is a
+        warning, not the run's end; nothing is removed unless its removal is recorded."""
+        try:
+            self.write()
+        except OSError as err:
+            log.warning("%s: not written (%s); no checkpoint is removed meanwhile", self.path, err)
+            return False
+        return True
+
     def evaluated(self, step: int, figures: dict[str, float]) -> None:
         """Records an evaluation's ``eval/`` figures."""
         self.evaluations[step] = dict(figures)
-        self.write()
+        self.record()
 
     def planned(self, step: int, why: list[str]) -> None:
         """Records, before it is written, that the run saves ``step_N/`` and why."""
         self.written[step] = sorted(set(self.written.get(step, [])) | set(why))
-        self.write()
+        self.record()
 
     def remove(self, step: int, why: str) -> bool:
         """Removes ``step_N/`` if giantpipe wrote it: decided (``why``), recorded, set aside,
-        deleted. False (it stays, and leaves the ledger) if it is not recognized."""
+        deleted. False if it stays: not recognized (it then leaves the ledger), or the
+        removal could not be recorded or done (tried again later)."""
         folder = self.run_dir / folder_name(step)
         problem = not_ours(folder, step)
-        self.written.pop(step, None)
         if problem is not None:
             log.warning("%s is kept although %s: %s", folder, why, problem)
-            self.write()
+            self.written.pop(step, None)
+            self.record()
             return False
+        reasons = self.written.pop(step, [])
         self.removing.append(folder.name)
-        self.write()
+        if not self.record():
+            self.removing.remove(folder.name)
+            self.written[step] = reasons
+            return False
         try:
             erase(set_aside(folder))
         except OSError as err:  # the next start tries again; the run goes on
             log.warning("%s: not removed (%s); the next start tries again", folder, err)
             return False
         self.removing.remove(folder.name)
-        self.write()
+        self.record()
         log.info("removed %s: %s", folder, why)
         return True
 

@@ -175,10 +175,12 @@ def _checked(
     world.agree(lambda: check_objective(cfg, parts))
     world.agree(lambda: check_monitor(cfg, parts))
     callbacks = world.agree(lambda: build_callbacks(cfg.trainer.callbacks, world))
-    keeping = None
     if world.writes:  # only once what the run resumes from has been read and accepted
         clean_interrupted_saves(run_dir)
-        keeping = Keeping.open(cfg, run_dir, progress.step)  # finishes interrupted removals
+    # rank 0's ledger: removals a kill interrupted are finished (None elsewhere)
+    keeping = world.agree(
+        lambda: Keeping.open(cfg, run_dir, progress.step) if world.writes else None
+    )
     # -- checked: from here on the run writes into run_dir -----------------------------------
     aside = resume_from is None and moves_record_aside(
         cfg.trainer.resume, run_dir, cfg.trainer.overwrite

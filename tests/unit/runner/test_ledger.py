@@ -159,3 +159,15 @@ def test_prune_keeps_a_save_still_in_flight(run: Path):
     retention.committed(3)
     assert sorted(p.name for p in run.glob("step_*")) == ["step_3"]
     assert retention.summary() == {"step_3": "among the 1 newest (trainer.keep_last)"}
+
+
+def test_nothing_is_removed_while_the_removal_cannot_be_recorded(run: Path, caplog):
+    ledger = Ledger.open(run, step=3)
+    (run / LEDGER).unlink()
+    (run / LEDGER).mkdir()  # the ledger cannot be replaced (as on a full disk)
+    with caplog.at_level(logging.WARNING):
+        assert not ledger.remove(1, "not among the 2 newest")
+    assert "not written" in caplog.text and whole(run / "step_1") == 1
+    assert ledger.written[1] == ["every"] and ledger.removing == []  # tried again later
+    (run / LEDGER).rmdir()
+    assert ledger.remove(1, "not among the 2 newest") and not (run / "step_1").exists()
