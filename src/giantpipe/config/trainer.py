@@ -99,21 +99,17 @@ class TrainerConfig:
     keep_last: int | None = None
     """Of the ``step_N/`` that trainer.checkpoint_every writes, keep the K newest (null: all)."""
     keep_best: int = 0
-    """Keep the K best ``step_N/`` by trainer.monitor, saving each evaluation that ranks among
-    them (0: none)."""
+    """Keep the K best ``step_N/`` by trainer.monitor, saving evaluations that rank (0: none)."""
     monitor: str | None = None
-    """The eval figure keep_best and early stopping watch, e.g. ``eval/accuracy`` (null:
-    sweep.objective)."""
+    """The eval figure keep_best and early stopping watch (null: sweep.objective, eval/loss)."""
     monitor_mode: str | None = None
     """``min`` or ``max``: which way trainer.monitor improves (null: sweep.direction)."""
     early_stop_patience: int | None = None
-    """Stop, exit 0, after this many evaluations in a row without trainer.monitor improving by
-    trainer.early_stop_min_delta (null: never stop early)."""
+    """Stop (exit 0) after this many evaluations without trainer.monitor improving (null: no)."""
     early_stop_min_delta: float = 0.0
     """The least change of trainer.monitor that counts as an improvement."""
     callbacks: list[Any] = field(default_factory=list)
-    """Your own hooks, each a ``_target_`` and its arguments, e.g. ``[{_target_:
-    mypkg.MyCallback}]``; the protocol: giantpipe.runner.callbacks."""
+    """Your hooks: ``[{_target_: mypkg.MyCallback}]`` (the protocol: giantpipe.runner.callbacks)."""
 
     def __post_init__(self) -> None:
         check_fields_finite(self, "trainer")
