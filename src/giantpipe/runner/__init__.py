@@ -23,6 +23,12 @@ receives the dataclasses of ``giantpipe.config``; only ``giantpipe.cli`` imports
     seeding.py    the process's random-number generators: seeded at the start, saved, restored
     rundir.py     the run directory: where a run starts or resumes, one run at a time
     record.py     the run's record (metrics, summary)
+    keeping.py    what a run keeps and when it stops early: rank 0's verdicts after evaluations
+    ledger.py     RUN/checkpoints.json, and the crash-safe removal of a step_N/ giantpipe wrote
+    retention.py  which step_N/ a run keeps: trainer.keep_last newest, trainer.keep_best best
+    early_stop.py early stopping on the monitored figure (trainer.early_stop_patience)
+    monitor.py    the monitored eval figure (trainer.monitor) and which way it improves
+    callbacks.py  your own hooks named in trainer.callbacks, and their protocol
     world.py      who runs: one process or torchrun's
 
 Example::

@@ -170,7 +170,8 @@ def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> 
 def finished_run(resume: bool | str, run_dir: Path, max_steps: int | None) -> bool:
     """``trainer.resume=auto``: whether ``run_dir`` holds a run that completed and has nothing
     left to do (its summary says ``completed`` and either no checkpoint can continue it, a kept
-    ``step_N/`` included, or it reached ``trainer.max_steps``). Such a run is skipped, unchanged.
+    ``step_N/`` included, or it reached ``trainer.max_steps``, or stopped early). Such a run is
+    skipped, unchanged.
 
     Example::
 
@@ -186,6 +187,7 @@ def finished_run(resume: bool | str, run_dir: Path, max_steps: int | None) -> bo
         return False
     steps = summary.get("steps")
     reached = max_steps is not None and isinstance(steps, int) and steps >= max_steps
+    reached = reached or "stopped_early" in summary  # trainer.early_stop_patience ended it
     unheld = held_checkpoint(run_dir) is None and lost_last(run_dir, resume) is None
     return reached or unheld
 
