@@ -1,6 +1,6 @@
 """The loop's door to the metrics: :class:`MetricsLogger` fans each step's record out to the
-progress bar, metrics.jsonl and the trackers, keeps the run-long figures, and draws
-``curves.png`` when the run closes.
+progress bar (or progress lines in the log), metrics.jsonl and the trackers, keeps the run-long
+figures, and draws ``curves.png`` when the run closes.
 
 Example::
 
@@ -14,13 +14,15 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from giantpipe.config import LoggerConfig
 from giantpipe.metrics.curves import plot_curves
 from giantpipe.metrics.jsonl import JsonlSink, read_jsonl
-from giantpipe.metrics.progress import ProgressBar
+from giantpipe.metrics.progress import ProgressBar, ProgressLines, wants_lines
 from giantpipe.metrics.step import StepRecord, Window
 from giantpipe.metrics.trackers import TensorBoardSink, WandbSink
 
@@ -39,6 +41,7 @@ class MetricsLogger:
         log_every: int,
         name: str,
         config: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.log_every = log_every
         self.run_dir = run_dir
@@ -54,6 +57,11 @@ class MetricsLogger:
             else None
         )
         self.bar = ProgressBar(total_steps, start_step, cfg.progress)
+        self.progress_lines = (
+            ProgressLines(total_steps, start_step, cfg.progress_every_s, clock)
+            if wants_lines(cfg.progress)
+            else None
+        )
         self.window = Window()
         # The run's first step pays for thread start-up and allocation; leave it out of the
         # run-long throughput unless it is the only step.
@@ -82,7 +90,14 @@ class MetricsLogger:
         else:
             self.run.add(record)
         self.bar.advance(1, loss=f"{record.loss:.4f}")
-        if record.step % self.log_every:
+        due = record.step % self.log_every == 0
+        if self.progress_lines is not None:
+            said = self.progress_lines.add(
+                record.step, record.loss, record.samples, record.step_time_s, due
+            )
+            if said is not None:
+                log.info("%s", said)
+        if not due:
             return None
         line = {"kind": "train", "step": record.step, **self.window.figures()}
         self.window = Window()
