@@ -11,6 +11,8 @@ Hydra, OmegaConf and YAML report over several lines, often with the reason on th
 
 from __future__ import annotations
 
+import difflib
+
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
@@ -76,9 +78,13 @@ def _yaml_line(err: yaml.MarkedYAMLError) -> str:
 
 
 def _missing_option(err: MissingConfigException) -> str:
-    """``model=foo``: an option that does not exist; list the real ones (schemas left out)."""
+    """``model=foo``: an option that does not exist; list the real ones (schemas left out) and
+    name the one spelt nearly the same, if any (``recipe=mlp_quickstrat``)."""
     group, _, option = (err.missing_cfg_file or "").rpartition("/")
     if not group or err.options is None:  # not a GROUP=OPTION choice: the primary config
         return _first_line(str(err))
-    shown = ", ".join(o for o in err.options if o not in OPTION_SCHEMAS)
-    return f"{group}={option}: no such option" + (f" (available: {shown})" if shown else "")
+    real = [o for o in err.options if o not in OPTION_SCHEMAS]
+    shown = f" (available: {', '.join(real)})" if real else ""
+    close = difflib.get_close_matches(option, real, n=1)
+    near = f"; did you mean {group}={close[0]}?" if close else ""
+    return f"{group}={option}: no such option{shown}{near}"
