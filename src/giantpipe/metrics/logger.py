@@ -42,6 +42,7 @@ class MetricsLogger:
         name: str,
         config: dict[str, Any],
         clock: Callable[[], float] = time.monotonic,
+        window: dict[str, Any] | None = None,
     ) -> None:
         self.log_every = log_every
         self.run_dir = run_dir
@@ -62,7 +63,8 @@ class MetricsLogger:
             if wants_lines(cfg.progress)
             else None
         )
-        self.window = Window()
+        # A resumed run goes on with the window the stop cut (the checkpoint carries it).
+        self.window = Window.from_state(window) if window else Window()
         # The run's first step pays for thread start-up and allocation; leave it out of the
         # run-long throughput unless it is the only step.
         self.run = Window()
@@ -74,6 +76,7 @@ class MetricsLogger:
                            or line["kind"] == "eval"})  # fmt: skip
         if self.jsonl is not None:
             self.jsonl.write(line)
+        line = {k: v for k, v in line.items() if k != "partial"}  # metrics.jsonl's mark only
         prefix = f"{line['kind']}/"
         if self.wandb is not None:
             self.wandb.log({prefix + k: v for k, v in line.items()}, step=line["step"])
@@ -105,13 +108,18 @@ class MetricsLogger:
         return line
 
     def flush(self) -> dict[str, Any] | None:
-        """Write the partial window left at the end of training as one more line."""
+        """Write the window left at the end of training (or at a stop) as one more line,
+        marked ``partial``; the window stays for :meth:`window_state`: a resumed run replaces
+        the line by the whole window's."""
         if not len(self.window) or self._last_step is None:
             return None
-        line = {"kind": "train", "step": self._last_step, **self.window.figures()}
-        self.window = Window()
+        line = {"kind": "train", "step": self._last_step, "partial": True, **self.window.figures()}
         self._emit(line)
         return line
+
+    def window_state(self) -> dict[str, Any] | None:
+        """The logging window not yet written as a whole line (None: empty), for a checkpoint."""
+        return self.window.state() if len(self.window) else None
 
     def evaluation(self, step: int, figures: dict[str, float]) -> None:
         """Write an evaluation line and say it on the console / train.log."""
