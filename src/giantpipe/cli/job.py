@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from giantpipe.cli.checks import check_config, check_fits, late_checks
-from giantpipe.cli.errors import is_config_error, one_line
+from giantpipe.cli.errors import is_config_error, one_line, one_line_warning
 from giantpipe.cli.registration import CONF_DIRS, STARTED, register_configs
 from giantpipe.cli.schemas import OPTION_GROUPS
 from giantpipe.cli.usage import usage
@@ -319,6 +320,7 @@ def guarded(main: Callable[[], None], conf_dir: Path) -> None:
     else:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so the error reaches us whole
     logging.raiseExceptions = False  # a log line lost to a full disk must not end the run
+    warnings.formatwarning = one_line_warning  # not the line of source that warned
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
         print(usage(conf_dir))  # ours, not Hydra's: it composes nothing and names the recipes
         sys.exit(0)

@@ -41,3 +41,33 @@ def test_a_quiet_rank_waits_for_the_one_that_reports(tmp_path: Path, monkeypatch
     waited = time.monotonic() - start
     reporter.wait()
     assert 0.3 <= waited < 4.0  # until it exited (not reaped yet), not the 5 s of patience
+
+
+WARNS = """
+import sys, warnings
+from pathlib import Path
+from giantpipe.cli import guarded
+
+class TimingNoise(UserWarning):  # giantpipe.perf.stage_profile's, here without torch
+    pass
+
+TimingNoise.__module__ = "giantpipe.perf.stage_profile"
+sys.argv = ["train.py"]
+guarded(lambda: warnings.warn(TimingNoise("layer 0 (Sequential): timings spread more than 50%\\n"
+                                          "(the machine is busy): the medians are kept")),
+        Path(sys.argv[0]).parent / "conf")
+"""
+
+
+def test_a_warning_of_the_run_is_one_line(tmp_path: Path) -> None:
+    """A TimingNoise on a busy machine printed the line of source that warned under it."""
+    repo = Path(__file__).resolve().parents[3]
+    (tmp_path / "conf").symlink_to(repo / "conf")
+    env = {"PYTHONPATH": f"{repo / 'src'}:{repo}"}
+    command = [sys.executable, "-c", WARNS]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "warning: TimingNoise: layer 0 (Sequential): timings spread more than 50%; (the machine "
+        "is busy): the medians are kept"
+    ]
