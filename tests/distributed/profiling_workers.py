@@ -11,6 +11,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from giantpipe.engine.distributed.pipe import DistributedPipe
+from tests.timeouts import scaled
 
 
 def linears() -> nn.Sequential:
@@ -20,7 +21,7 @@ def linears() -> nn.Sequential:
 
 def profiled_step(tmp: Path, schedule: str) -> dict[str, Any]:
     """This rank's stage and the ``aten::addmm`` of its profiled step, by action range."""
-    pipe = DistributedPipe(linears, [2, 2], chunks=2, schedule=schedule, timeout=20)
+    pipe = DistributedPipe(linears, [2, 2], chunks=2, schedule=schedule, timeout=scaled(20))
     x, y = torch.randn(4, 8), torch.arange(4) % 4
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         pipe.train_step(x, y, nn.functional.cross_entropy)

@@ -14,6 +14,8 @@ from types import ModuleType
 import pytest
 import yaml
 
+from tests.timeouts import run
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "recipes" / "generate.py"
 HEAVY = ("torch", "hydra", "giantpipe", "transformers")
@@ -31,7 +33,7 @@ def generate(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]
     """The script's run with ``-X importtime``, and the CPU seconds it took."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     command = [sys.executable, "-X", "importtime", str(SCRIPT), *args]
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=60)
+    done = run(command, 60, cwd=cwd, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return done, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 

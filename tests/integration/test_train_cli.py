@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from giantpipe.runner.checkpoint.reading import read_checkpoint
+from tests.timeouts import run
 
 pytestmark = pytest.mark.slow  # every test runs python train.py end to end (torch, training)
 
@@ -30,14 +31,8 @@ def train(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProc
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
     env["WANDB_MODE"] = "offline"
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, str(REPO / "train.py"), *args]
+    return run(command, timeout, cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -95,7 +90,7 @@ def test_a_log_that_is_no_terminal_gets_progress_lines(tmp_path: Path):
         command = [sys.executable, str(REPO / "train.py"), *TINY, *knobs, "trainer.max_steps=8",
                    f"hydra.run.dir={run_dir}"]  # fmt: skip
         with out.open("w") as stdout:
-            subprocess.run(command, cwd=tmp_path, env=env, stdout=stdout, check=True, timeout=120)
+            run(command, 120, cwd=tmp_path, env=env, stdout=stdout, check=True)
         lines = [line for line in out.read_text().splitlines() if "samples/s, ETA" in line]
         assert lines == [
             line for line in (run_dir / "train.log").read_text().splitlines() if "ETA" in line
