@@ -16,6 +16,7 @@ from giantpipe.engine.microbatch import forward_chunks
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import step_seed
 from tests.distributed.workers import INIT, SEED, assert_matches, model_fn, plain_model, reference
+from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import tuple_batch
 
 CHUNKS = 4
@@ -43,7 +44,7 @@ def short_batches(
         virtual_stages=virtual_stages,
         seed=INIT,
         transport=transport,
-        timeout=20,
+        timeout=scaled(20),
     )
     pipe.load_state_dict(model.state_dict())
     model.eval()

@@ -28,6 +28,7 @@ import torch
 from giantpipe.config import ConfigError
 from giantpipe.runner.checkpoint.reading import read_checkpoint
 from giantpipe.runner.checkpoint.unpickling import safe_load
+from tests.timeouts import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -148,7 +149,7 @@ def test_sigterm_saves_marks_preempted_and_resumes_exactly(
     wait_for_step(run_dir, 5, proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert time.monotonic() - sent < 10
     assert proc.returncode == 143, err[-2000:]
     stopped = summary(run_dir)
@@ -178,7 +179,7 @@ def test_save_signal_saves_and_goes_on(tmp_path: Path) -> None:
     wait_for_step(run_dir, int(saves[0]) + 2, proc)  # and goes on
     assert read_checkpoint(run_dir / "last")["step"] >= int(saves[0]) >= 3
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 143, err[-2000:]
     assert len(re.findall(r"\(SIGUSR1 received\)", log.read_text())) == 1
     assert summary(run_dir)["steps"] >= int(saves[0]) + 2
@@ -189,7 +190,7 @@ def test_ctrl_c_stops_at_the_step_boundary_and_twice_at_once(tmp_path: Path) -> 
     proc = start(run_dir, "trainer.max_steps=2000")
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 2
     assert summary(run_dir)["status"] == "interrupted"
@@ -200,7 +201,7 @@ def test_ctrl_c_stops_at_the_step_boundary_and_twice_at_once(tmp_path: Path) -> 
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert summary(run_dir)["status"] in ("interrupted",)
@@ -212,7 +213,7 @@ def test_two_runs_into_one_directory_and_a_dead_runs_lock(tmp_path: Path) -> Non
     wait_for_step(run_dir, 2, first)
     second = run(run_dir, "trainer.max_steps=5", "trainer.resume=true")
     first.send_signal(signal.SIGINT)
-    first.communicate(timeout=60)
+    first.communicate(timeout=scaled(60))
     (line,) = errors(second)
     assert line.startswith(f"error: hydra.run.dir: {run_dir} is in use by PID {first.pid}")
     # the first run was not disturbed: one trajectory, each step once
@@ -393,13 +394,13 @@ def quickstart(cwd: Path, run_dir: str, *args: str) -> subprocess.CompletedProce
     """``python train.py recipe=mlp_quickstart hydra.run.dir=RUN_DIR ARGS``, as a user types it."""
     command = [sys.executable, str(REPO / "train.py"), *QUICKSTART, f"hydra.run.dir={run_dir}"]
     return subprocess.run(
-        [*command, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=300
+        [*command, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=scaled(300)
     )
 
 
 def consolidate(directory: Path, out: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "giantpipe.consolidate", str(directory), str(out)]
-    return subprocess.run(command, env=env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, env=env(), capture_output=True, text=True, timeout=scaled(120))
 
 
 def test_a_damaged_manifest_is_refused_and_nothing_is_removed(tmp_path: Path) -> None:

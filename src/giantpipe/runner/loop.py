@@ -313,6 +313,7 @@ class TrainingLoop:
         if not self._finite():
             raise self._fail("a weight", math.nan, self.progress.step)
         directory = self.run_dir / name
+        self.progress.window = self.metrics.window_state() if self.metrics is not None else None
         if self._about is None and self.world.rank == 0:
             self._about = model_record(self.cfg.model, self.parts.model)
         try:

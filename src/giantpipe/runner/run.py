@@ -255,4 +255,5 @@ def _open(
         parts.spec,
         log,
         where,
+        progress.window if resumed else None,
     )

@@ -79,7 +79,7 @@ def restore_run(parts: Experiment, directory: Path, rank: int) -> Progress:
     _restore_grad_scaler(parts, leaders[0])
     if rank < len(files):  # a rank new to the layout keeps its seeded generators
         restore_rng(read_state_file(directory, files[rank], manifest)["rng"])
-    return Progress(step=int(extra["step"]), position=int(extra["position"]))
+    return Progress(int(extra["step"]), int(extra["position"]), extra.get("window"))
 
 
 def _restore_grad_scaler(parts: Experiment, state: dict[str, Any]) -> None:

@@ -183,6 +183,7 @@ def _run_entry(parts: Experiment, progress: Progress, world: World, token: str) 
         "format": RUN_FORMAT,
         "step": progress.step,
         "position": progress.position,
+        "window": progress.window,
         "state_files": [f"{token}/{state_file(r)}" for r in range(world.size)],
         "leader_ranks": list(range(world.size // replicas)),  # replica 0's ranks
         "ema": parts.ema is not None,

@@ -35,6 +35,9 @@ class Progress:
 
     step: int = 0
     position: int = 0
+    window: dict[str, Any] | None = None
+    """The metrics' logging window a save cut (giantpipe.metrics.step.Window.state), which a
+    resumed run goes on with; None: empty."""
 
 
 def optimizer_state_by_name(

@@ -52,6 +52,7 @@ from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
 from tests.distributed.order_workers import recording
 from tests.distributed.workers import reference, shard
+from tests.timeouts import scaled
 
 SEED, INIT, CHUNKS, MAX_NORM, BAD_RANK = 5, 3, 4, 0.05, 3
 LOSS = nn.functional.cross_entropy
@@ -156,7 +157,7 @@ def check(tmp: Path) -> dict[str, Any]:
     built: list[dict[str, Any]] = []
     with recording(built):
         pipe = DistributedPipe(
-            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=20,
+            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=scaled(20),
             transport="ordered",
         )  # fmt: skip
     layout = Layout(world_size, rank, 2, tuple(pipe.placement))
@@ -210,7 +211,7 @@ def check(tmp: Path) -> dict[str, Any]:
     plain_opt.zero_grad()
 
     # 4. resume with RNG: save, a step, every rank's generators scrambled, restore, the step
-    world = TorchrunWorld(timeout=20.0)
+    world = TorchrunWorld(timeout=scaled(20.0))
     world.bind(pipe)
     parts = SimpleNamespace(
         pipe=pipe,

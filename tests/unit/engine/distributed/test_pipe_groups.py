@@ -18,6 +18,7 @@ import torch
 from giantpipe.engine.distributed import pipe as pipe_module
 from giantpipe.engine.distributed.layout import Groups, Layout
 from giantpipe.engine.distributed.pipe import DistributedPipe
+from tests.timeouts import scaled
 
 NAMES = ("p2p", "control", "pipeline", "replica", "host_pipeline", "host_replica")
 
@@ -29,7 +30,7 @@ def _fake_pipe() -> Any:
         groups=groups,
         layout=layout,
         device=torch.device("cpu"),
-        timeout=30.0,
+        timeout=scaled(30.0),
         board=None,
         chunks=2,
         virtual_stages=1,
