@@ -12,7 +12,7 @@ import torch
 from giantpipe.consolidate import main
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, build_model
-from giantpipe.runner.checkpoint.restore import restore
+from giantpipe.runner.run_state.restore import restore
 from giantpipe.runner.world import World
 from tests.unit.runner.test_runner_loop import tiny
 
@@ -65,7 +65,7 @@ def test_a_bad_input_is_one_line_naming_the_path_and_nothing_is_written(
     if case == "not hf":
         args[1] = str(tmp_path / "hf")
         args += ["--format", "hf"]
-    assert main(args) == 1
+    assert main(args) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("consolidate: " + said.format(run=run_dir, folder=folder, out=out))
     assert not (tmp_path / "hf").exists()

@@ -16,13 +16,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from giantpipe.engine.distributed.shards.files import file_digest
+from giantpipe.checkpoint.earlier import SHARDS_V1
+from giantpipe.checkpoint.errors import CheckpointDamaged, CheckpointError
+from giantpipe.checkpoint.files import file_digest
+from giantpipe.checkpoint.names import MANIFEST
 
 __all__ = [
     "FORMAT",
-    "MANIFEST",
-    "OLD_FORMAT",
-    "CheckpointDamaged",
     "committed_files",
     "read_manifest",
     "record_hash",
@@ -30,25 +30,8 @@ __all__ = [
     "weight_names",
 ]
 
-MANIFEST = "manifest.json"
 FORMAT = "giantpipe-shards/2"
-OLD_FORMAT = "giantpipe-shards/1"
-"""One ``torch.save`` file per rank beside the manifest (read, no longer written)."""
-
-
-class CheckpointDamaged(ValueError):
-    """A checkpoint file that differs from what its manifest committed (or cannot be read).
-
-    ``str(err)`` is one line naming the file: ``ckpt/step.../__0_0.distcp is damaged (content
-    hash differs from the commit record)``; ``err.path`` is the file.
-    """
-
-    def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(f"{path} is damaged ({problem})")
-        self.path, self.problem = path, problem
-
-    def __reduce__(self) -> tuple[Any, tuple[Path, str]]:  # crosses processes whole
-        return CheckpointDamaged, (self.path, self.problem)
+"""The format written: one DCP save per folder, every file hashed in the manifest."""
 
 
 def record_hash(manifest: dict[str, Any]) -> str:
@@ -59,7 +42,7 @@ def record_hash(manifest: dict[str, Any]) -> str:
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest of a checkpoint directory: FileNotFoundError if there is none,
-    :class:`CheckpointDamaged` if it was changed after it was written, ValueError if it is
+    :class:`CheckpointDamaged` if it was changed after it was written, CheckpointError if it is
     no giantpipe manifest."""
     path = Path(directory) / MANIFEST
     try:
@@ -71,8 +54,9 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if manifest.get("format") == FORMAT or "record" in manifest:
         if manifest.get("record") != record_hash(manifest):
             raise CheckpointDamaged(path, "its content differs from its own hash")
-    elif manifest.get("format") != OLD_FORMAT:
-        raise ValueError(f"{path} is not a giantpipe shard manifest ({manifest.get('format')!r})")
+    elif manifest.get("format") != SHARDS_V1:
+        found = manifest.get("format")
+        raise CheckpointError(path, f"is not a giantpipe checkpoint manifest (format {found!r})")
     return manifest
 
 
@@ -80,7 +64,7 @@ def verify(directory: Path, manifest: dict[str, Any], names: Iterable[str]) -> N
     """Checks the files ``names`` (relative to ``directory``) against the manifest's sizes and
     hashes; :class:`CheckpointDamaged` naming the first that differs. Files of the earlier
     format (no hashes) pass."""
-    if manifest.get("format") == OLD_FORMAT:
+    if manifest.get("format") == SHARDS_V1:
         return
     files = manifest["files"]
     for name in names:
@@ -106,7 +90,7 @@ def weight_names(manifest: dict[str, Any]) -> list[str]:
 
 def committed_files(manifest: dict[str, Any]) -> list[str]:
     """The files (relative to the checkpoint directory) a manifest commits."""
-    if manifest.get("format") == OLD_FORMAT:
+    if manifest.get("format") == SHARDS_V1:
         names = [s["file"] for s in manifest.get("shards", [])]
         return names + list((manifest.get("extra") or {}).get("state_files", []))
     return list(manifest.get("files", {}))

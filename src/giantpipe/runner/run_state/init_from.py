@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from giantpipe.checkpoint.load import load
+from giantpipe.checkpoint.manifest import read_manifest
+from giantpipe.checkpoint.names import MANIFEST
+from giantpipe.checkpoint.run import RUN_FORMAT, read_checkpoint
+from giantpipe.checkpoint.unpickling import safe_load
 from giantpipe.config import ConfigError
-from giantpipe.engine.distributed import shards
-from giantpipe.runner.checkpoint.reading import read_checkpoint, refusing_damage
-from giantpipe.runner.checkpoint.state import RUN_FORMAT
-from giantpipe.runner.checkpoint.unpickling import safe_load
+from giantpipe.runner.run_state.refusal import refusing
 
 if TYPE_CHECKING:
     from giantpipe.runner.build import Experiment
@@ -47,17 +49,18 @@ def read_weights(path: Path) -> dict[str, Tensor]:
         weights = read_weights(Path("outputs/2026-11-30/14-26-42/last"))
     """
     if path.is_dir():
-        if not (path / shards.MANIFEST).is_file():
-            raise ConfigError(INIT, f"no checkpoint (manifest.json) in {path}")
-        with refusing_damage(path, INIT):
-            extra = shards.read_manifest(path).get("extra") or {}
+        if not (path / MANIFEST).is_file():
+            raise ConfigError(INIT, f"no checkpoint ({MANIFEST}) in {path}")
+        with refusing(path, INIT):
+            extra = read_manifest(path).get("extra") or {}
             if extra.get("format") == RUN_FORMAT:
-                state = read_checkpoint(path, INIT)
+                state = read_checkpoint(path)
                 return {**state["model"], **(state["ema"] or {})}
-            return shards.load(path)
+            return load(path)
     if not path.is_file():
         raise ConfigError(INIT, f"no checkpoint at {path}")
-    loaded: Any = safe_load(path, INIT)
+    with refusing(path, INIT):
+        loaded: Any = safe_load(path)
     if isinstance(loaded, Mapping) and isinstance(loaded.get("model"), Mapping):
         weights = dict(loaded["model"])
         if isinstance(loaded.get("ema"), Mapping):

@@ -1,5 +1,5 @@
 """Files written whole or not at all (a temporary file, fsync, ``os.replace``), fsynced
-directories, and the content hash that every file of a checkpoint is committed with.
+directories, and the content hash every file of a checkpoint is committed with.
 
 Example::
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import secrets
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -26,9 +25,9 @@ __all__ = [
     "atomic_save",
     "atomic_write_text",
     "describe",
+    "disk_error",
     "file_digest",
     "fsync_directory",
-    "new_token",
 ]
 
 CHUNK = 8 * 2**20
@@ -47,7 +46,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
             try:
                 torch.save(obj, handle)
             except RuntimeError as err:  # torch's zip writer reports a full disk this way
-                failure = _write_error(path, str(err))
+                failure = disk_error(path, str(err))
                 if failure is None:
                     raise  # not the disk: e.g. an object that cannot be pickled
                 raise failure from err
@@ -61,7 +60,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _write_error(path: Path, message: str) -> OSError | None:
+def disk_error(path: Path, message: str) -> OSError | None:
     """The OSError naming ``path`` that torch's writer meant, or None if it was not the disk."""
     if shutil.disk_usage(path.parent).free < 2**20:
         code = errno.ENOSPC
@@ -107,11 +106,6 @@ def fsync_directory(folder: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def new_token(step: int) -> str:
-    """A name unique to one save: ``step000000100-3f9c2a`` (every rank must use the same)."""
-    return f"step{step:09d}-{secrets.token_hex(3)}"
 
 
 def file_digest(path: Path) -> str:
