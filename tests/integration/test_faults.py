@@ -475,7 +475,7 @@ def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(tmp_pat
         f"record); start from {kept} with trainer.init_from={kept}"
     )
     merged = consolidate(run_dir / "last", tmp_path / "model.pt")
-    assert merged.returncode == 1 and not (tmp_path / "model.pt").exists()
+    assert merged.returncode == 2 and not (tmp_path / "model.pt").exists()
     assert merged.stderr.strip().splitlines() == [
         f"consolidate: {path} is damaged (content hash differs from the commit record); "
         f"export {kept} instead"
@@ -499,6 +499,6 @@ def test_a_truncated_shard_is_one_line_naming_it(tmp_path: Path) -> None:
     assert line.startswith(f"error: trainer.resume: {path} is damaged (truncated: ")
     assert "Traceback" not in result.stderr
     merged = consolidate(run_dir / "last", tmp_path / "model.pt")
-    assert merged.returncode == 1
+    assert merged.returncode == 2
     (said,) = merged.stderr.strip().splitlines()
     assert said.startswith(f"consolidate: {path} is damaged (truncated: {len(data) // 2} of ")

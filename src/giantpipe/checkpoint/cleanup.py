@@ -1,22 +1,28 @@
-"""What earlier or interrupted saves left in a checkpoint directory, and removing it: only what
-bears giantpipe's own names (:mod:`giantpipe.checkpoint.names`) is ever removed.
+"""What earlier or interrupted saves left in a checkpoint directory, and removing a whole
+checkpoint: only what bears giantpipe's own names (:mod:`giantpipe.checkpoint.names`) is ever
+removed, and a removal killed half-way leaves no checkpoint torn.
 
 Example::
 
     for path in stale(Path("outputs/run/last")):     # folders its manifest no longer names
         remove(path)
+    remove_checkpoint(Path("outputs/run/step_40"))   # retention: one kept copy fewer
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 from pathlib import Path
 
 from giantpipe.checkpoint.earlier import SHARDS_V1_FILE
+from giantpipe.checkpoint.errors import CheckpointError
+from giantpipe.checkpoint.files import fsync_directory
 from giantpipe.checkpoint.manifest import committed_files, read_manifest
-from giantpipe.checkpoint.names import IN_FOLDER, MANIFEST, MANIFEST_TMP, SAVE_FOLDER
+from giantpipe.checkpoint.names import IN_FOLDER, MANIFEST, MANIFEST_TMP, REMOVING, SAVE_FOLDER
 
-__all__ = ["interrupted", "remove", "stale"]
+__all__ = ["interrupted", "remove", "remove_checkpoint", "set_aside", "stale"]
 
 
 def stale(directory: Path) -> list[Path]:
@@ -69,6 +75,52 @@ def remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def remove_checkpoint(directory: Path) -> None:
+    """Removes a whole checkpoint directory giantpipe wrote (``RUN/step_N/``), crash-safe: it
+    is first renamed aside (``RUN/.step_N.removing-3f9c2a``: one atomic rename, fsynced), so a
+    process killed at any moment leaves the whole checkpoint or a name nothing reads as one
+    (:func:`set_aside` finds it), then deleted. CheckpointError naming what is in the way, and
+    nothing removed, when ``directory`` holds anything giantpipe did not write.
+
+    Example::
+
+        remove_checkpoint(Path("outputs/run/step_40"))
+    """
+    foreign = sorted(p.name for p in directory.iterdir() if not _written(p))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise CheckpointError(
+            directory, f"holds {shown}, which giantpipe did not write; nothing was removed"
+        )
+    aside = directory.parent / f".{directory.name}.removing-{secrets.token_hex(3)}"
+    os.rename(directory, aside)
+    fsync_directory(directory.parent)
+    shutil.rmtree(aside)
+
+
+def set_aside(parent: Path) -> list[Path]:
+    """What a killed :func:`remove_checkpoint` left in ``parent`` (a run directory): checkpoint
+    directories set aside, holding nothing giantpipe did not write.
+
+    Example::
+
+        set_aside(Path("outputs/run"))     # [.../.step_40.removing-3f9c2a]
+    """
+    return [
+        p
+        for p in sorted(parent.iterdir())
+        if p.is_dir() and REMOVING.fullmatch(p.name) and all(_written(q) for q in p.iterdir())
+    ]
+
+
+def _written(path: Path) -> bool:
+    """Whether giantpipe wrote ``path``, an entry of a checkpoint directory."""
+    if path.is_dir():
+        return bool(SAVE_FOLDER.fullmatch(path.name)) and _only_ours(path)
+    names = (MANIFEST_TMP, SHARDS_V1_FILE)
+    return path.name == MANIFEST or any(n.fullmatch(path.name) for n in names)
 
 
 def _only_ours(folder: Path) -> bool:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from giantpipe.checkpoint.errors import CheckpointDamaged, CheckpointError, MissingTensors
 from giantpipe.checkpoint.names import EMA, OPTIMIZER
-from giantpipe.checkpoint.sources import Chained, HeldTensors, TensorSource
+from giantpipe.checkpoint.sources import Chained, HeldTensors, TensorLayout, TensorSource
 from giantpipe.checkpoint.unpickling import safe_load
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "RENAMED",
     "SHARDS_V1",
     "SHARDS_V1_FILE",
+    "SHARDS_V2",
     "EarlierRun",
     "ShardFiles",
     "one_file",
@@ -48,6 +49,9 @@ READ_BEFORE = "0.3.0"
 SHARDS_V1 = "giantpipe-shards/1"
 """A manifest beside one ``torch.save`` file of weights per rank and one of run state per rank
 (no hashes): DCP replaced it in giantpipe 0.1."""
+SHARDS_V2 = "giantpipe-shards/2"
+"""Today's layout, each data file hashed whole rather than per block: a data file is checked
+whole before any of it is read."""
 SHARDS_V1_FILE = re.compile(r"(state-)?step\d{9}-[0-9a-f]{6}-rank\d{5}\.pt")
 """Its files (weights, and the run state)."""
 ONE_FILE = "last.pt"
@@ -68,30 +72,34 @@ class ShardFiles:
 
     def __init__(self, folder: Path, where: Mapping[str, str]) -> None:
         self.path, self.where = folder, dict(where)
+        self._opened: dict[str, Mapping[str, Tensor]] = {}
 
     def names(self) -> list[str]:
         return list(self.where)
 
+    def layout(self, name: str) -> TensorLayout:
+        return TensorLayout.of(self._tensor(name))
+
     def read(
         self, names: Iterable[str], like: Mapping[str, Tensor] | None = None
     ) -> dict[str, Tensor]:
-        wanted = list(names)
-        missing = [n for n in wanted if n not in self.where]
-        if missing:
-            raise MissingTensors(self.path, missing)
-        state: dict[str, Tensor] = {}
-        for file in sorted({self.where[n] for n in wanted}):
-            path = self.path / file
+        return {n: self._tensor(n).clone() for n in names}
+
+    def _tensor(self, name: str) -> Tensor:
+        """``name``'s tensor, mapped from its file (opened once)."""
+        if name not in self.where:
+            raise MissingTensors(self.path, [name])
+        file = self.where[name]
+        path = self.path / file
+        if file not in self._opened:
             try:
-                shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as err:
                 raise CheckpointDamaged(path, f"torch cannot read it: {err}") from err
-            for n in wanted:
-                if self.where[n] == file:
-                    if n not in shard:
-                        raise CheckpointDamaged(path, f"{n} is not in it")
-                    state[n] = shard[n].clone()
-        return state
+            self._opened[file] = loaded
+        if name not in self._opened[file]:
+            raise CheckpointDamaged(path, f"{name} is not in it")
+        return self._opened[file][name]
 
 
 def shard_files(folder: Path, manifest: dict[str, Any]) -> ShardFiles:

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,24 +18,26 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from giantpipe.checkpoint.earlier import SHARDS_V1, shard_files
-from giantpipe.checkpoint.errors import MissingTensors
-from giantpipe.checkpoint.manifest import read_manifest, verify, weight_names
-from giantpipe.checkpoint.sources import TensorSource
+from giantpipe.checkpoint.errors import CheckpointError, MissingTensors
+from giantpipe.checkpoint.manifest import Verifier, read_manifest, weight_names
+from giantpipe.checkpoint.sources import TensorLayout, TensorSource
 from giantpipe.checkpoint.storage import CheckedReader, TensorsOnly, read_metadata
 
 __all__ = ["DcpTensors", "load", "open_tensors", "tensor_names"]
 
 
 class DcpTensors:
-    """The tensors of a committed DCP save, read by name: each file holding an asked name is
-    checked against the manifest once, then only the asked tensors are read from it."""
+    """The tensors of a committed DCP save, read by name: only the asked tensors' bytes are
+    read, each checked against the manifest first (the blocks it lies in, once)."""
 
     def __init__(self, directory: Path, manifest: dict[str, Any]) -> None:
         self.path, self.manifest = directory, manifest
         self.meta = read_metadata(directory, manifest)
+        self.verifier = Verifier(directory, manifest)
         self.held = {
             k: v
             for k, v in self.meta.state_dict_metadata.items()
@@ -43,6 +46,12 @@ class DcpTensors:
 
     def names(self) -> list[str]:
         return list(self.held)
+
+    def layout(self, name: str) -> TensorLayout:
+        if name not in self.held:
+            raise MissingTensors(self.path, [name])
+        saved = self.held[name]
+        return TensorLayout(saved.properties.dtype, tuple(saved.size))
 
     def read(
         self, names: Iterable[str], like: Mapping[str, torch.Tensor] | None = None
@@ -55,14 +64,23 @@ class DcpTensors:
         missing = [n for n in wanted if n not in self.held]
         if missing:
             raise MissingTensors(self.path, missing)
-        want = set(wanted)
-        storage = self.meta.storage_data
-        files = sorted({info.relative_path for i, info in storage.items() if i.fqn in want})
-        verify(self.path, self.manifest, [f"{self.manifest['folder']}/{f}" for f in files])
         state = {n: _destination(self.held[n], (like or {}).get(n)) for n in wanted}
-        reader = CheckedReader(self.path / self.manifest["folder"], self.meta)
-        dcp.load(state, storage_reader=reader, planner=TensorsOnly(), no_dist=True)
+        reader = CheckedReader(self.path / self.manifest["folder"], self.meta, self._check)
+        try:
+            dcp.load(state, storage_reader=reader, planner=TensorsOnly(), no_dist=True)
+        except CheckpointException as err:  # DCP wraps what the reader raised: say that
+            raise _cause(err) from None
         return state
+
+    def _check(self, name: str, spans: list[tuple[int, int]]) -> None:
+        self.verifier.spans(f"{self.manifest['folder']}/{name}", spans)
+
+
+def _cause(err: CheckpointException) -> BaseException:
+    """The failure DCP wrapped: a damaged file or a refused object as such, naming the file."""
+    failures = [pair[0] for pair in err.failures.values()]
+    found = [f for f in failures if isinstance(f, CheckpointError | pickle.UnpicklingError)]
+    return found[0] if found else err
 
 
 def _destination(saved: Any, like: torch.Tensor | None) -> torch.Tensor:

@@ -18,6 +18,8 @@ IN_FOLDER = re.compile(r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|state-rank\d{5}\.p
 """What a save's folder holds: DCP's files, each rank's run state, temporary names."""
 MANIFEST_TMP = re.compile(r"\.manifest\.json\..+\.tmp")
 """A manifest being written (:func:`giantpipe.checkpoint.files.atomic_write_text`)."""
+REMOVING = re.compile(r"\..+\.removing-[0-9a-f]{6}")
+"""A checkpoint directory set aside to be removed (``cleanup.remove_checkpoint``)."""
 
 
 def new_token(step: int) -> str:

@@ -23,8 +23,10 @@ from torch.distributed.tensor import DTensor
 
 from giantpipe.checkpoint.cleanup import remove, stale
 from giantpipe.checkpoint.files import (
+    BLOCK,
     atomic_save,
     atomic_write_text,
+    block_record,
     describe,
     disk_error,
     fsync_directory,
@@ -62,8 +64,9 @@ def write_folder(
 ) -> dict[str, dict[str, Any]]:
     """Collective over ``group`` (None: one process): this rank's part of the DCP checkpoint
     of ``tensors``, then its ``objects`` (``torch.save``, e.g. its run state), every file
-    fsynced. Returns the size and hash of what this rank wrote (rank 0: DCP's ``.metadata``
-    too). DCP fails every rank when one fails; what follows it is this rank's alone.
+    fsynced. Returns the size and hashes of what this rank wrote (its data files per block,
+    hashed as written; rank 0: DCP's ``.metadata`` too). DCP fails every rank when one fails;
+    what follows it is this rank's alone.
 
     Example::
 
@@ -79,13 +82,9 @@ def write_folder(
         atomic_save(obj, folder / name)
     rank = _rank(group)
     data = [p.name for p in sorted(folder.glob(f"__{rank}_*.distcp"))]
-    files: dict[str, dict[str, Any]] = {}
-    for name in data:
-        as_written = writer.digest_of(folder / name)
-        if as_written is not None:
-            files[name] = as_written
+    files = {name: writer.digest_of(folder / name) or block_record(folder / name) for name in data}
     small = list(objects) + ([".metadata"] if rank == 0 else [])
-    files.update(describe(folder, [n for n in data + small if n not in files]))
+    files.update(describe(folder, small))
     return files
 
 
@@ -189,7 +188,7 @@ def commit(
     fsync_directory(directory / token)  # the files' names, before the manifest naming them
     fsync_directory(directory)
     manifest = {"format": FORMAT, **meta, "folder": token, "shards": entries, "files": files}
-    manifest.update(num_layers=sum(meta["balance"]), extra=extra)
+    manifest.update(num_layers=sum(meta["balance"]), block_bytes=BLOCK, extra=extra)
     manifest["record"] = record_hash(manifest)
     atomic_write_text(json.dumps(manifest, indent=1), directory / MANIFEST)
     fsync_directory(directory)

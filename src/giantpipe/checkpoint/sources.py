@@ -4,7 +4,6 @@ A source lists its names and reads the ones asked for; each format has its own: 
 (:class:`giantpipe.checkpoint.load.DcpTensors`), tensors already at hand or mapped from a file
 (:class:`HeldTensors`), the earlier formats (:mod:`giantpipe.checkpoint.earlier`).
 
->>> import torch
 >>> source = HeldTensors("w.pt", {"0.weight": torch.ones(2)})
 >>> source.names(), source.read(["0.weight"])["0.weight"].tolist()
 (['0.weight'], [1.0, 1.0])
@@ -12,15 +11,38 @@ A source lists its names and reads the ones asked for; each format has its own: 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from giantpipe.checkpoint.errors import MissingTensors
 
-__all__ = ["Chained", "HeldTensors", "TensorSource"]
+__all__ = ["Chained", "HeldTensors", "TensorLayout", "TensorSource"]
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """What a tensor is, known before its bytes are read: dtype and shape.
+
+    >>> TensorLayout(torch.bfloat16, (4, 8)).nbytes
+    64
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> TensorLayout:
+        return cls(tensor.dtype, tuple(tensor.shape))
 
 
 class TensorSource(Protocol):
@@ -30,6 +52,10 @@ class TensorSource(Protocol):
 
     def names(self) -> list[str]:
         """Every tensor name the source holds."""
+        ...
+
+    def layout(self, name: str) -> TensorLayout:
+        """The dtype and shape of the tensor ``name`` (its bytes unread)."""
         ...
 
     def read(
@@ -61,6 +87,11 @@ class HeldTensors:
     def names(self) -> list[str]:
         return list(self.held())
 
+    def layout(self, name: str) -> TensorLayout:
+        if name not in self.held():
+            raise MissingTensors(self.path, [name])
+        return TensorLayout.of(self.held()[name])
+
     def read(
         self, names: Iterable[str], like: Mapping[str, Tensor] | None = None
     ) -> dict[str, Tensor]:
@@ -79,6 +110,12 @@ class Chained:
 
     def names(self) -> list[str]:
         return list(dict.fromkeys(n for s in self.sources for n in s.names()))
+
+    def layout(self, name: str) -> TensorLayout:
+        for source in self.sources:
+            if name in source.names():
+                return source.layout(name)
+        raise MissingTensors(self.path, [name])
 
     def read(
         self, names: Iterable[str], like: Mapping[str, Tensor] | None = None

@@ -1,6 +1,7 @@
-"""DCP's files as giantpipe writes and reads them: hashed on their way to disk, read back with
-the checked metadata, pickled objects refused, and ``.metadata`` unpickled with an allow-list
-of DCP's own classes (a checkpoint never runs code).
+"""DCP's files as giantpipe writes and reads them: hashed block by block on their way to disk,
+read back with the checked metadata and only after the bytes about to be read were checked,
+pickled objects refused, and ``.metadata`` unpickled with an allow-list of DCP's own classes (a
+checkpoint never runs code).
 
 Example::
 
@@ -11,11 +12,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,27 +23,28 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from giantpipe.checkpoint.errors import CheckpointDamaged
+from giantpipe.checkpoint.files import BlockDigests
 from giantpipe.checkpoint.manifest import verify
 
-__all__ = ["CheckedReader", "HashingWriter", "TensorsOnly", "read_metadata"]
+__all__ = ["CheckedReader", "HashingWriter", "Spans", "TensorsOnly", "read_metadata"]
 
 # DCP says so at every call without a process group; that is how one process saves and loads.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")
 
 
 class _HashingStream:
-    """A file DCP writes to, hashing every byte on its way to the file."""
+    """A file DCP writes to, hashing every block on its way to the file."""
 
     def __init__(self, raw: Any) -> None:
-        self._raw, self.digest, self.count = raw, hashlib.sha256(), 0
+        self._raw, self.digests = raw, BlockDigests()
 
     def write(self, data: Any) -> int:
         written: int = self._raw.write(data)
-        view = memoryview(data)
-        self.digest.update(view)
-        self.count += view.nbytes
+        self.digests.update(data)
         return written
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
@@ -69,13 +70,12 @@ class _HashingFileSystem(FileSystem):
             yield hashing
 
     def digest_of(self, path: Path) -> dict[str, Any] | None:
-        """The size and hash of ``path`` as written, or None where the bytes that went through
-        the stream are not the file's (then it is read back and hashed)."""
+        """The size and block hashes of ``path`` as written, or None where the bytes that went
+        through the stream are not the file's (then it is read back and hashed)."""
         hashing = self.written.get(str(path))
-        size = path.stat().st_size
-        if hashing is None or hashing.count != size:
+        if hashing is None or hashing.digests.count != path.stat().st_size:
             return None
-        return {"bytes": size, "sha256": hashing.digest.hexdigest()}
+        return hashing.digests.record()
 
 
 class HashingWriter(FileSystemWriter):
@@ -87,19 +87,33 @@ class HashingWriter(FileSystemWriter):
         self.fs: _HashingFileSystem = _HashingFileSystem()
 
     def digest_of(self, path: Path) -> dict[str, Any] | None:
-        """``{"bytes", "sha256"}`` of ``path`` as written; None if it must be read back."""
+        """``{"bytes", "blocks"}`` of ``path`` as written; None if it must be read back."""
         return self.fs.digest_of(path)
 
 
-class CheckedReader(FileSystemReader):
-    """DCP's file reader, handed the metadata :func:`read_metadata` checked and unpickled."""
+Spans = Callable[[str, list[tuple[int, int]]], None]
+"""Checks ``(offset, length)`` spans of a file of the save (by its name in the save's folder)."""
 
-    def __init__(self, path: Path, meta: dcp_metadata.Metadata) -> None:
+
+class CheckedReader(FileSystemReader):
+    """DCP's file reader, handed the metadata :func:`read_metadata` checked and unpickled, that
+    has ``check`` look at the bytes of each file it is about to read (and nothing else)."""
+
+    def __init__(self, path: Path, meta: dcp_metadata.Metadata, check: Spans) -> None:
         super().__init__(path)
-        self._checked = meta
+        self._checked, self._check = meta, check
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         return self._checked
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            spans.setdefault(info.relative_path, []).append((info.offset, info.length))
+        for name, found in spans.items():
+            self._check(name, found)
+        return super().read_data(plan, planner)
 
 
 class TensorsOnly(DefaultLoadPlanner):

@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from giantpipe.checkpoint.cleanup import interrupted, remove
+from giantpipe.checkpoint.cleanup import interrupted, remove, set_aside
 from giantpipe.checkpoint.manifest import read_manifest
 from giantpipe.checkpoint.names import MANIFEST, SAVE_FOLDER
 from giantpipe.config import RESUME_AUTO, RESUME_CHECKED, ConfigError
@@ -443,16 +443,17 @@ def checkpoint_directories(run_dir: Path) -> list[Path]:
 
 
 def clean_interrupted_saves(run_dir: Path) -> int:
-    """Removes what killed saves left in the run's checkpoint directories, and nothing else
-    (:func:`giantpipe.checkpoint.cleanup.interrupted`): everything outside ``last/`` and
-    ``step_N/`` stays as it is. Call it after the checkpoint to resume from has been read.
-    Returns how many files and folders went.
+    """Removes what killed saves left in the run's checkpoint directories
+    (:func:`giantpipe.checkpoint.cleanup.interrupted`) and checkpoints a killed removal set
+    aside (:func:`giantpipe.checkpoint.cleanup.set_aside`), and nothing else. Call it after the
+    checkpoint to resume from has been read. Returns how many files and folders went.
 
     Example::
 
         clean_interrupted_saves(Path("outputs/2026-12-01/10-00-00"))   # 1
     """
     removed = [path for folder in checkpoint_directories(run_dir) for path in interrupted(folder)]
+    removed += set_aside(run_dir)  # checkpoints whose removal (retention) was killed
     for path in removed:
         remove(path)
     if removed:

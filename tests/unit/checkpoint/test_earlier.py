@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import giantpipe
-from giantpipe.checkpoint.earlier import READ_BEFORE, SHARDS_V1
+from giantpipe.checkpoint.earlier import READ_BEFORE, SHARDS_V1, SHARDS_V2
 from giantpipe.checkpoint.errors import CheckpointDamaged, CheckpointError, MissingTensors
+from giantpipe.checkpoint.files import describe
 from giantpipe.checkpoint.load import load
+from giantpipe.checkpoint.manifest import record_hash
 from giantpipe.checkpoint.run import open_run
-from tests.unit.checkpoint.saves import weights
+from tests.unit.checkpoint.saves import save, weights
 
 
 def test_unreadable_or_foreign_checkpoint_is_one_error_naming_it(tmp_path: Path):
@@ -77,3 +79,24 @@ def test_every_earlier_format_is_read_until_the_release_that_drops_it() -> None:
     assert now < until, f"giantpipe {giantpipe.__version__} no longer reads the earlier formats"
     documented = (Path(__file__).parents[3] / "docs" / "checkpoints.md").read_text()
     assert f"every giantpipe release before {READ_BEFORE}" in documented
+
+
+def test_a_save_whose_data_files_were_hashed_whole_is_checked_whole(tmp_path: Path) -> None:
+    """giantpipe-shards/2 hashed each data file whole: it still loads, and a damaged byte
+    anywhere in a file it reads is refused, as that format promised."""
+    token = save(tmp_path, weights())
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    data = f"{token}/__0_0.distcp"
+    manifest["files"][data] = describe(tmp_path / token, ["__0_0.distcp"])["__0_0.distcp"]
+    manifest["format"] = SHARDS_V2
+    del manifest["block_bytes"]
+    manifest["record"] = record_hash(manifest)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert torch.equal(load(tmp_path, ["2.weight"])["2.weight"], weights()["2.weight"])
+    path = tmp_path / data
+    raw = bytearray(path.read_bytes())
+    at = bytes(raw).find(weights()["0.weight"].numpy().tobytes())
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointDamaged, match=r"__0_0.distcp is damaged \(content hash differs"):
+        load(tmp_path, ["2.weight"])

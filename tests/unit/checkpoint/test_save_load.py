@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from giantpipe.checkpoint import files
+from giantpipe.checkpoint import save as save_module
 from giantpipe.checkpoint.errors import CheckpointDamaged
 from giantpipe.checkpoint.export import consolidate
-from giantpipe.checkpoint.files import describe, file_digest
+from giantpipe.checkpoint.files import block_record, describe, file_digest
 from giantpipe.checkpoint.load import load
 from giantpipe.checkpoint.manifest import FORMAT, read_manifest, record_hash
 from tests.unit.checkpoint.saves import save, weights
@@ -34,7 +35,9 @@ def test_a_save_loads_back_and_names_every_file_with_its_hash(tmp_path: Path) ->
     assert manifest["folder"] == token and manifest["format"] == FORMAT
     assert sorted(manifest["files"]) == [f"{token}/.metadata", f"{token}/__0_0.distcp"]
     data = tmp_path / token / "__0_0.distcp"
-    assert manifest["files"][f"{token}/__0_0.distcp"]["sha256"] == file_digest(data)
+    assert manifest["files"][f"{token}/__0_0.distcp"] == block_record(data)
+    metadata = tmp_path / token / ".metadata"
+    assert manifest["files"][f"{token}/.metadata"]["sha256"] == file_digest(metadata)
     loaded = load(tmp_path)
     assert loaded.keys() == weights().keys()
     assert all(torch.equal(loaded[k], v) for k, v in weights().items())
@@ -111,14 +114,43 @@ def test_a_commit_removes_the_previous_save_and_only_what_giantpipe_wrote(tmp_pa
 
 def test_data_files_are_hashed_as_written_never_read_back(tmp_path, monkeypatch) -> None:
     read_back: list[str] = []
-    real = file_digest
+    real_blocks, real_digest = save_module.block_record, files.file_digest
+
+    def blocks(path: Path) -> dict:
+        read_back.append(path.name)
+        return real_blocks(path)
 
     def digest(path: Path) -> str:
         read_back.append(path.name)
-        return real(path)
+        return real_digest(path)
 
-    monkeypatch.setattr(files, "file_digest", digest)  # what the writer calls
+    monkeypatch.setattr(save_module, "block_record", blocks)  # what the writer calls
+    monkeypatch.setattr(files, "file_digest", digest)
     token = save(tmp_path, weights())
     assert read_back == [".metadata"]  # the small index; the tensors' file hashed on its way
-    recorded = read_manifest(tmp_path)["files"][f"{token}/__0_0.distcp"]["sha256"]
-    assert recorded == real(tmp_path / token / "__0_0.distcp")
+    recorded = read_manifest(tmp_path)["files"][f"{token}/__0_0.distcp"]
+    assert recorded == real_blocks(tmp_path / token / "__0_0.distcp")
+
+
+def test_a_read_checks_and_reads_only_the_blocks_it_touches(tmp_path, monkeypatch) -> None:
+    """A rank reading its share of a file another layout wrote reads little more than its
+    share: a damaged byte elsewhere in the file goes unread (and unnoticed), one in a tensor
+    it reads is refused."""
+    monkeypatch.setattr(files, "BLOCK", 2**16)  # 64 KiB blocks, for tensors of 64 KiB
+    monkeypatch.setattr(save_module, "BLOCK", 2**16)
+    tensors = {f"{i}.weight": torch.full((2**14,), float(i)) for i in range(8)}
+    token = save(tmp_path, tensors)
+    data = tmp_path / token / "__0_0.distcp"
+    flip(data, data.read_bytes().find(tensors["7.weight"].numpy().tobytes()) + 100)
+    before = bytes_read()
+    first = load(tmp_path, ["0.weight"])
+    assert bytes_read() - before < data.stat().st_size / 2
+    assert torch.equal(first["0.weight"], tensors["0.weight"])
+    with pytest.raises(CheckpointDamaged, match=rf"^{data} is damaged \(content hash differs"):
+        load(tmp_path, ["7.weight"])
+
+
+def bytes_read() -> int:
+    """This process's bytes read through read() so far (``rchar``, the page cache included)."""
+    lines = Path("/proc/self/io").read_text().splitlines()
+    return next(int(line.split()[1]) for line in lines if line.startswith("rchar:"))
