@@ -1,13 +1,14 @@
-"""Fine-tuning: start a run from another run's weights (``trainer.init_from=PATH``).
+"""Fine-tuning: a run started from another's weights (``trainer.init_from=PATH``), each process
+reading only the tensors of the stages it holds.
 
 The GPipe paper's transfer experiments start from the ImageNet model and replace its softmax for
-the new data set's classes. Here every tensor of the checkpoint whose name and shape match the
-new model is loaded; the rest (the classifier of another class count) keep the fresh
-initialization the builder gave them. The optimizer, the learning-rate schedule, the step and
-the data position start anew: this is a new run, not a resume. PATH is a checkpoint directory
-(its EMA of the weights when it kept one, with the model's buffers), a shard directory of
-``DistributedPipe.save_checkpoint``, a ``.pt`` checkpoint of the earlier format, or a plain
-``state_dict`` file. Under torchrun each rank loads its own stage's tensors.
+the new data set's classes. Here every tensor of PATH whose name and shape match the new model
+is loaded; the rest (the classifier of another class count) keep the fresh initialization the
+builder gave them. The optimizer, the learning-rate schedule, the step and the data position
+start anew: this is a new run, not a resume. PATH is anything
+:func:`giantpipe.checkpoint.weights.open_weights` reads: a giantpipe checkpoint (its EMA where
+it kept one), a ``torch.save`` state dict, a safetensors file or folder, a Hugging Face model
+folder.
 
 Example::
 
@@ -21,15 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torch import Tensor
+from torch import Tensor, nn
 
-from giantpipe.checkpoint.load import load
-from giantpipe.checkpoint.manifest import read_manifest
-from giantpipe.checkpoint.names import MANIFEST
-from giantpipe.checkpoint.run import RUN_FORMAT, read_checkpoint
-from giantpipe.checkpoint.unpickling import safe_load
+from giantpipe.checkpoint.sources import TensorSource
+from giantpipe.checkpoint.weights import open_weights
 from giantpipe.config import ConfigError
 from giantpipe.runner.run_state.refusal import refusing
 
@@ -41,34 +39,16 @@ INIT = "trainer.init_from"
 
 
 def read_weights(path: Path) -> dict[str, Tensor]:
-    """Name -> tensor from a checkpoint (its EMA when it kept one), a shard directory or a
-    plain ``state_dict`` file; anything else is a ConfigError naming trainer.init_from.
+    """Every weight at ``path`` by name (:func:`giantpipe.checkpoint.weights.open_weights`); a
+    path it cannot read is a ConfigError naming trainer.init_from.
 
     Example::
 
         weights = read_weights(Path("outputs/2026-11-30/14-26-42/last"))
     """
-    if path.is_dir():
-        if not (path / MANIFEST).is_file():
-            raise ConfigError(INIT, f"no checkpoint ({MANIFEST}) in {path}")
-        with refusing(path, INIT):
-            extra = read_manifest(path).get("extra") or {}
-            if extra.get("format") == RUN_FORMAT:
-                state = read_checkpoint(path)
-                return {**state["model"], **(state["ema"] or {})}
-            return load(path)
-    if not path.is_file():
-        raise ConfigError(INIT, f"no checkpoint at {path}")
     with refusing(path, INIT):
-        loaded: Any = safe_load(path)
-    if isinstance(loaded, Mapping) and isinstance(loaded.get("model"), Mapping):
-        weights = dict(loaded["model"])
-        if isinstance(loaded.get("ema"), Mapping):
-            weights.update(loaded["ema"])
-        loaded = weights
-    if not isinstance(loaded, Mapping) or not loaded:
-        raise ConfigError(INIT, f"{path} holds no state dict (a name -> tensor mapping)")
-    return {str(k): v for k, v in loaded.items() if isinstance(v, Tensor)}
+        source = open_weights(path)
+        return source.read(source.names())
 
 
 def matching(saved: Mapping[str, Tensor], live: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -85,24 +65,64 @@ def matching(saved: Mapping[str, Tensor], live: Mapping[str, Tensor]) -> dict[st
     }
 
 
+def stage_names(pipe: nn.Module) -> dict[int, list[str]]:
+    """The names of each stage's tensors this process holds (by identity with its partitions).
+
+    Example::
+
+        stage_names(GPipe(model, balance=[2, 1]))   # {0: ["0.weight", ...], 1: ["2.weight", ...]}
+    """
+    owner: dict[int, int] = {}
+    for stage, partition in enumerate(getattr(pipe, "partitions", [])):
+        for tensor in partition.state_dict(keep_vars=True).values():
+            owner.setdefault(id(tensor), stage)
+    stages: dict[int, list[str]] = {}
+    for name, tensor in pipe.state_dict(keep_vars=True).items():
+        if id(tensor) in owner:
+            stages.setdefault(owner[id(tensor)], []).append(name)
+    return stages
+
+
+def read_share(
+    path: Path, live: Mapping[str, Tensor], stages: Mapping[int, list[str]]
+) -> dict[str, Tensor]:
+    """The tensors of ``path`` that match ``live`` (this process's) by name and shape, and only
+    those read (an FSDP2 shard only its part where ``path`` is a giantpipe checkpoint). A
+    one-line ConfigError naming trainer.init_from when nothing matches, or when ``path`` holds
+    none of a stage's tensors (``stages``: its names): the wrong file, or one cut short.
+    """
+    with refusing(path, INIT):
+        source = open_weights(path)
+        held = set(source.names())
+        fitting = [n for n in live if n in held and _fits(source, n, live[n])]
+        if not fitting:
+            raise ConfigError(
+                INIT,
+                f"{path} has no tensor matching this model by name and shape (it holds: "
+                f"{sorted(held)[:2]}..., the model: {sorted(live)[:2]}...)",
+            )
+        for stage, names in sorted(stages.items()):
+            if names and not any(n in held for n in names):
+                shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+                raise ConfigError(INIT, f"{path} has no tensor of stage {stage} ({shown})")
+        return source.read(fitting, like=live)
+
+
+def _fits(source: TensorSource, name: str, live: Tensor) -> bool:
+    return tuple(source.layout(name).shape) == tuple(live.shape)
+
+
 def load_initial_weights(parts: Experiment, path: Path) -> list[str]:
-    """Load the matching tensors of ``path`` into the built run; return the names left fresh.
+    """Load the matching tensors of ``path`` into the built run, reading only this process's
+    (:func:`read_share`); return the names left fresh.
 
     The GPipe paper's transfer experiments start from the ImageNet model and replace its
     softmax: every tensor whose name and shape match is loaded, the rest (a classifier of
     another class count) keep their fresh initialization; optimizer, step and data position
-    start anew. A one-line ConfigError when nothing matches (another model, or a path to the
-    wrong run). The EMA, if any, restarts from the loaded weights.
+    start anew. The EMA, if any, restarts from the loaded weights.
     """
     live = parts.pipe.state_dict()
-    saved = read_weights(path)
-    found = matching(saved, live)
-    if not found:
-        raise ConfigError(
-            INIT,
-            f"{path} has no tensor matching this model by name and shape (checkpoint: "
-            f"{sorted(saved)[:2]}..., model: {sorted(live)[:2]}...)",
-        )
+    found = read_share(path, live, stage_names(parts.pipe))
     parts.pipe.load_state_dict({**live, **found})
     if parts.ema is not None:
         parts.ema.load_state_dict({n: p.detach() for n, p in parts.names.items()})
