@@ -7,10 +7,13 @@ Usage::
     # wrote 26 tensors (1.3 MiB) from 2 shards (step 100) to model.pt
     python -m giantpipe.consolidate RUN/last model.safetensors --format safetensors
     python -m giantpipe.consolidate RUN/last llama/ --format hf   # from_pretrained("llama/")
+    python -m giantpipe.consolidate RUN/last llama/ --format hf --max-shard-size 2GB
 
-Every file read is checked against the manifest's hashes first; a bad input is one line naming
-the path, exit status 2, and nothing is written (an existing OUT is never replaced). Runs in one
-process, without torch.distributed.
+Tensor by tensor: peak memory is the largest tensor, not the model; a folder's weights larger
+than ``--max-shard-size`` (default 5GB) go to shards with an index, as ``save_pretrained``
+writes them. Every byte read is checked against the manifest's hashes first; a bad input is one
+line naming the path, exit status 2, and nothing is written (an existing OUT is never
+replaced). Runs in one process, without torch.distributed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 
 from giantpipe.checkpoint.errors import CheckpointDamaged, CheckpointError
-from giantpipe.checkpoint.export import ExportError, export
+from giantpipe.checkpoint.export import DEFAULT_SHARD, ExportError, export, parse_size
 from giantpipe.runner.rundir import kept_beside
 
 BAD_INPUT = 2
@@ -35,10 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", help="checkpoint directory, e.g. outputs/.../last")
     parser.add_argument("out", help="output: a .pt or .safetensors file, or a directory (hf)")
     parser.add_argument("--format", default="pt", help="pt (default), safetensors or hf")
+    parser.add_argument(
+        "--max-shard-size",
+        help=f"largest safetensors file of a folder (hf, or safetensors into a folder), e.g. "
+        f"2GB or 500MiB; default {DEFAULT_SHARD}",
+    )
     args = parser.parse_args(argv)
     directory = Path(args.directory)
     try:
-        done = export(directory, Path(args.out), args.format)
+        limit = None if args.max_shard_size is None else parse_size(args.max_shard_size)
+        done = export(directory, Path(args.out), args.format, limit)
     except CheckpointDamaged as err:
         kept = kept_beside(directory)
         print(f"consolidate: {err}" + (f"; export {kept} instead" if kept else ""), file=sys.stderr)
