@@ -19,6 +19,7 @@ replaced). Runs in one process, without torch.distributed.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 from pathlib import Path
 
@@ -30,7 +31,24 @@ BAD_INPUT = 2
 """The exit status of a bad input, as ``train.py``'s."""
 
 
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter: the size from which an allocation gets a mapping of its own."""
+
+
+def return_freed_buffers() -> None:
+    """Has glibc's malloc serve every buffer of 1 MiB or more from a mapping of its own, given
+    back when freed. By default the threshold rises to the largest buffer freed so far, after
+    which the next ones come from a heap that keeps what it frees, and an export's memory
+    would grow with the model however it streams (results/checkpoints/share.md). Nothing
+    where the C library is another."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 2**20)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    return_freed_buffers()
     parser = argparse.ArgumentParser(
         prog="python -m giantpipe.consolidate",
         description="Merge a checkpoint's weights (a directory with manifest.json) into one file.",

@@ -5,6 +5,8 @@ export is cut into safetensors shards with Hugging Face's index, and a size is r
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from safetensors.torch import load_file
 from giantpipe.checkpoint.export import ExportError, export, parse_size, write_pt
 from giantpipe.checkpoint.sources import TensorLayout
 from tests.unit.checkpoint.saves import save
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def odd_tensors() -> dict[str, torch.Tensor]:
@@ -69,3 +73,43 @@ def test_a_size_is_read_as_save_pretrained_reads_it_and_a_bad_one_named(tmp_path
     with pytest.raises(ExportError, match=r"--max-shard-size: .*model.pt is one file"):
         export(tmp_path / "ckpt", tmp_path / "model.pt", "pt", max_shard_bytes=100)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+PEAK = """
+import sys
+from torch._subclasses.fake_tensor import FakeTensorMode
+from giantpipe.consolidate import main
+from giantpipe.testing.held import peak_above_start
+
+FakeTensorMode()  # the modules it brings are the process's, not the model's
+print(peak_above_start(lambda: main(sys.argv[1:]))[1])
+"""
+
+
+@pytest.mark.slow  # writes and exports checkpoints of 64 and 256 MiB in fresh processes
+@pytest.mark.parametrize(("kind", "suffix", "shard"), [("pt", ".pt", 0), ("safetensors", "", 2)])
+def test_an_exports_peak_memory_is_the_largest_tensor_not_the_model(tmp_path, kind, suffix, shard):
+    """``python -m giantpipe.consolidate`` of four times the model, the same peak: it grows by
+    less than two tensors where holding the model would grow it by twelve (a folder export is
+    cut in shards of two tensors)."""
+    tensor = 16 * 2**20
+    peaks = []
+    for count in (4, 16):
+        torch.manual_seed(count)
+        save(
+            tmp_path / f"ckpt{count}",
+            {f"{i}.weight": torch.randn(tensor // 4) for i in range(count)},
+        )
+        args = [str(tmp_path / f"ckpt{count}"), str(tmp_path / f"out{count}{suffix}")]
+        args += ["--format", kind] + (["--max-shard-size", str(shard * tensor)] if shard else [])
+        done = subprocess.run(
+            [sys.executable, "-c", PEAK, *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={"PYTHONPATH": f"{REPO / 'src'}:{REPO}", "PATH": "/usr/bin:/bin"},
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks.append(int(done.stdout.strip().splitlines()[-1]))
+    assert peaks[1] - peaks[0] < 2 * tensor, peaks
+    assert peaks[1] < 8 * tensor, peaks
