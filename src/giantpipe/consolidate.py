@@ -1,19 +1,13 @@
-"""``python -m giantpipe.consolidate``: a checkpoint's weights merged into one file the plain
-model loads, or exported (:mod:`giantpipe.checkpoint.export`).
+"""``python -m giantpipe.consolidate``: a checkpoint's weights exported, tensor by tensor
+(:mod:`giantpipe.checkpoint.export`; docs/checkpoints.md#exporting). A bad input is one line
+naming the path, exit status 2, and nothing is written.
 
 Usage::
 
     python -m giantpipe.consolidate RUN/last model.pt           # torch.save (the default)
     # wrote 26 tensors (1.3 MiB) from 2 shards (step 100) to model.pt
     python -m giantpipe.consolidate RUN/last model.safetensors --format safetensors
-    python -m giantpipe.consolidate RUN/last llama/ --format hf   # from_pretrained("llama/")
     python -m giantpipe.consolidate RUN/last llama/ --format hf --max-shard-size 2GB
-
-Tensor by tensor: peak memory is the largest tensor, not the model; a folder's weights larger
-than ``--max-shard-size`` (default 5GB) go to shards with an index, as ``save_pretrained``
-writes them. Every byte read is checked against the manifest's hashes first; a bad input is one
-line naming the path, exit status 2, and nothing is written (an existing OUT is never
-replaced). Runs in one process, without torch.distributed.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,17 +91,13 @@ def open_run(path: Path) -> RunCheckpoint:
     manifest, extra = _run_manifest(path)
     files = list(extra["state_files"])
     tensors: TensorSource
-
-    def read_state(rank: int) -> dict[str, Any]:
-        verify(path, manifest, [files[rank]])
-        state: dict[str, Any] = safe_load(path / files[rank], mmap=True)
-        return state
-
+    read_state: Callable[[int], dict[str, Any]]
     if manifest["format"] == SHARDS_V1:
         earlier = shards_v1_run(path, manifest, extra)
-        tensors, read_state = earlier.tensors, earlier.states.__getitem__  # type: ignore[assignment]
+        tensors, read_state = earlier.tensors, earlier.states.__getitem__
     else:
         tensors = DcpTensors(path, manifest)
+        read_state = functools.partial(_state_file, path, manifest, files)
     return RunCheckpoint(
         path=path,
         step=int(extra["step"]),
@@ -114,6 +111,15 @@ def open_run(path: Path) -> RunCheckpoint:
         leaders=list(extra["leader_ranks"]),
         read_state=read_state,
     )
+
+
+def _state_file(
+    path: Path, manifest: dict[str, Any], files: list[str], rank: int
+) -> dict[str, Any]:
+    """Rank ``rank``'s run-state file, checked against the manifest's hash first."""
+    verify(path, manifest, [files[rank]])
+    state: dict[str, Any] = safe_load(path / files[rank], mmap=True)
+    return state
 
 
 def _run_manifest(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,14 +1,8 @@
 """Fine-tuning: a run started from another's weights (``trainer.init_from=PATH``), each process
-reading only the tensors of the stages it holds.
-
-The GPipe paper's transfer experiments start from the ImageNet model and replace its softmax for
-the new data set's classes. Here every tensor of PATH whose name and shape match the new model
-is loaded; the rest (the classifier of another class count) keep the fresh initialization the
-builder gave them. The optimizer, the learning-rate schedule, the step and the data position
-start anew: this is a new run, not a resume. PATH is anything
-:func:`giantpipe.checkpoint.weights.open_weights` reads: a giantpipe checkpoint (its EMA where
-it kept one), a ``torch.save`` state dict, a safetensors file or folder, a Hugging Face model
-folder.
+reading only the tensors of the stages it holds, from anything
+:func:`giantpipe.checkpoint.weights.open_weights` reads (docs/checkpoints.md#starting-from-weights).
+Every tensor whose name and shape match is loaded, the rest keep their fresh initialization;
+optimizer, schedule, step and data position start anew: a new run, not a resume.
 
 Example::
 
