@@ -49,11 +49,11 @@ READ_BEFORE = "0.3.0"
 SHARDS_V1 = "giantpipe-shards/1"
 """A manifest beside one ``torch.save`` file of weights per rank and one of run state per rank
 (no hashes): DCP replaced it in giantpipe 0.1."""
+SHARDS_V1_FILE = re.compile(r"(state-)?step\d{9}-[0-9a-f]{6}-rank\d{5}\.pt")
+"""Its files (weights, and the run state)."""
 SHARDS_V2 = "giantpipe-shards/2"
 """Today's layout, each data file hashed whole rather than per block: a data file is checked
 whole before any of it is read."""
-SHARDS_V1_FILE = re.compile(r"(state-)?step\d{9}-[0-9a-f]{6}-rank\d{5}\.pt")
-"""Its files (weights, and the run state)."""
 ONE_FILE = "last.pt"
 """One ``torch.save`` file holding a local run's whole state, before the manifest."""
 ONE_FILE_KEYS = ("format_version", "step", "position", "model", "optimizer", "rng")

@@ -46,6 +46,7 @@ from typing import Any
 import yaml
 
 from giantpipe.checkpoint.cleanup import interrupted, remove, set_aside
+from giantpipe.checkpoint.earlier import ONE_FILE
 from giantpipe.checkpoint.manifest import read_manifest
 from giantpipe.checkpoint.names import MANIFEST, SAVE_FOLDER
 from giantpipe.config import RESUME_AUTO, RESUME_CHECKED, ConfigError
@@ -55,8 +56,6 @@ log = logging.getLogger(__name__)
 
 LAST = "last"
 """The checkpoint directory refreshed at every evaluation and at the end."""
-LEGACY_LAST = "last.pt"
-"""The same, as the earlier one-file format wrote it."""
 LOCK = ".giantpipe.lock"
 RECORD = ("metrics.jsonl", "summary.json")
 """Files that say a directory holds a run's record."""
@@ -67,8 +66,8 @@ def held_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint ``run_dir`` holds, if any: ``last/`` or a legacy ``last.pt``."""
     if (run_dir / LAST / MANIFEST).is_file():
         return run_dir / LAST
-    if (run_dir / LEGACY_LAST).exists():
-        return run_dir / LEGACY_LAST
+    if (run_dir / ONE_FILE).exists():  # the earlier one-file format
+        return run_dir / ONE_FILE
     return None
 
 
