@@ -19,7 +19,6 @@ from pathlib import Path
 
 from giantpipe.checkpoint.errors import CheckpointDamaged, CheckpointError
 from giantpipe.checkpoint.export import DEFAULT_SHARD, ExportError, export, parse_size
-from giantpipe.runner.rundir import kept_beside
 
 BAD_INPUT = 2
 """The exit status of a bad input, as ``train.py``'s."""
@@ -61,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         limit = None if args.max_shard_size is None else parse_size(args.max_shard_size)
         done = export(directory, Path(args.out), args.format, limit)
     except CheckpointDamaged as err:
+        from giantpipe.runner.rundir import kept_beside  # the runner, only when it is needed
+
         kept = kept_beside(directory)
         print(f"consolidate: {err}" + (f"; export {kept} instead" if kept else ""), file=sys.stderr)
         return BAD_INPUT

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from giantpipe.checkpoint.files import FILE_MODE
 from giantpipe.checkpoint.load import open_tensors
@@ -158,6 +157,8 @@ def write_pt(
     """A ``torch.save`` file of the state dict ``layouts`` describes, written without holding
     it: torch saves the layout with room for every tensor's bytes
     (``torch.serialization.skip_data``), then each tensor is read and written in its place."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # seconds to import: pt alone
+
     with FakeTensorMode():
         skeleton = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in layouts.items()}
     with torch.serialization.skip_data(materialize_fake_tensors=True):
