@@ -27,7 +27,7 @@ from giantpipe.engine.generate import Decoding, generate
 from giantpipe.engine.generate.caches import check_cached
 from giantpipe.perf.balance import even_balance
 from giantpipe.runner.build import capture
-from giantpipe.runner.checkpoint.init_from import matching, read_weights
+from giantpipe.runner.run_state.init_from import matching, read_weights
 
 
 class BadInput(Exception):

@@ -99,10 +99,10 @@ def agreement(tmp: Path, workers: int, bad_rank: int) -> dict[str, Any]:
 
 def runner_fp16(tmp: Path, steps: int) -> dict[str, Any]:
     """``train`` with pipeline.precision=fp16 under the distributed executor, in this rank."""
+    from giantpipe.checkpoint.run import read_checkpoint
+    from giantpipe.checkpoint.unpickling import safe_load
     from giantpipe.config import PipelineConfig
     from giantpipe.runner import train
-    from giantpipe.runner.checkpoint.reading import read_checkpoint
-    from giantpipe.runner.checkpoint.unpickling import safe_load
     from tests.unit.runner.test_runner_loop import tiny
 
     cfg = tiny(max_steps=steps, eval_every=0, grad_clip=1.0, predict=False)

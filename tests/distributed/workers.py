@@ -524,10 +524,10 @@ def train_and_save(tmp: Path, workers: int, ckpt: str, steps: int = 2) -> dict[s
 def resume_and_step(tmp: Path, workers: int, ckpt: str, step: int = 2) -> dict[str, Any]:
     """Loads the shards into another K (parameters never initialised), takes one step and
     compares it with the plain model loaded from the same shards."""
-    from giantpipe.engine.distributed import shards
+    from giantpipe.checkpoint.load import load
 
     model = plain_model(2)
-    model.load_state_dict(shards.load(ckpt))
+    model.load_state_dict(load(ckpt))
     balance = solve_balance([1.0] * len(model), workers)
     pipe = DistributedPipe(model_fn(2), balance, chunks=3, seed=INIT, init=None, timeout=scaled(20))
     manifest = pipe.load_checkpoint(ckpt)

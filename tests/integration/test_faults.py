@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.config import ConfigError
-from giantpipe.runner.checkpoint.reading import read_checkpoint
-from giantpipe.runner.checkpoint.unpickling import safe_load
+from giantpipe.checkpoint.errors import CheckpointError
+from giantpipe.checkpoint.run import read_checkpoint
+from giantpipe.checkpoint.unpickling import safe_load
 from tests.timeouts import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -336,13 +336,14 @@ def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_survives(tmp_path:
 
 
 def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> None:
-    from giantpipe.engine.distributed import shards
+    from giantpipe.checkpoint import files
     from giantpipe.runner import train
     from giantpipe.runner.loop import CheckpointWriteError
+    from giantpipe.runner.run_state import staging
     from tests.unit.runner.test_runner_loop import tiny
 
     saves = {"n": 0}
-    real, real_save = torch.save, shards.save_collective
+    real, real_save = torch.save, staging.save_collective
 
     def counted_save(*args, **kwargs):
         saves["n"] += 1
@@ -356,10 +357,10 @@ def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monk
             )
         return real(obj, handle, *args, **kwargs)
 
-    monkeypatch.setattr(shards, "save_collective", counted_save)
-    monkeypatch.setattr(shards.files.torch, "save", failing_save)
+    monkeypatch.setattr(staging, "save_collective", counted_save)
+    monkeypatch.setattr(files.torch, "save", failing_save)
     full = shutil._ntuple_diskusage(1, 1, 0)
-    monkeypatch.setattr(shards.files.shutil, "disk_usage", lambda _: full)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda _: full)
     with pytest.raises(CheckpointWriteError) as info:
         train(tiny(max_steps=6, checkpoint_every=1, eval_every=0), tmp_path, "")
     message = str(info.value)
@@ -377,7 +378,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_runs(tmp_path: 
             return (os.system, (f"touch {marker}",))
 
     torch.save({"model": {}, "step": 1, "payload": Payload()}, tmp_path / "evil.pt")
-    with pytest.raises(ConfigError, match=r"holds posix.system, which giantpipe never saves"):
+    with pytest.raises(CheckpointError, match=r"holds posix.system, which giantpipe never saves"):
         safe_load(tmp_path / "evil.pt")
     result = run(tmp_path / "run", f"trainer.init_from={tmp_path / 'evil.pt'}")
     (line,) = errors(result)
@@ -475,7 +476,7 @@ def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(tmp_pat
         f"record); start from {kept} with trainer.init_from={kept}"
     )
     merged = consolidate(run_dir / "last", tmp_path / "model.pt")
-    assert merged.returncode == 1 and not (tmp_path / "model.pt").exists()
+    assert merged.returncode == 2 and not (tmp_path / "model.pt").exists()
     assert merged.stderr.strip().splitlines() == [
         f"consolidate: {path} is damaged (content hash differs from the commit record); "
         f"export {kept} instead"
@@ -499,6 +500,6 @@ def test_a_truncated_shard_is_one_line_naming_it(tmp_path: Path) -> None:
     assert line.startswith(f"error: trainer.resume: {path} is damaged (truncated: ")
     assert "Traceback" not in result.stderr
     merged = consolidate(run_dir / "last", tmp_path / "model.pt")
-    assert merged.returncode == 1
+    assert merged.returncode == 2
     (said,) = merged.stderr.strip().splitlines()
     assert said.startswith(f"consolidate: {path} is damaged (truncated: {len(data) // 2} of ")

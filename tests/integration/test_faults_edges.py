@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.checkpoint.run import read_checkpoint
 from tests.integration.test_faults import (
     REPO,
     TINY,

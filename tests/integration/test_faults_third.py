@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.checkpoint.run import read_checkpoint
 from tests.integration.test_faults import (
     REPO,
     env,
@@ -176,9 +176,9 @@ def test_a_trace_past_the_runs_end_is_refused_at_the_start(tmp_path: Path) -> No
 def saves_of(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int, OSError] | None = None):
     """Every save's (directory name, step), in order; ``fail``: (name, step, error) raises that
     error instead of writing that save."""
-    from giantpipe.engine.distributed import shards
+    from giantpipe.runner.run_state import staging
 
-    real, done = shards.save_collective, []
+    real, done = staging.save_collective, []
 
     def save_collective(directory, token, *args, **kwargs):
         step = int(re.fullmatch(r"step(\d{9})-[0-9a-f]{6}", token).group(1))
@@ -187,7 +187,7 @@ def saves_of(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int, OSError] | N
         done.append((Path(directory).name, step))
         return real(directory, token, *args, **kwargs)
 
-    monkeypatch.setattr(shards, "save_collective", save_collective)
+    monkeypatch.setattr(staging, "save_collective", save_collective)
     return done
 
 

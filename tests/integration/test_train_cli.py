@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.checkpoint.run import read_checkpoint
 from tests.timeouts import run
 
 pytestmark = pytest.mark.slow  # every test runs python train.py end to end (torch, training)

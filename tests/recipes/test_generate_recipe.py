@@ -160,7 +160,7 @@ def test_a_text_run_continues_words_as_its_tokenizer_and_model_do_by_hand(text_r
     prompts of unequal length in two micro-batches) up to the end of text, decoded to words;
     equal to doing each step by hand with the run's tokenizer and the plain model."""
     from giantpipe.data.text.vocabulary import Vocabulary
-    from giantpipe.runner.checkpoint.init_from import read_weights
+    from giantpipe.runner.run_state.init_from import read_weights
 
     texts = ["the old farmer", "a fox", "the brave sailor watches"]
     args = [f"--text={t}" for t in texts]

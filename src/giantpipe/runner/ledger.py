@@ -25,16 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Every call into the checkpoint format sits in this module (the lead repoints them at merge).
-from giantpipe.engine.distributed.shards import MANIFEST, read_manifest
-from giantpipe.engine.distributed.shards.cleanup import (
-    IN_FOLDER,
-    MANIFEST_TMP,
-    OLD_FILE,
-    SAVE_FOLDER,
-)
-from giantpipe.engine.distributed.shards.files import atomic_write_text, fsync_directory
-from giantpipe.runner.checkpoint.state import RUN_FORMAT
+from giantpipe.checkpoint.earlier import SHARDS_V1_FILE
+from giantpipe.checkpoint.files import atomic_write_text, fsync_directory
+from giantpipe.checkpoint.manifest import read_manifest
+from giantpipe.checkpoint.names import IN_FOLDER, MANIFEST, MANIFEST_TMP, SAVE_FOLDER
+from giantpipe.checkpoint.run import RUN_FORMAT
 from giantpipe.runner.rundir import checkpoint_directories
 
 log = logging.getLogger(__name__)
@@ -61,7 +56,7 @@ def strangers(folder: Path) -> str | None:
         if entry.is_symlink():
             return f"it holds {name}, a link"
         if entry.is_file() and (
-            name == MANIFEST or MANIFEST_TMP.fullmatch(name) or OLD_FILE.fullmatch(name)
+            name == MANIFEST or MANIFEST_TMP.fullmatch(name) or SHARDS_V1_FILE.fullmatch(name)
         ):
             continue
         if entry.is_dir() and SAVE_FOLDER.fullmatch(name):

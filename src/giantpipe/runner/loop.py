@@ -39,13 +39,13 @@ from giantpipe.metrics.step import EngineStats, StepRecord
 from giantpipe.metrics.summary import write_summary
 from giantpipe.runner.build import Experiment
 from giantpipe.runner.callbacks import CallbackError, Callbacks, RunInfo, step_figures
-from giantpipe.runner.checkpoint.saving import model_record
-from giantpipe.runner.checkpoint.state import Progress
-from giantpipe.runner.checkpoint.writer import BackgroundSaveError, CheckpointWriter
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.forecast import Forecast
 from giantpipe.runner.keeping import Keeping, judges
 from giantpipe.runner.retention import BEST, EVERY
+from giantpipe.runner.run_state.model_record import model_record
+from giantpipe.runner.run_state.state import Progress
+from giantpipe.runner.run_state.writer import BackgroundSaveError, CheckpointWriter
 from giantpipe.runner.rundir import LAST
 from giantpipe.runner.step import accumulate_gradients
 from giantpipe.runner.world import Request, StopSignals, World

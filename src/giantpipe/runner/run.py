@@ -25,9 +25,6 @@ from giantpipe.config.trainer import check_trace_steps
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.callbacks import build_callbacks
-from giantpipe.runner.checkpoint.init_from import load_initial_weights
-from giantpipe.runner.checkpoint.restore import restore
-from giantpipe.runner.checkpoint.state import Progress
 from giantpipe.runner.keeping import Keeping
 from giantpipe.runner.loop import TrainingLoop
 from giantpipe.runner.monitor import check_monitor
@@ -38,6 +35,9 @@ from giantpipe.runner.record import (
     read_summary,
     run_to_summary,
 )
+from giantpipe.runner.run_state.init_from import load_initial_weights
+from giantpipe.runner.run_state.restore import restore
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.rundir import (
     RunLock,
     check_resumed_config,

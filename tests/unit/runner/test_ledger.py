@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.engine.distributed import shards
+from giantpipe.checkpoint.manifest import committed_files, read_manifest, verify
+from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.runner import train
-from giantpipe.runner.checkpoint.reading import read_checkpoint
 from giantpipe.runner.ledger import LEDGER, Ledger, not_ours
 from giantpipe.runner.monitor import Monitor
 from giantpipe.runner.retention import Retention
@@ -35,13 +35,13 @@ def run(saved: Path, tmp_path: Path) -> Path:
 
 def whole(folder: Path) -> int:
     """The step of a checkpoint whose every committed file matches its manifest."""
-    manifest = shards.read_manifest(folder)
-    shards.verify(folder, manifest, shards.committed_files(manifest))
+    manifest = read_manifest(folder)
+    verify(folder, manifest, committed_files(manifest))
     return read_checkpoint(folder)["step"]
 
 
 def save_folder(folder: Path) -> Path:
-    return folder / shards.read_manifest(folder)["folder"]
+    return folder / read_manifest(folder)["folder"]
 
 
 def test_a_checkpoint_of_its_own_step_holding_only_giantpipes_files_is_ours(run: Path):

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from giantpipe.engine.distributed import shards
+from giantpipe.checkpoint.manifest import committed_files, read_manifest, verify
+from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.callbacks import Callback, CallbackError, RunInfo
-from giantpipe.runner.checkpoint.reading import read_checkpoint
 from giantpipe.runner.ledger import LEDGER
 from giantpipe.runner.rundir import finished_run
 from tests.unit.runner.test_runner_loop import tiny
@@ -25,8 +25,8 @@ def kept_steps(run: Path) -> list[int]:
 
 def whole(folder: Path) -> int:
     """The step of a checkpoint whose every committed file matches its manifest, read whole."""
-    manifest = shards.read_manifest(folder)
-    shards.verify(folder, manifest, shards.committed_files(manifest))
+    manifest = read_manifest(folder)
+    verify(folder, manifest, committed_files(manifest))
     return read_checkpoint(folder)["step"]
 
 

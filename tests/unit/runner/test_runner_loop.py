@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
@@ -22,9 +23,8 @@ from giantpipe.data.synthetic import classification
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint.reading import read_checkpoint
-from giantpipe.runner.checkpoint.state import Progress
 from giantpipe.runner.loop import NonFiniteLossError, TrainingLoop
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from models.options import MlpModelConfig

@@ -35,8 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from giantpipe.checkpoint.load import load
+from giantpipe.checkpoint.manifest import read_manifest
+from giantpipe.checkpoint.save import save
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
-from giantpipe.engine.distributed import shards
 from giantpipe.engine.distributed.clipping import clip_grad_norm_
 from giantpipe.engine.distributed.collectives import all_gather_rows, all_reduce_, all_reduce_sum
 from giantpipe.engine.distributed.faults import (
@@ -587,12 +589,12 @@ class DistributedPipe(Pipe):
     ) -> None:
         """Collective. Every rank of replica 0 writes its stages' tensors (with FSDP2, every
         rank its shards, gathered nowhere); rank 0 commits the manifest."""
-        self._guarded(lambda: shards.save(self, directory, step, extra, self.groups.control))
+        self._guarded(lambda: save(self, directory, step, extra, self.groups.control))
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Loads this rank's names from whichever shards hold them (with FSDP2, only the parts
         of its own shards); returns the manifest."""
-        manifest = shards.read_manifest(directory)
+        manifest = read_manifest(directory)
         own = self.state_dict()
-        self.load_state_dict(shards.load(directory, own.keys(), self.device, like=own))
+        self.load_state_dict(load(directory, own.keys(), self.device, like=own))
         return manifest

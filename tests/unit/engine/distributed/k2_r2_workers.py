@@ -45,9 +45,9 @@ from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.ordered import PAYLOADS
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.runner.build import parameter_names
-from giantpipe.runner.checkpoint.restore import restore
-from giantpipe.runner.checkpoint.saving import save_run
-from giantpipe.runner.checkpoint.state import Progress
+from giantpipe.runner.run_state.restore import restore
+from giantpipe.runner.run_state.staging import save_run
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
 from tests.distributed.order_workers import recording

@@ -74,7 +74,7 @@ def test_host_numbers_go_to_host_groups(monkeypatch: pytest.MonkeyPatch) -> None
 def test_checkpoint_objects_go_to_the_control_group(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
     monkeypatch.setattr(
-        pipe_module.shards,
+        pipe_module,
         "save",
         lambda pipe, directory, step, extra, group=None: seen.append(group),
     )

@@ -9,12 +9,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +19,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from giantpipe.engine.distributed.shards.cleanup import _remove, stale
-from giantpipe.engine.distributed.shards.files import (
-    _write_error,
+from giantpipe.checkpoint.cleanup import remove, stale
+from giantpipe.checkpoint.files import (
+    BLOCK,
     atomic_save,
     atomic_write_text,
+    block_record,
     describe,
+    disk_error,
     fsync_directory,
-    new_token,
 )
-from giantpipe.engine.distributed.shards.record import FORMAT, MANIFEST, read_manifest, record_hash
+from giantpipe.checkpoint.manifest import FORMAT, read_manifest, record_hash
+from giantpipe.checkpoint.names import MANIFEST, new_token
+from giantpipe.checkpoint.storage import HashingWriter
 
 __all__ = [
     "commit",
@@ -65,15 +64,16 @@ def write_folder(
 ) -> dict[str, dict[str, Any]]:
     """Collective over ``group`` (None: one process): this rank's part of the DCP checkpoint
     of ``tensors``, then its ``objects`` (``torch.save``, e.g. its run state), every file
-    fsynced. Returns the size and hash of what this rank wrote (rank 0: DCP's ``.metadata``
-    too). DCP fails every rank when one fails; what follows it is this rank's alone.
+    fsynced. Returns the size and hashes of what this rank wrote (its data files per block,
+    hashed as written; rank 0: DCP's ``.metadata`` too). DCP fails every rank when one fails;
+    what follows it is this rank's alone.
 
     Example::
 
         files = write_folder(Path("ckpt/step000000100-3f9c2a"), pipe.state_dict(), {}, None)
     """
     folder.mkdir(parents=True, exist_ok=True)
-    writer = _HashingWriter(folder)
+    writer = HashingWriter(folder)
     try:
         dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
     except CheckpointException as err:  # a BaseException holding every rank's failure
@@ -82,67 +82,10 @@ def write_folder(
         atomic_save(obj, folder / name)
     rank = _rank(group)
     data = [p.name for p in sorted(folder.glob(f"__{rank}_*.distcp"))]
-    files: dict[str, dict[str, Any]] = {}
-    for name in data:
-        as_written = writer.fs.digest_of(folder / name)
-        if as_written is not None:
-            files[name] = as_written
+    files = {name: writer.digest_of(folder / name) or block_record(folder / name) for name in data}
     small = list(objects) + ([".metadata"] if rank == 0 else [])
-    files.update(describe(folder, [n for n in data + small if n not in files]))
+    files.update(describe(folder, small))
     return files
-
-
-class _HashingStream:
-    """A file DCP writes to, hashing every byte on its way to the file."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw, self.digest, self.count = raw, hashlib.sha256(), 0
-
-    def write(self, data: Any) -> int:
-        written: int = self._raw.write(data)
-        view = memoryview(data)
-        self.digest.update(view)
-        self.count += view.nbytes
-        return written
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
-        return getattr(self._raw, name)
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local files, hashed as written: a checkpoint's bytes are never read back to be
-    hashed (a 3 GiB save: about 1.5 s fewer; see benchmarks/checkpoint_save.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: dict[str, _HashingStream] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            hashing = _HashingStream(stream)
-            self.written[str(path)] = hashing
-            yield hashing
-
-    def digest_of(self, path: Path) -> dict[str, Any] | None:
-        """The size and hash of ``path`` as written, or None where the bytes that went through
-        the stream are not the file's (then it is read back and hashed)."""
-        hashing = self.written.get(str(path))
-        size = path.stat().st_size
-        if hashing is None or hashing.count != size:
-            return None
-        return {"bytes": size, "sha256": hashing.digest.hexdigest()}
-
-
-class _HashingWriter(FileSystemWriter):
-    """DCP's file writer (fsync on, one file per rank, never over an earlier save), hashing."""
-
-    def __init__(self, folder: Path) -> None:
-        super().__init__(folder, sync_files=True, thread_count=1, overwrite=False)
-        self.fs: _HashingFileSystem = _HashingFileSystem()
 
 
 def _cause(err: CheckpointException, folder: Path) -> BaseException:
@@ -153,7 +96,7 @@ def _cause(err: CheckpointException, folder: Path) -> BaseException:
         if isinstance(failure, KeyboardInterrupt | OSError):
             return failure
     first = failures[0] if failures else RuntimeError(str(err))
-    return _write_error(folder / "__0_0.distcp", str(first)) or RuntimeError(
+    return disk_error(folder / "__0_0.distcp", str(first)) or RuntimeError(
         f"{folder}: saving failed ({type(first).__name__}: {first})"
     )
 
@@ -245,13 +188,13 @@ def commit(
     fsync_directory(directory / token)  # the files' names, before the manifest naming them
     fsync_directory(directory)
     manifest = {"format": FORMAT, **meta, "folder": token, "shards": entries, "files": files}
-    manifest.update(num_layers=sum(meta["balance"]), extra=extra)
+    manifest.update(num_layers=sum(meta["balance"]), block_bytes=BLOCK, extra=extra)
     manifest["record"] = record_hash(manifest)
     atomic_write_text(json.dumps(manifest, indent=1), directory / MANIFEST)
     fsync_directory(directory)
     if readable:  # an unreadable record named files nobody can tell apart: leave them all
         for path in stale(directory):
-            _remove(path)
+            remove(path)
 
 
 def layout_meta(pipe: Any, step: int) -> dict[str, Any]:

@@ -1,12 +1,11 @@
-"""Saving: what one save of this process holds (staged), written in DCP's format and committed
-by rank 0's manifest, with what the manifest says of the run and of the model.
+"""Staging a save: what one save of this process holds (its tensors and run state), then
+written in the checkpoint format (:func:`giantpipe.checkpoint.save.save_collective`).
 
 Every rank writes its run state (LR schedule, fp16's loss scale, RNG, the optimizer's other
 values), replica 0's ranks the tensors (weights, optimizer, EMA; with the stages on FSDP2,
-every rank its own shards of them, gathered nowhere), and rank 0 commits the save with the
-manifest (:func:`giantpipe.engine.distributed.shards.save_collective`). Staging copies the
-tensors to host memory first when the write runs in the background
-(:mod:`giantpipe.runner.checkpoint.writer`).
+every rank its own shards of them, gathered nowhere), and rank 0 commits the save. Staging
+copies the tensors to host memory first when the write runs in the background
+(:mod:`giantpipe.runner.run_state.writer`).
 
 Example::
 
@@ -15,11 +14,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,26 +24,16 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from giantpipe.engine.distributed import shards
+from giantpipe.checkpoint.names import EMA, OPTIMIZER, new_token, state_file
+from giantpipe.checkpoint.run import RUN_FORMAT
+from giantpipe.checkpoint.save import replica_share, save_collective
 from giantpipe.engine.distributed.replicas import local_tensor
-from giantpipe.runner.checkpoint.state import (
-    EMA,
-    OPTIMIZER,
-    RUN_FORMAT,
-    Progress,
-    optimizer_state_by_name,
-)
-from giantpipe.runner.registry import build_from_target
-from giantpipe.runner.seeding import restore_rng, rng_state
+from giantpipe.runner.run_state.state import Progress, optimizer_state_by_name
+from giantpipe.runner.seeding import rng_state
 
 if TYPE_CHECKING:
     from giantpipe.runner.build import Experiment
     from giantpipe.runner.world import World
-
-
-def state_file(rank: int) -> str:
-    """A rank's run-state file in a save's folder."""
-    return f"state-rank{rank:05d}.pt"
 
 
 @dataclass(frozen=True)
@@ -123,7 +109,7 @@ def stage(
     copy every tensor into these host buffers (the step may change the live ones during the
     write); ``copied``: such a copy made earlier in the same step (only a step changes them)."""
     pipe, place = parts.pipe, place_of(parts.pipe)
-    token = world.from_rank0(shards.new_token(progress.step))
+    token = world.from_rank0(new_token(progress.step))
     leader = place.replica == 0  # replicas hold the same weights, optimizer state and EMA,
     sharded = getattr(pipe, "shards", None) is not None  # or each its FSDP2 shards of them
     tensors: dict[str, Tensor] = {}
@@ -134,7 +120,7 @@ def stage(
         tensors.update({**weights, **opt_tensors})
         if parts.ema is not None:
             tensors.update({f"{EMA}{n}": t for n, t in parts.ema.state_dict().items()})
-        tensors = shards.replica_share(tensors, place.replica)
+        tensors = replica_share(tensors, place.replica)
         if leader:
             entry = {"rank": place.rank, "stages": list(place.stages), "names": list(weights)}
         else:
@@ -240,7 +226,7 @@ def write_staged(staged: Staged, directory: Path, group: Any) -> None:
     rank = staged.state["rank"]
     objects = {state_file(rank): staged.state}
     directory.mkdir(parents=True, exist_ok=True)
-    shards.save_collective(
+    save_collective(
         directory, staged.token, staged.tensors, objects, staged.entry, staged.commit_as, group
     )
 
@@ -258,57 +244,7 @@ def save_run(
     about: dict[str, Any] | None = None,
 ) -> None:
     """Collective: every rank writes its run state, replica 0 its tensors; rank 0 commits.
-    ``about``: what the manifest says of the model (:func:`model_record`)."""
+    ``about``: what the manifest says of the model
+    (:func:`giantpipe.runner.run_state.model_record.model_record`)."""
     staged = stage(parts, progress, world, about or {})
     write_staged(staged, directory, host_group(parts.pipe, world))
-
-
-# -- what the manifest says of the model -------------------------------------------------------
-
-
-def model_record(spec: Any, model: nn.Module | None) -> dict[str, Any]:
-    """The model's builder (``_target_``) and, for a Hugging Face model, its config as JSON
-    (what ``python -m giantpipe.consolidate ... --format hf`` writes as ``config.json``).
-
-    Example::
-
-        model_record(cfg.model, parts.model)   # {"target": "models.hf.hf_causal_lm", ...}
-    """
-    record: dict[str, Any] = {"target": str(getattr(spec, "_target_", ""))}
-    config = hf_config(spec, model)
-    if config is not None:
-        record["hf_config"] = config
-    return record
-
-
-def hf_config(spec: Any, model: nn.Module | None) -> dict[str, Any] | None:
-    """The Hugging Face config of the model ``spec`` builds, or None for any other model.
-
-    The capture keeps the weights, not the Hugging Face module, so the builder runs again, on
-    the meta device (no memory, no weights) and with the random generators put back after.
-    A flat Sequential as built is never a Hugging Face model; nor is anything built where
-    transformers was never imported.
-    """
-    if "transformers" not in sys.modules:
-        return None
-    if isinstance(model, nn.Sequential) and not hasattr(model, "original_names"):
-        return None
-    try:
-        with _generators_kept(), torch.device("meta"):
-            built = build_from_target(spec, "model")
-    except Exception:  # noqa: BLE001 - a builder that needs real memory: no export as hf
-        return None
-    config: Any = getattr(built, "config", None)
-    if not hasattr(config, "to_json_string") or not hasattr(built, "save_pretrained"):
-        return None
-    found: dict[str, Any] = json.loads(config.to_json_string())
-    return found
-
-
-@contextlib.contextmanager
-def _generators_kept() -> Iterator[None]:
-    saved = rng_state()
-    try:
-        yield
-    finally:
-        restore_rng(saved)

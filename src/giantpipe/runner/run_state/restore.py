@@ -1,7 +1,7 @@
 """Restoring: a checkpoint's weights, optimizer, EMA, LR schedule, loss scale and RNG into the
-built parts, under any K, R, replica sharding or executor (every rank reads its names from
-whichever files hold them; an FSDP2 shard only its own part, see ``shards.load``'s ``like``);
-a ``.pt`` file of the earlier format goes to :mod:`giantpipe.runner.checkpoint.legacy`.
+built parts, under any K, R, replica sharding or executor, from a checkpoint of any format
+(:func:`giantpipe.checkpoint.run.open_run`); every rank reads only its own names, and an FSDP2
+shard only its own part.
 
 Example::
 
@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from giantpipe.checkpoint.errors import MissingTensors
+from giantpipe.checkpoint.names import EMA, OPTIMIZER
+from giantpipe.checkpoint.run import RunCheckpoint, open_run
 from giantpipe.config import ConfigError
-from giantpipe.engine.distributed import shards
-from giantpipe.runner.checkpoint.legacy import restore_legacy
-from giantpipe.runner.checkpoint.reading import read_run, read_state_file, refusing_damage
-from giantpipe.runner.checkpoint.state import (
-    EMA,
-    OPTIMIZER,
+from giantpipe.runner.run_state.refusal import refusing
+from giantpipe.runner.run_state.state import (
     RESUME,
     Progress,
     check_model_fits,
@@ -35,51 +34,47 @@ if TYPE_CHECKING:
 
 
 def restore(parts: Experiment, path: Path, world: World) -> Progress:
-    """Load a checkpoint (a directory, or a ``.pt`` file of the earlier format) into the built
+    """Load a checkpoint (a directory, or a ``last.pt`` of the earlier format) into the built
     parts; ConfigError naming trainer.resume if it does not fit or a file is damaged."""
-    if path.is_dir():
-        with refusing_damage(path):
-            return restore_run(parts, path, world.rank)
-    return restore_legacy(parts, path, whole=world.size == 1)
+    with refusing(path, RESUME):
+        run = open_run(path)
+        return restore_run(parts, run, world.rank, whole=world.size == 1)
 
 
-def restore_run(parts: Experiment, directory: Path, rank: int) -> Progress:
-    """Weights, optimizer, EMA, LR schedule and RNG for this process's names (any layout)."""
-    manifest, extra = read_run(directory)
+def restore_run(parts: Experiment, run: RunCheckpoint, rank: int, whole: bool) -> Progress:
+    """Weights, optimizer, EMA, LR schedule and RNG for this process's names (any layout);
+    ``whole``: this process holds the whole model, so the checkpoint may hold no other name."""
     live = parts.pipe.state_dict()
-    if parts.ema is not None and not extra.get("ema"):
-        raise ConfigError("trainer.ema_decay", f"{directory} was saved without an EMA")
+    if parts.ema is not None and not run.ema:
+        raise ConfigError("trainer.ema_decay", f"{run.path} was saved without an EMA")
     wanted = list(live)
     like: dict[str, Tensor] = dict(live)  # where a name lands (an FSDP2 shard: only its part)
-    if manifest["format"] != shards.OLD_FORMAT:  # the optimizer's and EMA's tensors: DCP's
-        held = shards.tensor_names(directory)
-        mine = {f"{OPTIMIZER}{n}/" for n in parts.names}
-        states = [k for k in held if k.startswith(OPTIMIZER) and k.rsplit("/", 1)[0] + "/" in mine]
-        wanted += states
-        # a state shaped like its parameter (momentum, Adam's moments) is sharded like it
-        like.update({k: parts.names[k[len(OPTIMIZER) :].rsplit("/", 1)[0]] for k in states})
-        shadow = parts.ema.shadow if parts.ema is not None else {}
-        wanted += [f"{EMA}{n}" for n in shadow]
-        like.update({f"{EMA}{n}": t for n, t in shadow.items()})
+    mine = {f"{OPTIMIZER}{n}/" for n in parts.names}
+    held = run.tensors.names()
+    states = [k for k in held if k.startswith(OPTIMIZER) and k.rsplit("/", 1)[0] + "/" in mine]
+    wanted += states
+    # a state shaped like its parameter (momentum, Adam's moments) is sharded like it
+    like.update({k: parts.names[k[len(OPTIMIZER) :].rsplit("/", 1)[0]] for k in states})
+    shadow = parts.ema.shadow if parts.ema is not None else {}
+    wanted += [f"{EMA}{n}" for n in shadow]
+    like.update({f"{EMA}{n}": t for n, t in shadow.items()})
     try:
-        loaded = shards.load(directory, wanted, like=like)
-    except KeyError as err:
-        raise ConfigError(RESUME, f"{directory} does not fit this model ({err.args[0]})") from err
-    saved = {n: loaded[n] for n in live}
-    check_model_fits(saved, live, directory)
-    files = list(extra["state_files"])
-    leaders = [read_state_file(directory, files[r], manifest) for r in extra["leader_ranks"]]
-    _restore_optimizer(parts, leaders, directory, loaded)
-    parts.pipe.load_state_dict(saved)
+        loaded = run.tensors.read(wanted, like)
+    except MissingTensors as err:
+        raise ConfigError(RESUME, f"{run.path} does not fit this model ({err})") from err
+    others = [n for n in run.weights if n not in live] if whole else []
+    check_model_fits({n: loaded[n] for n in live}, live, run.path, others)
+    leaders = run.leader_states()
+    _restore_optimizer(parts, leaders, run.path, loaded)
+    parts.pipe.load_state_dict({n: loaded[n] for n in live})
     if parts.ema is not None:
         ema = {n[len(EMA) :]: t for n, t in loaded.items() if n.startswith(EMA)}
-        ema = ema or {n: t for s in leaders for n, t in s["ema"].items()}  # the earlier format
         parts.ema.load_state_dict({n: t for n, t in ema.items() if n in parts.ema.shadow})
     parts.scheduler.load_state_dict(leaders[0]["scheduler"])
     _restore_grad_scaler(parts, leaders[0])
-    if rank < len(files):  # a rank new to the layout keeps its seeded generators
-        restore_rng(read_state_file(directory, files[rank], manifest)["rng"])
-    return Progress(int(extra["step"]), int(extra["position"]), extra.get("window"))
+    if rank < run.ranks:  # a rank new to the layout keeps its seeded generators
+        restore_rng(run.state_of(rank)["rng"])
+    return Progress(step=run.step, position=run.position, window=run.window)
 
 
 def _restore_grad_scaler(parts: Experiment, state: dict[str, Any]) -> None:
@@ -93,11 +88,11 @@ def _restore_grad_scaler(parts: Experiment, state: dict[str, Any]) -> None:
 def _restore_optimizer(
     parts: Experiment, leaders: list[dict[str, Any]], directory: Path, tensors: dict[str, Tensor]
 ) -> None:
-    """This process's optimizer state, gathered by parameter name from the leaders' files and
-    (``optimizer/NAME/KEY``) from ``tensors``."""
+    """This process's optimizer state, gathered by parameter name from the leaders' run states
+    (values other than tensors, parameter groups) and from ``tensors`` (``optimizer/NAME/KEY``)."""
     mine = set(parts.names)
     per_name = {
-        name: dict(value)
+        name: {k: v for k, v in value.items() if not isinstance(v, Tensor)}
         for s in leaders
         for name, value in s["optimizer"]["state"].items()
         if name in mine

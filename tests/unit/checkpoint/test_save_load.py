@@ -12,23 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.engine.distributed import shards
-from giantpipe.engine.distributed.shards import CheckpointDamaged
-
-
-def weights() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    return {"0.weight": torch.randn(32, 32), "0.bias": torch.randn(32), "2.weight": torch.randn(4)}
-
-
-def save(directory: Path, tensors: dict[str, torch.Tensor], step: int = 1) -> str:
-    """One process's save and commit, as DistributedPipe.save_checkpoint makes them."""
-    token = shards.new_token(step)
-    entry = {"rank": 0, "stages": [0], "names": list(tensors)}
-    meta = {"step": step, "balance": [3], "schedule": "gpipe", "chunks": 1, "workers": 1}
-    meta.update(replicas=1, placement=[0])
-    shards.save_collective(directory, token, tensors, {}, entry, (meta, {}), None)
-    return token
+from giantpipe.checkpoint import files
+from giantpipe.checkpoint import save as save_module
+from giantpipe.checkpoint.errors import CheckpointDamaged
+from giantpipe.checkpoint.export import consolidate
+from giantpipe.checkpoint.files import block_record, describe, file_digest
+from giantpipe.checkpoint.load import load
+from giantpipe.checkpoint.manifest import FORMAT, read_manifest, record_hash
+from tests.unit.checkpoint.saves import save, weights
 
 
 def flip(path: Path, at: int) -> None:
@@ -40,15 +31,17 @@ def flip(path: Path, at: int) -> None:
 
 def test_a_save_loads_back_and_names_every_file_with_its_hash(tmp_path: Path) -> None:
     token = save(tmp_path, weights())
-    manifest = shards.read_manifest(tmp_path)
-    assert manifest["folder"] == token and manifest["format"] == shards.FORMAT
+    manifest = read_manifest(tmp_path)
+    assert manifest["folder"] == token and manifest["format"] == FORMAT
     assert sorted(manifest["files"]) == [f"{token}/.metadata", f"{token}/__0_0.distcp"]
     data = tmp_path / token / "__0_0.distcp"
-    assert manifest["files"][f"{token}/__0_0.distcp"]["sha256"] == shards.file_digest(data)
-    loaded = shards.load(tmp_path)
+    assert manifest["files"][f"{token}/__0_0.distcp"] == block_record(data)
+    metadata = tmp_path / token / ".metadata"
+    assert manifest["files"][f"{token}/.metadata"]["sha256"] == file_digest(metadata)
+    loaded = load(tmp_path)
     assert loaded.keys() == weights().keys()
     assert all(torch.equal(loaded[k], v) for k, v in weights().items())
-    assert shards.load(tmp_path, ["2.weight"]).keys() == {"2.weight"}
+    assert load(tmp_path, ["2.weight"]).keys() == {"2.weight"}
 
 
 def test_a_flipped_byte_a_truncated_or_a_missing_file_is_refused_naming_it(tmp_path) -> None:
@@ -57,13 +50,13 @@ def test_a_flipped_byte_a_truncated_or_a_missing_file_is_refused_naming_it(tmp_p
     original = data.read_bytes()
     flip(data, original.find(weights()["0.weight"].numpy().tobytes()) + 64)
     with pytest.raises(CheckpointDamaged, match=rf"^{data} is damaged \(content hash differs"):
-        shards.load(tmp_path)
+        load(tmp_path)
     data.write_bytes(original[: len(original) // 2])
     with pytest.raises(CheckpointDamaged, match=rf"{data} is damaged \(truncated: \d+ of"):
-        shards.load(tmp_path)
+        load(tmp_path)
     data.unlink()
     with pytest.raises(CheckpointDamaged, match=rf"{data} is damaged \(missing\)"):
-        shards.consolidate(tmp_path, tmp_path / "model.pt")
+        consolidate(tmp_path, tmp_path / "model.pt")
     assert not (tmp_path / "model.pt").exists()
 
 
@@ -72,10 +65,10 @@ def test_a_manifest_changed_after_it_was_written_is_refused(tmp_path: Path) -> N
     path = tmp_path / "manifest.json"
     path.write_text(path.read_text().replace('"step": 40', '"step": 41'))
     with pytest.raises(CheckpointDamaged, match="manifest.json is damaged .*its own hash"):
-        shards.read_manifest(tmp_path)
+        read_manifest(tmp_path)
     path.write_text("x" + path.read_text()[1:])
     with pytest.raises(CheckpointDamaged, match="manifest.json is damaged .not valid JSON"):
-        shards.load(tmp_path)
+        load(tmp_path)
 
 
 class Payload:
@@ -93,13 +86,11 @@ def test_metadata_that_would_run_code_is_refused_and_nothing_runs(tmp_path: Path
     metadata.write_bytes(pickle.dumps(Payload(marker)))
     # Whoever crafts the file can fix the manifest's hashes too: the allow-list must hold.
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
-    manifest["files"][f"{token}/.metadata"] = shards.describe(metadata.parent, [".metadata"])[
-        ".metadata"
-    ]
-    manifest["record"] = shards.record_hash(manifest)
+    manifest["files"][f"{token}/.metadata"] = describe(metadata.parent, [".metadata"])[".metadata"]
+    manifest["record"] = record_hash(manifest)
     (tmp_path / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointDamaged, match=r"holds posix\.system, which DCP's metadata never"):
-        shards.load(tmp_path / "ckpt")
+        load(tmp_path / "ckpt")
     assert not marker.exists()
 
 
@@ -118,31 +109,48 @@ def test_a_commit_removes_the_previous_save_and_only_what_giantpipe_wrote(tmp_pa
     path.write_text(path.read_text()[:-5])
     third = save(tmp_path, weights(), step=3)
     assert (tmp_path / second).is_dir() and (tmp_path / third).is_dir()
-    assert shards.read_manifest(tmp_path)["folder"] == third
-
-
-def test_the_earlier_format_still_loads_and_a_bad_file_there_is_named(tmp_path: Path) -> None:
-    shard = tmp_path / "step000000002-3f9c2a-rank00000.pt"
-    torch.save(weights(), shard)
-    entries = [{"file": shard.name, "rank": 0, "stages": [0], "names": list(weights())}]
-    manifest = {"format": shards.OLD_FORMAT, "step": 2, "balance": [3], "shards": entries}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    assert all(torch.equal(shards.load(tmp_path)[k], v) for k, v in weights().items())
-    shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(CheckpointDamaged, match=rf"^{shard} is damaged \(torch cannot read it"):
-        shards.load(tmp_path)
+    assert read_manifest(tmp_path)["folder"] == third
 
 
 def test_data_files_are_hashed_as_written_never_read_back(tmp_path, monkeypatch) -> None:
     read_back: list[str] = []
-    real = shards.file_digest
+    real_blocks, real_digest = save_module.block_record, files.file_digest
+
+    def blocks(path: Path) -> dict:
+        read_back.append(path.name)
+        return real_blocks(path)
 
     def digest(path: Path) -> str:
         read_back.append(path.name)
-        return real(path)
+        return real_digest(path)
 
-    monkeypatch.setattr(shards.files, "file_digest", digest)  # what the writer calls
+    monkeypatch.setattr(save_module, "block_record", blocks)  # what the writer calls
+    monkeypatch.setattr(files, "file_digest", digest)
     token = save(tmp_path, weights())
     assert read_back == [".metadata"]  # the small index; the tensors' file hashed on its way
-    recorded = shards.read_manifest(tmp_path)["files"][f"{token}/__0_0.distcp"]["sha256"]
-    assert recorded == real(tmp_path / token / "__0_0.distcp")
+    recorded = read_manifest(tmp_path)["files"][f"{token}/__0_0.distcp"]
+    assert recorded == real_blocks(tmp_path / token / "__0_0.distcp")
+
+
+def test_a_read_checks_and_reads_only_the_blocks_it_touches(tmp_path, monkeypatch) -> None:
+    """A rank reading its share of a file another layout wrote reads little more than its
+    share: a damaged byte elsewhere in the file goes unread (and unnoticed), one in a tensor
+    it reads is refused."""
+    monkeypatch.setattr(files, "BLOCK", 2**16)  # 64 KiB blocks, for tensors of 64 KiB
+    monkeypatch.setattr(save_module, "BLOCK", 2**16)
+    tensors = {f"{i}.weight": torch.full((2**14,), float(i)) for i in range(8)}
+    token = save(tmp_path, tensors)
+    data = tmp_path / token / "__0_0.distcp"
+    flip(data, data.read_bytes().find(tensors["7.weight"].numpy().tobytes()) + 100)
+    before = bytes_read()
+    first = load(tmp_path, ["0.weight"])
+    assert bytes_read() - before < data.stat().st_size / 2
+    assert torch.equal(first["0.weight"], tensors["0.weight"])
+    with pytest.raises(CheckpointDamaged, match=rf"^{data} is damaged \(content hash differs"):
+        load(tmp_path, ["7.weight"])
+
+
+def bytes_read() -> int:
+    """This process's bytes read through read() so far (``rchar``, the page cache included)."""
+    lines = Path("/proc/self/io").read_text().splitlines()
+    return next(int(line.split()[1]) for line in lines if line.startswith("rchar:"))

@@ -1,10 +1,12 @@
 """Files written whole or not at all (a temporary file, fsync, ``os.replace``), fsynced
-directories, and the content hash that every file of a checkpoint is committed with.
+directories, and the content hashes every file of a checkpoint is committed with: a small file
+hashed whole, a data file per :data:`BLOCK` bytes (so a read checks only the blocks it touches).
 
 Example::
 
     atomic_save(state, "ckpt/model.pt")           # the old file or the new one, never torn
     describe(Path("ckpt/step000000100-3f9c2a"), [".metadata"])   # {name: {"bytes", "sha256"}}
+    block_record(Path("ckpt/step000000100-3f9c2a/__0_0.distcp"))   # {"bytes", "blocks"}
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import secrets
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -22,16 +23,22 @@ from typing import Any
 import torch
 
 __all__ = [
+    "BLOCK",
     "FILE_MODE",
+    "BlockDigests",
     "atomic_save",
     "atomic_write_text",
+    "block_record",
     "describe",
+    "disk_error",
     "file_digest",
     "fsync_directory",
-    "new_token",
 ]
 
 CHUNK = 8 * 2**20
+BLOCK = 16 * 2**20
+"""The bytes one block hash of a data file covers: a rank reading its share of a file saved by
+another layout checks (reads) at most one block more on each side of each tensor."""
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
@@ -47,7 +54,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
             try:
                 torch.save(obj, handle)
             except RuntimeError as err:  # torch's zip writer reports a full disk this way
-                failure = _write_error(path, str(err))
+                failure = disk_error(path, str(err))
                 if failure is None:
                     raise  # not the disk: e.g. an object that cannot be pickled
                 raise failure from err
@@ -61,7 +68,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _write_error(path: Path, message: str) -> OSError | None:
+def disk_error(path: Path, message: str) -> OSError | None:
     """The OSError naming ``path`` that torch's writer meant, or None if it was not the disk."""
     if shutil.disk_usage(path.parent).free < 2**20:
         code = errno.ENOSPC
@@ -109,11 +116,6 @@ def fsync_directory(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def new_token(step: int) -> str:
-    """A name unique to one save: ``step000000100-3f9c2a`` (every rank must use the same)."""
-    return f"step{step:09d}-{secrets.token_hex(3)}"
-
-
 def file_digest(path: Path) -> str:
     """The sha256 of ``path``'s bytes (``sha256sum`` prints the same), read in 8 MiB chunks.
 
@@ -133,3 +135,45 @@ def describe(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
         name: {"bytes": (folder / name).stat().st_size, "sha256": file_digest(folder / name)}
         for name in names
     }
+
+
+class BlockDigests:
+    """The sha256 of each :data:`BLOCK` bytes of a stream fed in pieces of any size (the last
+    block may be shorter). ``split -b 16M --filter=sha256sum FILE`` prints the same.
+
+    >>> digests = BlockDigests()
+    >>> digests.update(b"ab"); digests.update(b"c")
+    >>> digests.record() == {"bytes": 3, "blocks": [hashlib.sha256(b"abc").hexdigest()]}
+    True
+    """
+
+    def __init__(self) -> None:
+        self.count, self._filled = 0, 0
+        self._done: list[str] = []
+        self._block = hashlib.sha256()
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            take = min(view.nbytes, BLOCK - self._filled)
+            self._block.update(view[:take])
+            self._filled += take
+            self.count += take
+            view = view[take:]
+            if self._filled == BLOCK:
+                self._done.append(self._block.hexdigest())
+                self._block, self._filled = hashlib.sha256(), 0
+
+    def record(self) -> dict[str, Any]:
+        """``{"bytes": count, "blocks": [sha256 of each block]}``."""
+        tail = [self._block.hexdigest()] if self._filled else []
+        return {"bytes": self.count, "blocks": self._done + tail}
+
+
+def block_record(path: Path) -> dict[str, Any]:
+    """:class:`BlockDigests`'s record of ``path``'s bytes (a data file read back)."""
+    digests = BlockDigests()
+    with path.open("rb") as handle:
+        while chunk := handle.read(BLOCK):
+            digests.update(chunk)
+    return digests.record()

@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,7 @@ from torch import Tensor, nn
 from giantpipe.config import ConfigError
 from giantpipe.engine.distributed.replicas import shard_like
 
-RUN_FORMAT = "giantpipe-run/1"
 RESUME = "trainer.resume"
-OPTIMIZER, EMA = "optimizer/", "ema/"
-"""Prefixes of the optimizer's and the EMA's tensors among the weights in DCP's files."""
 
 
 @dataclass
@@ -98,10 +95,16 @@ def _as_param(value: Any, param: Tensor) -> Any:
     return value
 
 
-def check_model_fits(saved: Mapping[str, Tensor], live: Mapping[str, Tensor], path: Path) -> None:
-    """Raise a one-line ConfigError unless the saved weights have this model's names and shapes."""
+def check_model_fits(
+    saved: Mapping[str, Tensor],
+    live: Mapping[str, Tensor],
+    path: Path,
+    others: Collection[str] = (),
+) -> None:
+    """Raise a one-line ConfigError unless the saved weights have this model's names and shapes;
+    ``others``: names the checkpoint holds besides ``saved`` (none may be left over)."""
     missing = sorted(set(live) - set(saved))
-    unexpected = sorted(set(saved) - set(live))
+    unexpected = sorted((set(saved) | set(others)) - set(live))
     if missing or unexpected:
         raise ConfigError(
             RESUME,

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from giantpipe.engine.distributed.layout import HOST_BACKEND
-from giantpipe.runner.checkpoint.saving import Staged, host_group, stage, write_staged
-from giantpipe.runner.checkpoint.state import Progress
+from giantpipe.runner.run_state.staging import Staged, host_group, stage, write_staged
+from giantpipe.runner.run_state.state import Progress
 
 if TYPE_CHECKING:
     from giantpipe.runner.build import Experiment
