@@ -139,6 +139,23 @@ def test_summary_table_and_json(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["train/loss"] == "nan"
 
 
+def test_the_summary_table_says_what_retention_kept_and_why_the_run_stopped() -> None:
+    summary = {
+        "steps": 30,
+        "stopped_early": "eval/loss has not improved by 0.01 for 2 evaluations",
+        "checkpoints/kept": {"step_10": "best", "step_30": "last 1"},
+        "checkpoints/removed": 2,
+    }
+    lines = format_table(summary).splitlines()[1:-1]
+    assert [line.split("  ")[0].strip() for line in lines] == [
+        "optimizer steps",
+        "stopped early",
+        "checkpoint kept: step_10",
+        "checkpoint kept: step_30",
+        "checkpoints removed",
+    ]
+
+
 def test_progress_bar_is_quiet_off_a_terminal(monkeypatch):
     monkeypatch.setattr("sys.stdout.isatty", lambda: False)
     assert not wants_bar("auto")
