@@ -42,7 +42,8 @@ def make_leaves(x: TensorOrTensors, first: bool) -> TensorOrTensors:
 
     Float leaves require grad so that the gradient for the previous stage can be read off them;
     on the first stage only where the user's input requires grad (no wasted input gradient).
-    The detach is what keeps each stage's graph to itself (see the module docstring).
+    The detach is what keeps each stage's graph to itself
+    (docs/engine-internals.md#autograd-boundaries).
     """
 
     def leaf(t: Any) -> Any:

@@ -143,8 +143,9 @@ class StepRun:
 
     def run(self, schedule: Schedule, own_threads: bool = False) -> None:
         """Runs every worker's actions of ``schedule``; the first failure is raised as it is,
-        at once (see the module docstring). A lone worker runs on the calling thread unless
-        ``own_threads`` (the front door's backward: the caller is autograd's own thread)."""
+        at once (docs/engine-internals.md#when-an-action-fails). A lone worker runs on the
+        calling thread unless ``own_threads`` (the front door's backward: the caller is
+        autograd's own thread)."""
         self.mailbox = _reopen(self.mailbox)
         self.split |= {
             (a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"
@@ -268,8 +269,8 @@ class StepRun:
         # caller's state, and one share of the cores each so stages don't oversubscribe. A
         # pooled thread gets its own core count back after the phase, as if it were fresh.
         # On the caller's thread too (a lone worker, a distributed rank): the worker's device
-        # and stream, and its backward on this very thread (see the module docstring), both
-        # undone when the phase ends.
+        # and stream, and its backward on this very thread, both undone when the phase ends
+        # (docs/engine-internals.md#each-backward-on-its-workers-thread).
         with ExitStack() as stack:
             if own_thread and self.cfg.threads_per_worker:
                 stack.callback(torch.set_num_threads, torch.get_num_threads())

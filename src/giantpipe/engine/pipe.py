@@ -178,9 +178,10 @@ class Pipe(nn.Module):
         loss_scale: torch.Tensor | None = None,
         chunks: int | None = None,
     ) -> LossSpec:
-        """The loss of each micro-batch and its weight (see the module docstring);
-        ``loss_scale``: what :meth:`_loss_scale` gave, the gradients' scale; ``chunks``: the
-        micro-batches of the step (M; an evaluation of a smaller batch runs fewer)."""
+        """The loss of each micro-batch and its weight
+        (docs/engine-internals.md#what-both-pipes-share); ``loss_scale``: what
+        :meth:`_loss_scale` gave, the gradients' scale; ``chunks``: the micro-batches of the
+        step (M; an evaluation of a smaller batch runs fewer)."""
         chunks = self.chunks if chunks is None else chunks
         micro = scatter(targets, chunks)
         norm = float(normalizer(targets)) if normalizer else float(batch_size(targets))

@@ -40,7 +40,8 @@ _alive_lock = threading.Lock()
 
 
 class WorkerPool:
-    """Runs each of a list of tasks on its own long-lived thread; see the module docstring."""
+    """Runs each of a list of tasks on its own long-lived thread
+    (docs/engine-internals.md#worker-threads)."""
 
     def __init__(self) -> None:
         # The threads see only this list (never the pool), so dropping the pool stops them.

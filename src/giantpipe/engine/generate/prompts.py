@@ -80,8 +80,9 @@ def _padded_tensor(tokens: Tensor, pad_id: int, m: int) -> Value:
 
 
 def prompt_input(prompt: Value, pad_id: int | None, m: int) -> Value:
-    """Micro-batch ``m`` of prompts as stage 0 takes it (see the module docstring): a list of
-    rows padded, a token tensor's leading ``pad_id`` tokens masked, anything else as it is."""
+    """Micro-batch ``m`` of prompts as stage 0 takes it: a list of rows padded, a token
+    tensor's leading ``pad_id`` tokens masked, anything else as it is
+    (docs/generation.md#inside-the-ring-and-its-messages)."""
     if isinstance(prompt, list):
         return padded_prompt(prompt, pad_id, m)
     if isinstance(prompt, Tensor) and prompt.dim() == 2 and pad_id is not None:

@@ -119,7 +119,7 @@ def _with_weight_gradients(order: tuple[Action, ...], deferred: int) -> tuple[Ac
 
 def zb_v(num_workers: int, chunks: int, virtual_stages: int = 2) -> Schedule:
     """ZB-V: 2K half stages in a V (worker w: stages w and 2K-1-w), B and W split, ordered by
-    a list schedule on unit costs (see the module's docstring).
+    a list schedule on unit costs (docs/engine-internals.md#the-1f1b-family).
 
     >>> s = zb_v(2, 2)
     >>> s.placement
