@@ -59,14 +59,6 @@ STILL_LONG = {
     "data/translation/files.py",  # heads lane: shortening
     "data/translation/generated.py",  # heads lane: shortening
     "metrics/__init__.py",  # heads lane: shortening
-    "perf/memory.py",  # heads lane: shortening
-    "perf/predict.py",  # heads lane: shortening
-    "perf/replica_state.py",  # heads lane: shortening
-    "perf/simulate.py",  # heads lane: shortening
-    "perf/sizing.py",  # heads lane: shortening
-    "perf/stage_memory.py",  # heads lane: shortening
-    "perf/stage_profile.py",  # heads lane: shortening
-    "perf/timeline.py",  # heads lane: shortening
     "runner/__init__.py",  # heads lane: shortening
     "runner/evaluate.py",  # heads lane: shortening
     "runner/forecast.py",  # heads lane: shortening
