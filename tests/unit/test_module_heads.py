@@ -44,9 +44,6 @@ STILL_LONG = {
     "runner/record.py",
     "runner/world.py",
     "testing/reference.py",
-    "cli/job.py",  # heads lane: shortening
-    "cli/schemas.py",  # heads lane: shortening
-    "config/__init__.py",  # heads lane: shortening
     "data/__init__.py",  # heads lane: shortening
     "data/bundle.py",  # heads lane: shortening
     "data/images/bundle.py",  # heads lane: shortening
@@ -58,14 +55,6 @@ STILL_LONG = {
     "data/translation/decoding.py",  # heads lane: shortening
     "data/translation/files.py",  # heads lane: shortening
     "data/translation/generated.py",  # heads lane: shortening
-    "metrics/__init__.py",  # heads lane: shortening
-    "runner/__init__.py",  # heads lane: shortening
-    "runner/evaluate.py",  # heads lane: shortening
-    "runner/forecast.py",  # heads lane: shortening
-    "runner/rundir.py",  # heads lane: shortening
-    "runner/step.py",  # heads lane: shortening
-    "testing/__init__.py",  # heads lane: shortening
-    "testing/gpu.py",  # heads lane: shortening
 }
 DOCS_LINK = re.compile(r"docs/([\w\-]+\.md)(?:#([\w\-]+))?")
 
