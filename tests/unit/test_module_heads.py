@@ -44,17 +44,6 @@ STILL_LONG = {
     "runner/record.py",
     "runner/world.py",
     "testing/reference.py",
-    "data/__init__.py",  # heads lane: shortening
-    "data/bundle.py",  # heads lane: shortening
-    "data/images/bundle.py",  # heads lane: shortening
-    "data/images/loaders.py",  # heads lane: shortening
-    "data/options.py",  # heads lane: shortening
-    "data/text/bundle.py",  # heads lane: shortening
-    "data/translation/batches.py",  # heads lane: shortening
-    "data/translation/bundle.py",  # heads lane: shortening
-    "data/translation/decoding.py",  # heads lane: shortening
-    "data/translation/files.py",  # heads lane: shortening
-    "data/translation/generated.py",  # heads lane: shortening
 }
 DOCS_LINK = re.compile(r"docs/([\w\-]+\.md)(?:#([\w\-]+))?")
 
