@@ -5,14 +5,14 @@ no part of the backward runs twice (docs/engine-internals.md#the-split-backward)
 
 Example::
 
-    >>> from torch import nn
-    >>> layer = nn.Linear(4, 4)
+    >>> layer = torch.nn.Linear(4, 4)
     >>> x = torch.randn(2, 4, requires_grad=True)
     >>> y = layer(x)
     >>> (dx,), weight = backward_input([y], [torch.ones_like(y)], [x], layer.parameters())
     >>> layer.weight.grad is None   # B left the parameters alone ...
     True
-    >>> weight.run()                # ... W accumulates their gradients, then frees the graph
+    >>> weight.run(); layer.weight.grad.shape    # ... W accumulates them, then frees the graph
+    torch.Size([4, 4])
 """
 
 from __future__ import annotations

@@ -157,6 +157,14 @@ class SavedTensorMeter:
 
     Relies on ``torch.autograd.graph.saved_tensors_hooks``, which is thread-local, so each
     pipeline worker meters only its own stage.
+
+    >>> from torch import nn
+    >>> layer = nn.Linear(256, 256)
+    >>> meter = SavedTensorMeter(exclude=layer.parameters())
+    >>> with meter:
+    ...     y = layer(torch.randn(8, 256, requires_grad=True)).relu()
+    >>> meter.bytes  # the input of the matmul and the ReLU result: 2 x 8 x 256 x 4
+    16384
     """
 
     def __init__(

@@ -168,7 +168,12 @@ def spec_of(x: Any, grad: bool = False) -> Spec:
 
 
 def spec_bytes(spec: Spec) -> int:
-    """Bytes of the tensors a spec describes (each counted, as separate copies on a device)."""
+    """Bytes of the tensors a spec describes (each counted, as separate copies on a device).
+
+    >>> spec = spec_of((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))
+    >>> spec_bytes(spec), [t.shape for t in make(spec)]
+    (40, [torch.Size([2, 3]), torch.Size([2])])
+    """
     if isinstance(spec, TensorSpec):
         return spec.nbytes
     return sum(s.nbytes for s in spec)
