@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint.state import Progress
 from giantpipe.runner.loop import TrainingLoop
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from giantpipe.testing import reference_step

@@ -59,13 +59,14 @@ from giantpipe.engine.distributed.ordered import PAYLOADS
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.mailbox import Mailbox
 from giantpipe.runner.build import parameter_names
-from giantpipe.runner.checkpoint.restore import restore
-from giantpipe.runner.checkpoint.saving import save_run
-from giantpipe.runner.checkpoint.state import Progress
+from giantpipe.runner.run_state.restore import restore
+from giantpipe.runner.run_state.staging import save_run
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
 from tests.distributed.order_workers import recording
 from tests.distributed.workers import reference, shard
+from tests.timeouts import scaled
 
 SEED, INIT, CHUNKS, MAX_NORM, BAD_RANK = 5, 3, 4, 0.05, 3
 LOSS = nn.functional.cross_entropy
@@ -195,7 +196,7 @@ def check(tmp: Path) -> dict[str, Any]:
     built: list[dict[str, Any]] = []
     with recording(built):
         pipe = DistributedPipe(
-            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=20,
+            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=scaled(20),
             transport="ordered",
         )  # fmt: skip
     layout = Layout(world_size, rank, 2, tuple(pipe.placement))
@@ -238,7 +239,7 @@ def check(tmp: Path) -> dict[str, Any]:
     plain_opt.zero_grad()
 
     # 4. resume with RNG: save, a step, every rank's generators scrambled, restore, the step
-    world = TorchrunWorld(timeout=20.0)
+    world = TorchrunWorld(timeout=scaled(20.0))
     world.bind(pipe)
     parts = SimpleNamespace(
         pipe=pipe,
