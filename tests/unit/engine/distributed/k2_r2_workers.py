@@ -1,8 +1,8 @@
 """What each rank of tests/unit/engine/distributed/test_k2_r2.py runs: K=2 pipeline ranks x R=2
 replicas on gloo, checked through the public API against the plain model.
 
-One :class:`DistributedPipe` (1F1B, M=4: sends and receives interleave) over the ordered
-transport (NCCL's order, on gloo), a small MLP with dropout; each rank returns what it saw,
+One :class:`DistributedPipe` (1F1B, M=4: sends and receives interleave; its transfers in
+NCCL's order, on gloo), a small MLP with dropout; each rank returns what it saw,
 the test compares across ranks:
 
 1. the warm-up: the calls the pipe made while it was built are its share of
@@ -17,8 +17,9 @@ the test compares across ranks:
 5. fp16-style overflow on one rank: an inf planted in rank 3's gradients after a step with the
    pipe's ``grad_scaler``: every rank skips the step and halves the scale; a clean step after
    moves every rank;
-6. the ordered transport's payload sends and receives of step 1, recorded: exactly the order
-   ``message_order.worker_ops`` gives (the test replays every rank's under NCCL's rule).
+6. the transport's sends and receives of bytes in step 1 (the inputs' layout of step 0: bytes
+   alone, no description on the host), recorded: exactly the order ``message_order.worker_ops``
+   gives (the test replays every rank's under NCCL's rule).
 
 Gradients and weights are read as whole tensors (``full_tensor`` of a sharded parameter) or as
 this rank's shard (``to_local``), so the checks hold however the replicas hold a stage.
@@ -38,7 +39,7 @@ from torch import nn
 from giantpipe.engine.distributed.layout import WARM_UP, Layout, warm_up_order
 from giantpipe.engine.distributed.message_order import worker_ops
 from giantpipe.engine.distributed.meta import init_layers
-from giantpipe.engine.distributed.ordered import PAYLOADS
+from giantpipe.engine.distributed.p2p import DESCRIPTIONS, PAYLOADS
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.runner.build import parameter_names
 from giantpipe.runner.checkpoint.restore import restore
@@ -99,7 +100,7 @@ def grads_equal(pipe: DistributedPipe, plain: nn.Module, what: str) -> int:
 
 
 def payload_ops(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The recorded payload sends and receives (the ordered transport's device operations)."""
+    """The recorded sends and receives of bytes (the transport's device operations)."""
     kinds = {"isend": "send", "irecv": "recv"}
     return [
         {"kind": kinds[e["call"]], "peer": e["peer"], "nbytes": e["nbytes"]}
@@ -113,8 +114,7 @@ def check(tmp: Path) -> dict[str, Any]:
     built: list[dict[str, Any]] = []
     with recording(built):
         pipe = DistributedPipe(
-            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=20,
-            transport="ordered",
+            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=20
         )  # fmt: skip
     layout = Layout(world_size, rank, 2, tuple(pipe.placement))
     plan = [op for op in warm_up_order(layout) if rank in op.ranks]
@@ -146,6 +146,7 @@ def check(tmp: Path) -> dict[str, Any]:
         assert abs(losses[-1] - ref) <= 1e-5 * abs(ref), (number, losses[-1], ref)
     out["checked"] = grads_equal(pipe, plain, "two accumulated steps")
     out["payloads"] = payload_ops(log)
+    out["described"] = [e["call"] for e in log if e["tag"] == DESCRIPTIONS and "send" in e["call"]]
     steps = pipe.step_schedule()
     actions = tuple(map(tuple, steps.actions))
     want = [
