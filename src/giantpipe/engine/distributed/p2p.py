@@ -100,7 +100,7 @@ class P2PMailbox(Mailbox):
 
     ``host`` is a gloo group of every rank (step starts, descriptions), ``group`` the device
     group of every rank (the bytes; the same gloo group on CPU); ``device`` is where the bytes
-    live (``layout.comm_device``); ``layouts`` lives as long as the pipe.
+    live (``layout.comm_device`` of the pipe's device); ``layouts`` lives as long as the pipe.
     """
 
     def __init__(

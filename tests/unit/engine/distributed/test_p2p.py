@@ -73,7 +73,9 @@ def gpipe_k2(box: P2PMailbox, rank: int, step: int) -> None:
             assert same(value_of(step, "grad", m), box.get(("grad", 0, m))), (step, m)
 
 
-def run(steps: list[int], play: Play = gpipe_k2) -> tuple[dict[int, list[Any]], dict[Any, Any]]:
+def run(
+    steps: list[int], play: Play = gpipe_k2, timeout: float = 5.0
+) -> tuple[dict[int, list[Any]], dict[Any, Any]]:
     """Both ranks of K=2 play ``steps`` on threads; returns what each rank sent and received
     in each step, and per rank the seed it started each step with, or what it raised."""
     plan, net, group = build_schedule("gpipe", 2, 2), FakeNetwork(2), object()
@@ -87,7 +89,7 @@ def run(steps: list[int], play: Play = gpipe_k2) -> tuple[dict[int, list[Any]], 
         try:
             for step in steps:
                 marks[rank].append(len(net.log[rank]))
-                box = P2PMailbox(layout, group, group, 2.0, layouts=layouts)
+                box = P2PMailbox(layout, group, group, timeout, layouts=layouts)
                 given = (40 + step, INPUTS[step]) if rank == 0 else ()
                 seeds.append(box.start(plan.actions, *given))
                 play(box, rank, step)
@@ -148,14 +150,14 @@ def test_a_value_whose_layout_changes_while_the_inputs_keep_theirs_is_named() ->
             else:
                 box.get(("grad", 0, m))
 
-    _, out = run([FIRST, STEADY], play=grown)
+    _, out = run([FIRST, STEADY], play=grown, timeout=1.0)
     assert out[(0, "failed")] == (
         "RuntimeError: rank 0 (stage 0): the activation of micro-batch 0 is (float32[3, 8], "
         "None), in a step whose inputs have the layout of an earlier step, where it was "
         "(float32[2, 8], None): a boundary value's dtypes, shapes and plain items must follow "
         "the layout of the step's inputs"
     )
-    assert "timed out after 2s waiting for the activation of micro-batch 0" in out[(1, "failed")]
+    assert "timed out after 1s waiting for the activation of micro-batch 0" in out[(1, "failed")]
 
 
 def test_a_rank_in_another_step_is_told_so() -> None:
