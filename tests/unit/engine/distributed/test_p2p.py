@@ -8,6 +8,7 @@ test_transport.py; NCCL's order: tests/distributed/test_nccl_order.py."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -158,6 +159,77 @@ def test_a_value_whose_layout_changes_while_the_inputs_keep_theirs_is_named() ->
         "the layout of the step's inputs"
     )
     assert "timed out after 1s waiting for the activation of micro-batch 0" in out[(1, "failed")]
+
+
+class Watched:
+    """A receive of bytes whose waits are written down: ``(phase, a stream's wait (no
+    timeout), the bytes already in when it began)``."""
+
+    def __init__(self, work: Any, phase: list[str], waits: list[tuple[str, bool, bool]]) -> None:
+        self.work, self.phase, self.waits = work, phase, waits
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waits.append((self.phase[0], timeout is None, self.work.is_completed()))
+        return bool(self.work.wait(timeout))
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def test_on_the_device_the_host_never_waits_for_bytes_inside_a_step() -> None:
+    """NCCL's rule for the host: it runs ahead of the GPU, so a receive of bytes only makes the
+    consumer's stream wait (a wait without a timeout), and the step's transfers are asked
+    whether they succeeded once they ran (``check`` after the step's device wait, or earlier
+    when found complete), each once. Rank 1 takes
+    the device path; rank 0 makes each value a little late, so no receive is in when waited."""
+    plan, net, group = build_schedule("gpipe", 2, 2), FakeNetwork(2), object()
+    phase, waits = ["start"], []
+    real_irecv = net.irecv
+
+    def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> Any:
+        work = real_irecv(tensor, src, group, tag)
+        return Watched(work, phase, waits) if net.rank == 1 and tag == PAYLOADS else work
+
+    def late(box: P2PMailbox, rank: int, step: int) -> None:
+        real_put = box.put
+
+        def put(key: Any, value: Any) -> None:
+            time.sleep(0.05)
+            real_put(key, value)
+
+        box.put = put  # type: ignore[method-assign]
+        gpipe_k2(box, rank, step)
+
+    def rank_main(rank: int) -> None:
+        net.as_rank(rank)
+        layout, layouts = Layout(2, rank, 2, plan.placement), Layouts()
+        for step in (FIRST, STEADY):
+            phase[0] = f"step {step}"
+            box = P2PMailbox(layout, group, group, 5.0, layouts=layouts)
+            if rank == 1:
+                box._on_device = lambda: True  # type: ignore[method-assign]
+            box.start(plan.actions, *((40, "usual") if rank == 0 else ()))
+            late(box, rank, step)
+            box.finish()
+            if rank == 1:  # what the pipe does after the step's device wait
+                phase[0] = "check"
+                box.check()
+
+    net.irecv = irecv  # type: ignore[method-assign]
+    with net.installed():
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    inside = [(where, stream, ready) for where, stream, ready in waits if where != "check"]
+    assert all(stream or ready for _, stream, ready in inside), inside  # the host never waited
+    # the steady step's activations, their receives issued ahead: the stream waited for both
+    steady = [w[1:] for w in inside if w[0] == f"step {STEADY}" and w[1]]
+    assert steady == [(True, False)] * 2
+    asked = [ready for _, stream, ready in waits if not stream]  # each once, once it was in
+    assert asked == [True] * 4
 
 
 def test_a_rank_in_another_step_is_told_so() -> None:
