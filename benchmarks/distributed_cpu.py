@@ -139,11 +139,20 @@ def schedules_for_two_workers(chunks: int) -> list[tuple[str, int]]:
 # ---- the methods, inside one of the two processes ---------------------------------------------
 
 
-def giantpipe_steps(setup: Setup, chunks: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Step]:
+def giantpipe_steps(
+    setup: Setup,
+    chunks: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    pipe_class: type[DistributedPipe] = DistributedPipe,
+    prefix: str = "gp-dist-",
+) -> dict[str, Step]:
+    """A step of ``pipe_class`` (another revision's DistributedPipe: distributed_commits.py)
+    under every schedule that runs on two workers, named ``<prefix><schedule>``."""
     steps: dict[str, Step] = {}
     for name, v in schedules_for_two_workers(chunks):
         stages = 2 * v
-        pipe = DistributedPipe(
+        pipe = pipe_class(
             setup.build,
             [setup.blocks // stages] * stages,
             chunks=chunks,
@@ -161,7 +170,7 @@ def giantpipe_steps(setup: Setup, chunks: int, x: torch.Tensor, y: torch.Tensor)
                 nn.functional.mse_loss,
             )
 
-        steps[f"gp-dist-{name}"] = step
+        steps[f"{prefix}{name}"] = step
     return steps
 
 

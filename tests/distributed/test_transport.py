@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from giantpipe.engine.distributed.layout import Layout
 from giantpipe.engine.distributed.p2p import (
+    AHEAD,
     DESCRIPTIONS,
     PAYLOADS,
-    POSTED_AT_START,
     STARTS,
     P2PMailbox,
 )
@@ -137,7 +137,7 @@ def test_values_cross_as_their_bytes_once_the_inputs_layout_is_known(tmp_path: P
             assert len(tags) == tags.count(STARTS) + described + 2, (rank, step, tags)
 
 
-WINDOW_M = 6  # micro-batches in the posting-window round trip: more than POSTED_AT_START
+WINDOW_M = 6  # micro-batches in the posting-window round trip: more than AHEAD
 
 
 def window_round_trips(tmp: Path) -> dict[str, Any]:
@@ -177,7 +177,7 @@ def test_receives_beyond_the_window_are_issued_while_waiting(tmp_path: Path) -> 
     results = spawn("tests.distributed.test_transport:window_round_trips", world=2, tmp=tmp_path)
     first, last = results
     # while layouts are learned, each receive waits for its description: none issued ahead
-    assert first["at_start"] == [0, 0] and last["at_start"] == [0, POSTED_AT_START]
+    assert first["at_start"] == [0, 0] and last["at_start"] == [0, AHEAD]
     assert all(n <= WINDOW_M for r in results for n in r["most"]), results
     # rank 0 waits for gradients while rank 1 computes: every receive of the step is issued,
     # the rest while it waits for the first (taken: not counted)
