@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from giantpipe.checkpoint.files import atomic_save
 from giantpipe.engine.distributed.layout import Layout
 from giantpipe.engine.distributed.meta import (
     allocate_layers,
@@ -21,7 +22,6 @@ from giantpipe.engine.distributed.meta import (
     init_layers,
     seeded_init,
 )
-from giantpipe.engine.distributed.shards import atomic_save
 
 
 def test_layout_of_two_stages_times_two_replicas() -> None:
