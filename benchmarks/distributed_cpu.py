@@ -4,7 +4,6 @@
     python benchmarks/distributed_cpu.py --models mlp   # one model
     python benchmarks/distributed_cpu.py --models ffn --chunks 4 8   # some Ms
     python benchmarks/distributed_cpu.py --quick        # tiny sizes, one round: seconds
-    python benchmarks/distributed_cpu.py --transports frames ordered   # both transports
     python benchmarks/distributed_cpu.py --plot results/distributed/run.png   # a figure too
     python benchmarks/distributed_cpu.py --replot OUT.txt [OUT.txt ...] --plot FIG.png
                                                         # the figure of runs printed before
@@ -23,9 +22,7 @@ is the median of its steps (the slower rank's), and the tables give medians over
 
     plain-mb           the un-pipelined model micro-batch by micro-batch on one core (the base)
     gp-dist-<name>     giantpipe's DistributedPipe under every registered schedule that runs on
-                       2 workers (interleaved: V=2, 4 stages; only where M is a multiple of 2),
-                       over gloo's transport (frames); with --transports ordered also over the
-                       NCCL-safe one, as gp-dist-<name>+ordered
+                       2 workers (interleaved: V=2, 4 stages; only where M is a multiple of 2)
     pippy-gpipe        torch.distributed.pipelining ScheduleGPipe
     pippy-1f1b         Schedule1F1B (M >= 2)
     pippy-interleaved  ScheduleInterleaved1F1B, 4 stages, V=2 (M >= 2)
@@ -44,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import itertools
 import os
 import re
 import statistics
@@ -92,7 +88,6 @@ class Setup:
     chunks: tuple[int, ...]
     rounds: int
     steps: int
-    transports: tuple[str, ...] = ("frames",)  # DistributedPipe(transport=...) to time
 
     def build(self) -> nn.Sequential:
         if self.model == "mlp":
@@ -144,13 +139,20 @@ def schedules_for_two_workers(chunks: int) -> list[tuple[str, int]]:
 # ---- the methods, inside one of the two processes ---------------------------------------------
 
 
-def giantpipe_steps(setup: Setup, chunks: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Step]:
+def giantpipe_steps(
+    setup: Setup,
+    chunks: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    pipe_class: type[DistributedPipe] = DistributedPipe,
+    prefix: str = "gp-dist-",
+) -> dict[str, Step]:
+    """A step of ``pipe_class`` (another revision's DistributedPipe: distributed_commits.py)
+    under every schedule that runs on two workers, named ``<prefix><schedule>``."""
     steps: dict[str, Step] = {}
-    for (name, v), transport in itertools.product(
-        schedules_for_two_workers(chunks), setup.transports
-    ):
+    for name, v in schedules_for_two_workers(chunks):
         stages = 2 * v
-        pipe = DistributedPipe(
+        pipe = pipe_class(
             setup.build,
             [setup.blocks // stages] * stages,
             chunks=chunks,
@@ -158,7 +160,6 @@ def giantpipe_steps(setup: Setup, chunks: int, x: torch.Tensor, y: torch.Tensor)
             schedule=name,
             virtual_stages=v,
             timeout=300,
-            transport=transport,
         )
 
         def step(pipe: DistributedPipe = pipe) -> None:
@@ -169,7 +170,7 @@ def giantpipe_steps(setup: Setup, chunks: int, x: torch.Tensor, y: torch.Tensor)
                 nn.functional.mse_loss,
             )
 
-        steps[f"gp-dist-{name}" + ("" if transport == "frames" else f"+{transport}")] = step
+        steps[f"{prefix}{name}"] = step
     return steps
 
 
@@ -461,13 +462,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds per model (default 5; --quick 1)")
     parser.add_argument("--chunks", type=int, nargs="+", help="the Ms to run (default 1-16)")
     parser.add_argument("--plot", type=Path, help="also draw the run as a figure (PNG) here")
-    parser.add_argument(
-        "--transports",
-        nargs="+",
-        choices=("frames", "ordered"),
-        help="giantpipe's transports to time (default frames, gloo's; ordered: the NCCL-safe "
-        "one, methods named gp-dist-<schedule>+ordered)",
-    )
     parser.add_argument("--replot", type=Path, nargs="+", help="draw runs printed before (no run)")
     args = parser.parse_args()
     if args.replot:
@@ -487,8 +481,6 @@ def main() -> None:
         setups = [replace(s, rounds=args.rounds) for s in setups]
     if args.chunks:
         setups = [replace(s, chunks=tuple(args.chunks)) for s in setups]
-    if args.transports:
-        setups = [replace(s, transports=tuple(args.transports)) for s in setups]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     printed = []

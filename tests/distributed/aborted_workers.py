@@ -1,12 +1,12 @@
-"""What each rank runs in tests/distributed/test_faults.py's aborted-transfer test: a step over
-the ordered transport whose payloads rank 1 treats as NCCL does, one of them aborted.
+"""What each rank runs in tests/distributed/test_faults.py's aborted-transfer test: a step whose
+transfers rank 1 treats as NCCL does, one of them aborted.
 
-On CUDA the ordered transport only makes the stream wait for a payload receive (a wait without
-a timeout) and checks the request after the step's device wait. With
+On CUDA the transport only makes the stream wait for a receive of bytes (a wait without a
+timeout) and checks the request after the step's device wait. With
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` the watchdog may abort a hung receive before then: the
 stream goes on with a partly received buffer, and only the request knows (asked with a
 timeout, it answers False). Here rank 1's mailbox takes the device path on gloo
-(``_on_device``), and its payload receives answer as NCCL's would: the first one aborted.
+(``_on_device``), and its receives of bytes answer as NCCL's would: the first one aborted.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from giantpipe.engine.distributed.faults import RankFailure
-from giantpipe.engine.distributed.ordered import PAYLOADS, OrderedMailbox
+from giantpipe.engine.distributed.p2p import PAYLOADS, P2PMailbox
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from tests.timeouts import scaled
 
@@ -56,9 +56,9 @@ def aborted_receive(tmp: Path) -> dict[str, Any]:
             return LikeNccl(work, aborted=len(seen) == 1)
 
         dist.irecv = irecv  # type: ignore[assignment]
-        OrderedMailbox._on_device = lambda self: True  # type: ignore[method-assign]
+        P2PMailbox._on_device = lambda self: True  # type: ignore[method-assign]
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    pipe = DistributedPipe(model, [2, 1], chunks=2, timeout=scaled(10), transport="ordered")
+    pipe = DistributedPipe(model, [2, 1], chunks=2, timeout=scaled(10))
     x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
     returned: Any = "nothing"
     try:

@@ -24,7 +24,7 @@ SIZES = (1, 3, 0, 5, 2)  # short batches in turn (their layouts change from call
 
 
 def short_batches(
-    tmp: Path, transport: str, schedule: str = "gpipe", virtual_stages: int | None = None
+    tmp: Path, schedule: str = "gpipe", virtual_stages: int | None = None
 ) -> dict[str, Any]:
     """``pipe(x)`` and ``eval_step`` on batches of SIZES at M=4 equal the plain model (every rank
     runs min(M, batch) micro-batches, one empty one for an empty batch); then a training step
@@ -43,7 +43,6 @@ def short_batches(
         schedule=schedule,
         virtual_stages=virtual_stages,
         seed=INIT,
-        transport=transport,
         timeout=scaled(20),
     )
     pipe.load_state_dict(model.state_dict())

@@ -1,4 +1,4 @@
-"""What each rank runs in the ordered-transport tests: real steps, every call to
+"""What each rank runs in the NCCL-order tests: real steps, every call to
 ``torch.distributed`` recorded, so that the test can replay them under NCCL's rule.
 
 Example::
@@ -95,8 +95,8 @@ def recording(log: list[dict[str, Any]]) -> Iterator[None]:
 
 def recorded_steps(tmp: Path, workers: int, **kwargs: Any) -> dict[str, Any]:
     """The distributed equivalence check (loss and gradients equal the plain model's, with
-    BatchNorm, dropout and an integer mask) over the ordered transport, every call recorded."""
+    BatchNorm, dropout and an integer mask), every call recorded."""
     log: list[dict[str, Any]] = []
     with recording(log):
-        result = equivalence(tmp, workers, transport="ordered", **kwargs)
+        result = equivalence(tmp, workers, **kwargs)
     return {"checked": result["checked"], "log": log, "rank": dist.get_rank()}

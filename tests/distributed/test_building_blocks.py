@@ -1,5 +1,5 @@
-"""The distributed executor's parts that need no second process: wire format, rank layout,
-building on meta with a local slice, atomic shard files. (No ``distributed`` marker: fast.)"""
+"""The distributed executor's parts that need no second process: rank layout, building on meta
+with a local slice, atomic shard files. (No ``distributed`` marker: fast.)"""
 
 from __future__ import annotations
 
@@ -22,67 +22,6 @@ from giantpipe.engine.distributed.meta import (
     init_layers,
     seeded_init,
 )
-from giantpipe.engine.distributed.p2p import expected_receives, receive_plan
-from giantpipe.engine.distributed.wire import (
-    allocate,
-    as_bytes,
-    decode,
-    encode,
-    extra_words,
-    header,
-    prefix_of,
-    words_of,
-)
-from giantpipe.engine.schedules import build_schedule
-
-
-def roundtrip(value: object, seed: int = 7) -> object:
-    words, tensors = encode(value)
-    head, extra = header(words, seed, ("grad", 3, 11))
-    # what the receiver reads of it (an announcement of len(words) words), as p2p reads it
-    assert prefix_of(as_bytes(head)) == (len(words), seed, ("grad", 3, 11), 0)
-    assert (extra is None) == (extra_words(head) == 0)
-    received, buffers = allocate(decode(words_of(head, extra)), torch.device("cpu"))
-    sent = [as_bytes(t) for t in tensors if t.numel()]
-    assert len(sent) == len(buffers)
-    for src, dst in zip(sent, buffers):
-        dst.copy_(src)
-    return received
-
-
-def test_wire_carries_tuples_of_any_dtype_shape_and_plain_items() -> None:
-    value = (
-        torch.randn(3, 5).t(),  # not contiguous
-        torch.tensor([[True, False]]),
-        torch.arange(4, dtype=torch.int32),
-        torch.tensor(2.5, dtype=torch.bfloat16),  # 0-dim
-        torch.zeros(0, 7),  # empty: no bytes travel
-        None,
-        -3,
-        0.25,
-        False,
-    )
-    got = roundtrip(value)
-    assert isinstance(got, tuple) and len(got) == len(value)
-    for a, b in zip(value, got):
-        if isinstance(a, torch.Tensor):
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        else:
-            assert a == b and type(a) is type(b)
-    lone = torch.randn(2, 3)
-    assert torch.equal(roundtrip(lone), lone)
-
-
-def test_wire_long_descriptions_use_an_extra_message() -> None:
-    value = tuple(torch.ones([1] * 8) for _ in range(12))
-    words, _ = encode(value)
-    assert extra_words(header(words)[0]) > 0
-    assert all(torch.equal(t, torch.ones([1] * 8)) for t in roundtrip(value))
-
-
-def test_wire_rejects_what_cannot_travel() -> None:
-    with pytest.raises(TypeError, match="str"):
-        encode((torch.ones(1), "text"))
 
 
 def test_layout_of_two_stages_times_two_replicas() -> None:
@@ -93,46 +32,6 @@ def test_layout_of_two_stages_times_two_replicas() -> None:
     assert ranks[2].label() == "rank 2 (stage 0)" and ranks[2].label(1) == "rank 3 (stage 1)"
     with pytest.raises(ValueError, match="multiple"):
         Layout(world_size=3, rank=0, workers=2, placement=(0, 1))
-
-
-def test_receives_follow_the_schedule_including_interleaved_stages() -> None:
-    plan = build_schedule("interleaved", 2, 2, 2)  # 4 stages, worker 0 holds 0 and 2
-    layout = Layout(world_size=2, rank=0, workers=2, placement=plan.placement)
-    keys = expected_receives(plan.actions[0], layout)
-    assert set(keys) == {1}  # everything comes from rank 1
-    # stage 2 gets activations from stage 1 and gradients from stage 3; stage 0 from stage 1
-    want = [(kind, s, m) for kind, s in (("act", 2), ("grad", 0), ("grad", 2)) for m in (0, 1)]
-    assert sorted(keys[1]) == sorted(want)
-    consumed = [
-        k
-        for a in plan.actions[0]
-        for k in keys[1]
-        if k[1:] == (a.stage, a.microbatch) and (k[0] == "act") == (a.kind == "F")
-    ]
-    assert consumed == keys[1]  # in the order rank 0 consumes them
-
-
-def test_receive_plan_is_each_peers_sending_order_and_cached() -> None:
-    plan = build_schedule("1f1b", 2, 3)
-    last = Layout(world_size=2, rank=1, workers=2, placement=plan.placement)
-    first = Layout(world_size=2, rank=0, workers=2, placement=plan.placement)
-    assert receive_plan(plan.actions, last) == ((0, (("act", 1, 0), ("act", 1, 1), ("act", 1, 2))),)
-    assert receive_plan(plan.actions, first) == (
-        (1, (("grad", 0, 0), ("grad", 0, 1), ("grad", 0, 2))),
-    )
-    # ZB-V: rank 0 holds stages 0 and 3, so it gets stage 1's activations and stage 2's
-    # gradients, interleaved in the order rank 1 runs its actions.
-    zbv = build_schedule("zb-v", 2, 2, 2)
-    order = receive_plan(zbv.actions, Layout(2, 0, 2, zbv.placement))[0][1]
-    sent = [
-        ("act", 3, a.microbatch) if a.kind == "F" else ("grad", 0, a.microbatch)
-        for a in zbv.actions[1]
-        if (a.kind, a.stage) in {("F", 2), ("B", 1)}
-    ]
-    assert order == tuple(sent)
-    hits = receive_plan.cache_info().hits
-    receive_plan(plan.actions, last)
-    assert receive_plan.cache_info().hits == hits + 1
 
 
 class Positions(nn.Module):

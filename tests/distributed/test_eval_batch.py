@@ -1,6 +1,6 @@
 """Evaluation batches smaller than M through the distributed executor (issue 32, item 2): every
 rank of a K=2 gloo world runs min(M, batch) micro-batches, the count stage 0's rank sees, and
-the outputs and eval loss equal the plain model's; frames and ordered transports, and virtual
+the outputs and eval loss equal the plain model's; with one stage per rank and with virtual
 stages (interleaved, V=2). A training step at M afterwards still equals the plain model's. With
 K=2 x R=2 and FSDP2's full, replica shares of unequal size evaluate as the plain model."""
 
@@ -18,9 +18,8 @@ pytestmark = pytest.mark.distributed
 
 def test_short_evaluation_batches_equal_the_plain_model(tmp_path: Path) -> None:
     calls = [
-        ("frames", {"transport": "frames"}),
-        ("ordered", {"transport": "ordered"}),
-        ("interleaved", {"transport": "frames", "schedule": "interleaved", "virtual_stages": 2}),
+        ("gpipe", {}),
+        ("interleaved", {"schedule": "interleaved", "virtual_stages": 2}),
     ]
     ranks = spawn(
         "tests.distributed.eval_batch_workers:several",

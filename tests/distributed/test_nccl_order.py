@@ -1,15 +1,17 @@
-"""The device transport keeps NCCL's ordering rule, for every schedule, K <= 4, M <= 8, R <= 2.
+"""The transport keeps NCCL's ordering rule, for every schedule, K <= 4, M <= 8, R <= 2.
 
 Ranks are threads of this process talking through :class:`FakeNetwork` (no sockets, no
 processes: the whole matrix runs in seconds). Each rank plays its actions of the schedule
-against an :class:`OrderedMailbox` as ``StepRun`` does (get the input, put the output) for
-three steps: the first announces every layout, the second is the steady state, the third
-changes some shapes and sends a value with no tensor bytes. Every value must arrive equal, and
-the device operations each rank issued must replay under NCCL's rule
-(:func:`tests.distributed.nccl_rules.replay`) and be exactly the order the schedule implies.
+against a :class:`P2PMailbox` as ``StepRun`` does (get the input, put the output) for four
+steps: the first learns every layout (descriptions on the host), the second is the steady
+state (bytes alone), the third has inputs of another layout and changes some shapes, the
+fourth has the first's inputs again (bytes alone). A value with no tensor bytes crosses in
+every step but the third. Every value must arrive equal, and the transfers each rank issued
+must replay under NCCL's rule (:func:`tests.distributed.nccl_rules.replay`) and be exactly the
+order the schedule implies.
 
-The replay is shown to catch the fault it guards: the gloo mailbox as the NCCL path used it
-(``P2PMailbox(ahead=1)``, every message on one communicator) deadlocks under it at step 1.
+The replay is shown to catch the fault it guards: ranks that issue their transfers in the
+order of their own actions (not one order agreed by all) run on gloo, and deadlock under it.
 """
 
 from __future__ import annotations
@@ -20,25 +22,27 @@ from typing import Any
 import pytest
 import torch
 
+from giantpipe.engine.distributed import p2p
 from giantpipe.engine.distributed.layout import Layout
-from giantpipe.engine.distributed.message_order import message_order, worker_ops
-from giantpipe.engine.distributed.ordered import PAYLOADS, OrderedMailbox
-from giantpipe.engine.distributed.p2p import P2PMailbox
-from giantpipe.engine.distributed.wire import KnownLayouts
+from giantpipe.engine.distributed.message_order import Op, message_order, worker_ops
+from giantpipe.engine.distributed.p2p import DESCRIPTIONS, PAYLOADS, P2PMailbox
+from giantpipe.engine.distributed.wire import Layouts
 from giantpipe.engine.schedules import build_schedule
+from giantpipe.engine.schedules.actions import Action
 from tests.distributed.nccl_rules import Deadlock, DeviceOp, FakeNetwork, replay
 from tests.distributed.workers import registered_schedules, virtual_stages_for
 
-STEPS = 3
-CHANGED = 2  # the step whose shapes differ from the step before
+STEPS = 4
+CHANGED = 2  # the step whose inputs (and so some shapes) differ from the others'
+LEARNING = (0, CHANGED)  # the steps that send descriptions: a layout of inputs seen first
 
 
 def value_of(step: int, key: tuple[str, int, int]) -> Any:
     """What crosses under ``key`` in ``step``: a float tensor whose rows change in step
-    CHANGED, a bool mask and a plain int; in step 1 the gradient of micro-batch 0 carries no
-    tensor bytes at all (an integer input's gradient is None)."""
+    CHANGED, a bool mask and a plain int; but for CHANGED, the gradient of micro-batch 0
+    carries no tensor bytes at all (an integer input's gradient is None)."""
     kind, stage, m = key
-    if kind == "grad" and step == 1 and m == 0:
+    if kind == "grad" and step != CHANGED and m == 0:
         return (None, 7)
     rows = 2 + (m % 3 if step == CHANGED else 0)
     code = float(1000 * step + 100 * (kind == "grad") + 10 * stage + m)
@@ -77,23 +81,23 @@ def run_ranks(name: str, workers: int, chunks: int, replicas: int, shared: bool)
     plan = build_schedule(name, workers, chunks, v)
     world = workers * replicas
     net = FakeNetwork(world)
-    control = object()
-    payload = control if shared else object()  # on CPU the host and device groups are one
+    host = object()
+    group = host if shared else object()  # on CPU the host and device groups are one
     problems: list[str] = []
 
     def rank_main(rank: int) -> None:
         net.as_rank(rank)
         layout = Layout(world, rank, workers, plan.placement)
-        known = KnownLayouts()
+        layouts = Layouts()
         try:
             for step in range(STEPS):
-                seed = 40 + step if layout.needs_inputs else None
-                box = OrderedMailbox(layout, control, payload, 20.0, seed=seed, known=known)
-                box.start(plan.actions)
+                box = P2PMailbox(layout, host, group, 20.0, layouts=layouts)
+                inputs = "changed" if step == CHANGED else "usual"
+                given = (40 + step, inputs) if layout.needs_inputs else ()
+                if box.start(plan.actions, *given) != 40 + step:
+                    problems.append(f"rank {rank} step {step} learned seed {box.seed}")
                 play(box, plan.actions[layout.worker], plan.num_stages - 1, step, problems)
                 box.finish()
-                if box.seed != 40 + step:
-                    problems.append(f"rank {rank} step {step} learned seed {box.seed}")
         except Exception as exc:  # noqa: BLE001 - reported by the test
             problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
 
@@ -108,11 +112,11 @@ def run_ranks(name: str, workers: int, chunks: int, replicas: int, shared: bool)
 
 
 def expected_ops(plan: Any, layout: Layout, step: int) -> list[tuple[str, int]]:
-    """The payload operations the agreed order implies for this rank in ``step``."""
+    """The transfers of bytes the agreed order implies for this rank in ``step``."""
     ops = []
     for op in worker_ops(plan.actions, plan.placement, layout.worker):
         kind, _, m = op.key
-        empty = kind == "grad" and step == 1 and m == 0
+        empty = kind == "grad" and step != CHANGED and m == 0
         if not empty:
             ops.append((op.kind, layout.replica * layout.workers + op.peer))
     return ops
@@ -137,41 +141,48 @@ def test_every_step_replays_under_nccls_rule(name: str) -> None:
         assert not problems, f"{name} K={k} M={m} R={r}: {problems[:3]}"
         ops = net.device_ops(tags={PAYLOADS})
         assert replay(ops) > 0 or not message_order(plan.actions, plan.placement)
+        described = net.device_ops(tags={DESCRIPTIONS})
         for rank, issued in ops.items():
             layout = Layout(k * r, rank, k, plan.placement)
             want = [e for step in range(STEPS) for e in expected_ops(plan, layout, step)]
             assert [(o.kind, o.peer) for o in issued] == want, f"{name} K={k} M={m} rank {rank}"
+            # descriptions in the steps of a new input layout only, one per value sent
+            sends = worker_ops(plan.actions, plan.placement, layout.worker)
+            told = [o for o in described.get(rank, []) if o.kind == "send"]
+            assert len(told) == len(LEARNING) * sum(o.kind == "send" for o in sends), rank
 
 
-def test_the_replay_catches_the_gloo_mailboxs_order_under_nccl() -> None:
-    """The NCCL path before: P2PMailbox with one receive per peer posted ahead, all on one
-    communicator. Rank 0 posts its gradient receive before its activation sends: step 1 of
-    GPipe, K=2, M=2 cannot complete under NCCL's rule."""
-    plan = build_schedule("gpipe", 2, 2)
-    net = FakeNetwork(2)
-    group = object()
-    problems: list[str] = []
+def own_order(
+    actions: tuple[tuple[Action, ...], ...], placement: tuple[int, ...], worker: int
+) -> tuple[Op, ...]:
+    """The bug the agreed order prevents: a worker's transfers in the order of its own actions
+    (the receive of an action's input, the send of its output), agreed with nobody."""
+    last = len(placement) - 1
+    ops = []
+    for kind, stage, m in actions[worker]:
+        inbound = [("act", stage, m, stage - 1)] if kind == "F" and stage > 0 else []
+        inbound += [("grad", stage, m, stage + 1)] if kind == "B" and stage < last else []
+        outbound = [("act", stage + 1, m, stage + 1)] if kind == "F" and stage < last else []
+        outbound += [("grad", stage - 1, m, stage - 1)] if kind == "B" and stage > 0 else []
+        for what, way in ((inbound, "recv"), (outbound, "send")):
+            for k, s, mm, other in what:
+                if placement[other] != worker:
+                    ops.append(Op(way, (k, s, mm), placement[other]))
+    return tuple(ops)
 
-    def rank_main(rank: int) -> None:
-        net.as_rank(rank)
-        layout = Layout(2, rank, 2, plan.placement)
-        box = P2PMailbox(layout, group, 20.0, seed=40 if rank == 0 else None, ahead=1)
-        box.start(plan.actions)
-        try:
-            play(box, plan.actions[rank], 1, 0, problems)
-            box.finish()
-        except Exception as exc:  # noqa: BLE001
-            problems.append(str(exc))
 
-    with net.installed():
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    assert not problems  # gloo's tag matching hides the problem on CPU ...
-    with pytest.raises(Deadlock, match="rank 0: recv"):
-        replay(net.device_ops(tags={0, 1}))  # ... NCCL's rule does not
+def test_the_replay_catches_transfers_in_each_ranks_own_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """1F1B, K=2, M=2 with each rank's transfers in its own actions' order: rank 0 sends both
+    activations before its first gradient comes back, rank 1 sends that gradient before it
+    takes the second activation. Gloo's matching by tag hides it; under NCCL's rule the two
+    sends wait for each other."""
+    monkeypatch.setattr(p2p, "worker_ops", own_order)
+    net, _, problems = run_ranks("1f1b", 2, 2, 1, shared=True)
+    assert not problems  # every value arrived on gloo's terms ...
+    with pytest.raises(Deadlock, match="rank 0: send .* rank 1: send"):
+        replay(net.device_ops(tags={PAYLOADS}))  # ... NCCL's rule does not
 
 
 def test_a_mismatched_order_is_a_deadlock_and_sizes_must_agree() -> None:
@@ -203,8 +214,8 @@ def test_two_groups_over_the_same_ranks_in_opposite_orders_are_a_deadlock() -> N
 
 
 def as_device_ops(log: list[dict[str, Any]]) -> list[DeviceOp]:
-    """A rank's recorded calls as the replay takes them: payloads and every collective (host
-    ones too: a stricter check); the control plane's messages (gloo, tag-matched) left out."""
+    """A rank's recorded calls as the replay takes them: transfers of bytes and every
+    collective (host ones too: a stricter check); host messages (gloo, tag-matched) left out."""
     ops = []
     for e in log:
         if e["call"] in ("isend", "irecv", "send", "recv"):
@@ -221,12 +232,12 @@ def as_device_ops(log: list[dict[str, Any]]) -> list[DeviceOp]:
 
 
 @pytest.mark.distributed
-def test_real_steps_over_the_ordered_transport_replay_under_nccls_rule(tmp_path) -> None:
-    """K=2 x R=2 gloo processes, every schedule, M = 2 and 4: each step over the ordered
-    transport equals the plain model (BatchNorm, dropout, an integer mask, each stage on FSDP2
-    over its replicas: its all-gathers and reduce-scatters among the sends), every call to
-    torch.distributed comes from the rank's main thread, and the device operations and
-    collectives of all ranks replay under NCCL's rule."""
+def test_real_steps_replay_under_nccls_rule(tmp_path) -> None:
+    """K=2 x R=2 gloo processes, every schedule, M = 2 and 4: each step equals the plain model
+    (BatchNorm, dropout, an integer mask, each stage on FSDP2 over its replicas: its
+    all-gathers and reduce-scatters among the sends), every call to torch.distributed comes
+    from the rank's main thread, and the device operations and collectives of all ranks
+    replay under NCCL's rule."""
     from tests.distributed.launch import spawn
 
     results = spawn(
@@ -242,7 +253,7 @@ def test_real_steps_over_the_ordered_transport_replay_under_nccls_rule(tmp_path)
         names = {what.split()[0] for what, _ in result["checked"]}
         assert names == set(registered_schedules()), names
         log = result["log"]
-        assert any(e["tag"] == PAYLOADS for e in log), "nothing went over the ordered transport"
+        assert any(e["tag"] == PAYLOADS for e in log), "no transfer of bytes recorded"
         calls = {e["call"] for e in log}
         assert {"all_gather_single", "reduce_scatter_single"} <= calls, "FSDP2 not recorded"
         off_main = [e["call"] for e in log if not e["main_thread"]]

@@ -146,7 +146,6 @@ def equivalence(
     blocks: int = 6,
     schedules: list[str] | None = None,
     batch: int = 16,
-    transport: str = "auto",
     sharding: str = "full",
 ) -> dict[str, Any]:
     """One step per (schedule, M, mode): loss and gradients equal plain and GPipe."""
@@ -187,7 +186,6 @@ def equivalence(
                     virtual_stages=v,
                     seed=INIT,
                     timeout=scaled(20),
-                    transport=transport,
                     replica_sharding=sharding,
                 )
                 x, y = shards[pipe.replica]

@@ -1,10 +1,9 @@
 """A world of DistributedPipe ranks over NCCL, one rank per GPU, each checking its share of a
 step against the plain model (what tests/gpu/test_nccl.py judges).
 
-Two GPUs or more run K=2, one rank each (NCCL refuses two ranks on one GPU), with the
-transport whose device sends and receives are issued in one order on every rank
-(``transport="ordered"``, which the dry run forces on gloo too). A dry run runs the world on
-gloo ranks of this machine instead (the stand-in for NCCL the engine's tests use).
+Two GPUs or more run K=2, one rank each (NCCL refuses two ranks on one GPU), with the one
+transport, whose sends and receives every rank issues in one order. A dry run runs the world
+on gloo ranks of this machine instead (the stand-in for NCCL the engine's tests use).
 
 Example::
 
@@ -84,8 +83,7 @@ def world_checks(opts: GpuOptions, k: int) -> list[Row]:
         pipe = DistributedPipe(lambda: mask_model(sizes), even_balance(len(model), k * v),
                                chunks=chunks, schedule=schedule, virtual_stages=v,
                                recompute="except_last", device=device, seed=INIT,
-                               deferred_batch_norm=True, timeout=RANK_TIMEOUT,
-                               transport="ordered")  # fmt: skip
+                               deferred_batch_norm=True, timeout=RANK_TIMEOUT)  # fmt: skip
         torch.manual_seed(SEED)
         loss = pipe.train_step(to(inputs, device) if pipe.needs_inputs else None,
                                target.to(device) if pipe.needs_targets else None,

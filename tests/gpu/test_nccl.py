@@ -1,11 +1,11 @@
 """DistributedPipe over NCCL, one rank per GPU, equals the plain model (tests/gpu/nccl_world.py).
 
-Two GPUs or more run K=2, one rank each, with the transport whose device sends and receives are
-issued in one order on every rank (``transport="ordered"``, which the CPU stand-ins force on
-gloo too). NCCL refuses two ranks on one GPU, and a world of one rank issues no NCCL operation
-that crosses ranks (it proved nothing, yet passed): on one GPU every row is "needs 2 GPUs", and
-gpu_check reports the case "not run (needs 2 GPUs)". On CPU stand-ins the world runs on gloo
-ranks of this machine instead (the stand-in for NCCL the engine's tests use).
+Two GPUs or more run K=2, one rank each, with the one transport, whose sends and receives every
+rank issues in one order (the same code on the gloo stand-in). NCCL refuses two ranks on one
+GPU, and a world of one rank issues no NCCL operation that crosses ranks (it proved nothing,
+yet passed): on one GPU every row is "needs 2 GPUs", and gpu_check reports the case "not run
+(needs 2 GPUs)". On CPU stand-ins the world runs on gloo ranks of this machine instead (the
+stand-in for NCCL the engine's tests use).
 Each rank judges every schedule that runs on K ranks (M=4): its loss, and its share of the
 gradients and buffers, fp32; after the first, the global-norm clip is watched for host
 synchronisation. A world runs once; its rows are the tests below.
@@ -45,7 +45,7 @@ def test_each_rank_equals_the_plain_model(
     world: int, rank: int, check: str, opts: GpuOptions, record_property: Record
 ) -> None:
     backend = "gloo stand-in" if opts.dry else "NCCL"
-    record_property("note", "DistributedPipe transport: 'ordered' (on the gloo stand-in too).")
+    record_property("note", "DistributedPipe's one transport (the same on the gloo stand-in).")
     label = f"K={world} {backend}: {check} (rank {rank})"
     if not opts.dry and opts.gpus < world:
         why = "NCCL refuses two ranks on one GPU; a world of one sends nothing over NCCL"

@@ -6,10 +6,10 @@ has replicas AND pipeline ranks exchange activations (K=1 x R=2 or K=2 x R=1 on 
 one or the other); with fewer the rows are skipped with that reason. CPU stand-ins
 (``GIANTPIPE_GPU_STANDINS=1``) run the world on gloo ranks of this machine. Each rank judges
 ``full``, ``grads`` and ``none`` under 1f1b and zb-h1 (its split W: the reduce after the last
-W), M=4, the ordered transport: its loss and its whole gradients (the shards gathered) against
-the plain model (replica 0's and replica 1's shards, each under its own dropout seeds), fp32;
-and, on GPUs, ``full`` with ``pipeline.precision=bf16``'s FSDP2 policy (parameters gathered in
-bf16, gradients reduced in fp32) against the fp32 reference, within bf16's tolerance.
+W), M=4: its loss and its whole gradients (the shards gathered) against the plain model
+(replica 0's and replica 1's shards, each under its own dropout seeds), fp32; and, on GPUs,
+``full`` with ``pipeline.precision=bf16``'s FSDP2 policy (parameters gathered in bf16,
+gradients reduced in fp32) against the fp32 reference, within bf16's tolerance.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _checks(opts: GpuOptions) -> list[tuple[str, str, str, str]]:
         pipe = DistributedPipe(lambda: mask_model(sizes), even_balance(sizes.blocks + 2, K),
                                chunks=CHUNKS, schedule=schedule,
                                recompute="except_last", device=device, seed=INIT,
-                               deferred_batch_norm=True, timeout=60.0, transport="ordered",
+                               deferred_batch_norm=True, timeout=60.0,
                                replica_sharding="full" if mode == "bf16" else mode,
                                mixed_precision=policy)  # fmt: skip
         torch.manual_seed(SEED)

@@ -6,8 +6,8 @@ from a real step instead: every rank's executor timed each of its actions
 (:class:`~giantpipe.engine.stats.ActionTiming`: the work, waits left out; the recompute inside a
 B; the bytes it received from a neighbour and kept for backward), the ranks send those timings
 to rank 0, and each boundary between two ranks is probed for the time a value of its size takes
-to cross (:func:`probe_link`, one message of its frame's size, as the transport sends a value
-once its layout is known). The simulator
+to cross (:func:`probe_link`, one message of its bytes, as the transport sends a value once
+its layout is known). The simulator
 then runs the schedule on these costs: what it adds is the waiting, which is exactly what the
 measured step time contains and the action costs do not::
 
@@ -39,9 +39,6 @@ import torch.distributed as dist
 from giantpipe.engine.distributed.faults import wait_device
 from giantpipe.engine.stats import ActionTiming
 from giantpipe.perf.simulate import StageCost
-
-HEADER_BYTES = 512
-"""Size of the header that starts a value's frame on the wire (engine/distributed/wire.py)."""
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -134,7 +131,7 @@ def probe_link(
 ) -> float:
     """Collective over ``group`` (every rank calls it; only ``sender`` and ``receiver`` work):
     seconds for a value of ``nbytes`` to go from ``sender`` to ``receiver`` as the transport
-    sends it in the steady state (one message: a header, then the bytes), half the median of
+    sends it in the steady state (one message: its bytes alone), half the median of
     ``repeats`` round trips.
 
     The link is what boundary payloads cross: ``group`` is the pipe's ``groups.p2p`` and
@@ -152,13 +149,13 @@ def probe_link(
         return 0.0
     device = torch.device(device)
     peer = receiver if rank == sender else sender
-    frame = torch.zeros(HEADER_BYTES + nbytes, dtype=torch.uint8, device=device)
+    message = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     order = (dist.send, dist.recv) if rank == sender else (dist.recv, dist.send)
     trips = []
     for _ in range(repeats + 1):  # the first round trip opens the connection
         start = time.perf_counter()
         for op in order:
-            op(frame, peer, group=group)
+            op(message, peer, group=group)
         if device.type == "cuda":  # NCCL's send and recv return once enqueued
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))

@@ -1,4 +1,4 @@
-"""The link probe measures what boundary payloads cross (issue 21): frames on the device the
+"""The link probe measures what boundary values cross (issue 21): messages on the device the
 transport sends from (``comm_device(pipe.device)``: the GPU under NCCL), on the p2p group, never
 a CPU tensor handed to a device group. Sends and receives are recorded, no processes."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from giantpipe.perf.measured import HEADER_BYTES, probe_link
+from giantpipe.perf.measured import probe_link
 
 
-def test_frames_are_made_on_the_links_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_messages_are_made_on_the_links_device(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, torch.device, int, int, Any]] = []
 
     def record(kind: str) -> Any:
@@ -24,11 +24,9 @@ def test_frames_are_made_on_the_links_device(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(dist, "send", record("send"))
     monkeypatch.setattr(dist, "recv", record("recv"))
-    # "meta" stands for a device other than the host's (a GPU): the frame must live there.
+    # "meta" stands for a device other than the host's (a GPU): the message must live there.
     seconds = probe_link("<p2p>", 0, 1, 64, rank=1, device=torch.device("meta"), repeats=2)
     assert seconds >= 0.0
     assert [kind for kind, *_ in seen] == ["recv", "send"] * 3  # the receiver answers
-    assert {(d.type, n, peer, g) for _, d, n, peer, g in seen} == {
-        ("meta", HEADER_BYTES + 64, 0, "<p2p>")
-    }
+    assert {(d.type, n, peer, g) for _, d, n, peer, g in seen} == {("meta", 64, 0, "<p2p>")}
     assert probe_link("<p2p>", 0, 1, 64, rank=2, device="meta") == 0.0  # not on this link

@@ -5,10 +5,9 @@ What lives here, one concept per module:
 - :mod:`.pipe`: :class:`~giantpipe.engine.distributed.pipe.DistributedPipe`, a rank's share of the
   pipeline (sharing :class:`giantpipe.engine.pipe.Pipe` with GPipe);
 - :mod:`.layout`: who is who in the world (ranks, stages, replicas) and the process groups;
-- :mod:`.wire`: the one wire format of values between ranks (layouts announced, then frames);
-- :mod:`.p2p`: the executor's mailbox across processes, frames over gloo;
-- :mod:`.message_order`: one agreed order of a step's device operations, from the schedule;
-- :mod:`.ordered`: the device transport (NCCL): descriptions on the host, bytes in that order;
+- :mod:`.p2p`: the transport: the executor's mailbox across processes (gloo and NCCL alike);
+- :mod:`.message_order`: the one order of a step's transfers, every rank's from the schedule;
+- :mod:`.wire`: values as bytes, their layouts learned once per layout of a step's inputs;
 - :mod:`.replicas`: each stage spread over its replicas on FSDP2, gathered and reduced per step;
 - :mod:`.clipping`: the global-norm clip over every stage and replica's shard;
 - :mod:`.tied`: parameters tied across pipeline ranks, their gradients summed once per step;

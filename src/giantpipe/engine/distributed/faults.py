@@ -260,8 +260,8 @@ def wait_work(work: Any, timeout: float, what: str, board: FailureBoard | None) 
       NCCL's watchdog found is raised; a request whose communicator was aborted returns False
       (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` aborts it at the group's timeout), which is a
       failure here too. Only a wait *without* a timeout returns at once on NCCL, having made
-      the stream wait: what the ordered transport does inside a step, whose requests are then
-      checked with this function after the step's device wait (``OrderedMailbox.check``).
+      the stream wait: what the transport does inside a step on CUDA, whose requests are then
+      checked with this function after the step's device wait (``P2PMailbox.check``).
     """
     try:
         done = work.wait(timeout=datetime.timedelta(seconds=timeout))

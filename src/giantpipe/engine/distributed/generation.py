@@ -1,21 +1,15 @@
-"""The generation ring between ranks: a DistributedPipe's link for :mod:`giantpipe.engine.generate`,
-its messages on the wire format of :mod:`.wire`, and the last stage's values (the ring's
-results, a forward's outputs) handed to every rank of the pipeline (:func:`from_last_stage`).
+"""The generation ring between ranks: a DistributedPipe's link for
+:mod:`giantpipe.engine.generate`, its messages in the wire format of :mod:`.wire`, and the last
+stage's values (the ring's results, a forward's outputs) handed to every rank of the pipeline
+(:func:`from_last_stage`).
 
-A message of the ring (:class:`~giantpipe.engine.generate.decoding.Message`: micro-batch, value,
-order, steps, ghost, stage) travels as wire's announcement and frame of one value, the tuple
-``(kind, *tensors of the value, order)``: a header of ``HEADER_WORDS`` int64 words holding the
-message's fields and the value's description (dtypes from wire's one table, shapes, plain
-items), an ``extra`` message for description words beyond ``INLINE`` (as wire's announcements),
-then the tensors' bytes as one bare frame (no message for a frame of no bytes)::
-
-    header | m, ghost, steps, stage, n | description words (wire.encode) ... int64 x 64
-    extra  | description words beyond INLINE                                   (long ones)
-    frame  | t_0 bytes | pad | t_1 bytes | pad | ...                          (wire.pack)
-
-It travels on a host (gloo) group, under a tag of its own, apart from training's frames on the
-same pair of ranks. Sends are asynchronous (a rank computes on while its bytes travel, and no
-cycle of blocked sends can form around the ring); receives wait at most ``timeout``.
+A message of the ring (:class:`~giantpipe.engine.generate.decoding.Message`) travels as the
+description (:func:`~.wire.description`) of its fields (m, ghost, steps, stage) and of the value
+``(kind, *tensors of the value, order)``, then the tensors' bytes as one message, on a host
+(gloo) group under a tag of its own. Unlike a training step's transfers it does not follow an
+order derived in advance (docs/engine.md, "Beyond one process", says why). Sends are
+asynchronous (no cycle of blocked sends can form around the ring); receives wait at most
+``timeout``.
 
 With R > 1 and FSDP2's ``full`` the replicas decode in lockstep (:class:`Lockstep`): each layer
 is gathered over its replicas around its use and freed after it, so every replica takes the same
@@ -42,43 +36,49 @@ from torch import Tensor, nn
 from giantpipe.engine.distributed.collectives import all_reduce_sum
 from giantpipe.engine.distributed.faults import FailureBoard, wait_work
 from giantpipe.engine.distributed.replicas import GatheredLink, ReplicaShards
-from giantpipe.engine.distributed.wire import HEADER_WORDS, Frame, encode, pack, unpack
+from giantpipe.engine.distributed.wire import (
+    DESCRIPTION_WORDS,
+    Frame,
+    description,
+    encode,
+    pack,
+    unpack,
+    words_left,
+    words_of,
+)
 from giantpipe.engine.generate.decoding import Message, Tokens
 
 __all__ = ["Lockstep", "RankLink", "from_last_stage", "generation_link"]
 
-TAG = 23  # generation's messages, apart from training's frames on the same pair of ranks
-FIXED_WORDS = 5  # m, ghost, steps, stage, n (description words); then the description
-INLINE = HEADER_WORDS - FIXED_WORDS
-KEY = ("act", 0, 0)  # a bare frame's key: written nowhere (pack writes no prefix)
+TAG = 23  # generation's messages, apart from training's transfers on the same pair of ranks
+FIELDS = 4  # m, ghost, steps, stage; then the value's description
+HOST = torch.device("cpu")
 
 
 def flatten(message: Message) -> tuple[list[int], list[Tensor]]:
-    """A message as its header's words (fields, then the value's description) and tensors.
+    """A message as its description's words (fields, then the value's) and tensors.
 
     >>> words, tensors = flatten(Message(2, torch.ones(3, 1), steps=8, stage=1))
-    >>> words[:FIXED_WORDS], len(tensors)
-    ([2, 0, 8, 1, 10], 1)
+    >>> words[:FIELDS], len(tensors)
+    ([2, 0, 8, 1], 1)
     """
     value = message.value
     kind = 0 if value is None else 1 if isinstance(value, Tensor) else 2
     items = [] if value is None else [value] if kind == 1 else list(value)
     words, tensors = encode((kind, *items, message.order))
-    fields = [message.m, int(message.ghost), message.steps, message.stage, len(words)]
-    return fields + words, tensors
+    return [message.m, int(message.ghost), message.steps, message.stage, *words], tensors
 
 
-def unflatten(words: list[int], frame: Frame, payload: Tensor) -> Message:
-    """The message of a header's ``words`` whose tensors are the views of ``payload``.
+def unflatten(words: list[int], payload: Tensor) -> Message:
+    """The message of a description's ``words`` whose tensors are views of ``payload``.
 
     >>> words, tensors = flatten(Message(0, (torch.ones(2), torch.zeros(2)), steps=4))
-    >>> frame = Frame.of(words[FIXED_WORDS:], head=0)
-    >>> got = unflatten(words, frame, pack(frame, tensors, 0, KEY))
+    >>> got = unflatten(words, pack(Frame.of(words[FIELDS:]), tensors))
     >>> [t.tolist() for t in got.value], got.order, got.steps
     ([[1.0, 1.0], [0.0, 0.0]], None, 4)
     """
-    m, ghost, steps, stage, _ = words[:FIXED_WORDS]
-    kind, *items, order = unpack(frame, payload)
+    m, ghost, steps, stage = words[:FIELDS]
+    kind, *items, order = unpack(Frame.of(words[FIELDS:]), payload)
     value = None if kind == 0 else items[0] if kind == 1 else tuple(items)
     return Message(m, value, order, steps, bool(ghost), stage)
 
@@ -131,8 +131,8 @@ class RankLink:
 
     A rank hears the ranks holding the stages before its own: one with one stage per rank or
     interleaved placement (the rank before), two under zb-v (the ranks on either side). With
-    two, the header is taken from whichever sends first and the rest then from that rank:
-    gloo keeps each sender's messages in order, so a header always meets a header.
+    two, a description is taken from whichever sends first and the rest then from that rank:
+    gloo keeps each sender's messages in order, so a description always meets one.
 
     Example::
 
@@ -159,15 +159,10 @@ class RankLink:
 
     def send(self, message: Message) -> None:
         words, tensors = flatten(message)
-        head = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-        inline = words[: FIXED_WORDS + INLINE]
-        head[: len(inline)] = torch.tensor(inline, dtype=torch.int64)
-        parts = [head]
-        if len(words) > FIXED_WORDS + INLINE:
-            parts.append(torch.tensor(words[FIXED_WORDS + INLINE :], dtype=torch.int64))
-        frame = Frame.of(words[FIXED_WORDS:], head=0)
+        parts = description(words)
+        frame = Frame.of(words[FIELDS:])
         if frame.nbytes:
-            parts.append(pack(frame, tensors, 0, KEY))
+            parts.append(pack(frame, tensors, HOST))
         dst = self.ranks[message.stage]
         works = [dist.isend(t, dst=dst, group=self.group, tag=TAG) for t in parts]
         self.sending = [s for s in self.sending if not all(w.is_completed() for w in s[0])]
@@ -183,20 +178,17 @@ class RankLink:
         return dist.get_global_rank(self.group, work._source_rank())  # noqa: SLF001
 
     def receive(self) -> Message:
-        head = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        head = torch.empty(DESCRIPTION_WORDS, dtype=torch.int64)
         sender = self._receive(head, self.source)
-        words = head.tolist()
-        n = words[FIXED_WORDS - 1]
-        words = words[: FIXED_WORDS + min(n, INLINE)]
-        if n > INLINE:
-            extra = torch.empty(n - INLINE, dtype=torch.int64)
-            self._receive(extra, sender)
-            words += extra.tolist()
-        frame = Frame.of(words[FIXED_WORDS:], head=0)
-        payload = torch.empty(frame.nbytes, dtype=torch.uint8)
-        if frame.nbytes:
+        rest = None
+        if words_left(head):
+            rest = torch.empty(words_left(head), dtype=torch.int64)
+            self._receive(rest, sender)
+        words = words_of(head, rest)
+        payload = torch.empty(Frame.of(words[FIELDS:]).nbytes, dtype=torch.uint8)
+        if payload.numel():
             self._receive(payload, sender)
-        return unflatten(words, frame, payload)
+        return unflatten(words, payload)
 
     def micro_batches(self, own: int) -> int:
         """The micro-batches every stage serves: stage 0's (``own`` there, 0 elsewhere), the

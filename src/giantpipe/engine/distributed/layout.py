@@ -114,10 +114,11 @@ class Groups:
     fails ("No backend type associated with device type cpu" for a CPU tensor on NCCL)::
 
         group          backend      ranks                    carries
-        p2p            device       every rank               boundary payloads, the global
-                                                             norm with replicas
-        control        host         every rank               frame headers, object collectives
-                                                             (runner, checkpoint), barriers
+        p2p            device       every rank               boundary bytes, the global norm
+                                                             with replicas
+        control        host         every rank               step starts, descriptions, the
+                                                             generation ring, object
+                                                             collectives (runner, checkpoint)
         pipeline       device       this rank's pipeline     the global gradient norm (R = 1)
         replica        device       this stage's replicas    FSDP2's mesh (its all-gathers,
                                                              reduces), BatchNorm stats

@@ -1,28 +1,9 @@
-"""One agreed order of every device operation of a step, which every rank derives from the
-schedule: the order NCCL needs (:mod:`.ordered`).
+"""The one order of a step's transfers: every rank derives it from the schedule (NCCL's rule).
 
-NCCL runs every point-to-point operation between two ranks on one stream, in the
-order each rank issued them, and a send or a receive completes only while its match runs on the
-peer (NCCL documents ``ncclSend``/``ncclRecv`` as blocking for the GPU). Two ranks that issue their
-operations for one pair in different orders wait for each other for ever::
-
-    rank 0 | irecv(grad 1,0)    isend(act 1,0)      <- the receive holds the stream
-    rank 1 | irecv(act 1,0)     ...                 <- waits for a send queued behind it
-
-Gloo matches messages by peer and tag, so no such rule shows on CPU. Here the rule is kept by
-construction: the step's schedule (which every rank has) is simulated once, with unit costs
-(F = 1, B = 2, or B = 1 and W = 1 where the schedule splits the backward), and every message
-between two ranks gets its place in one global order: the simulated time its producer ends,
-ties broken by stage and micro-batch. Each rank then issues its device operations in that order
-(:class:`OrderedMailbox`): before a send, the receives placed before it; before
-waiting for a receive, the receives placed before it. Every rank's operations on every pair
-are thus issued in one order at both ends, and across pairs in one global order, so even a
-rank that ran one operation at a time could not deadlock.
-
-This order is possible for every valid schedule: a rank's own sends are in its program order
-(its actions run in sequence), and a message it needs before an action was produced, in the
-simulation, before that action started; so whatever the order asks a rank to issue first is a
-send it has already made or a receive it can post ahead.
+The step's schedule is simulated with unit costs and every message between two workers gets its
+place in one global order, the time its producer ends; each rank issues its sends and receives
+in that order (:class:`~.p2p.P2PMailbox`). Why, and why such an order always exists:
+docs/engine.md ("The transport").
 
 Example::
 
@@ -72,7 +53,8 @@ def _costs(actions: Sequence[Sequence[Action]]) -> dict[Action, int]:
 
 def simulate_ends(actions: Sequence[Sequence[Action]], num_stages: int) -> dict[Action, int]:
     """When each action ends if every worker runs its list in order, each action starting as
-    soon as its worker is free and its inputs are done (unit costs, see the module docstring).
+    soon as its worker is free and its inputs are done (unit costs: F = 1, B = 2, or B = 1
+    and W = 1 where the backward is split).
 
     >>> from giantpipe.engine.schedules import build_schedule
     >>> ends = simulate_ends(build_schedule("gpipe", 2, 2).actions, 2)

@@ -1,67 +1,30 @@
-"""The executor's mailbox, stretched across processes with point-to-point messages.
+"""The executor's mailbox across processes: boundary values as bare bytes, in one agreed order.
 
-One concept, one class: :class:`P2PMailbox` and the plan of what it receives from whom (its
-section dividers group its methods: sending, receiving, the end of a step).
+:class:`P2PMailbox` keeps the local :class:`~giantpipe.engine.mailbox.Mailbox`'s interface, so
+the very same ``StepRun`` drives one rank of a distributed pipeline, on gloo (CPU) and NCCL
+(GPUs) alike. A step starts with one host message from the rank holding stage 0 to the others
+of its pipeline (the step's number, its dropout seed, the slot of its inputs' layout in
+:class:`~.wire.Layouts`); then every send and receive of boundary bytes is issued in the order
+:func:`~.message_order.worker_ops` derives from the schedule, the first step of an input layout
+sending each value's description on the host before its bytes. A receive waits on the host
+under the timeout (gloo) or makes the consumer's stream wait (NCCL), its request checked after
+the step's device wait (:meth:`P2PMailbox.check`). Why: docs/engine.md ("Beyond one process").
 
-The local executor hands values between stages through a :class:`Mailbox` keyed
-``("act", stage, m)`` / ``("grad", stage, m)``. :class:`P2PMailbox` keeps that interface, so the
-very same ``StepRun`` drives one rank of a distributed pipeline:
+Example (on each rank; ``layouts`` lives as long as the pipe)::
 
-- ``put`` of a key whose consumer stage lives on another rank is an asynchronous send
-  (``isend``) of one message, the value's *frame*
-  (:mod:`giantpipe.engine.distributed.wire`): the rank computes on while the bytes travel;
-- the schedule says which keys each peer sends this rank and in which order, and every key's
-  frame size is known from the step before, so receives are posted ahead, in the peer's order,
-  into buffers of exactly that size; ``get`` waits for its key's message and returns views of
-  its buffer::
-
-      rank 0 | F0 isend(act1,0)    F1 isend(act1,1)    F2 ...
-      rank 1 | irecv(act1,0) irecv(act1,1) | get(act1,0): irecv(act1,2..) while waiting | F0 ...
-               (posted at the start)         (time spent waiting anyway)
-
-  Gloo moves a message only once both ends have posted it; with the receive posted first, the
-  sender's ``isend`` writes the bytes at once and no round trip is left on the critical path.
-  ``start`` posts the first ``POSTED_AT_START`` receives per peer and ``get`` posts the rest
-  while the message it waits for is not in yet, one at a time: a receive costs the rank tens to
-  hundreds of microseconds (a wake-up of gloo's thread on a busy core), and posting a step's
-  worth at its start would delay stage 0's first forward, and so the whole pipeline, by
-  milliseconds at M=16.
-- the first time a key travels, or when its layout changed, the sender announces the layout in
-  the message the receiver posted (a header fits any receive buffer) and sends the frame on the
-  follow-up tag; the receiver learns the layout, posts that frame's receive, and later steps
-  are one message again. Both ends keep the layouts in :class:`KnownLayouts` across steps.
-
-Everything runs on the rank's main thread (gloo's own I/O thread moves the bytes): no Python
-thread hand-offs, which on a loaded machine cost milliseconds each. Messages from a peer are
-taken in the order the peer sent them and a rank only ever waits for messages its peer has
-already committed to sending before the one it needs, so under gloo's matching by peer and tag
-it cannot deadlock. It is the gloo transport: under NCCL, where a pair's operations run in issue
-order, its receives posted ahead would hold up the rank's own sends (even with ``ahead=1``, one
-per peer); the device transport is :mod:`giantpipe.engine.distributed.ordered`, which also carries a
-``P2PMailbox`` of its own for the descriptions of values, on a host group.
-
-A receive that fails names its peer: a closed connection ("rank 1 (stage 1) is gone"), or a wait
-longer than ``timeout`` ("rank 0 (stage 0) timed out after 60s waiting for the gradient of
-micro-batch 3 from rank 1 (stage 1)"); it is reported on the failure board and raised as
-:class:`~giantpipe.engine.distributed.faults.RankFailure`.
-
-Example (on each rank, inside a process group; ``known`` lives as long as the pipe)::
-
-    box = P2PMailbox(layout, groups.p2p, timeout=60.0, board=board, seed=seed_or_None,
-                     known=known)
-    box.start(schedule.actions)          # every worker's actions: who sends this rank what
+    box = P2PMailbox(layout, groups.control, groups.p2p, 60.0, board, device, layouts)
+    seed = box.start(schedule.actions, seed, inputs)   # stage 0's rank; others pass None
     run = StepRun(config, micro_batches if layout.needs_inputs else [], mailbox=box)
     run.run(my_schedule)
-    box.finish()   # this step's sends are through
+    box.finish()
+    box.check()          # after the step's device wait: every transfer succeeded
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,39 +32,26 @@ import torch.distributed as dist
 
 from giantpipe.engine.distributed.faults import FailureBoard, RankFailure, explain, wait_work
 from giantpipe.engine.distributed.layout import Layout
+from giantpipe.engine.distributed.message_order import Op, worker_ops
 from giantpipe.engine.distributed.wire import (
-    HEADER_BYTES,
+    DESCRIPTION_WORDS,
     Frame,
-    KnownLayouts,
+    Layouts,
+    description,
     encode,
-    extra_words,
-    header,
     pack,
-    prefix_of,
+    render,
     unpack,
+    words_left,
     words_of,
 )
 from giantpipe.engine.mailbox import Key, Mailbox
 from giantpipe.engine.schedules.actions import Action
 
-FRAMES, FOLLOW_UPS = 0, 1  # tags: frames posted ahead; an announcement's extra words and frame
-# Receives per peer kept posted ahead however busy the rank is: the next message can land while
-# the rank computes (the rest are posted while it waits, see the module docstring).
-POSTED_AT_START = 2
-
-
-def filling(head: torch.Tensor, size: int) -> torch.Tensor:
-    """``head``'s bytes at the start of a zeroed message of exactly ``size`` bytes: the size of
-    the receive the peer posted for it (NCCL, unlike gloo, needs a send and its receive to
-    match in size and type; a header fits any frame, which starts with one).
-
-    >>> filling(torch.ones(2, dtype=torch.int64), 24).tolist()[:9]
-    [1, 0, 0, 0, 0, 0, 0, 0, 1]
-    """
-    message = torch.zeros(size, dtype=torch.uint8)
-    raw = head.contiguous().view(torch.uint8)
-    message[: raw.numel()] = raw
-    return message
+STARTS, DESCRIPTIONS, PAYLOADS = 0, 1, 2  # tags: on CPU the host and device groups are one
+# Receives kept issued ahead where the order allows: the next values can land while the rank
+# computes. More only while it waits anyway: issuing one costs the rank tens of microseconds.
+AHEAD = 2
 
 
 def describe(key: Key) -> str:
@@ -110,159 +60,154 @@ def describe(key: Key) -> str:
 
 
 def wait_receive(
-    work: Any, key: Key, layout: Layout, timeout: float, board: FailureBoard | None
+    work: Any, what: str, peer: int, layout: Layout, timeout: float, board: FailureBoard | None
 ) -> None:
-    """Waits (host) for the receive of ``key``; a failure raises RankFailure naming the peer:
-    it timed out, its connection closed, it was aborted, or what the backend said. Both
-    mailboxes' receives.
+    """Waits (host) for a receive of ``what`` from rank ``peer``; a failure raises RankFailure
+    naming the peer: it timed out, its connection closed, it was aborted, or what the backend
+    said.
 
     Example::
 
-        wait_receive(work, ("act", 1, 0), layout, 60.0, board)
+        wait_receive(work, "the activation of micro-batch 0", 0, layout, 60.0, board)
     """
-    stage = key[1] - 1 if key[0] == "act" else key[1] + 1
-    me, them = layout.label(), layout.label(stage)
+    me, them = layout.label(), layout.rank_label(peer)
     try:
         done = work.wait(timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - becomes a message naming the peer
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if "Timed out" in text:
-            local = f"{me} timed out after {timeout:.0f}s waiting for {describe(key)} from {them}"
+            local = f"{me} timed out after {timeout:.0f}s waiting for {what} from {them}"
         elif "closed" in text.lower() or "reset" in text.lower():
-            local = f"{them} is gone (connection closed); {me} waited for {describe(key)}"
+            local = f"{them} is gone (connection closed); {me} waited for {what}"
         else:
-            local = f"{me} failed to receive {describe(key)} from {them}: {text}"
+            local = f"{me} failed to receive {what} from {them}: {text}"
         raise RankFailure(explain(board, local)) from exc
     if done is False:  # aborted (see faults.wait_work): the buffer is not the message
-        local = f"{me}: the receive of {describe(key)} from {them} was aborted"
-        raise RankFailure(explain(board, local))
-
-
-def expected_receives(actions: Sequence[Action], layout: Layout) -> dict[int, list[Key]]:
-    """Keys this rank receives from each peer rank, in the order its actions consume them."""
-    last = layout.num_stages - 1
-    by_peer: dict[int, list[Key]] = {}
-    for kind, stage, m in actions:
-        if kind == "F" and stage > 0:
-            key, producer = ("act", stage, m), stage - 1
-        elif kind == "B" and stage < last:
-            key, producer = ("grad", stage, m), stage + 1
-        else:
-            continue
-        peer = layout.rank_of_stage(producer)
-        if peer != layout.rank:
-            by_peer.setdefault(peer, []).append(key)
-    return by_peer
-
-
-def sends_to(actions: Sequence[Action], layout: Layout, dst: int) -> list[Key]:
-    """Keys that one worker's ``actions`` send to rank ``dst`` (of this replica), in order.
-
-    Example::
-
-        >>> from giantpipe.engine.schedules import build_schedule
-        >>> plan = build_schedule("1f1b", 2, 2)
-        >>> sends_to(plan.actions[1], Layout(2, 0, 2, plan.placement), dst=0)
-        [('grad', 0, 0), ('grad', 0, 1)]
-    """
-    last = layout.num_stages - 1
-    keys: list[Key] = []
-    for kind, stage, m in actions:
-        if kind == "F" and stage < last:
-            key: Key = ("act", stage + 1, m)
-        elif kind == "B" and stage > 0:
-            key = ("grad", stage - 1, m)
-        else:
-            continue
-        local = layout.placement[stage] == layout.placement[key[1]]
-        if not local and layout.rank_of_stage(key[1]) == dst:
-            keys.append(key)
-    return keys
-
-
-@functools.lru_cache(maxsize=64)
-def receive_plan(
-    actions: tuple[tuple[Action, ...], ...], layout: Layout
-) -> tuple[tuple[int, tuple[Key, ...]], ...]:
-    """``(peer, keys in the peer's sending order)`` for each rank that sends this one values
-    in a step of ``actions`` (every worker's); checked against the order this rank consumes
-    them in. Cached: a pipe runs the same schedule step after step.
-
-    Example::
-
-        >>> from giantpipe.engine.schedules import build_schedule
-        >>> plan = build_schedule("1f1b", 2, 2)
-        >>> receive_plan(plan.actions, Layout(2, 1, 2, plan.placement))
-        ((0, (('act', 1, 0), ('act', 1, 1))),)
-    """
-    plan = []
-    for peer, keys in expected_receives(actions[layout.worker], layout).items():
-        order = sends_to(actions[peer % layout.workers], layout, layout.rank)
-        if sorted(order) != sorted(keys):
-            raise RuntimeError(f"{layout.label()}: rank {peer} sends {order}, not {keys}")
-        plan.append((peer, tuple(order)))
-    return tuple(plan)
+        raise RankFailure(explain(board, f"{me}: the receive of {what} from {them} was aborted"))
 
 
 @dataclass
 class _Posted:
-    """A receive posted for ``key``: a frame of the known layout, or (first time) a header."""
+    """A receive issued for a value: its frame, and (when it has bytes) buffer and request."""
 
-    key: Key
-    buffer: torch.Tensor
+    frame: Frame
+    buffer: torch.Tensor | None
     work: Any
-    frame: Frame | None
-
-
-@dataclass
-class _Stream:
-    """Messages from one peer in this step: the keys in the peer's order, the receives posted."""
-
-    peer: int
-    order: list[Key]
-    posted: deque[_Posted] = field(default_factory=deque)
-    next: int = 0  # index in ``order`` of the next receive to post
-
-
-@dataclass
-class _Arrived:
-    """A value whose message is in; after an announcement its frame may still be on its way."""
-
-    value: Any
-    follow_up: _Posted | None = None
 
 
 class P2PMailbox(Mailbox):
-    """A mailbox whose producers and consumers may be other ranks (one step's worth).
+    """A mailbox across ranks whose transfers follow the step's agreed order (one step's).
 
-    ``seed`` is the step's seed where this rank draws it (it holds stage 0); elsewhere it is
-    None until the first message brings it, and ``on_seed`` is told (before the action that
-    needs it runs). ``known`` carries the frame layouts from step to step; ``ahead`` is the most
-    receives per peer pending at once (None: up to all of the step's, posted while waiting).
+    ``host`` is a gloo group of every rank (step starts, descriptions), ``group`` the device
+    group of every rank (the bytes; the same gloo group on CPU); ``device`` is where the bytes
+    live (``layout.comm_device`` of the pipe's device); ``layouts`` lives as long as the pipe.
     """
 
     def __init__(
         self,
         layout: Layout,
+        host: Any,
         group: Any,
         timeout: float,
         board: FailureBoard | None = None,
-        comm_device: torch.device | None = None,
-        seed: int | None = None,
-        on_seed: Callable[[int], None] | None = None,
-        known: KnownLayouts | None = None,
-        ahead: int | None = None,
+        device: torch.device | None = None,
+        layouts: Layouts | None = None,
     ) -> None:
         super().__init__(timeout)
-        self.layout, self.group, self.wait_timeout, self.board = layout, group, timeout, board
-        self.comm_device = comm_device or torch.device("cpu")
-        self.seed, self.on_seed = seed, on_seed
-        self.known = known if known is not None else KnownLayouts()
-        self.ahead = ahead
-        self._streams: dict[int, _Stream] = {}
-        self._source: dict[Key, int] = {}  # remote keys still to be got -> the peer sending it
-        self._arrived: dict[Key, _Arrived] = {}
-        self._sends: list[tuple[Key, list[Any], list[torch.Tensor]]] = []
+        self.layout, self.host, self.group, self.wait_timeout = layout, host, group, timeout
+        self.board = board
+        self.device = device or torch.device("cpu")
+        self.layouts = layouts if layouts is not None else Layouts()
+        self.seed: int | None = None
+        self._learning = False
+        self._frames: dict[Key, Frame] = {}
+        self._ops: tuple[Op, ...] = ()
+        self._index: dict[tuple[str, Key], int] = {}
+        self._issued = 0  # self._ops[: self._issued] are issued
+        self._posted: dict[Key, _Posted] = {}
+        # Host messages on their way: (request, what it sends, the bytes it keeps alive).
+        self._host_sends: list[tuple[Any, str, torch.Tensor]] = []
+        # Transfers of bytes not yet checked (request, what it moves, the bytes of a send).
+        self._pending: list[tuple[Any, str, torch.Tensor | None]] = []
+
+    def start(
+        self,
+        actions: Sequence[Sequence[Action]],
+        seed: int | None = None,
+        inputs: Hashable | None = None,
+    ) -> int:
+        """Starts a step of ``actions`` (every worker's); returns its seed. The rank holding
+        stage 0 gives the seed and the layout of the step's inputs and tells the others of its
+        pipeline, which wait for it here."""
+        plan = tuple(map(tuple, actions))
+        self._ops = worker_ops(plan, self.layout.placement, self.layout.worker)
+        self._index = {(op.kind, op.key): i for i, op in enumerate(self._ops)}
+        self._issued = 0
+        self.layouts.steps += 1
+        if self.layout.needs_inputs:
+            if seed is None or inputs is None:
+                raise ValueError("the rank holding stage 0 starts a step with its seed and inputs")
+            slot, new = self.layouts.slot_of(inputs)
+            head = torch.tensor([self.layouts.steps, seed, slot, int(new)], dtype=torch.int64)
+            for peer in self.layout.pipeline_ranks:
+                if peer != self.layout.rank:
+                    self._send_host(head, peer, STARTS, f"the start of step {self.layouts.steps}")
+        else:
+            seed, slot, new = self._receive_start()
+        self.seed, self._learning = seed, new
+        self._frames = self.layouts.of_step(slot, new)
+        self._keep_ahead()
+        return seed
+
+    def _receive_start(self) -> tuple[int, int, bool]:
+        head = torch.empty(4, dtype=torch.int64)
+        first = self.layout.rank_of_stage(0)
+        work = dist.irecv(head, src=first, group=self.host, tag=STARTS)
+        what = f"the start of step {self.layouts.steps}"
+        wait_receive(work, what, first, self.layout, self.wait_timeout, self.board)
+        step, seed, slot, new = head.tolist()
+        if step != self.layouts.steps:
+            local = (
+                f"{self.layout.label()} got the start of step {step} from "
+                f"{self.layout.rank_label(first)}, in its step {self.layouts.steps}: are all "
+                "ranks running the same steps?"
+            )
+            raise RankFailure(explain(self.board, local))
+        return seed, slot, bool(new)
+
+    def _post_ahead(self, most: int, waiting: Any = None) -> None:
+        """Issues up to ``most`` of the next receives of the order, never past a send (nor
+        any while layouts are learned: each would wait for its description); with
+        ``waiting``, only while that request is not complete."""
+        while (
+            most > 0
+            and not self._learning
+            and self._issued < len(self._ops)
+            and self._ops[self._issued].kind == "recv"
+            and (waiting is None or not waiting.is_completed())
+        ):
+            self._post(self._ops[self._issued])
+            self._issued += 1
+            most -= 1
+
+    def _keep_ahead(self) -> None:
+        self._post_ahead(AHEAD - len(self._posted))
+
+    def _issue_until(self, end: int) -> None:
+        """Issues the receives of ``self._ops[:end]`` not issued yet. Every send before them
+        was issued by its ``put`` already: this rank's actions produce them in that order."""
+        while self._issued < end:
+            op = self._ops[self._issued]
+            if op.kind == "send":
+                raise RuntimeError(
+                    f"{self.layout.label()} must send {describe(op.key)} before going on, but "
+                    "has not computed it: the step's actions do not follow the agreed order"
+                )
+            self._post(op)
+            self._issued += 1
+
+    def _peer(self, worker: int) -> int:
+        return self.layout.replica * self.layout.workers + worker
 
     # ---- sending ---------------------------------------------------------------------------
 
@@ -270,179 +215,130 @@ class P2PMailbox(Mailbox):
         return self.layout.rank_of_stage(key[1]) == self.layout.rank
 
     def put(self, key: Key, value: Any) -> None:
-        dst = self.layout.rank_of_stage(key[1])
-        if dst == self.layout.rank:
+        position = self._index.get(("send", key))
+        if position is None:  # a stage of this rank (or stage 0's inputs)
             super().put(key, value)
             return
-        if self.seed is None:
-            raise RuntimeError(f"{self.layout.label()} sends before knowing the step seed")
         words, tensors = encode(value)
-        messages: list[tuple[int, torch.Tensor]] = []
-        frame_tag = FRAMES
-        if self.known.changed(key, words):
-            # The receiver posted a buffer for the old layout (or a header): announce the new
-            # one in it; the frame follows on the other tag, which the receiver posts on reading.
-            before = self.known.sent.get(key)
-            self.known.sent[key] = Frame.of(words)
-            head, extra = header(words, self.seed, key)
-            posted = before.nbytes if before is not None else HEADER_BYTES
-            messages.append((FRAMES, filling(head, posted).to(self.comm_device)))
-            if extra is not None:
-                messages.append((FOLLOW_UPS, extra.to(self.comm_device)))
-            frame_tag = FOLLOW_UPS
-        frame = self.known.sent[key]
-        messages.append((frame_tag, pack(frame, tensors, self.seed, key, self.comm_device)))
-        works = [dist.isend(m, dst=dst, group=self.group, tag=tag) for tag, m in messages]
-        # The bytes stay alive until sent; those already through are let go (a recomputed
-        # micro-batch's output would otherwise live until the end of the step).
-        self._sends = [s for s in self._sends if not all(w.is_completed() for w in s[1])]
-        self._sends.append((key, works, [m for _, m in messages]))
-        self.pump()
+        dst = self._peer(self._ops[position].peer)
+        frame = self._frames.get(key)
+        if self._learning:
+            # The description first: the peer may wait for it to issue earlier receives.
+            frame = self._frames[key] = Frame.of(words)
+            for part in description(words):
+                self._send_host(part, dst, DESCRIPTIONS, f"the description of {describe(key)}")
+        elif frame is None or frame.words != tuple(words):
+            raise RuntimeError(self._changed(key, frame, words))
+        self._issue_until(position)
+        if frame.nbytes:
+            message = pack(frame, tensors, self.device)
+            work = dist.isend(message, dst=dst, group=self.group, tag=PAYLOADS)
+            self._settle()
+            to = self.layout.label(key[1])
+            self._pending.append((work, f"sending {describe(key)} to {to}", message))
+        self._issued = position + 1
+        self._keep_ahead()
+
+    def _changed(self, key: Key, frame: Frame | None, words: list[int]) -> str:
+        was = "none" if frame is None else render(frame.words)
+        return (
+            f"{self.layout.label()}: {describe(key)} is {render(words)}, in a step whose "
+            f"inputs have the layout of an earlier step, where it was {was}: a boundary "
+            "value's dtypes, shapes and plain items must follow the layout of the step's inputs"
+        )
+
+    def _send_host(self, message: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        work = dist.isend(message, dst=dst, group=self.host, tag=tag)
+        self._host_sends.append((work, f"sending {what} to {self.layout.rank_label(dst)}", message))
 
     # ---- receiving -------------------------------------------------------------------------
 
-    def start(self, actions: Sequence[Sequence[Action]]) -> None:
-        """Posts this step's receives, given every worker's actions (``Schedule.actions``)."""
-        for peer, order in receive_plan(tuple(map(tuple, actions)), self.layout):
-            stream = _Stream(peer, list(order))
-            self._streams[peer] = stream
-            for key in order:
-                self._source[key] = peer
-            self._refill(stream, POSTED_AT_START)
+    def _post(self, op: Op) -> None:
+        """Issues the receive of ``op``'s bytes (their layout learned first if need be)."""
+        src = self._peer(op.peer)
+        if self._learning:
+            self._frames[op.key] = Frame.of(self._receive_description(op.key, src))
+        frame = self._frames.get(op.key)
+        if frame is None:
+            raise RuntimeError(f"{self.layout.label()} knows no layout of {describe(op.key)}")
+        buffer = work = None
+        if frame.nbytes:
+            buffer = torch.empty(frame.nbytes, dtype=torch.uint8, device=self.device)
+            work = dist.irecv(buffer, src=src, group=self.group, tag=PAYLOADS)
+        self._posted[op.key] = _Posted(frame, buffer, work)
+
+    def _receive_description(self, key: Key, src: int) -> list[int]:
+        what = f"the description of {describe(key)}"
+        head = torch.empty(DESCRIPTION_WORDS, dtype=torch.int64)
+        work = dist.irecv(head, src=src, group=self.host, tag=DESCRIPTIONS)
+        wait_receive(work, what, src, self.layout, self.wait_timeout, self.board)
+        rest = None
+        if words_left(head):
+            rest = torch.empty(words_left(head), dtype=torch.int64)
+            work = dist.irecv(rest, src=src, group=self.host, tag=DESCRIPTIONS)
+            wait_receive(work, what, src, self.layout, self.wait_timeout, self.board)
+        return words_of(head, rest)
 
     def get(self, key: Key) -> Any:
-        peer = self._source.pop(key, None)
-        if peer is None:
-            return super().get(key)  # a local key (stage 0's inputs, a stage on this rank)
-        stream = self._streams[peer]
-        while key not in self._arrived:
-            self._post_while_waiting(stream)
-            self._take(stream)
-        arrived = self._arrived.pop(key)
-        if arrived.follow_up is not None:  # the frame of a layout announced this step
-            self._check_frame(arrived.follow_up, peer)
-        return arrived.value
+        position = self._index.get(("recv", key))
+        if position is None:
+            return super().get(key)
+        self._issue_until(position + 1)
+        posted = self._posted.pop(key)
+        if posted.buffer is None:
+            return unpack(posted.frame, torch.empty(0, dtype=torch.uint8, device=self.device))
+        self._post_ahead(len(self._ops), waiting=posted.work)  # time spent waiting anyway
+        self._settle()
+        if self._on_device():  # the stream waits; the request is checked later (check)
+            posted.work.wait()
+            producer = self.layout.label(key[1] - 1 if key[0] == "act" else key[1] + 1)
+            self._pending.append((posted.work, f"receiving {describe(key)} from {producer}", None))
+        else:  # gloo: the host waits, under the timeout, naming the peer
+            peer = self._peer(self._ops[position].peer)
+            what = describe(key)
+            wait_receive(posted.work, what, peer, self.layout, self.wait_timeout, self.board)
+        self._keep_ahead()
+        return unpack(posted.frame, posted.buffer)
 
-    def pump(self) -> None:
-        """Takes every message already in (never blocks), so that announcements' frames are
-        posted early."""
-        for stream in self._streams.values():
-            while stream.posted and stream.posted[0].work.is_completed():
-                self._take(stream)
+    def _on_device(self) -> bool:
+        """Whether the bytes move by device operations (NCCL), which a wait without a timeout
+        only orders on the stream, rather than the host's (gloo: a request is waited once)."""
+        return self.device.type == "cuda"
 
-    def _limit(self, stream: _Stream) -> int:
-        return len(stream.order) if self.ahead is None else self.ahead
-
-    def _refill(self, stream: _Stream, upto: int) -> None:
-        """Posts the peer's next receives until ``upto`` (at most the limit) are pending."""
-        upto = min(upto, self._limit(stream))
-        while len(stream.posted) < upto and stream.next < len(stream.order):
-            self._post_next(stream)
-
-    def _post_while_waiting(self, stream: _Stream) -> None:
-        """Posts the peer's further receives while its next message is not in: time the rank
-        would spend waiting anyway. One at a time, so that an arrival ends it at once."""
-        limit = self._limit(stream)
-        while (
-            stream.posted
-            and len(stream.posted) < limit
-            and stream.next < len(stream.order)
-            and not stream.posted[0].work.is_completed()
-        ):
-            self._post_next(stream)
-
-    def _post_next(self, stream: _Stream) -> None:
-        key = stream.order[stream.next]
-        stream.next += 1
-        frame = self.known.received.get(key)
-        stream.posted.append(self._post(stream.peer, key, frame, FRAMES))
-
-    def _post(self, peer: int, key: Key, frame: Frame | None, tag: int) -> _Posted:
-        size = frame.nbytes if frame is not None else HEADER_BYTES
-        buffer = torch.empty(size, dtype=torch.uint8, device=self.comm_device)
-        work = dist.irecv(buffer, src=peer, group=self.group, tag=tag)
-        return _Posted(key, buffer, work, frame)
-
-    def _take(self, stream: _Stream) -> None:
-        """Completes the peer's next message: a frame's value, or a layout announced (whose
-        frame's receive it posts)."""
-        if not stream.posted:
-            raise RankFailure(f"{self.layout.label()} expected no more messages from {stream.peer}")
-        posted = stream.posted.popleft()
-        wait_receive(posted.work, posted.key, self.layout, self.wait_timeout, self.board)
-        n, seed, key = self._check_prefix(posted, stream.peer)
-        if n == 0:
-            assert posted.frame is not None  # checked with the prefix
-            self._arrived[key] = _Arrived(unpack(posted.frame, posted.buffer))
-        else:
-            frame = self._announced(posted, stream.peer, n)
-            follow_up = self._post(stream.peer, key, frame, FOLLOW_UPS)
-            self._arrived[key] = _Arrived(unpack(frame, follow_up.buffer), follow_up)
-        self._refill(stream, POSTED_AT_START)
-
-    def _announced(self, posted: _Posted, peer: int, n: int) -> Frame:
-        """The layout an announcement describes (its extra words received), now known."""
-        head = posted.buffer[:HEADER_BYTES].view(torch.int64).cpu()
-        extra = None
-        if extra_words(head):
-            extra = torch.empty(extra_words(head), dtype=torch.int64, device=self.comm_device)
-            work = dist.irecv(extra, src=peer, group=self.group, tag=FOLLOW_UPS)
-            wait_receive(work, posted.key, self.layout, self.wait_timeout, self.board)
-            extra = extra.cpu()
-        frame = Frame.of(words_of(head, extra))
-        self.known.received[posted.key] = frame
-        return frame
-
-    def _check_frame(self, posted: _Posted, peer: int) -> None:
-        wait_receive(posted.work, posted.key, self.layout, self.wait_timeout, self.board)
-        self._check_prefix(posted, peer)
-
-    def _check_prefix(self, posted: _Posted, peer: int) -> tuple[int, int, Key]:
-        """The message's (n, seed, key), checked against what was posted for it."""
-        n, seed, key, size = prefix_of(posted.buffer)
-        if key != posted.key or (n == 0 and (posted.frame is None or size != posted.frame.nbytes)):
-            raise RankFailure(
-                explain(
-                    self.board,
-                    f"{self.layout.label()} got an unexpected message {key} from rank {peer} "
-                    f"(expected {describe(posted.key)})",
-                )
-            )
-        self._check_seed(seed, key)
-        return n, seed, key
-
-    def _check_seed(self, seed: int, key: Key) -> None:
-        if self.seed is None:
-            self.seed = seed
-            if self.on_seed is not None:
-                self.on_seed(seed)
-        elif seed != self.seed:
-            raise RankFailure(
-                explain(
-                    self.board,
-                    f"{self.layout.label()} received {describe(key)} of another step "
-                    f"(seed {seed}, expected {self.seed}); are all ranks running the same step?",
-                )
-            )
-
-    # ---- the end of a step ---------------------------------------------------------------
+    # ---- the end of a step -----------------------------------------------------------------
 
     def finish(self) -> None:
-        """Waits until this step's sends are through."""
-        for key, works, _ in self._sends:
-            what = f"sending {describe(key)} to {self.layout.label(key[1])}"
-            for work in works:
-                wait_work(work, self.wait_timeout, what, self.board)
-        self.drop()
+        """Waits until this step's host messages are through, and its transfers where gloo
+        carries them (on CUDA the step's end waits for the device, then :meth:`check`)."""
+        sends, self._host_sends = self._host_sends, []
+        for work, what, _ in sends:
+            wait_work(work, self.wait_timeout, what, self.board)
+        if not self._on_device():
+            self.check()
+        self._posted.clear()
 
     def check(self) -> None:
-        """Nothing is left to check after :meth:`finish`: every request of the step was waited
-        on the host, raising its failure (the device transport's is
-        :meth:`giantpipe.engine.distributed.ordered.OrderedMailbox.check`)."""
+        """Raises :class:`~giantpipe.engine.distributed.faults.RankFailure` naming the peer
+        unless every transfer of the step not yet waited on the host succeeded (on CUDA: call
+        it after the step's device wait, when each has run; each is waited on the host under
+        the timeout, once: a gloo request cannot be waited on twice)."""
+        pending, self._pending = self._pending, []
+        for work, what, _ in pending:
+            wait_work(work, self.wait_timeout, what, self.board)
+
+    def _settle(self) -> None:
+        """Checks and lets go of the transfers already complete (their buffers with them)."""
+        done: list[tuple[Any, str, torch.Tensor | None]] = []
+        going: list[tuple[Any, str, torch.Tensor | None]] = []
+        for pending in self._pending:  # one look at each: it may complete meanwhile
+            (done if pending[0].is_completed() else going).append(pending)
+        self._pending = going
+        for work, what, _ in done:
+            wait_work(work, self.wait_timeout, what, self.board)
 
     def drop(self) -> None:
         """Forgets every request in flight (so a failed step's groups can be torn down)."""
-        self._sends.clear()
-        self._streams.clear()
-        self._arrived.clear()
-        self.group = None
+        self._host_sends.clear()
+        self._pending.clear()
+        self._posted.clear()
+        self.host = self.group = None

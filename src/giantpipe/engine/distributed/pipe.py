@@ -28,7 +28,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,6 @@ from giantpipe.engine.distributed.layout import (
     warm_up,
 )
 from giantpipe.engine.distributed.meta import LayerInit, build_on_meta, local_stages, seeded_init
-from giantpipe.engine.distributed.ordered import OrderedMailbox, choose_transport
 from giantpipe.engine.distributed.p2p import P2PMailbox
 from giantpipe.engine.distributed.replicas import (
     DEFAULT_REPLICA_SHARDING,
@@ -73,7 +72,7 @@ from giantpipe.engine.distributed.replicas import (
     shard_like,
 )
 from giantpipe.engine.distributed.tied import TiedSync, tied_copies
-from giantpipe.engine.distributed.wire import KnownLayouts
+from giantpipe.engine.distributed.wire import Layouts, signature
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.fp16 import AgreedGradScaler, check_agreed
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, forward_chunks, gather, scatter
@@ -96,14 +95,6 @@ __all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distribute
 
 ModelSource = nn.Sequential | Callable[[], nn.Sequential]
 _T = TypeVar("_T")
-
-
-class _Ends(TypedDict):
-    """What both mailboxes take alike: the step's seed, where it is learnt, the known layouts."""
-
-    seed: int | None
-    on_seed: Callable[[int], None]
-    known: KnownLayouts
 
 
 class DistributedPipe(Pipe):
@@ -129,10 +120,6 @@ class DistributedPipe(Pipe):
             ``'grads'`` (ZeRO-2) or ``'none'`` (replicated, torch's ``replicate``).
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` of the units (parameters gathered
             and gradients reduced in its types; see ``replicas.mixed_precision_policy``).
-        transport: how boundary values travel: ``'frames'`` (gloo, CPU; :mod:`.p2p`),
-            ``'ordered'`` (NCCL's rule: device operations in one order all ranks derive from
-            the schedule; :mod:`.ordered`, also on CPU, which is how the tests check NCCL's
-            rule), ``'auto'``: ordered on CUDA, frames on CPU.
         spec: balance, chunks, recompute, schedule, virtual_stages, timeout and
             deferred_batch_norm at once (:class:`~giantpipe.engine.spec.PipelineSpec`, its
             ``devices`` unused: a rank's is ``device``); then pass none of those.
@@ -158,7 +145,6 @@ class DistributedPipe(Pipe):
         timeout: float = DEFAULT_TIMEOUT,
         replica_sharding: str = DEFAULT_REPLICA_SHARDING,
         mixed_precision: MixedPrecisionPolicy | None = None,
-        transport: str = "auto",
         spec: PipelineSpec | None = None,
     ) -> None:
         if not dist.is_initialized():
@@ -187,7 +173,6 @@ class DistributedPipe(Pipe):
         # The current CUDA device is this rank's own (a user may have called
         # init_process_group without init_distributed): NCCL and object collectives use it.
         self.device = bind_device(resolve_device(device))
-        self.transport = choose_transport(transport, self.device)
         shared = shared_parameters(model)  # tied parameters, found before the layers are copied
         self._hold_layers(model, seed, init, spec.deferred_batch_norm)
         self.groups = build_groups(self.layout, self.timeout, self.device)
@@ -212,11 +197,10 @@ class DistributedPipe(Pipe):
         # Every NCCL communicator now, in one order, not lazily inside step 1 (layout.warm_up).
         tied = tied_workers(shared, self.balance, self.placement)
         warm_up(self.layout, self.groups, tied, self.device, self.timeout, self.board)
-        self._box: P2PMailbox | OrderedMailbox | None = None
-        # Each boundary key's frame layout (with the ordered transport: of its description), as
-        # both of its ends last saw it: from the second step on, a value's frame (description)
-        # crosses as one message into a receive posted ahead (distributed/p2p.py).
-        self._known = KnownLayouts()
+        self._box: P2PMailbox | None = None
+        # Each boundary value's layout per layout of the step's inputs, as both of its ends
+        # learned it: from the second step of an input layout on, bytes alone cross (p2p.py).
+        self._layouts = Layouts()
         self._broken: str | None = None
 
     def _hold_layers(
@@ -326,8 +310,8 @@ class DistributedPipe(Pipe):
     def _forward_chunks(self, inputs: TensorOrTensors | None) -> int:
         """Collective (this replica's pipeline): a forward without gradients runs M micro-batches
         or fewer (:func:`forward_chunks`) by the batch stage 0's rank alone sees. A sum on the
-        host group, as the loss normaliser: not in a header as the seed, since every rank posts
-        its receives for the count's schedule before the first message arrives."""
+        host group, as the loss normaliser: every rank needs the count's schedule to start the
+        step whose first message brings the seed."""
         size = 0
         if self.needs_inputs:
             if inputs is None:
@@ -413,36 +397,29 @@ class DistributedPipe(Pipe):
         worker = self.layout.worker
         mine = tuple(acts if w == worker else () for w, acts in enumerate(steps.actions))
         local = Schedule(steps.name, steps.num_stages, steps.chunks, mine, steps.placement)
-        seed = self._draw_seed() if self.needs_inputs else None
-        # Elsewhere the seed is 0 until the first activation brings the real one.
-        config = self.step_config(grad, spec, seed=seed if seed is not None else 0)
-
-        def learn_seed(value: int) -> None:
-            config.seed = value
-
-        ends = _Ends(seed=seed, on_seed=learn_seed, known=self._known)
-        groups, timeout, board = self.groups, self.timeout, self.board
-        if self.transport == "ordered":
-            device = comm_device(self.device)
-            box: OrderedMailbox | P2PMailbox = OrderedMailbox(
-                self.layout, groups.control, groups.p2p, timeout, board, device, **ends
-            )
-        else:
-            box = P2PMailbox(self.layout, groups.p2p, timeout, board, **ends)
+        config = self.step_config(grad, spec, seed=0)
+        seed = inputs = None
+        if self.needs_inputs:  # what every rank of the pipeline learns at the step's start
+            seed = self._draw_seed()
+            inputs = (grad, self.training, tuple(config.autocast), signature(micro))
+        groups, device = self.groups, comm_device(self.device)
+        box = P2PMailbox(
+            self.layout, groups.control, groups.p2p, self.timeout, self.board, device, self._layouts
+        )
         self._box = box
-        run = StepRun(config, micro, mailbox=self._box)
-        self._box.start(steps.actions)
+        config.seed = box.start(steps.actions, seed, inputs)
+        run = StepRun(config, micro, mailbox=box)
         if self.shards is None:
             run.run(local)
         else:  # the units gathered once, each stage reduced after its last B (or W)
             self.shards.run(run, local, self.layout.worker, grad)
-        self._box.finish()
+        box.finish()
         return run
 
     def _draw_seed(self) -> int:
         """The step's dropout seed, drawn where stage 0 is (as GPipe draws it from the caller's
-        RNG); it travels down the pipeline in the message headers. Replicas see other data and
-        get other masks (replica 0's equal the local executor's)."""
+        RNG); the step's start message takes it to the pipeline's other ranks. Replicas see
+        other data and get other masks (replica 0's equal the local executor's)."""
         value = draw_step_seed()
         return value if self.layout.replica == 0 else mix(value, self.layout.replica)
 

@@ -1,44 +1,20 @@
-"""Wire format of boundary values: a value's layout announced once, then one message per value.
+"""Boundary values on the wire: each value's description learned once, then its bytes alone.
 
 A value crossing a stage boundary is a tensor or a tuple of tensors and plain items (``None``,
-``int``, ``float``, ``bool``): AmoebaNet's (current, previous) pair, a decoder's (hidden, encoder
-output, padding mask), the gradients coming back (``None`` for an integer mask). Its *layout* is
-its description (structure, dtypes, shapes, plain items)::
-
-    [is_tuple, items, item ...]   item: NONE | INT value | FLOAT bits | BOOL value
-                                        | TENSOR dtype ndim size_0 .. size_(ndim-1)
-
-Every message starts with a header of ``HEADER_WORDS`` int64 words::
-
-    [n, seed, kind, stage, m, d_0 .. d_58]     n > 0: an announcement of a layout of n words
-    [0, seed, kind, stage, m, frame bytes ...] n = 0: a frame, laid out as last announced
-
-It names the value (its mailbox key) and carries the step's dropout seed, which thus travels
-down the pipeline with the first activation: no rank needs a broadcast to learn it (and a stale
-message from another step is caught by its seed). A *frame* is that header followed by the bytes
-of every tensor, each at an offset aligned to ``ALIGN`` bytes, so the receiver's tensors are
-views of the one buffer it received into (no copy; bool and any other dtype travel as bytes)::
-
-    frame  | header (512 B) | t_0 bytes | pad | t_1 bytes | pad | ...
-
-The first time a key travels, or when its layout changes (sequence lengths, batch sizes and
-tuple layouts may change between steps), the sender announces the new layout (the header with
-the description inline, an ``extra`` message for words beyond ``INLINE``), then sends the
-frame. Both ends remember each key's frame layout (:class:`KnownLayouts`); in the steady state a
-value is one message into a receive buffer of exactly the known size, posted ahead
-(:mod:`giantpipe.engine.distributed.p2p`).
+``int``, ``float``, ``bool``). Its description (:func:`encode`: structure, dtypes, shapes, plain
+items) gives its :class:`Frame`, where each tensor's bytes lie in one message: a lone tensor
+travels as itself, a tuple packed into one message (:func:`pack`) and taken apart as views of
+the buffer it arrived in (:func:`unpack`). :class:`Layouts` is what both ends of every boundary
+remember across steps, per layout of the step's inputs (docs/engine.md, "Beyond one process").
 
 Example::
 
     >>> value = (torch.ones(2, 3), torch.tensor([1, 0]), None)
     >>> words, tensors = encode(value)
     >>> frame = Frame.of(words)
-    >>> message = pack(frame, tensors, seed=7, key=("act", 1, 0))
-    >>> prefix_of(message)                      # (n, seed, key, frame bytes)
-    (0, 7, ('act', 1, 0), 640)
-    >>> got = unpack(frame, message)            # views of the message's bytes
-    >>> got[0].shape, got[1].dtype, got[2]
-    (torch.Size([2, 3]), torch.int64, None)
+    >>> got = unpack(frame, pack(frame, tensors))
+    >>> got[0].shape, got[1].dtype, got[2], frame.nbytes
+    (torch.Size([2, 3]), torch.int64, None, 80)
 """
 
 from __future__ import annotations
@@ -46,14 +22,15 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-HEADER_WORDS = 64
-HEADER_BYTES = HEADER_WORDS * 8
-ALIGN = 64  # bytes: every tensor of a frame starts aligned for any dtype
+ALIGN = 64  # bytes: every tensor of a packed message starts aligned for any dtype
+DESCRIPTION_WORDS = 64  # int64 words of a description's first host message
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -74,18 +51,26 @@ NONE, INT, FLOAT, BOOL, TENSOR = range(5)
 
 # A decoded item: None / int / float / bool as is, a tensor as (dtype, shape).
 Template = tuple[bool, list[Any]]
+Key = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """The dtype and shape of a tensor announced by a header."""
+    """The dtype and shape of a tensor a description announces."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
 
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
 
 def encode(value: Any) -> tuple[list[int], list[torch.Tensor]]:
-    """The description words of ``value`` and its tensors, in the order their bytes travel."""
+    """The description words of ``value`` and its tensors, in the order their bytes travel::
+
+    [is_tuple, items, item ...]   item: NONE | INT value | FLOAT bits | BOOL value
+                                        | TENSOR dtype ndim size_0 .. size_(ndim-1)
+    """
     is_tuple = not isinstance(value, torch.Tensor)
     items = tuple(value) if is_tuple else (value,)
     words = [int(is_tuple), len(items)]
@@ -115,7 +100,7 @@ def _encode_item(item: Any) -> list[int]:
     )
 
 
-def decode(words: list[int]) -> Template:
+def decode(words: Sequence[int]) -> Template:
     """Parses description words back into a template (the inverse of :func:`encode`)."""
     is_tuple, count = bool(words[0]), words[1]
     items: list[Any] = []
@@ -137,132 +122,99 @@ def decode(words: list[int]) -> Template:
             items.append(TensorSpec(DTYPES[words[i + 1]], shape))
             i += 3 + ndim
         else:
-            raise ValueError(f"corrupt boundary header: unknown item kind {kind}")
+            raise ValueError(f"corrupt boundary description: unknown item kind {kind}")
     return is_tuple, items
 
 
-def allocate(template: Template, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
-    """The value a template describes, with empty tensors, and the byte views to receive into.
+def render(words: Sequence[int]) -> str:
+    """A description as a person reads it.
 
-    Empty tensors get no byte view: nothing travels for them.
+    >>> render(encode((torch.ones(2, 3), None, 4))[0])
+    '(float32[2, 3], None, 4)'
     """
-    is_tuple, items = template
-    values: list[Any] = []
-    buffers: list[torch.Tensor] = []
-    for item in items:
-        if isinstance(item, TensorSpec):
-            t = torch.empty(item.shape, dtype=item.dtype, device=device)
-            values.append(t)
-            if t.numel():
-                buffers.append(as_bytes(t))
-        else:
-            values.append(item)
-    return (tuple(values) if is_tuple else values[0]), buffers
+    is_tuple, items = decode(words)
+    text = ", ".join(map(str, items))
+    return f"({text})" if is_tuple else text
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (a contiguous copy first if it is not)."""
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8)
+def description(words: Sequence[int]) -> list[torch.Tensor]:
+    """The host messages that carry ``words``: ``[n, words ...]`` in ``DESCRIPTION_WORDS``
+    int64 words, then the words that did not fit, if any (:func:`words_left`).
+
+    >>> [m.numel() for m in description(list(range(70)))]
+    [64, 7]
+    """
+    head = torch.zeros(DESCRIPTION_WORDS, dtype=torch.int64)
+    inline = list(words[: DESCRIPTION_WORDS - 1])
+    head[0] = len(words)
+    head[1 : 1 + len(inline)] = torch.tensor(inline, dtype=torch.int64)
+    rest = list(words[DESCRIPTION_WORDS - 1 :])
+    return [head, torch.tensor(rest, dtype=torch.int64)] if rest else [head]
 
 
-_FIXED = 5  # [n, seed, kind, stage, micro-batch]
-# A frame's first words, [0, seed, kind, stage, micro-batch, frame bytes], as one struct: written
-# and read without a torch op (each costs microseconds, and every value crosses as a frame).
-_PREFIX = struct.Struct("<6q")
-INLINE = HEADER_WORDS - _FIXED
-KINDS = ("act", "grad")
+def words_left(head: torch.Tensor) -> int:
+    """How many words of a description follow its first message."""
+    return max(0, int(head[0]) - (DESCRIPTION_WORDS - 1))
 
 
-def header(
-    words: list[int], seed: int = 0, key: tuple[str, int, int] = ("act", 0, 0)
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The fixed-size header message and, for long descriptions, the extra message."""
-    head = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-    inline = words[:INLINE]
-    kind, stage, m = key
-    head[:_FIXED] = torch.tensor([len(words), seed, KINDS.index(kind), stage, m])
-    head[_FIXED : _FIXED + len(inline)] = torch.tensor(inline, dtype=torch.int64)
-    rest = words[INLINE:]
-    return head, (torch.tensor(rest, dtype=torch.int64) if rest else None)
-
-
-def extra_words(head: torch.Tensor) -> int:
-    """How many description words follow the header in an extra message."""
-    return max(0, int(head[0]) - INLINE)
-
-
-def words_of(head: torch.Tensor, extra: torch.Tensor | None) -> list[int]:
-    """All description words, from the header and the optional extra message."""
+def words_of(head: torch.Tensor, rest: torch.Tensor | None = None) -> list[int]:
+    """Every word of a description, from its first message and the rest (the inverse of
+    :func:`description`)."""
     n = int(head[0])
-    words: list[int] = head[_FIXED : _FIXED + min(n, INLINE)].tolist()
-    if extra is not None:
-        words += extra.tolist()
-    return words
-
-
-# ---- frames: the steady state, one message per value ------------------------------------------
-
-Key = tuple[str, int, int]
+    words: list[int] = head[1 : 1 + min(n, DESCRIPTION_WORDS - 1)].tolist()
+    return words + (rest.tolist() if rest is not None else [])
 
 
 @dataclass(frozen=True)
 class Frame:
-    """The layout of a value as one message: its description and where each tensor's bytes lie.
+    """Where the bytes of a value of one description lie in its message.
 
     Example::
 
-        >>> frame = Frame.of(encode(torch.ones(4))[0])
-        >>> frame.offsets, frame.nbytes    # 16 bytes after the 512-byte header, padded to 64
-        ((512,), 576)
+        >>> frame = Frame.of(encode((torch.ones(4), torch.ones(2, dtype=torch.int8)))[0])
+        >>> frame.offsets, frame.nbytes    # 16 bytes, padded to 64; then 2
+        ((0, 64), 66)
     """
 
     words: tuple[int, ...]
     template: Template
     offsets: tuple[int, ...]  # byte offset of each tensor item, in order
     sizes: tuple[int, ...]  # its bytes
-    nbytes: int  # header included
-    head: int = HEADER_BYTES  # bytes of the header; 0 for a payload whose header travels apart
+    nbytes: int  # the message's: up to the last tensor's last byte
 
     @classmethod
-    def of(cls, words: list[int] | tuple[int, ...], head: int = HEADER_BYTES) -> Frame:
-        """The frame of a value described by ``words``; ``head=0`` for a bare payload (the
-        tensors' bytes only, the description sent on the host: :mod:`.ordered`)."""
-        template = decode(list(words))
-        offsets, sizes, end = [], [], head
+    def of(cls, words: Sequence[int]) -> Frame:
+        """The frame of a value described by ``words``."""
+        template = decode(words)
+        offsets, sizes, end = [], [], 0
         for item in template[1]:
             if isinstance(item, TensorSpec):
                 size = math.prod(item.shape) * item.dtype.itemsize
-                offsets.append(end)
+                start = -(-end // ALIGN) * ALIGN if size else end  # an empty one takes no room
+                offsets.append(start)
                 sizes.append(size)
-                end += -(-size // ALIGN) * ALIGN
-        return cls(tuple(words), template, tuple(offsets), tuple(sizes), end, head)
+                end = start + size
+        return cls(tuple(words), template, tuple(offsets), tuple(sizes), end)
 
 
 def pack(
-    frame: Frame,
-    tensors: list[torch.Tensor],
-    seed: int,
-    key: Key,
-    device: torch.device | None = None,
+    frame: Frame, tensors: list[torch.Tensor], device: torch.device | None = None
 ) -> torch.Tensor:
-    """The one message of a value whose layout is ``frame`` (``tensors`` as :func:`encode`
-    lists them): each tensor is copied once, straight into place, strided or not. A bare
-    payload (``frame.head == 0``) has no prefix: nothing is written from the host, so a device
-    message needs no host-to-device copy (which would wait for the host)."""
+    """The message of a value whose layout is ``frame`` (``tensors`` as :func:`encode` lists
+    them), on ``device`` (default: the tensors'). A value whose bytes are one tensor's, in
+    plain memory on that device, is that tensor's bytes: no copy. Otherwise each tensor is
+    copied once, straight into place, by a kernel on a device (no host round trip)."""
+    filled = [(t, o) for t, o, s in zip(tensors, frame.offsets, frame.sizes) if s]
+    if len(filled) == 1:
+        t = filled[0][0]
+        if (device is None or t.device == device) and _plain_memory(t):
+            return t.detach().reshape(-1).view(torch.uint8)
+    if device is None:
+        device = filled[0][0].device if filled else torch.device("cpu")
     message = torch.empty(frame.nbytes, dtype=torch.uint8, device=device)
     on_host = message.device.type == "cpu"
-    if frame.head:
-        kind, stage, m = key
-        prefix = _PREFIX.pack(0, seed, KINDS.index(kind), stage, m, frame.nbytes)
-        if on_host:  # a message per value: one memmove here, not four small torch ops
-            ctypes.memmove(message.data_ptr(), prefix, len(prefix))
-        else:
-            message[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-    for t, offset in zip(tensors, frame.offsets):
+    for t, offset in filled:
         size = t.numel() * t.element_size()
-        if not size:
-            continue
         if on_host and t.device.type == "cpu" and _plain_memory(t):
             ctypes.memmove(message.data_ptr() + offset, t.data_ptr(), size)
         else:
@@ -277,51 +229,76 @@ def _plain_memory(t: torch.Tensor) -> bool:
 
 
 def unpack(frame: Frame, message: torch.Tensor) -> Any:
-    """The value a frame message holds; its tensors are views of ``message`` (no copy)."""
+    """The value a message holds; its tensors are views of ``message`` (no copy)."""
     is_tuple, items = frame.template
     spans = iter(zip(frame.offsets, frame.sizes))
     values: list[Any] = []
     for item in items:
         if isinstance(item, TensorSpec):
             start, size = next(spans)
+            if not size:  # no bytes, and maybe no aligned place in the message to view
+                values.append(torch.empty(item.shape, dtype=item.dtype, device=message.device))
+                continue
             values.append(message[start : start + size].view(item.dtype).view(item.shape))
         else:
             values.append(item)
     return tuple(values) if is_tuple else values[0]
 
 
-def prefix_of(message: torch.Tensor) -> tuple[int, int, Key, int]:
-    """``(n, seed, key, frame bytes)`` of a received message: n > 0 for an announcement of n
-    description words (frame bytes then 0), n = 0 for a frame."""
-    if message.device.type == "cpu" and message.is_contiguous():
-        raw = ctypes.string_at(message.data_ptr(), _PREFIX.size)
-    else:
-        raw = bytes(message[: _PREFIX.size].cpu().tolist())
-    n, seed, kind, stage, m, size = _PREFIX.unpack(raw)
-    return n, seed, (KINDS[kind], stage, m), (size if n == 0 else 0)
+def signature(values: Sequence[Any]) -> tuple[Hashable, ...]:
+    """The layout of each value (a step's micro-batches), hashable: a tensor's dtype and shape,
+    a tuple's items, any other item itself (its type where it cannot be hashed).
+
+    >>> signature([torch.ones(2, 3), (torch.ones(1), None, 4)])
+    ((torch.float32, (2, 3)), ((torch.float32, (1,)), None, 4))
+    """
+
+    def one(value: Any) -> Hashable:
+        if isinstance(value, torch.Tensor):
+            return (value.dtype, tuple(value.shape))
+        if isinstance(value, (tuple, list)):
+            return tuple(one(v) for v in value)
+        return value if isinstance(value, Hashable) else type(value).__name__
+
+    return tuple(one(v) for v in values)
 
 
 @dataclass
-class KnownLayouts:
-    """Each key's frame layout as last announced: what this rank sent, what it received.
+class Layouts:
+    """What every rank of a pipeline knows across steps: each boundary value's frame, per
+    layout of the step's inputs (a *slot*), and how many steps ran.
 
-    Both ends of a key hold the same entry after every step, so a receiver can post a buffer of
-    exactly the frame's size before the value exists, and a sender knows that it did.
+    The rank holding stage 0 names each step's input layout by a slot (:meth:`slot_of`) and
+    tells the others; a new slot's frames are learned in that step, from descriptions sent on
+    the host, and every later step with the same inputs' layout moves bytes alone. At most
+    ``capacity`` layouts are kept; a new one takes the slot of the least recently used.
 
     Example::
 
-        >>> known = KnownLayouts()
-        >>> known.changed(("act", 1, 0), encode(torch.ones(2))[0])   # never sent: announce
-        True
-        >>> known.sent[("act", 1, 0)] = Frame.of(encode(torch.ones(2))[0])
-        >>> known.changed(("act", 1, 0), encode(torch.zeros(2))[0])  # same layout: a frame
-        False
+        >>> layouts = Layouts(capacity=2)
+        >>> [layouts.slot_of(s) for s in ("a", "b", "a", "c", "b")]
+        [(0, True), (1, True), (0, False), (1, True), (0, True)]
     """
 
-    sent: dict[Key, Frame] = field(default_factory=dict)
-    received: dict[Key, Frame] = field(default_factory=dict)
+    capacity: int = 16
+    steps: int = 0
+    frames: dict[int, dict[Key, Frame]] = field(default_factory=dict)
+    _slots: OrderedDict[Hashable, int] = field(default_factory=OrderedDict)
 
-    def changed(self, key: Key, words: list[int]) -> bool:
-        """Whether sending a value of layout ``words`` under ``key`` needs an announcement."""
-        frame = self.sent.get(key)
-        return frame is None or frame.words != tuple(words)
+    def slot_of(self, layout: Hashable) -> tuple[int, bool]:
+        """The slot of an input layout, and whether it is new (its frames to be learned)."""
+        if layout in self._slots:
+            self._slots.move_to_end(layout)
+            return self._slots[layout], False
+        if len(self._slots) < self.capacity:
+            slot = len(self._slots)
+        else:
+            _, slot = self._slots.popitem(last=False)
+        self._slots[layout] = slot
+        return slot, True
+
+    def of_step(self, slot: int, new: bool) -> dict[Key, Frame]:
+        """The frames of a step that runs in ``slot``: empty (to be learned) if ``new``."""
+        if new or slot not in self.frames:
+            self.frames[slot] = {}
+        return self.frames[slot]

@@ -1,8 +1,8 @@
 """What each rank of tests/unit/engine/distributed/test_k2_r2.py runs: K=2 pipeline ranks x R=2
 replicas on gloo, checked through the public API against the plain model.
 
-One :class:`DistributedPipe` (1F1B, M=4: sends and receives interleave) over the ordered
-transport (NCCL's order, on gloo), a small MLP with dropout; each rank returns what it saw,
+One :class:`DistributedPipe` (1F1B, M=4: sends and receives interleave; its transfers in
+NCCL's order, on gloo), a small MLP with dropout; each rank returns what it saw,
 the test compares across ranks:
 
 1. the warm-up: the calls the pipe made while it was built are what the rank must warm up,
@@ -18,13 +18,14 @@ the test compares across ranks:
 5. fp16-style overflow on one rank: an inf planted in rank 3's gradients after a step with the
    pipe's ``grad_scaler``: every rank skips the step and halves the scale; a clean step after
    moves every rank;
-6. the ordered transport's payload sends and receives of step 1, recorded: exactly the order
-   ``message_order.worker_ops`` gives (the test replays every rank's under NCCL's rule);
-7. a second pipe, on the default transport, of a model whose input and output layers share a
-   weight (held by both pipeline ranks) and whose boundary value is not contiguous: two steps'
-   losses and accumulated gradients, the global-norm clip and the clipped gradients equal the
-   plain model's (the tied weight keeps the first step's gradient and is counted once in the
-   norm, the boundary value received with its values);
+6. the transport's sends and receives of bytes in step 1 (the inputs' layout of step 0: bytes
+   alone, no description on the host), recorded: exactly the order ``message_order.worker_ops``
+   gives (the test replays every rank's under NCCL's rule);
+7. a second pipe, of a model whose input and output layers share a weight (held by both
+   pipeline ranks) and whose boundary value is not contiguous: two steps' losses and
+   accumulated gradients, the global-norm clip and the clipped gradients equal the plain
+   model's (the tied weight keeps the first step's gradient and is counted once in the norm,
+   the boundary value received with its values);
 8. a pipe whose replicas each hold their whole stage (``replica_sharding="none"``): a step's
    gradients, the global-norm clip and the clipped gradients equal the plain model's (each
    replicated gradient counted once, not once per replica);
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,7 +55,7 @@ from giantpipe.engine.distributed.faults import RankFailure
 from giantpipe.engine.distributed.layout import WARM_UP, Layout
 from giantpipe.engine.distributed.message_order import worker_ops
 from giantpipe.engine.distributed.meta import init_layers
-from giantpipe.engine.distributed.ordered import PAYLOADS
+from giantpipe.engine.distributed.p2p import DESCRIPTIONS, PAYLOADS
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.mailbox import Mailbox
 from giantpipe.runner.build import parameter_names
@@ -182,7 +182,7 @@ def must_warm(rank: int, tied: bool) -> list[tuple[str, Any]]:
 
 
 def payload_ops(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The recorded payload sends and receives (the ordered transport's device operations)."""
+    """The recorded sends and receives of bytes (the transport's device operations)."""
     kinds = {"isend": "send", "irecv": "recv"}
     return [
         {"kind": kinds[e["call"]], "peer": e["peer"], "nbytes": e["nbytes"]}
@@ -196,9 +196,8 @@ def check(tmp: Path) -> dict[str, Any]:
     built: list[dict[str, Any]] = []
     with recording(built):
         pipe = DistributedPipe(
-            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=scaled(20),
-            transport="ordered",
-        )  # fmt: skip
+            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=scaled(20)
+        )
     layout = Layout(world_size, rank, 2, tuple(pipe.placement))
     warmed = warm_up_calls(built)
     assert [c[:2] for c in warmed] == must_warm(rank, tied=False), warmed
@@ -218,6 +217,7 @@ def check(tmp: Path) -> dict[str, Any]:
         assert abs(losses[-1] - ref) <= 1e-5 * abs(ref), (number, losses[-1], ref)
     out["checked"] = grads_equal(pipe, plain, "two accumulated steps")
     out["payloads"] = payload_ops(log)
+    out["described"] = [e["call"] for e in log if e["tag"] == DESCRIPTIONS and "send" in e["call"]]
     steps = pipe.step_schedule()
     actions = tuple(map(tuple, steps.actions))
     want = [
@@ -387,19 +387,10 @@ def device_path(aborting: list[bool]) -> Iterator[None]:
         yield
 
 
-def gpus_transport() -> dict[str, str]:
-    """What makes a pipe on CPU take the transport GPUs take: ``transport="ordered"`` while
-    the pipe has a choice (issue 38 leaves one transport)."""
-    has_choice = "transport" in inspect.signature(DistributedPipe).parameters
-    return {"transport": "ordered"} if has_choice else {}
-
-
 def failed_transfer() -> dict[str, Any]:
     """9. a step whose first device receive on rank 2 was aborted after its stream wait;
     returns whether this rank's was, and what the step raised here (a loss returned fails)."""
-    pipe = DistributedPipe(
-        model, [2, 1, 2, 1], chunks=CHUNKS, seed=INIT, timeout=20, **gpus_transport()
-    )
+    pipe = DistributedPipe(model, [2, 1, 2, 1], chunks=CHUNKS, seed=INIT, timeout=scaled(20))
     aborting = [True] if dist.get_rank() == ABORTED_RANK else []
     with device_path(aborting):
         try:

@@ -23,7 +23,7 @@ import torch
 
 from giantpipe.engine.distributed.faults import FailureBoard, RankFailure, wait_device, wait_work
 from giantpipe.engine.distributed.layout import Layout
-from giantpipe.engine.distributed.ordered import PAYLOADS, OrderedMailbox
+from giantpipe.engine.distributed.p2p import PAYLOADS, P2PMailbox
 from giantpipe.engine.schedules import build_schedule
 from tests.distributed.nccl_rules import FakeNetwork
 
@@ -136,8 +136,8 @@ class AbortedAfterStreamWait:
 
 
 def test_a_payload_aborted_after_its_stream_wait_fails_the_step_naming_the_peer() -> None:
-    """K=2, GPipe, M=2 over the ordered transport on threads (tests/distributed/nccl_rules.py),
-    rank 1's payloads treated as device operations: one activation receive is aborted after
+    """K=2, GPipe, M=2 through the transport on threads (tests/distributed/nccl_rules.py),
+    rank 1's transfers treated as device operations: one activation receive is aborted after
     its stream wait; rank 1 raises naming rank 0 (at its next operation, once the request is
     complete, or at the check after the step; rank 0, left waiting, times out here, where a
     real pipe's teardown wakes it)."""
@@ -160,11 +160,11 @@ def test_a_payload_aborted_after_its_stream_wait_fails_the_step_naming_the_peer(
         layout = Layout(2, rank, 2, plan.placement)
         board = FailureBoard(Store(), layout.label()) if rank == 1 else None
         timeout = 5.0 if rank == 1 else 0.5  # rank 0 is left waiting: not for long
-        box = OrderedMailbox(layout, group, group, timeout, board, seed=5 if rank == 0 else None)
+        box = P2PMailbox(layout, group, group, timeout, board)
         if rank == 1:
             box._on_device = lambda: True  # type: ignore[method-assign] # NCCL's stream waits
         try:
-            box.start(plan.actions)
+            box.start(plan.actions, *((5, "inputs") if rank == 0 else ()))
             for kind, stage, m in plan.actions[rank]:
                 if kind == "F" and stage == 0:
                     box.put(("act", 1, m), torch.full((2, 3), float(m)))

@@ -3,7 +3,7 @@ public API, against the plain model.
 
 Every test under tests/distributed/ is ``slow`` (tests/conftest.py marks the folder), so
 ``pytest -m "not slow"`` ran none of them and let through a replica gradient sync dropping
-accumulated gradients, clipping by a local norm, RNG restored on rank 0 only, the ordered
+accumulated gradients, clipping by a local norm, RNG restored on rank 0 only, the
 transport's send order and an fp16 overflow verdict taken per rank (issue 32), a weight tied
 across the pipeline ranks counted by each holder in the global norm, and a boundary value that
 is not contiguous sent by its memory (issue 40), nor did anything catch a replicated stage's
@@ -59,7 +59,9 @@ def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Pa
     # rank 3 alone overflowed: every rank skipped and halved, then every rank stepped
     assert [r["moved"] for r in results] == [[False, True]] * 4
     assert [r["scales"] for r in results] == [[2.0**9, 2.0**9]] * 4
-    # the ordered transport's payloads of one step replay under NCCL's rule
+    # the transport's transfers of one step replay under NCCL's rule; the step's inputs had
+    # the layout of the step before: no value was described on the host again
+    assert [r["described"] for r in results] == [[]] * 4
     ops = {
         r["rank"]: [DeviceOp(o["kind"], o["peer"], nbytes=o["nbytes"]) for o in r["payloads"]]
         for r in results

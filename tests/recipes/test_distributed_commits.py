@@ -1,0 +1,59 @@
+"""benchmarks/distributed_commits.py --quick: two revisions' distributed pipes and pippy's in the
+same processes, end to end (here HEAD against itself); the base's worktree is gone afterwards."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from giantpipe.engine.schedules import schedule_builders
+
+REPO = Path(__file__).resolve().parents[2]
+RATIO = re.compile(r"\| (\d+) \| ([\w /-]+?) \| ([\d.]+) \| ([\d., ]+) \|")
+
+
+@pytest.mark.slow
+def test_quick_comparison_times_both_revisions_and_pippy_side_by_side() -> None:
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    inside = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    if inside.returncode != 0:
+        pytest.skip("needs a git checkout")
+    head = inside.stdout.strip()
+    before = worktrees_at(head)
+    command = [sys.executable, str(REPO / "benchmarks" / "distributed_commits.py")]
+    done = subprocess.run(
+        [*command, "--base", "HEAD", "--quick"], capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    header = next(line for line in done.stdout.splitlines() if line.startswith("| M | base-"))
+    methods = {cell.strip() for cell in header.strip("|").split("|")[1:]}
+    for name in schedule_builders():  # every schedule at both revisions, timed alike
+        assert {f"base-{name}", f"head-{name}"} <= methods, name
+    assert {"pippy-gpipe", "pippy-1f1b"} <= methods
+    ratios = {(int(m), name): float(value) for m, name, value, _ in RATIO.findall(done.stdout)}
+    for m in (1, 4):
+        for name in ("head / base gpipe", "base best / pippy best", "head best / pippy best"):
+            assert ratios[(m, name)] > 0, (m, name)
+    assert worktrees_at(head) == before  # the base's temporary worktree is gone
+
+
+def worktrees_at(commit: str) -> set[str]:
+    """The repository's worktrees checked out at ``commit`` (other people's worktrees, which
+    come and go meanwhile on a shared checkout, sit at other commits)."""
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "list", "--porcelain"], capture_output=True, text=True
+    )
+    found = set()
+    for block in listed.stdout.split("\n\n"):
+        fields = dict(line.partition(" ")[::2] for line in block.splitlines())
+        if fields.get("HEAD") == commit:
+            found.add(fields["worktree"])
+    return found
