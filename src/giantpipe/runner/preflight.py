@@ -360,7 +360,7 @@ def refusal(name: str, cfg: PipelineConfig, fit: RunForecast) -> ConfigError:
     shape = f"{spec.schedule} M={spec.chunks} recompute={spec.recompute}, {outcome.how}"
     each = " + ".join(human_bytes(peaks[w]) for w in short.workers)
     problem = (
-        f"does not fit: {fit.memory.described}; the step is predicted to need {each} "
+        f"recipe {name} does not fit: {fit.memory.described}; the step is predicted to need {each} "
         f"({shape}) where {human_bytes(short.have)} is there"
     )
     found = remedies(cfg, fit)
@@ -372,7 +372,9 @@ def refusal(name: str, cfg: PipelineConfig, fit: RunForecast) -> ConfigError:
             f"pipeline.plan=auto or data.batch_size fits it here: it wants {len(peaks)} devices "
             f"of at least {human_bytes(max(peaks))} each (GPUs: pipeline.devices=cuda)"
         )
-    return ConfigError(f"recipe {name}", problem)
+    # the budget a user set is the key; else the pipeline's shape is what does not fit
+    key = "pipeline.memory_budget_gib" if cfg.memory_budget_gib is not None else "pipeline"
+    return ConfigError(key, problem)
 
 
 def check_fit(
