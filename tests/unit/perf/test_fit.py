@@ -83,7 +83,9 @@ def one_layer(param_bytes: int, input_bytes: int, saved_bytes: int) -> LayerCost
 def test_forecast_of_a_fixed_balance_by_hand(recompute: str, slots: int, peak: int) -> None:
     layers = [one_layer(40, 8, 16), one_layer(40, 8, 16)]
     spec = PipelineSpec((1, 1), chunks=2, recompute=recompute)
-    sim = forecast(layers, spec, batch_size=4, optimizer_slots=slots, layer_times=ZERO_TIMES(layers))
+    sim = forecast(
+        layers, spec, batch_size=4, optimizer_slots=slots, layer_times=ZERO_TIMES(layers)
+    )
     assert sim.peak_memory_bytes == [peak, peak]
 
 

@@ -24,8 +24,6 @@ from giantpipe.runner.preflight import (
 from giantpipe.runner.world import World
 from models.options import MlpModelConfig
 
-DEVICES = ["cpu", "cpu"]
-
 
 def tiny(budget_gib: float | None = None, **pipeline) -> ExperimentConfig:
     # wide activations, few parameters: what re-materialization and M change is most of it
@@ -58,17 +56,10 @@ def peaks(cfg: ExperimentConfig) -> list[int]:
     return list(fit.outcome.simulation.peak_memory_bytes)
 
 
-def check(cfg: ExperimentConfig, built: list[nn.Module] | None = None) -> None:
+def check(cfg: ExperimentConfig) -> None:
     bundle = build_bundle(cfg, None)
-
-    def build() -> nn.Sequential:
-        model = build_model(cfg, bundle)
-        if built is not None:
-            built.append(model)
-        return model
-
     devices, _ = worker_devices(cfg.pipeline, World())
-    check_fit(cfg, bundle, devices, World(), build)
+    check_fit(cfg, bundle, devices, World(), lambda: build_model(cfg, bundle))
 
 
 def test_a_run_over_budget_is_refused_in_one_line_naming_keys_that_fit():
@@ -117,20 +108,28 @@ def test_nothing_fits_names_what_it_wants():
 
 def test_the_model_is_built_on_meta_and_the_random_streams_are_untouched():
     cfg, built = tiny(), []
+    bundle = build_bundle(cfg, None)
+
+    def build() -> nn.Sequential:  # a builder that draws from python's and torch's streams
+        random.random()
+        torch.rand(8, device="cpu")
+        built.append(build_model(cfg, bundle))
+        return built[-1]
+
     torch.manual_seed(3)
     random.seed(3)
     expected = torch.rand(4).tolist(), random.random()
     torch.manual_seed(3)
     random.seed(3)
-    check(cfg, built)
+    check_fit(cfg, bundle, ["cpu", "cpu"], World(), build)
     assert (torch.rand(4).tolist(), random.random()) == expected
     assert {p.device.type for p in built[0].parameters()} == {"meta"}
 
 
 def test_stand_ins_share_the_host_a_budget_is_per_device():
-    memory = machine_memory(PipelineConfig(devices="cpu"), DEVICES, World())
+    memory = machine_memory(PipelineConfig(devices="cpu"), ["cpu", "cpu"], World())
     assert memory.members == [(0, "host"), (1, "host")]
     assert 0 < memory.capacity["host"] <= host_available() * 1.5
-    budget = machine_memory(PipelineConfig(memory_budget_gib=2.0), DEVICES, World())
+    budget = machine_memory(PipelineConfig(memory_budget_gib=2.0), ["cpu", "cpu"], World())
     assert budget.members == [(0, "device 0"), (1, "device 1")]
     assert budget.capacity == {"device 0": 2 * GIB, "device 1": 2 * GIB}
