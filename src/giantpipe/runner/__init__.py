@@ -9,6 +9,8 @@ receives the dataclasses of ``giantpipe.config``; only ``giantpipe.cli`` imports
     build.py      every part from the config (data, model, plan, pipeline spec, pipe, optimizer)
     pipeline.py   PipelineConfig -> devices, balance, the PipelineSpec (one function), the pipe
     planning.py   pipeline.plan=auto: the planner on this run's model and devices
+    preflight.py  the run sized on the meta device against the machine, before it allocates
+    dry_run.py    trainer.dry_run=true: the plan, memory and step-time forecast, no training
     registry.py   objects from ``_target_`` (models and data sets as config options)
     losses.py     the loss functions and the accuracy metric the data asks for
     optim.py      the optimizer and fp16's gradient scaler it steps through

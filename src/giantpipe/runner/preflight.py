@@ -38,7 +38,7 @@ from giantpipe.perf.fit import Shortfall, forecast, shortfalls
 from giantpipe.perf.planner import Candidate, DeviceSpec, LayerTimes, plan
 from giantpipe.perf.replica_state import ReplicaSharding
 from giantpipe.perf.simulate import Simulation
-from giantpipe.runner.pipeline import pipeline_spec, stages_per_worker
+from giantpipe.runner.pipeline import pipeline_spec, rank_device, stages_per_worker
 from giantpipe.runner.planning import chunk_options, has_batchnorm, optimizer_slots
 from giantpipe.runner.step import autocast
 from giantpipe.runner.world import World
@@ -153,25 +153,17 @@ def machine_memory(cfg: PipelineConfig, devices: Sequence[str], world: World) ->
     """The pools this process checks: its own GPUs' free memory (never another rank's device),
     the host's available memory for its CPU stand-ins and every CPU rank of this host, or
     ``pipeline.memory_budget_gib`` per device when set."""
-    k = len(devices)
-    if world.size == 1:
-        mine = list(range(k))
-    else:  # this rank's device, and on a CPU host every local rank's (rank r runs worker r % K)
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        host = range(
-            world.rank - local, world.rank - local + int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        )
-        mine = [r % k for r in host] if devices[world.rank % k] == "cpu" else [world.rank % k]
+    k, mine = len(devices), checked_devices(cfg, devices, world)
     if cfg.memory_budget_gib is not None:
         budget = cfg.memory_budget_gib * GIB
         return Memory(
-            [(w, f"device {w}") for w in mine],
-            {f"device {w}": budget for w in mine},
+            [(w, f"device {w}") for w, _ in mine],
+            {f"device {w}": budget for w, _ in mine},
             f"{k} devices of pipeline.memory_budget_gib={cfg.memory_budget_gib:g}",
         )
     members, capacity = [], {}
-    for w in mine:
-        device = torch.device(devices[w])
+    for w, name in mine:
+        device = torch.device(name)
         if device.type == "cuda":
             pool = str(device)
             capacity[pool] = float(torch.cuda.mem_get_info(device)[0])
@@ -180,6 +172,29 @@ def machine_memory(cfg: PipelineConfig, devices: Sequence[str], world: World) ->
             capacity.setdefault(pool, float(host_available()))
         members.append((w, pool))
     return Memory(members, capacity, _described(devices, capacity))
+
+
+def checked_devices(
+    cfg: PipelineConfig, devices: Sequence[str], world: World
+) -> list[tuple[int, str]]:
+    """(worker, device) of each device this process answers for: the K of the local executor;
+    under torchrun its own (never another rank's GPU) or, on a CPU host, every local rank's
+    (rank r runs worker r % K: replica 0's ranks are 0..K-1).
+
+    Example::
+
+        checked_devices(PipelineConfig(devices="cpu"), ["cpu", "cpu"], World())
+        # [(0, "cpu"), (1, "cpu")]
+    """
+    k = len(devices)
+    if world.size == 1:
+        return list(enumerate(devices))
+    own = rank_device(cfg, torch.cuda.device_count())
+    if own != "cpu":
+        return [(world.rank % k, own)]
+    first = world.rank - int(os.environ.get("LOCAL_RANK", 0))
+    ranks = range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return [(r % k, "cpu") for r in ranks]
 
 
 def _described(devices: Sequence[str], capacity: dict[str, float]) -> str:

@@ -14,9 +14,11 @@ from torch import nn
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig, TrainerConfig
 from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.runner.build import build_bundle, build_model, worker_devices
+from giantpipe.runner.dry_run import dry_run
 from giantpipe.runner.preflight import (
     GIB,
     check_fit,
+    checked_devices,
     forecast_run,
     host_available,
     machine_memory,
@@ -133,3 +135,41 @@ def test_stand_ins_share_the_host_a_budget_is_per_device():
     budget = machine_memory(PipelineConfig(memory_budget_gib=2.0), ["cpu", "cpu"], World())
     assert budget.members == [(0, "device 0"), (1, "device 1")]
     assert budget.capacity == {"device 0": 2 * GIB, "device 1": 2 * GIB}
+
+
+def test_dry_run_under_torchrun_is_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="trainer.dry_run: runs in one process") as info:
+        dry_run(tiny())
+    assert "\n" not in str(info.value)
+
+
+class Rank(World):
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.parametrize(
+    ("devices", "rank", "local", "per_host", "expected"),
+    [
+        # local executor: every device of this process
+        ("cpu", 0, None, None, [(0, "cpu"), (1, "cpu")]),
+        # torchrun on CPUs, K=2 x R=2, two ranks per host: rank 2's host runs ranks 2 and 3
+        ("cpu", 2, 0, 2, [(0, "cpu"), (1, "cpu")]),
+        ("cpu", 3, 1, 4, [(0, "cpu"), (1, "cpu"), (0, "cpu"), (1, "cpu")]),
+        # torchrun on GPUs: its own device only (rank 3 is worker 1 of replica 1, on cuda:3)
+        (["cuda:0", "cuda:1", "cuda:2", "cuda:3"], 3, 3, 4, [(1, "cuda:3")]),
+    ],
+)
+def test_each_process_checks_the_devices_it_answers_for(
+    devices, rank, local, per_host, expected, monkeypatch
+):
+    if local is not None:
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_host))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cfg = PipelineConfig(devices=devices, num_devices=2)
+    world = World() if local is None else Rank(rank, 4)
+    assert checked_devices(cfg, ["cpu", "cpu"] if devices == "cpu" else devices[:2], world) == (
+        expected
+    )
