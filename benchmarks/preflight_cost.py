@@ -3,12 +3,15 @@
 
     python benchmarks/preflight_cost.py                       # the default job, 3 rounds
     python benchmarks/preflight_cost.py --rounds 5 trainer.max_steps=10 trainer.eval_every=0
+    python benchmarks/preflight_cost.py --in-process --rounds 5    # the check alone, seconds
 
 Each run is a fresh process in a scratch directory, timed from start to exit (wall clock) with
 the CPU seconds it used (user + system) beside it; the two settings take turns within each round,
 so both see the same load, and each round's difference (check on - off) is taken within the
 round. Extra arguments are overrides given to both. The check's cost does not depend on the
 number of steps, so a shortened job measures the same difference with less noise.
+``--in-process`` times the check alone (wall and CPU seconds of each call), in one process whose
+first call has imported what it needs.
 """
 
 from __future__ import annotations
@@ -47,11 +50,50 @@ def timed(overrides: list[str], cwd: Path) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def in_process(overrides: list[str], rounds: int) -> None:
+    """Wall and CPU seconds of the check alone, ``rounds`` calls after a first one."""
+    sys.path[:0] = [str(REPO / "src"), str(REPO)]
+    from hydra import compose, initialize_config_dir
+
+    from giantpipe.cli.checks import check_config
+    from giantpipe.cli.registration import register_configs
+    from giantpipe.runner.build import build_bundle, build_model, worker_devices
+    from giantpipe.runner.preflight import check_fit
+    from giantpipe.runner.world import World
+
+    register_configs(REPO / "conf")
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = check_config(compose("config", overrides=overrides))
+    devices, _ = worker_devices(cfg.pipeline, World())
+    bundle = build_bundle(cfg, None)
+    times = []
+    for _ in range(rounds + 1):
+        wall, cpu = time.perf_counter(), time.process_time()
+        check_fit(cfg, bundle, devices, World(), lambda: build_model(cfg, bundle))
+        times.append((time.perf_counter() - wall, time.process_time() - cpu))
+    first, rest = times[0], times[1:]
+    print(f"\n`check_fit` on `python train.py {' '.join(overrides)}`'s config\n")
+    print("| call | wall s | CPU s |")
+    print("|---|---|---|")
+    print(f"| first (imports) | {first[0]:.2f} | {first[1]:.2f} |")
+    walls, cpus = [w for w, _ in rest], [c for _, c in rest]
+    print(
+        f"| median of {rounds} after it | {statistics.median(walls):.2f} | "
+        f"{statistics.median(cpus):.2f} |"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--in-process", action="store_true", help="time the check alone")
     parser.add_argument("overrides", nargs="*", help="given to both settings")
     options = parser.parse_args(argv)
+    if options.in_process:
+        print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        in_process(options.overrides, options.rounds)
+        print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        return
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     runs: dict[str, list[tuple[float, float]]] = {"true": [], "false": []}
     with tempfile.TemporaryDirectory() as scratch:
