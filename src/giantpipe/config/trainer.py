@@ -110,6 +110,12 @@ class TrainerConfig:
     """The least change of trainer.monitor that counts as an improvement."""
     callbacks: list[Any] = field(default_factory=list)
     """Your hooks: ``[{_target_: mypkg.MyCallback}]`` (the protocol: giantpipe.runner.callbacks)."""
+    memory_check: bool = True
+    """Before allocating, refuse a run whose forecast peak per device exceeds the memory there
+    (false: start it anyway; docs/running.md, "Pre-flight")."""
+    dry_run: bool = False
+    """Build on the meta device, print the plan, the memory per device and the step time
+    forecast, and exit 0: nothing trained, nothing saved (docs/running.md, "Pre-flight")."""
 
     def __post_init__(self) -> None:
         check_fields_finite(self, "trainer")

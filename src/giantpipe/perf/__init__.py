@@ -12,6 +12,7 @@ What lives here, one module per concept:
 - :mod:`.planner`: the best balance, M, re-materialization and schedule, by simulation, and
   the one rule that merges layers' costs into a stage's (``merge_costs``);
 - :mod:`.batch_fit`: the fastest batch of M micro-batches that fits in memory (Table 2);
+- :mod:`.fit`: whether a pipeline fits its devices' memory (the pre-flight check's verdict);
 - :mod:`.memory`, :mod:`.stage_memory`, :mod:`.sizing`: memory sized without allocating it
   (the live-bytes tracker under fake tensors, one stage's training step, the largest model
   that fits: Table 1);

@@ -56,6 +56,7 @@ from giantpipe.runner.pipeline import (
     resolve_devices,
 )
 from giantpipe.runner.planning import plan_pipeline
+from giantpipe.runner.preflight import check_fit
 from giantpipe.runner.registry import build_from_target
 from giantpipe.runner.world import World
 
@@ -277,6 +278,8 @@ def build_experiment(
 
     def model_and_plan() -> tuple[DataBundle, nn.Sequential, Any]:
         bundle = first or build_bundle(cfg, run_dir)
+        # before anything is allocated: each rank sizes the run against its own device
+        check_fit(cfg, bundle, devices, world, lambda: build_model(cfg, bundle))
         model = build_model(cfg, bundle)
         replicas = world.size // len(devices) if world.size % len(devices) == 0 else 1
         decided = plan_and_spec(cfg, model, bundle, devices, replicas) if world.rank == 0 else None

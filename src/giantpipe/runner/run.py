@@ -25,6 +25,7 @@ from giantpipe.config.trainer import check_trace_steps
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.runner.build import Experiment, build_experiment
 from giantpipe.runner.callbacks import build_callbacks
+from giantpipe.runner.dry_run import dry_run
 from giantpipe.runner.keeping import Keeping
 from giantpipe.runner.loop import TrainingLoop
 from giantpipe.runner.monitor import check_monitor
@@ -103,6 +104,8 @@ def train(
     ``config_yaml`` an interpolation sets, which a resume does not compare (see
     giantpipe.runner.rundir.check_resumed_config).
     """
+    if cfg.trainer.dry_run:  # the forecast only: no world, no run directory claimed
+        return dry_run(cfg)
     start = time.perf_counter()
     world = open_world(cfg.pipeline)
     try:
