@@ -15,12 +15,6 @@ import torch
 from torch import nn
 
 from giantpipe.engine.distributed.layout import Layout
-from giantpipe.engine.distributed.meta import (
-    allocate_layers,
-    build_on_meta,
-    init_layers,
-    seeded_init,
-)
 from giantpipe.engine.distributed.p2p import expected_receives, receive_plan
 from giantpipe.engine.distributed.shards import atomic_save
 from giantpipe.engine.distributed.wire import (
@@ -32,6 +26,12 @@ from giantpipe.engine.distributed.wire import (
     header,
     prefix_of,
     words_of,
+)
+from giantpipe.engine.meta import (
+    allocate_layers,
+    build_on_meta,
+    init_layers,
+    seeded_init,
 )
 from giantpipe.engine.schedules import build_schedule
 

@@ -18,7 +18,9 @@ the test compares across ranks:
    pipe's ``grad_scaler``: every rank skips the step and halves the scale; a clean step after
    moves every rank;
 6. the ordered transport's payload sends and receives of step 1, recorded: exactly the order
-   ``message_order.worker_ops`` gives (the test replays every rank's under NCCL's rule).
+   ``message_order.worker_ops`` gives (the test replays every rank's under NCCL's rule);
+7. building by share, a deeper model from meta: the shards hold the plain model's initial
+   weights, and no rank holds more than its share and one layer (:mod:`.share_workers`).
 
 Gradients and weights are read as whole tensors (``full_tensor`` of a sharded parameter) or as
 this rank's shard (``to_local``), so the checks hold however the replicas hold a stage.
@@ -37,9 +39,9 @@ from torch import nn
 
 from giantpipe.engine.distributed.layout import WARM_UP, Layout, warm_up_order
 from giantpipe.engine.distributed.message_order import worker_ops
-from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.ordered import PAYLOADS
 from giantpipe.engine.distributed.pipe import DistributedPipe
+from giantpipe.engine.meta import init_layers
 from giantpipe.runner.build import parameter_names
 from giantpipe.runner.checkpoint.restore import restore
 from giantpipe.runner.checkpoint.saving import save_run
@@ -48,6 +50,7 @@ from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
 from tests.distributed.order_workers import recording
 from tests.distributed.workers import reference, shard
+from tests.unit.engine.distributed.share_workers import check_share
 
 SEED, INIT, CHUNKS, MAX_NORM, BAD_RANK = 5, 3, 4, 0.05, 3
 LOSS = nn.functional.cross_entropy
@@ -210,4 +213,5 @@ def check(tmp: Path) -> dict[str, Any]:
         opt.zero_grad()
     out["moved"], out["scales"], out["losses"] = moved, scales, losses
     pipe.release()
+    out["share"] = check_share()  # 7. building by share (share_workers.py)
     return out

@@ -21,6 +21,10 @@ from tests.distributed.nccl_rules import DeviceOp, replay
 
 pytestmark = pytest.mark.distributed
 
+BUILD_SLACK = 64 * 1024
+"""Bytes a rank may allocate while it builds beyond its share and one whole layer (the layer
+being made whole, its shard copied out): the warm-up's and the groups' small tensors."""
+
 
 def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Path) -> None:
     results = spawn("tests.unit.engine.distributed.k2_r2_workers:check", world=4, tmp=tmp_path)
@@ -38,3 +42,9 @@ def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Pa
         for r in results
     }
     assert replay(ops) == sum(len(v) for v in ops.values()) // 2 > 0
+    # built by share: the plain model's weights, each rank its shard and never a whole stage
+    for share in (r["share"] for r in results):
+        assert share["equal"] and share["names"] == 16  # 8 layers' weights and biases
+        assert share["held"] == share["share"]
+        assert share["peak"] <= share["share"] + 2 * share["layer"] + BUILD_SLACK, share
+        assert share["stage"] > 2 * share["layer"] + BUILD_SLACK  # a whole stage would show
