@@ -2,10 +2,11 @@
 
 Nothing is downloaded: ``AutoConfig.for_model(architecture, ...)`` and
 ``AutoModelForCausalLM.from_config`` make the model of the given shape. The builder returns the
-Hugging Face module itself; the runner (``giantpipe.runner.build``) captures it as the flat
+Hugging Face module itself; the runner (``giantpipe.runner.model``) captures it as the flat
 Sequential the engine cuts, with ``giantpipe.sequentialize``. Needs the ``hf`` extra
 (``pip install -e ".[hf]"``); this module imports transformers only when a model is built.
-``models.options.HfCausalLmModelConfig`` is the schema of ``model=hf_causal_lm``.
+``models.options.HfCausalLmModelConfig`` is the schema of ``model=hf_causal_lm``. Built
+without its parameters (``pipeline.build=meta``), each piece is filled by :func:`init_module`.
 
 Generation: the captured pieces of the types in :data:`CACHED_TYPES` can keep key/value caches
 (:func:`give_caches`). Training runs the captured graph, unchanged; each piece also gets a
@@ -67,9 +68,23 @@ def hf_causal_lm(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: nn.Module = transformers.AutoModelForCausalLM.from_config(made)
-    # what the runner calls once the model is captured (a plain function: no cycle to the model)
+    # what the runner calls once the model is captured (plain functions: no cycle to the model)
     setattr(model, "giantpipe_cache_pieces", give_caches)  # noqa: B010 - not a module field
+    setattr(model, "giantpipe_init_module", init_module)  # noqa: B010 - not a module field
     return model
+
+
+def init_module(model: nn.Module, module: nn.Module) -> None:
+    """Hugging Face's own initialisation of one submodule of ``model`` (its ``_init_weights``:
+    N(0, initializer_range) linears and embeddings, ones for norms, the family's own rules):
+    what fills the parameters of a model built without them, one piece at a time, as
+    ``from_config`` would have.
+
+    Example::
+
+        init_module(model, model.lm_head)      # lm_head.weight ~ N(0, 0.02)
+    """
+    model._init_weights(module)  # type: ignore[operator]  # noqa: SLF001 - the model's own rule
 
 
 def _config_keys(
