@@ -367,11 +367,12 @@ def init_weights(model: nn.Module, d_model: int, factor: float, pad_id: int | No
 
 
 def layer_init(d_model: int, factor: float, pad_id: int | None) -> Callable[[int, nn.Module], None]:
-    """:func:`init_weights` one child at a time, ``init(index, child)``: the model's own
-    initialisation as a pipeline that builds it without its parameters fills each child it
-    holds (the builders set it as ``giantpipe_init_layer``). A child alone gets the whole
-    model's rules: an output head holds no embedding, so an untied one gets the embedding's
-    scale, and a tied one is the embedding's table, filled once by child 0.
+    """The model's own initialisation one child at a time, ``init(index, child)``: what its
+    modules' constructors set (``reset_parameters``), then :func:`init_weights`; what a pipeline
+    that builds the model without its parameters calls for each child it holds (the builders
+    set it as ``giantpipe_init_layer``). A child alone gets the whole model's rules: an output
+    head holds no embedding, so an untied one gets the embedding's scale, and a tied one is the
+    embedding's table, filled once by child 0.
 
     Example::
 
@@ -384,6 +385,10 @@ def layer_init(d_model: int, factor: float, pad_id: int | None) -> Callable[[int
 def _init_child(
     index: int, child: nn.Module, d_model: int, factor: float, pad_id: int | None
 ) -> None:
+    for module in child.modules():  # what the constructors set first (norms: ones and zeros)
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
     init_weights(child, d_model, factor, pad_id)
 
 

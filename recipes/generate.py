@@ -49,8 +49,8 @@ from giantpipe.data.translation.decoding import pipelined_decode
 from giantpipe.engine.generate import Decoding, generate
 from giantpipe.engine.generate.caches import check_cached
 from giantpipe.perf.balance import even_balance
-from giantpipe.runner.build import capture
 from giantpipe.runner.checkpoint.init_from import matching, read_weights
+from giantpipe.runner.model import capture
 
 
 def fail(message: str) -> NoReturn:
