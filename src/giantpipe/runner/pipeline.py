@@ -165,7 +165,7 @@ def build_pipeline(
     engine. The spec is made and checked once, on rank 0, and handed to the others; a model
     whose init leaves a parameter unset names ``pipeline.build``."""
     devices, own = worker_devices(cfg.pipeline, world)
-    replicas = world.size // len(devices)
+    replicas = 1 if world.size == 1 else world.size // len(devices)
 
     def decide() -> Any:  # rank 0's (spec, plan choice); None elsewhere
         return (
