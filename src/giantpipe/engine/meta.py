@@ -1,18 +1,12 @@
 """A model built without its parameters, its layers made real one at a time, each by its own init.
 
-:func:`build_on_meta` runs a builder with every parameter on the meta device (nothing is
-allocated) and buffers real (a position table computed in ``__init__`` stays). A pipe then
-makes only the layers it holds real (:func:`materialize`): each allocated on the host, filled by
-a :data:`LayerInit` and moved to its device, so the host never holds more than one layer beyond
-what the pipe keeps. :func:`seeded` draws layer ``i``'s values under a seed of (run seed, ``i``)
-alone, so a run starts from the same weights whatever K, R, V, schedule, executor or device
-(docs/engine.md, "Giant from the first byte").
-
-Example:
+:func:`build_on_meta` runs a builder with parameters on the meta device and buffers real; a pipe
+then makes real only the layers it holds (:func:`materialize`: each allocated on the host,
+filled by a :data:`LayerInit`, moved to its device). :func:`seeded` draws layer ``i`` under a
+seed of (run seed, ``i``) alone: the same weights whatever the layout (docs/engine.md, "Giant
+from the first byte").
 
 >>> model = build_on_meta(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
->>> model[0].weight.device.type
-'meta'
 >>> allocate_layers(model, [2], torch.device("cpu"), init=seeded_init(seed=0))
 >>> model[2].weight.device.type, model[0].weight.device.type
 ('cpu', 'meta')

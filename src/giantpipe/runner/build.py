@@ -1,14 +1,11 @@
 """Build every part of an experiment from its config, checking it before any training work.
 
-One build for both executors: the data bundle, the model (built on meta, :mod:`.model`), the
-pipe (devices, spec and engine, :mod:`.pipeline`), then what trains it (optimizer, LR schedule,
-loss, EMA). The local executor is a world of one: its pipe is a
-:class:`~giantpipe.engine.GPipe` over K devices of this process. Under torchrun every rank
-builds the same things in the same order but makes real only its own stages (its shards, with
-replicas), with an optimizer and an EMA over its parameters, and data only where stage 0
-(inputs) or the last stage (targets) is; no rank holds the whole model. What one rank decides
-for all (the plan, a profiled balance) is decided on rank 0 and handed to the others; a failure
-on any rank fails every rank at once (:meth:`~giantpipe.runner.world.World.agree`).
+One build for both executors: the data bundle, the model (on meta, :mod:`.model`), the pipe
+(devices, spec and engine, :mod:`.pipeline`), then what trains it (optimizer, LR schedule, loss,
+EMA). Under torchrun every rank builds the same things in the same order but makes real only
+its own stages (its shards, with replicas), and holds data only where its stages need it; what
+one rank decides for all (the plan, a profiled balance) rank 0 decides, and a failure on any
+rank fails every rank (:meth:`~giantpipe.runner.world.World.agree`).
 
 Example::
 
@@ -28,7 +25,6 @@ from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.data.bundle import DataBundle
-from giantpipe.engine.generate.caches import check_cached
 from giantpipe.engine.pipe import Pipe
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.ema import WeightEMA
@@ -146,9 +142,7 @@ def build_experiment(
 
     def data_and_model() -> tuple[DataBundle, Model]:
         bundle = first or build_bundle(cfg, run_dir)
-        model = build_model(cfg, bundle)  # on meta: nothing allocated
-        check_generates(cfg, bundle, model.layers)
-        return bundle, model
+        return bundle, build_model(cfg, bundle)  # on meta: nothing allocated
 
     bundle, model = world.agree(data_and_model)
     loss_fn = loss_of(cfg, bundle)
@@ -156,20 +150,6 @@ def build_experiment(
     return _training_parts(
         cfg, bundle, model.layers if world.size == 1 else None, pipeline, loss_fn
     )
-
-
-def check_generates(cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential) -> None:
-    """An evaluation that decodes through the pipe (held-out BLEU, LM samples) needs a model
-    whose children can keep key/value caches: refused up front, naming the key that asked."""
-    hook = bundle.evaluate_model
-    if not getattr(hook, "takes_pipe", False):
-        return
-    try:
-        check_cached(list(model))
-    except TypeError as err:
-        arch = getattr(cfg.model, "architecture", None)
-        named = f"model {arch!r}: " if arch else ""
-        raise ConfigError(getattr(hook, "config_key", "model._target_"), named + str(err)) from err
 
 
 def _training_parts(

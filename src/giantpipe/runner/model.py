@@ -1,19 +1,15 @@
 """The model from its config: flat, built on meta (or whole on the host), with its layers' init.
 
-``pipeline.build=meta`` (the default) builds the model with its parameters on the meta device;
-each pipe then makes real only the layers it holds, layer ``i`` filled by the model's own init
-under a seed of (``trainer.seed``, ``i``): no process holds the whole model, and the weights are
-the same whatever the layout. A model offers its own init per layer as
-``giantpipe_init_layer(index, layer)`` on the Sequential it builds (the Transformers), or, when
-captured, per submodule as ``giantpipe_init_module(model, module)`` (Hugging Face's); otherwise
-each module's ``reset_parameters()`` is its init. ``pipeline.build=host`` builds it whole as its
-constructor does (docs/engine.md, "Giant from the first byte").
+``pipeline.build=meta`` builds it with its parameters on the meta device; each pipe makes real
+only the layers it holds, layer ``i`` filled by the model's own init under (``trainer.seed``,
+``i``): a Sequential's ``giantpipe_init_layer(index, layer)``, a captured model's
+``giantpipe_init_module(model, module)``, else each module's ``reset_parameters()``.
+``pipeline.build=host`` builds it whole as its constructor does (docs/engine.md).
 
 Example::
 
     model = build_model(cfg, bundle)
-    model.layers         # the flat Sequential, its parameters on meta
-    model.init           # what fills layer i (None when built on the host: filled already)
+    model.layers, model.init    # the flat Sequential on meta; what fills layer i
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.data.bundle import DataBundle
 from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
 from giantpipe.engine.capture.init import piece_init, reset_module
+from giantpipe.engine.generate.caches import check_cached
 from giantpipe.engine.meta import LayerInit, build_on_meta, reset_parameters, seeded
 from giantpipe.engine.microbatch import as_tuple
 from giantpipe.runner.registry import build_from_target
@@ -47,7 +44,8 @@ class Model:
 def build_model(cfg: ExperimentConfig, bundle: DataBundle | None = None) -> Model:
     """The model from its ``_target_`` as ``pipeline.build`` says: a flat, non-empty Sequential
     as built, or any other module captured as one (:func:`capture_model`, on a sample of
-    ``bundle``'s training data)."""
+    ``bundle``'s training data), checked against the data's evaluation
+    (:func:`check_generates`)."""
     model = _construct(cfg)
     if isinstance(model, nn.Sequential) and not isinstance(model, Sequentialized):
         if len(model) == 0:
@@ -65,6 +63,8 @@ def build_model(cfg: ExperimentConfig, bundle: DataBundle | None = None) -> Mode
         raise ValueError(f"{type(model).__name__} is captured on a sample of its data: pass bundle")
     else:
         layers = capture_model(model, cfg, bundle)
+    if bundle is not None:
+        check_generates(cfg, bundle, layers)
     if cfg.pipeline.build == "host":
         return Model(layers, None)
     own = getattr(layers, "giantpipe_init_layer", reset_parameters)
@@ -87,6 +87,20 @@ def _construct(cfg: ExperimentConfig) -> Any:
             f"the model cannot be built without its parameters ({reason}); "
             "pipeline.build=host builds it whole on each process's host",
         ) from err
+
+
+def check_generates(cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential) -> None:
+    """An evaluation that decodes through the pipe (held-out BLEU, LM samples) needs a model
+    whose children can keep key/value caches: refused up front, naming the key that asked."""
+    hook = bundle.evaluate_model
+    if not getattr(hook, "takes_pipe", False):
+        return
+    try:
+        check_cached(list(model))
+    except TypeError as err:
+        arch = getattr(cfg.model, "architecture", None)
+        named = f"model {arch!r}: " if arch else ""
+        raise ConfigError(getattr(hook, "config_key", "model._target_"), named + str(err)) from err
 
 
 def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -> nn.Sequential:

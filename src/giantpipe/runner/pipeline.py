@@ -1,17 +1,11 @@
 """From the config to the pipe, one way: devices, then the spec, then the engine.
 
-:func:`build_pipeline` takes the experiment's ``pipeline`` keys to a pipe: the K workers'
-devices (this process's, or under torchrun each pipeline rank's own), the spec (the config's
-shape and balance, or the planner's under ``pipeline.plan=auto``; made and checked on rank 0 and
-handed to the others), then a :class:`~giantpipe.engine.GPipe` over the devices or this rank's
-:class:`~giantpipe.engine.distributed.pipe.DistributedPipe`, each making real only the layers it
-holds (:mod:`giantpipe.runner.model`). The world is K pipeline ranks x R replicas::
-
-    K: len(pipeline.balance) / V for a listed balance, else pipeline.num_devices, else the
-       world size (R = 1)
-
-A bad device list, a balance that does not fit the model or more stages than devices is a
-ConfigError naming the ``pipeline.*`` key, before any layer is made real.
+:func:`build_pipeline` takes the ``pipeline`` keys to the K workers' devices (this process's, or
+each pipeline rank's own), the spec (the config's balance or the planner's, made and checked on
+rank 0) and a GPipe or this rank's DistributedPipe, each making real only the layers it holds.
+The world is K pipeline ranks x R replicas, K the length of a listed ``pipeline.balance`` / V,
+else ``pipeline.num_devices``, else the world size. A bad device list or balance is a
+ConfigError naming its ``pipeline.*`` key, before any layer is made real.
 
 Example::
 
@@ -266,9 +260,8 @@ def resolve_balance(
         )
     if cfg.balance == "params":
         return balance_by_params(stages, layers)  # counts elements: on meta too
-    if cfg.balance == "time":
-        return balance_by_time(stages, runnable(model), sample, device=devices[0])
-    return balance_by_size(stages, runnable(model), sample, device=devices[0])
+    policy = balance_by_time if cfg.balance == "time" else balance_by_size
+    return policy(stages, runnable(model), sample, device=devices[0])
 
 
 def pipeline_spec(
