@@ -14,13 +14,14 @@ from the first byte").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
 from torch import nn
 
+from giantpipe.engine.partition import shared_parameters
 from giantpipe.engine.rng import mix
 
 LayerInit = Callable[[int, nn.Module], None]
@@ -149,7 +150,10 @@ def allocate_layers(
 
 
 def materialize(
-    model: nn.Sequential, places: Mapping[int, torch.device], init: LayerInit | None
+    model: nn.Sequential,
+    places: Mapping[int, torch.device],
+    init: LayerInit | None,
+    tied: Collection[tuple[int, str]] = (),
 ) -> None:
     """Gives the layers ``places`` names real parameters, each layer on its device; the
     others stay as they are. One layer at a time, in order: its meta parameters (and meta
@@ -157,10 +161,13 @@ def materialize(
     set by ``init(index, layer)`` and moved to the layer's device; real ones are moved.
 
     A parameter shared by several layers is made once, by the first (its device, its value):
-    a later layer's init sees a scratch tensor in its place. With ``init`` None the values are
-    left unset, allocated on the device (a state dict is loaded right after). A parameter the
-    init leaves unset is an :class:`UnsetError`.
+    a later layer's init sees a scratch tensor in its place; where the first is not made here
+    (another rank holds it), its value comes from there, so this layer's init need not set it
+    (``tied`` adds such (layer, name) pairs that ``model`` cannot show: a one-layer copy). With
+    ``init`` None the values are left unset, allocated on the device (a state dict is loaded
+    right after). Any other parameter the init leaves unset is an :class:`UnsetError`.
     """
+    later = {place for group in shared_parameters(model) for place in group[1:]} | set(tied)
     made: dict[int, nn.Parameter] = {}  # id of a parameter as found -> the real one
     filled: set[int] = set()  # real parameters that hold their values
     for index in sorted(places):
@@ -181,7 +188,7 @@ def materialize(
                     fresh.append(blank)
         if fresh and init is not None:
             _fill(init, index, layer, filled)
-            _check_set(index, layer, fresh)
+            _check_set(index, layer, fresh, {name for i, name in later if i == index})
         _move(layer, fresh, device)
 
 
@@ -233,8 +240,9 @@ def _fill(init: LayerInit, index: int, layer: nn.Module, filled: set[int]) -> No
     filled.update(id(p) for p in layer.parameters())
 
 
-def _check_set(index: int, layer: nn.Module, fresh: list[torch.Tensor]) -> None:
+def _check_set(index: int, layer: nn.Module, fresh: list[torch.Tensor], tied: set[str]) -> None:
     unset = {id(t) for t in fresh if t.is_floating_point() and bool(t.isnan().any())}
+    unset -= {id(t) for n, t in _tensors(layer) if n in tied}  # an earlier layer's values
     names = [n for n, t in _tensors(layer) if id(t) in unset]
     if names:
         raise UnsetError(

@@ -87,6 +87,27 @@ def test_a_parameter_no_init_reaches_is_refused_by_name() -> None:
         allocate_layers(model, [0, 1], torch.device("cpu"), seeded_init(SEED))
 
 
+class TiedHead(nn.Module):
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight  # the embedding's: nothing here initialises it
+
+
+def test_a_tied_parameter_held_without_its_first_layer_comes_from_there() -> None:
+    def build() -> nn.Sequential:
+        embed = nn.Embedding(10, 8)
+        return nn.Sequential(embed, nn.Linear(8, 8), TiedHead(embed.weight))
+
+    model = build_on_meta(build)
+    allocate_layers(model, [2], torch.device("cpu"), seeded_init(SEED))  # as the last rank does
+    assert model[0].weight.is_meta and not model[2].weight.is_meta  # its values: TiedSync's
+    alone = build_on_meta(
+        lambda: nn.Sequential(nn.Linear(8, 8), TiedHead(nn.Parameter(torch.ones(2))))
+    )
+    with pytest.raises(UnsetError, match=r"layer 1 \(TiedHead\)"):  # tied to nothing: unset
+        allocate_layers(alone, [1], torch.device("cpu"), seeded_init(SEED))
+
+
 def test_a_model_init_of_its_own_is_called_per_layer() -> None:
     def own(index: int, layer: nn.Module) -> None:
         for p in layer.parameters():

@@ -179,7 +179,7 @@ class DistributedPipe(Pipe):
         # init_process_group without init_distributed): NCCL and object collectives use it.
         self.device = bind_device(resolve_device(device))
         self.transport = choose_transport(transport, self.device)
-        shared = shared_parameters(model)  # tied parameters, found before the layers are copied
+        shared = self._shared = shared_parameters(model)  # found before the layers are copied
         self._hold_layers(model, seed, init, spec.deferred_batch_norm)
         self.groups = build_groups(self.layout, self.timeout, self.device)
         self.board = FailureBoard(default_store(), self.layout.label())
@@ -237,7 +237,8 @@ class DistributedPipe(Pipe):
         if copies is not None:
             layers = [layer for s in stages for layer in self.partitions[s].children()]
             held = dict(zip(held_layers(self.balance, stages), layers, strict=True))
-            fill = functools.partial(fill_shards, held, copies, self._init, self.device)
+            tied = [place for group in self._shared for place in group[1:]]
+            fill = functools.partial(fill_shards, held, copies, self._init, self.device, tied)
         parts = {s: self.partitions[s] for s in stages}
         return ReplicaShards(parts, self.groups.replica, self.device, mode, policy, fill)
 

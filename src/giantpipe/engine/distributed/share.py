@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -79,18 +79,22 @@ def fill_shards(
     meta_copies: Mapping[int, nn.Module],
     init: LayerInit | None,
     device: torch.device,
+    tied: Collection[tuple[int, str]] = (),
 ) -> None:
     """Sets this rank's shards of ``layers`` (spread by FSDP2, allocated, by index) to their part
     of each layer's whole init: layer ``i`` made whole on the host from ``meta_copies[i]`` and
     filled by ``init(i, ...)``, each parameter's shard (as the sharded one is placed) copied
     out, the whole freed before the next layer. A parameter shared by several layers takes the
-    first's values. Buffers (which allocating the shards left empty) are the whole layer's.
+    first's values (``tied``: the (layer, name) places of parameters an earlier layer holds, which
+    the copy of one layer cannot show). Buffers (which allocating the shards left empty) are
+    the whole layer's.
     ``init`` None leaves the parameters unset (a checkpoint is loaded right after)."""
     filled: set[int] = set()
     for index in sorted(layers):
         whole = nn.Sequential(copy.deepcopy(meta_copies[index]))  # the copy stays on meta
         if init is not None:
-            materialize(whole, {0: HOST}, _at(init, index))
+            followers = [(0, name) for i, name in tied if i == index]
+            materialize(whole, {0: HOST}, _at(init, index), followers)
         held = dict(layers[index].named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, value in whole[0].named_parameters(remove_duplicate=False):
