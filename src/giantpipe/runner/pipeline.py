@@ -40,7 +40,83 @@ from giantpipe.runner.model import Model
 from giantpipe.runner.planning import plan_pipeline
 from giantpipe.runner.world import World
 
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What :func:`build_pipeline` gives the run."""
+
+    pipe: Pipe
+    feeds: tuple[str, str]
+    """Where this process's inputs and targets go (stage 0's device, the last stage's)."""
+    plan_choice: dict[str, Any] | None
+    """pipeline.plan=auto: the planner's choice and its predictions (summary.json); else None."""
+
+
+def build_pipeline(
+    cfg: ExperimentConfig, model: Model, bundle: DataBundle, loss_fn: LossFn, world: World
+) -> Pipeline:
+    """Devices, spec, pipe (collective under torchrun): the one way from the config to the
+    engine. The spec is made and checked once, on rank 0, and handed to the others; a model
+    whose init leaves a parameter unset names ``pipeline.build``."""
+    devices, own = worker_devices(cfg.pipeline, world)
+    replicas = 1 if world.size == 1 else world.size // len(devices)
+
+    def decide() -> Any:  # rank 0's (spec, plan choice); None elsewhere
+        if world.rank != 0:
+            return None
+        return plan_and_spec(cfg, model, bundle, devices, loss_fn, replicas)
+
+    spec, plan_choice = world.from_rank0(world.agree(decide))
+    try:
+        if world.size == 1:
+            local = GPipe(model.layers, spec=spec, init=model.init)
+            return Pipeline(local, (devices[0], devices[spec.num_workers - 1]), plan_choice)
+        pipe = DistributedPipe(
+            model.layers,
+            spec=spec,
+            device=torch.device(own),
+            init=model.init,
+            replica_sharding=cfg.pipeline.replica_sharding,
+            mixed_precision=mixed_precision_policy(cfg.pipeline.precision, own),
+        )
+    except UnsetError as err:
+        raise ConfigError(
+            "pipeline.build",
+            f"{err}: give the model's Sequential a giantpipe_init_layer "
+            "(docs/your-data.md), or build it whole with pipeline.build=host",
+        ) from err
+    world.bind(pipe)
+    return Pipeline(pipe, (own, own), plan_choice)
+
+
+def worker_devices(cfg: PipelineConfig, world: World) -> tuple[list[str], str]:
+    """The K workers' devices, and this process's own (collective under torchrun)."""
+    cuda = torch.cuda.device_count()
+    if world.size == 1:
+        devices = resolve_devices(cfg, cuda)
+        return devices, devices[0]
+    k, own = world.agree(lambda: (pipeline_ranks(cfg, world.size), rank_device(cfg, cuda)))
+    return [str(d) for d in world.gather(own)[:k]], own  # replica 0's ranks are 0..K-1
+
+
 DEFAULT_CPU_STAND_INS = 2
+
+
+def resolve_devices(cfg: PipelineConfig, cuda_count: int) -> list[str]:
+    """Device names for the stages, before trimming to the number of stages.
+
+    Example::
+
+        resolve_devices(PipelineConfig(devices="cpu", num_devices=3), cuda_count=0)
+        # ["cpu", "cpu", "cpu"]
+    """
+    if isinstance(cfg.devices, list | tuple):
+        listed = _check_listed(list(cfg.devices), cuda_count)
+        return listed[: cfg.num_devices] if cfg.num_devices else listed
+    if cfg.devices == "cuda" or (cfg.devices == "auto" and cuda_count > 0):
+        return _cuda_devices(cfg, cuda_count)
+    # cpu, or auto without GPUs: stand-in devices that share this machine's cores.
+    return ["cpu"] * (_requested_count(cfg) or DEFAULT_CPU_STAND_INS)
 
 
 def _requested_count(cfg: PipelineConfig) -> int | None:
@@ -70,23 +146,6 @@ def _check_listed(devices: list[str], cuda_count: int) -> list[str]:
     return list(devices)
 
 
-def resolve_devices(cfg: PipelineConfig, cuda_count: int) -> list[str]:
-    """Device names for the stages, before trimming to the number of stages.
-
-    Example::
-
-        resolve_devices(PipelineConfig(devices="cpu", num_devices=3), cuda_count=0)
-        # ["cpu", "cpu", "cpu"]
-    """
-    if isinstance(cfg.devices, list | tuple):
-        listed = _check_listed(list(cfg.devices), cuda_count)
-        return listed[: cfg.num_devices] if cfg.num_devices else listed
-    if cfg.devices == "cuda" or (cfg.devices == "auto" and cuda_count > 0):
-        return _cuda_devices(cfg, cuda_count)
-    # cpu, or auto without GPUs: stand-in devices that share this machine's cores.
-    return ["cpu"] * (_requested_count(cfg) or DEFAULT_CPU_STAND_INS)
-
-
 def pipeline_ranks(cfg: PipelineConfig, world: int) -> int:
     """K, the pipeline ranks, for a world of ``world`` processes (the rest are replicas).
 
@@ -95,10 +154,8 @@ def pipeline_ranks(cfg: PipelineConfig, world: int) -> int:
         pipeline_ranks(PipelineConfig(num_devices=2), world=4)    # 2: two replicas of K=2
     """
     if isinstance(cfg.balance, list | tuple):
-        k, key = (
-            len(cfg.balance) // virtual_stages_of(cfg.schedule, cfg.virtual_stages),
-            "pipeline.balance",
-        )
+        v = virtual_stages_of(cfg.schedule, cfg.virtual_stages)
+        k, key = len(cfg.balance) // v, "pipeline.balance"
     elif cfg.num_devices is not None:
         k, key = cfg.num_devices, "pipeline.num_devices"
     else:
@@ -141,66 +198,6 @@ def rank_device(cfg: PipelineConfig, cuda_count: int, local_rank: int | None = N
     return "cpu"
 
 
-@dataclass(frozen=True)
-class Pipeline:
-    """What :func:`build_pipeline` gives the run."""
-
-    pipe: Pipe
-    feeds: tuple[str, str]
-    """Where this process's inputs and targets go (stage 0's device, the last stage's)."""
-    plan_choice: dict[str, Any] | None
-    """pipeline.plan=auto: the planner's choice and its predictions (summary.json); else None."""
-
-
-def build_pipeline(
-    cfg: ExperimentConfig, model: Model, bundle: DataBundle, loss_fn: LossFn, world: World
-) -> Pipeline:
-    """Devices, spec, pipe (collective under torchrun): the one way from the config to the
-    engine. The spec is made and checked once, on rank 0, and handed to the others; a model
-    whose init leaves a parameter unset names ``pipeline.build``."""
-    devices, own = worker_devices(cfg.pipeline, world)
-    replicas = 1 if world.size == 1 else world.size // len(devices)
-
-    def decide() -> Any:  # rank 0's (spec, plan choice); None elsewhere
-        return (
-            plan_and_spec(cfg, model, bundle, devices, loss_fn, replicas)
-            if world.rank == 0
-            else None
-        )
-
-    spec, plan_choice = world.from_rank0(world.agree(decide))
-    try:
-        if world.size == 1:
-            local = GPipe(model.layers, spec=spec, init=model.init)
-            return Pipeline(local, (devices[0], devices[spec.num_workers - 1]), plan_choice)
-        pipe = DistributedPipe(
-            model.layers,
-            spec=spec,
-            device=torch.device(own),
-            init=model.init,
-            replica_sharding=cfg.pipeline.replica_sharding,
-            mixed_precision=mixed_precision_policy(cfg.pipeline.precision, own),
-        )
-    except UnsetError as err:
-        raise ConfigError(
-            "pipeline.build",
-            f"{err}: give the model's Sequential a giantpipe_init_layer "
-            "(docs/your-data.md), or build it whole with pipeline.build=host",
-        ) from err
-    world.bind(pipe)
-    return Pipeline(pipe, (own, own), plan_choice)
-
-
-def worker_devices(cfg: PipelineConfig, world: World) -> tuple[list[str], str]:
-    """The K workers' devices, and this process's own (collective under torchrun)."""
-    cuda = torch.cuda.device_count()
-    if world.size == 1:
-        devices = resolve_devices(cfg, cuda)
-        return devices, devices[0]
-    k, own = world.agree(lambda: (pipeline_ranks(cfg, world.size), rank_device(cfg, cuda)))
-    return [str(d) for d in world.gather(own)[:k]], own  # replica 0's ranks are 0..K-1
-
-
 def plan_and_spec(
     cfg: ExperimentConfig,
     model: Model,
@@ -215,12 +212,32 @@ def plan_and_spec(
     sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
     if cfg.pipeline.plan == "auto":
         layers = runnable(model)
-        return plan_pipeline(
-            cfg, layers, devices, sample_inputs, sample_targets, loss_fn, replicas=replicas
-        )
+        return plan_pipeline(cfg, layers, devices, sample_inputs, sample_targets, loss_fn, replicas)
     sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
     balance = resolve_balance(cfg.pipeline, model, devices, sample)
     return pipeline_spec(cfg.pipeline, balance, devices, len(model.layers)), None
+
+
+def resolve_balance(
+    cfg: PipelineConfig, model: Model, devices: list[str], sample: Tensors
+) -> list[int]:
+    """A list of layers per stage: the configured list, or the engine's policy over all devices.
+
+    ``sample`` is one micro-batch of inputs (used by the ``time`` and ``memory`` policies, which
+    run the layers: :func:`runnable`).
+    """
+    if isinstance(cfg.balance, list):
+        return list(cfg.balance)
+    layers = model.layers
+    stages = len(devices) * virtual_stages_of(cfg.schedule, cfg.virtual_stages)
+    if stages > len(layers):
+        raise ConfigError(
+            "pipeline.num_devices", f"{stages} stages but the model has only {len(layers)} layers"
+        )
+    if cfg.balance == "params":
+        return balance_by_params(stages, layers)  # counts elements: on meta too
+    policy = balance_by_time if cfg.balance == "time" else balance_by_size
+    return policy(stages, runnable(model), sample, device=devices[0])
 
 
 def runnable(model: Model) -> nn.Sequential:
@@ -238,30 +255,6 @@ def micro_batch_sample(inputs: Tensors, chunks: int) -> Tensors:
     """The first micro-batch of ``inputs``: what the time / memory balance policies profile."""
     size = math.ceil(batch_size(inputs) / chunks)
     return tuple(t[:size] for t in inputs) if isinstance(inputs, tuple) else inputs[:size]
-
-
-def resolve_balance(
-    cfg: PipelineConfig, model: Model, devices: list[str], sample: Tensors
-) -> list[int]:
-    """A list of layers per stage: the configured list, or the engine's policy over all devices.
-
-    ``sample`` is one micro-batch of inputs (used by the ``time`` and ``memory`` policies, which
-    run the layers: :func:`runnable`).
-    """
-    if isinstance(cfg.balance, list):
-        return list(cfg.balance)
-    stages, layers = (
-        len(devices) * virtual_stages_of(cfg.schedule, cfg.virtual_stages),
-        model.layers,
-    )
-    if stages > len(layers):
-        raise ConfigError(
-            "pipeline.num_devices", f"{stages} stages but the model has only {len(layers)} layers"
-        )
-    if cfg.balance == "params":
-        return balance_by_params(stages, layers)  # counts elements: on meta too
-    policy = balance_by_time if cfg.balance == "time" else balance_by_size
-    return policy(stages, runnable(model), sample, device=devices[0])
 
 
 def pipeline_spec(
