@@ -45,6 +45,10 @@ TINY = 16
 """The hidden width of the baseline run: what a process holds with (almost) no model."""
 LIMIT = 1.15
 """Issue 37's bound: a rank's peak over the tiny run's, in units of its share."""
+MMAP_THRESHOLD = 0
+"""--mmap-threshold: glibc's fixed mmap threshold for every process (0: glibc's own, which
+rises to 32 MiB once such a block is freed, so freed tensors below it stay in the heap and count
+in the peak RSS); fixed low, every tensor above it goes back to the system when freed."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ def launch(root: Path, layout: Layout, args: list[str], out: Path) -> list[dict[
     else:
         command = [sys.executable, *worker, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{root / 'src'}:{root}"}
+    if MMAP_THRESHOLD:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     done = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True)
     figures = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     if done.returncode != 0 or len(figures) != layout.processes:
@@ -119,7 +125,8 @@ def worker(out: Path, root: Path, argv: list[str]) -> None:
     from giantpipe.runner import run as run_module
     from giantpipe.testing.held import training_bytes
 
-    real, seen = run_module.build_experiment, {}
+    real = run_module.build_experiment
+    seen: dict[str, Any] = {}
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -235,19 +242,29 @@ def main() -> None:
         "--giant", type=int, metavar="DEPTH", help="hidden 8192 x DEPTH (26: 7 GB) at K = 4"
     )
     parser.add_argument("--root", type=Path, default=HERE, help="the checkout to measure")
+    parser.add_argument(
+        "--mmap-threshold", type=int, default=0, metavar="BYTES", help="MALLOC_MMAP_THRESHOLD_"
+    )
+    parser.add_argument("--layouts", help="only these, e.g. 'torchrun K=4 x R=1,local K=2'")
     args = parser.parse_args()
+    global MMAP_THRESHOLD
+    MMAP_THRESHOLD = args.mmap_threshold
     root = args.root.resolve()
     load = os.getloadavg()[0]
     commit = subprocess.run(
         ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     print(f"{root} at {commit}, {os.cpu_count()} CPUs, load average at start {load:.2f}")
+    print(f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD or 'glibc default'}")
+    layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
+    if args.layouts:
+        layouts = [lay for lay in layouts if lay.label() in args.layouts.split(",")]
     if args.giant:
         report = giant(root, args.giant)
     elif args.quick:
-        report = table(root, QUICK_LAYOUTS, [256, 512], 4)
+        report = table(root, layouts, [256, 512], 4)
     else:
-        report = table(root, LAYOUTS, [2048, 4096], 16)
+        report = table(root, layouts, [2048, 4096], 16)
     print(f"\n{report}\n\nload average now {os.getloadavg()[0]:.2f}", flush=True)
 
 
