@@ -43,8 +43,9 @@ class Experiment:
 
     bundle: DataBundle
     model: nn.Sequential | None
-    """The local executor's plain model, its layers the pipe's; None under torchrun, where no
-    rank holds the whole model."""
+    """The whole plain model in one process (the local executor's: its layers are the pipe's);
+    None under torchrun, where no rank holds it (whole-model evaluation runs through the pipe,
+    :func:`~giantpipe.runner.evaluate.whole_model_figures`)."""
     pipe: Pipe
     spec: PipelineSpec
     """The pipeline's shape as run (``pipe.spec``): the config's, or the planner's under

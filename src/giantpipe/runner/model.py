@@ -93,7 +93,7 @@ def check_generates(cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequent
     """An evaluation that decodes through the pipe (held-out BLEU, LM samples) needs a model
     whose children can keep key/value caches: refused up front, naming the key that asked."""
     hook = bundle.evaluate_model
-    if not getattr(hook, "takes_pipe", False):
+    if not getattr(hook, "generates", False):
         return
     try:
         check_cached(list(model))
