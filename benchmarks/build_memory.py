@@ -245,7 +245,9 @@ def main() -> None:
     parser.add_argument(
         "--mmap-threshold", type=int, default=0, metavar="BYTES", help="MALLOC_MMAP_THRESHOLD_"
     )
-    parser.add_argument("--layouts", help="only these, e.g. 'torchrun K=4 x R=1,local K=2'")
+    parser.add_argument(
+        "--layouts", help="only these, in this order, e.g. 'torchrun K=4 x R=1,local K=2'"
+    )
     args = parser.parse_args()
     global MMAP_THRESHOLD
     MMAP_THRESHOLD = args.mmap_threshold
@@ -257,8 +259,9 @@ def main() -> None:
     print(f"{root} at {commit}, {os.cpu_count()} CPUs, load average at start {load:.2f}")
     print(f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD or 'glibc default'}")
     layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
-    if args.layouts:
-        layouts = [lay for lay in layouts if lay.label() in args.layouts.split(",")]
+    if args.layouts:  # in the order given (e.g. the torchrun rows, which the bound is about, first)
+        named = {lay.label(): lay for lay in LAYOUTS}
+        layouts = [named[label.strip()] for label in args.layouts.split(",")]
     if args.giant:
         report = giant(root, args.giant)
     elif args.quick:
