@@ -4,6 +4,7 @@ the share of the model it owns (issue 37: no rank ever holds the whole model).
     python benchmarks/build_memory.py             # hidden 2048 and 4096, depth 16: ~30 min, ~7 GB
     python benchmarks/build_memory.py --quick     # hidden 256 and 512: a few minutes
     python benchmarks/build_memory.py --giant 26  # a 7 GB model at K=4: 2 steps, a resume (~17 GB)
+    python benchmarks/build_memory.py --giant 8 --hidden 1024   # the same at 34 MB, as a check
     python benchmarks/build_memory.py --root DIR  # another checkout (the code before), same worker
 
 Each row is real runs of ``train.py recipe=mlp_quickstart model.hidden=H model.depth=16
@@ -195,16 +196,18 @@ def table(root: Path, layouts: list[Layout], sizes: list[int], depth: int) -> st
     return "\n".join(lines)
 
 
-def giant(root: Path, depth: int) -> str:
+def giant(root: Path, depth: int, hidden: int) -> str:
     """A model whose whole copy per rank would not fit this machine, K=4, plain SGD (no
     momentum: parameters and gradients are the state): two steps and a save, then a resume to
-    step 3, every rank's figures each time."""
+    step 3, every rank's figures each time, and the steps metrics.jsonl holds after each."""
     layout = Layout("distributed", 4)
     lines = [
         "| run | layout | build s | peak after the build GiB | params GiB | peak GiB, ranks 0-3 "
-        "| share GiB |\n" + "|---" * 7 + "|"
+        "| share GiB | steps logged |\n" + "|---" * 8 + "|"
     ]
-    plain_sgd = ["optim.momentum=0", "optim.nesterov=false", *layout.overrides()]
+    plain_sgd = [
+        "optim.momentum=0", "optim.nesterov=false", "trainer.log_every=1", *layout.overrides()
+    ]  # fmt: skip
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         run_dir = Path(tmp) / "run"
         for name, steps, extra in (
@@ -213,18 +216,23 @@ def giant(root: Path, depth: int) -> str:
         ):
             out = Path(tmp) / f"step{steps}"
             out.mkdir()
-            args = run_args(GIANT_HIDDEN, depth, run_dir, plain_sgd + extra, steps, save=True)
+            args = run_args(hidden, depth, run_dir, plain_sgd + extra, steps, save=True)
             ranks = launch(root, layout, args, out)
             peaks = " / ".join(f"{r['peak'] / 2**30:.2f}" for r in ranks)
+            logged = [
+                json.loads(line)["step"]
+                for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line).get("kind") == "train"
+            ]
             lines.append(
                 f"| {name} | {layout.label()} | {max(r['build_s'] for r in ranks):.1f} | "
                 f"{max(r['built_rss'] for r in ranks) / 2**30:.2f} | "
                 f"{max(r['params'] for r in ranks) / 2**30:.2f} | {peaks} | "
-                f"{max(r['share'] for r in ranks) / 2**30:.2f} |"
+                f"{max(r['share'] for r in ranks) / 2**30:.2f} | {logged} |"
             )
             print(lines[-1], file=sys.stderr, flush=True)
-    model_gb = depth * (GIANT_HIDDEN**2 + GIANT_HIDDEN) * 4 / 1e9
-    return f"hidden {GIANT_HIDDEN}, depth {depth}: a {model_gb:.1f} GB model\n\n" + "\n".join(lines)
+    model_gb = depth * (hidden**2 + hidden) * 4 / 1e9
+    return f"hidden {hidden}, depth {depth}: a {model_gb:.2f} GB model\n\n" + "\n".join(lines)
 
 
 GIANT_HIDDEN = 8192
@@ -240,6 +248,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small models, K = 2")
     parser.add_argument(
         "--giant", type=int, metavar="DEPTH", help="hidden 8192 x DEPTH (26: 7 GB) at K = 4"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=GIANT_HIDDEN, help="--giant's width (a smaller check)"
     )
     parser.add_argument("--root", type=Path, default=HERE, help="the checkout to measure")
     parser.add_argument(
@@ -263,7 +274,7 @@ def main() -> None:
         named = {lay.label(): lay for lay in LAYOUTS}
         layouts = [named[label.strip()] for label in args.layouts.split(",")]
     if args.giant:
-        report = giant(root, args.giant)
+        report = giant(root, args.giant, args.hidden)
     elif args.quick:
         report = table(root, layouts, [256, 512], 4)
     else:
