@@ -252,6 +252,8 @@ def main() -> None:
     parser.add_argument(
         "--hidden", type=int, default=GIANT_HIDDEN, help="--giant's width (a smaller check)"
     )
+    parser.add_argument("--sizes", help="hidden widths, e.g. '2048,4096' (the default)")
+    parser.add_argument("--depth", type=int, default=16, help="layers of hidden width")
     parser.add_argument("--root", type=Path, default=HERE, help="the checkout to measure")
     parser.add_argument(
         "--mmap-threshold", type=int, default=0, metavar="BYTES", help="MALLOC_MMAP_THRESHOLD_"
@@ -278,7 +280,8 @@ def main() -> None:
     elif args.quick:
         report = table(root, layouts, [256, 512], 4)
     else:
-        report = table(root, layouts, [2048, 4096], 16)
+        sizes = [int(size) for size in (args.sizes or "2048,4096").split(",")]
+        report = table(root, layouts, sizes, args.depth)
     print(f"\n{report}\n\nload average now {os.getloadavg()[0]:.2f}", flush=True)
 
 
