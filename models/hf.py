@@ -1,7 +1,8 @@
 """Hugging Face causal language models, built from their config classes with random weights.
 
 Nothing is downloaded (``AutoModelForCausalLM.from_config``); the runner captures the module
-with ``giantpipe.sequentialize``, and :func:`give_caches` lets the pieces of the types in
+with ``giantpipe.sequentialize``; built without its parameters (``pipeline.build=meta``), each
+piece is filled by :func:`init_module`; :func:`give_caches` lets the pieces of the types in
 :data:`CACHED_TYPES` decode with caches (docs/generation.md#what-a-models-children-offer).
 Needs the ``hf`` extra; transformers is imported only when a model is built.
 
@@ -58,9 +59,23 @@ def hf_causal_lm(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: nn.Module = transformers.AutoModelForCausalLM.from_config(made)
-    # what the runner calls once the model is captured (a plain function: no cycle to the model)
+    # what the runner calls once the model is captured (plain functions: no cycle to the model)
     setattr(model, "giantpipe_cache_pieces", give_caches)  # noqa: B010 - not a module field
+    setattr(model, "giantpipe_init_module", init_module)  # noqa: B010 - not a module field
     return model
+
+
+def init_module(model: nn.Module, module: nn.Module) -> None:
+    """Hugging Face's own initialisation of one submodule of ``model`` (its ``_init_weights``:
+    N(0, initializer_range) linears and embeddings, ones for norms, the family's own rules):
+    what fills the parameters of a model built without them, one piece at a time, as
+    ``from_config`` would have.
+
+    Example::
+
+        init_module(model, model.lm_head)      # lm_head.weight ~ N(0, 0.02)
+    """
+    model._init_weights(module)  # type: ignore[operator]  # noqa: SLF001 - the model's own rule
 
 
 def _config_keys(

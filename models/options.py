@@ -250,7 +250,8 @@ class HfCausalLmModelConfig:
     tie_embeddings: bool = False
     """One table for input and output embeddings (the engine keeps the stages' copies tied)."""
     seed: int = 0
-    """Seed of the random weights."""
+    """Seed of the random weights when built whole (``pipeline.build=host``); built on meta, the
+    default, each piece is drawn under (``trainer.seed``, piece)."""
     config: dict[str, Any] = field(default_factory=dict)
     """Further keys of the type's config class, as they are (they win over the sizes above),
     e.g. ``+model.config.use_parallel_residual=false`` for gpt_neox."""
@@ -309,7 +310,8 @@ class TorchvisionModelConfig:
     image_size: int = 224
     """Image height and width (follows data.image_size; vit_* models are built for it)."""
     seed: int = 0
-    """Seed of the random weights."""
+    """Seed of the random weights when built whole (``pipeline.build=host``); built on meta, the
+    default, each piece is drawn under (``trainer.seed``, piece)."""
 
     def __post_init__(self) -> None:
         check_min(self.num_classes, 1, "model.num_classes")

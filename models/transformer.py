@@ -35,6 +35,7 @@ from models.transformer_layers import (
     count_parameters,
     ffn_factor,
     init_weights,
+    layer_init,
     sinusoidal_positions,
 )
 from models.transformer_lm import transformer_lm
@@ -320,7 +321,9 @@ def transformer_t(
     if tie_embeddings:
         head.proj.weight = embedding.tgt_tokens.weight
     model = EncoderDecoder(embedding, *encoder, *decoder, head)
-    init_weights(model, d_model, ffn_factor(ffn_init_scale, num_layers), pad_id)
+    factor = ffn_factor(ffn_init_scale, num_layers)
+    init_weights(model, d_model, factor, pad_id)
+    setattr(model, "giantpipe_init_layer", layer_init(d_model, factor, pad_id))  # noqa: B010
     return model
 
 

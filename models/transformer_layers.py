@@ -13,7 +13,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,7 @@ __all__ = [
     "OutputHead",
     "ffn_factor",
     "init_weights",
+    "layer_init",
     "count_parameters",
     "check_stabilizers",
     "check_dropouts",
@@ -341,6 +344,32 @@ def init_weights(model: nn.Module, d_model: int, factor: float, pad_id: int | No
     for module in model.modules():  # an untied softmax gets the embedding's scale too
         if isinstance(module, OutputHead) and all(module.proj.weight is not w for w in embeddings):
             nn.init.normal_(module.proj.weight, std=d_model**-0.5)
+
+
+def layer_init(d_model: int, factor: float, pad_id: int | None) -> Callable[[int, nn.Module], None]:
+    """The model's own initialisation one child at a time, ``init(index, child)``: what its
+    modules' constructors set (``reset_parameters``), then :func:`init_weights`; what a pipeline
+    that builds the model without its parameters calls for each child it holds (the builders
+    set it as ``giantpipe_init_layer``). A child alone gets the whole model's rules: an output
+    head holds no embedding, so an untied one gets the embedding's scale, and a tied one is the
+    embedding's table, filled once by child 0.
+
+    Example::
+
+        init = layer_init(d_model=32, factor=1.0, pad_id=0)
+        init(0, model[0])     # the embeddings: N(0, 32 ** -0.5), the padding row zero
+    """
+    return functools.partial(_init_child, d_model=d_model, factor=factor, pad_id=pad_id)
+
+
+def _init_child(
+    index: int, child: nn.Module, d_model: int, factor: float, pad_id: int | None
+) -> None:
+    for module in child.modules():  # what the constructors set first (norms: ones and zeros)
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+    init_weights(child, d_model, factor, pad_id)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -26,6 +26,7 @@ from models.transformer_layers import (
     SelfAttentionLayer,
     ffn_factor,
     init_weights,
+    layer_init,
     sinusoidal_positions,
 )
 
@@ -142,5 +143,7 @@ def transformer_lm(
     ]
     head = OutputHead(d_model, vocab_size, logit_clip, logit_clip_mode, norm_affine=False)
     model = nn.Sequential(LMEmbedding(vocab_size, d_model, max_len, dropout), *layers, head)
-    init_weights(model, d_model, ffn_factor(ffn_init_scale, num_layers), pad_id=None)
+    factor = ffn_factor(ffn_init_scale, num_layers)
+    init_weights(model, d_model, factor, pad_id=None)
+    setattr(model, "giantpipe_init_layer", layer_init(d_model, factor, None))  # noqa: B010
     return model

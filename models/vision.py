@@ -1,5 +1,5 @@
 """Any torchvision classification model by name (``resnet50``, ``vit_b_16``, ...), random
-weights. The builder returns torchvision's module itself; the runner (``giantpipe.runner.build``)
+weights. The builder returns torchvision's module itself; the runner (``giantpipe.runner.model``)
 captures it as the flat Sequential the engine cuts, with ``giantpipe.sequentialize`` (pieces at
 its repeated blocks: residual blocks, encoder layers). ``models.options.TorchvisionModelConfig``
 is the schema of ``model=torchvision``.

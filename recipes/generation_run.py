@@ -26,7 +26,7 @@ from giantpipe.data.translation.decoding import pipelined_decode
 from giantpipe.engine.generate import Decoding, generate
 from giantpipe.engine.generate.caches import check_cached
 from giantpipe.perf.balance import even_balance
-from giantpipe.runner.build import capture
+from giantpipe.runner.model import capture
 from giantpipe.runner.run_state.init_from import matching, read_weights
 
 

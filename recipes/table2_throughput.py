@@ -366,15 +366,15 @@ def compose(recipe: str, overrides: Sequence[str]) -> Any:
 
 def stand_in(model: Model) -> tuple[nn.Sequential, Any, Any, Any, str]:
     """The stand-in model, one training batch and the loss, exactly as the measured runs."""
-    from giantpipe.runner.build import build_model
     from giantpipe.runner.losses import build_loss
     from giantpipe.runner.registry import build_from_target
+    from giantpipe.testing.reference import plain_model
 
     cfg = compose(model.recipe, model.stand_in)
     torch.manual_seed(cfg.trainer.seed)
     with tempfile.TemporaryDirectory() as tmp:
         bundle = build_from_target(cfg.data, "data", run_dir=Path(tmp))
-    net = build_model(cfg).train()
+    net = plain_model(cfg, bundle).train()
     inputs, targets = next(bundle.train_batches(cfg.trainer.seed, 0))
     summed = bundle.loss_normalizer is not None
     loss = build_loss(bundle.loss, cfg.trainer.label_smoothing, bundle.ignore_index, summed)

@@ -53,7 +53,6 @@ from giantpipe.engine.batchnorm import commit_deferred_batch_norm  # noqa: E402
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks  # noqa: E402
 from giantpipe.engine.schedules import SCHEDULE_NAMES, build_schedule  # noqa: E402
 from giantpipe.perf.balance import balance_by_params  # noqa: E402
-from giantpipe.runner.build import build_model  # noqa: E402
 from giantpipe.runner.evaluate import evaluate  # noqa: E402
 from giantpipe.runner.losses import build_loss  # noqa: E402
 from giantpipe.runner.lr_schedule import lr_multiplier  # noqa: E402
@@ -63,6 +62,7 @@ from giantpipe.runner.seeding import seed_everything  # noqa: E402
 from giantpipe.runner.step import accumulate_gradients  # noqa: E402
 from giantpipe.testing import accumulate_micro_batches  # noqa: E402
 from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
+from giantpipe.testing.reference import plain_model  # noqa: E402
 
 StepFn = Callable[[Any, Any], float]
 
@@ -202,7 +202,7 @@ def build(
 ) -> tuple[nn.Sequential, nn.Module, StepFn]:
     """The model (seeded as the runner seeds it) and it wrapped for ``config`` (same layers)."""
     seed_everything(cfg.trainer.seed)
-    model = build_model(cfg)
+    model = plain_model(cfg, bundle)
     if config.k == 1:
         if cfg.pipeline.deferred_batch_norm:
             convert_deferred_batch_norm(model)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import local_tensor
+from giantpipe.engine.meta import init_layers
 from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
 from tests.distributed.workers import INIT, SEED, mine, reference, shard, toy_data

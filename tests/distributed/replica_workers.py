@@ -157,7 +157,7 @@ def tied(tmp: Path, workers: int, schedule: str, sharding: str = "full") -> dict
 
     replicas = dist.get_world_size() // workers
     plain = convert_deferred_batch_norm(tied_model())
-    from giantpipe.engine.distributed.meta import init_layers
+    from giantpipe.engine.meta import init_layers
 
     init_layers(plain, INIT)
     v = virtual_stages_for(schedule, workers, 2) or 1

@@ -16,7 +16,7 @@ from torch import nn
 
 from giantpipe.checkpoint.files import atomic_save
 from giantpipe.engine.distributed.layout import Layout
-from giantpipe.engine.distributed.meta import (
+from giantpipe.engine.meta import (
     allocate_layers,
     build_on_meta,
     init_layers,

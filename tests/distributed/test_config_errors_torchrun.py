@@ -1,5 +1,6 @@
 """A config refused under torchrun is said once, not once per rank: a bad value (refused by the
-checks) and an unknown key (refused by Hydra's composition), each one ``error:`` line, exit 2."""
+checks), an unknown key (refused by Hydra's composition) and a model that cannot be built on
+meta (refused by the build, naming pipeline.build), each one ``error:`` line, exit 2."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ pytestmark = pytest.mark.distributed
     [
         ("trainer.max_steps=-1", "error: trainer.max_steps: must be >= 1, got -1"),
         ("trainer.max_stpes=3", "error: trainer.max_stpes: unknown key"),
+        (  # refused while every rank builds it on meta, not by the checks
+            "model._target_=tests.unit.runner.meta_models.item_in_init",
+            "error: pipeline.build: the model cannot be built without its parameters",
+        ),
     ],
 )
 def test_a_refused_config_is_one_line_from_the_whole_launch(

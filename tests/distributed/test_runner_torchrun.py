@@ -23,7 +23,7 @@ from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
-from giantpipe.runner.build import build_model
+from giantpipe.testing.reference import plain_model
 from tests.distributed.launch import REPO, finish, train_under_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -100,7 +100,7 @@ def test_torchrun_trains_as_the_local_executor_and_resumes(tmp_path: Path) -> No
 
     # The shards merge into one file that the plain model loads, equal to the local run's.
     consolidate(run / "last", tmp_path / "model.pt")
-    plain = build_model(local_config())
+    plain = plain_model(local_config())
     plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     reference = read_checkpoint(tmp_path / "local" / "last")["model"]
     for name, value in plain.state_dict().items():

@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from giantpipe import GPipe
 from giantpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from giantpipe.engine.distributed.clipping import clip_grad_norm_
-from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import local_tensor, whole_tensor
+from giantpipe.engine.meta import init_layers
 from giantpipe.engine.microbatch import batch_size
 from giantpipe.engine.rng import install_rng_hooks, mix
 from giantpipe.engine.schedules import build_schedule

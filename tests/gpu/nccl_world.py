@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from giantpipe.engine.distributed.layout import init_distributed
-from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.pipe import DistributedPipe
+from giantpipe.engine.meta import init_layers
 from giantpipe.perf.balance import even_balance
 from giantpipe.testing import free_port, rank_env
 from giantpipe.testing.gpu import CUDA_ONLY, GpuOptions

@@ -31,9 +31,9 @@ from torch import nn
 
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm
 from giantpipe.engine.distributed.layout import init_distributed
-from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import mixed_precision_policy, whole_tensor
+from giantpipe.engine.meta import init_layers
 from giantpipe.engine.rng import install_rng_hooks, mix
 from giantpipe.perf.balance import even_balance
 from giantpipe.testing import accumulate_micro_batches, free_port, rank_env, step_seed

@@ -193,6 +193,17 @@ def test_bad_input_is_one_line_naming_the_key(args, expected, tmp_path: Path):
     assert line.startswith(expected)
 
 
+def test_a_model_that_cannot_be_built_on_meta_is_one_line_naming_the_key(tmp_path: Path):
+    user = "model._target_=tests.unit.runner.meta_models.item_in_init"  # .item() in __init__
+    result = train(*TINY, "trainer.max_steps=1", user, cwd=tmp_path)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert line.startswith("error: pipeline.build: the model cannot be built without its"), line
+    assert "pipeline.build=host" in line
+    assert not list(tmp_path.rglob("config.yaml"))  # nothing written
+    ok(train(*TINY, "trainer.max_steps=1", user, "pipeline.build=host", cwd=tmp_path))
+
+
 def test_unwritable_output_directory_is_one_line_naming_it(tmp_path: Path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

@@ -19,9 +19,11 @@ from giantpipe.config import ExperimentConfig
 from giantpipe.data.translation.generated import write_synthetic_corpus
 from giantpipe.engine.rng import install_rng_hooks
 from giantpipe.runner import train as train_in_process
-from giantpipe.runner.build import build_experiment, build_model
+from giantpipe.runner.build import build_experiment
+from giantpipe.runner.model import build_model
 from giantpipe.runner.step import accumulate_gradients
 from giantpipe.testing import accumulate_micro_batches, step_seed
+from giantpipe.testing.reference import plain_model
 from models.transformer import count_parameters, label_smoothed_cross_entropy
 from tests import tiny
 from tests.integration.test_train_cli import REPO, ok
@@ -92,7 +94,7 @@ def test_every_transformer_recipe_composes_with_its_paper_setting() -> None:
     lm = composed("recipe=transformer_lm_scaling", "model.num_layers=48", "pipeline.num_devices=8")
     assert (lm.model.num_layers, lm.pipeline.num_devices, lm.data.seq_len) == (48, 8, 1024)
     with torch.device("meta"):
-        assert count_parameters(build_model(lm)) == 50_358_272 * 48 + 131_072_000
+        assert count_parameters(build_model(lm).layers) == 50_358_272 * 48 + 131_072_000
 
 
 @pytest.mark.slow
@@ -162,7 +164,7 @@ def pipelined_steps_equal_plain(cfg: ExperimentConfig, devices: int, tmp_path: P
     """Two steps of the runner's pipe equal the plain model's (loss and every gradient)."""
     torch.manual_seed(0)
     parts = build_experiment(cfg, run_dir=tmp_path)
-    plain = build_model(cfg)
+    plain = plain_model(cfg, parts.bundle)
     plain.load_state_dict(parts.pipe.state_dict())
     handles = install_rng_hooks(plain)
     for position, batch in zip(range(2), parts.bundle.train_batches(0, 0)):  # lengths change

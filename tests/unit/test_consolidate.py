@@ -11,9 +11,10 @@ import torch
 
 from giantpipe.consolidate import main
 from giantpipe.runner import train
-from giantpipe.runner.build import build_experiment, build_model
+from giantpipe.runner.build import build_experiment
 from giantpipe.runner.run_state.restore import restore
 from giantpipe.runner.world import World
+from giantpipe.testing.reference import plain_model
 from tests.unit.runner.test_runner_loop import tiny
 
 
@@ -29,7 +30,7 @@ def test_safetensors_holds_the_plain_models_state_dict(mlp_run: Path, tmp_path: 
     assert main([str(mlp_run / "last"), str(tmp_path / "model.pt"), "--format", "pt"]) == 0
     out = tmp_path / "weights.safetensors"
     assert main([str(mlp_run / "last"), str(out), "--format", "safetensors"]) == 0
-    model = build_model(tiny())
+    model = plain_model(tiny())
     model.load_state_dict(safetensors.load_file(out))  # strict: every name, no extra
     pt = torch.load(tmp_path / "model.pt", weights_only=True)
     for name, value in model.state_dict().items():

@@ -54,6 +54,7 @@ DEVICE_KEYWORDS = ("auto", "cpu", "cuda")
 PLAN_MODES = ("auto",)
 
 EXECUTORS = ("local", "distributed")
+BUILDS = ("meta", "host")
 
 
 @contextmanager
@@ -80,6 +81,13 @@ class PipelineConfig:
     """``local``: one process, a worker thread per stage. ``distributed``: one process per
     stage under torchrun (``torchrun --nproc_per_node=K train.py pipeline.executor=distributed``;
     K pipeline ranks x R replicas = the world size, see giantpipe.runner.pipeline)."""
+    build: str = "meta"
+    """How the model is built: ``meta`` (its parameters on the meta device, then each process
+    makes only the layers it holds real, each filled by the model's own init under a seed of
+    (trainer.seed, layer): no process ever holds the whole model, and the weights are the same
+    whatever the layout) or ``host`` (built whole on each process's host as its constructor
+    makes it, then cut: for a model that cannot be built on meta, e.g. one that reads data or
+    calls ``.item()`` in ``__init__``)."""
     replica_sharding: str = DEFAULT_REPLICA_SHARDING
     """With R > 1 replicas under torchrun, how each stage is spread over its replicas, on
     torch's FSDP2: ``full`` (ZeRO-3, the default: each rank holds 1/R of its stage's
@@ -158,6 +166,7 @@ class PipelineConfig:
             self._check_devices()
             self._check_policy_or_counts()
             check_choice(self.executor, EXECUTORS, "pipeline.executor")
+            check_choice(self.build, BUILDS, "pipeline.build")
             check_replica_sharding(self.replica_sharding)
             check_timeout(self.timeout)
             self._check_split_points()

@@ -6,6 +6,7 @@ What lives here, one concept per module:
 - :mod:`.schedules`: schedules as data (Action, Schedule, validation), fill-drain, the 1F1B
   family, and every schedule by name (:func:`build_schedule`);
 - :mod:`.partition`: cutting a flat Sequential into stages on devices, tied parameters;
+- :mod:`.meta`: a model built on meta, its layers made real one at a time by their own init;
 - :mod:`.microbatch`: cutting a batch into micro-batches and gathering it back;
 - :mod:`.recompute`: exact re-materialization (the modes, the recompute stop);
 - :mod:`.rng`: dropout replayed in re-materialization, a seed per step and micro-batch;

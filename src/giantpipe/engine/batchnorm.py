@@ -96,10 +96,11 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
             affine=module.affine,
             track_running_stats=module.track_running_stats,
         )
-        new.load_state_dict(module.state_dict())
+        # the module's own tensors, taken as they are: their device and type, or the meta device
+        # of a model built without its parameters (made real later, in place)
+        new.load_state_dict(module.state_dict(), assign=True)
         new.train(module.training)
-        ref = module.running_mean if module.running_mean is not None else module.weight
-        return new if ref is None else new.to(device=ref.device, dtype=ref.dtype)
+        return new
 
 
 def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:

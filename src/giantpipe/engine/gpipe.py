@@ -49,6 +49,7 @@ from torch import nn
 
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm
 from giantpipe.engine.executor import StepRun
+from giantpipe.engine.meta import LayerInit, materialize, on_meta, pipe_init
 from giantpipe.engine.microbatch import (
     TensorOrTensors,
     as_tuple,
@@ -99,7 +100,9 @@ class GPipe(Pipe):
     """Wraps a flat ``nn.Sequential`` to train it with pipeline parallelism.
 
     Args:
-        module: the model; its children are the layers that stages are cut from.
+        module: the model; its children are the layers that stages are cut from. Built on
+            meta (:func:`~giantpipe.engine.meta.build_on_meta`), each layer is made real
+            directly on its stage's device, filled by ``init``.
         balance: number of layers per stage (see :mod:`giantpipe.perf.balance` to compute one).
         devices: one per stage; may repeat (``["cpu", "cpu"]`` gives CPU stand-ins; stages on
             one GPU each run on a stream of their own). ``"cuda"`` means the current CUDA
@@ -119,6 +122,10 @@ class GPipe(Pipe):
             (PipelineTimeout); also how long a step waits for the threads of a failed one.
         threads_per_worker: intra-op threads of each worker; default: for CPU stand-ins, the
             caller's threads shared evenly among the workers, else unchanged.
+        seed, init: what fills the layers of a model built on meta: ``init(index, layer)``
+            (:mod:`giantpipe.engine.meta`); default ``seeded_init(seed)``, as
+            DistributedPipe's; None leaves them unset (a state dict is loaded right after).
+            Unused for a real model.
         spec: all of the above but the module at once, as a
             :class:`~giantpipe.engine.spec.PipelineSpec` (what the runner and the planner
             give); then pass no other argument. ``pipe.spec`` is the one a pipe runs.
@@ -143,6 +150,8 @@ class GPipe(Pipe):
         timeout: float = DEFAULT_TIMEOUT,
         threads_per_worker: int | None = None,
         virtual_stages: int | None = None,
+        seed: int = 0,
+        init: LayerInit | None | str = "seeded",
         spec: PipelineSpec | None = None,
     ) -> None:
         spec = PipelineSpec.from_keywords(
@@ -161,6 +170,14 @@ class GPipe(Pipe):
         workers = resolve_devices(spec.devices, spec.num_workers)
         check_model(module, spec, len(workers))
         super().__init__(spec)
+        # stage -> worker, as the schedule places them (an empty pipe has none)
+        self.placement = list(self.step_schedule().placement) if spec.balance else []
+        self.devices = [workers[w] for w in self.placement]  # per stage
+        if on_meta(module):  # each layer made real on its stage's device, one at a time
+            on = [
+                d for count, d in zip(self.balance, self.devices, strict=True) for _ in range(count)
+            ]
+            materialize(module, dict(enumerate(on)), pipe_init(init, seed))
         if spec.deferred_batch_norm:
             convert_deferred_batch_norm(module)
         for name, layer in module.named_children():
@@ -170,9 +187,6 @@ class GPipe(Pipe):
         names = getattr(module, "original_names", None)
         if names is not None:  # a sequentialized model: checkpoints keep the model's names
             names.install(self)
-        # stage -> worker, as the schedule places them (an empty pipe has none)
-        self.placement = list(self.step_schedule().placement) if spec.balance else []
-        self.devices = [workers[w] for w in self.placement]  # per stage
         shared = shared_parameters(module)  # before the split: copies are distinct after it
         self.partitions: list[nn.Sequential] = split_module(module, self.balance, self.devices)
         self.tied = TiedCopies(tied_copies(self.partitions, shared))

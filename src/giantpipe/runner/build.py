@@ -1,21 +1,11 @@
 """Build every part of an experiment from its config, checking it before any training work.
 
-One build for both executors. The local executor is a world of one: its pipe is a
-:class:`~giantpipe.engine.GPipe` over K devices of this process. Under torchrun every rank
-builds the same things in the same order (data bundle, model, plan, balance, optimizer, LR
-schedule, loss, EMA) but keeps only its own stage: a
-:class:`~giantpipe.engine.distributed.pipe.DistributedPipe`, with an optimizer and an EMA over its
-parameters, and data only where stage 0 (inputs) or the last stage (targets) is. What one rank
-decides for all (the plan, a profiled balance) is decided on rank 0 and handed to the others;
-a failure on any rank fails every rank at once (:meth:`~giantpipe.runner.world.World.agree`).
-
-Order matters: cheap checks first (devices, data directory, model length, balance), so a bad
-setting fails in seconds with the dotted key, before profiling or allocating the engine.
-
-The experiment carries the pipeline's shape as one :class:`~giantpipe.engine.spec.PipelineSpec`
-(the config's, or the planner's under ``pipeline.plan=auto``): its balance, M, V, schedule,
-recompute and the K workers' devices. What is not shape (precision, executor, plan, memory
-budget, split points, output) is read from the experiment config.
+One build for both executors: the data bundle, the model (on meta, :mod:`.model`), the pipe
+(devices, spec and engine, :mod:`.pipeline`), then what trains it (optimizer, LR schedule, loss,
+EMA). Under torchrun every rank builds the same things in the same order but makes real only
+its own stages (its shards, with replicas), and holds data only where its stages need it; what
+one rank decides for all (the plan, a profiled balance) rank 0 decides, and a failure on any
+rank fails every rank (:meth:`~giantpipe.runner.world.World.agree`).
 
 Example::
 
@@ -25,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-import math
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,28 +24,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
-from giantpipe.data.bundle import DataBundle, Tensors, batch_size
-from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
-from giantpipe.engine.generate.caches import check_cached
-from giantpipe.engine.microbatch import as_tuple
+from giantpipe.config import ConfigError, ExperimentConfig
+from giantpipe.data.bundle import DataBundle
 from giantpipe.engine.pipe import Pipe
 from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner.ema import WeightEMA
 from giantpipe.runner.losses import LossFn, build_loss
 from giantpipe.runner.lr_schedule import lr_multiplier
+from giantpipe.runner.model import Model, build_model
 from giantpipe.runner.optim import build_grad_scaler, build_optimizer
-from giantpipe.runner.pipeline import (
-    build_distributed_pipe,
-    build_pipe,
-    check_fits,
-    pipeline_ranks,
-    pipeline_spec,
-    rank_device,
-    resolve_balance,
-    resolve_devices,
-)
-from giantpipe.runner.planning import plan_pipeline
+from giantpipe.runner.pipeline import Pipeline, build_pipeline, worker_devices
 from giantpipe.runner.preflight import check_fit
 from giantpipe.runner.registry import build_from_target
 from giantpipe.runner.world import World
@@ -128,76 +106,6 @@ def parameter_names(pipe: nn.Module, model: nn.Module | None = None) -> dict[str
     raise RuntimeError("cannot name the engine's parameters; checkpoints need un-partitioned names")
 
 
-def build_model(cfg: ExperimentConfig, bundle: DataBundle | None = None) -> nn.Sequential:
-    """The model from its ``_target_``: a flat, non-empty nn.Sequential as built, or any other
-    module captured as one (:func:`capture_model`, on a sample of ``bundle``'s training data)."""
-    model = build_from_target(cfg.model, "model")
-    if isinstance(model, nn.Sequential) and not isinstance(model, Sequentialized):
-        if len(model) == 0:
-            raise ConfigError("model._target_", "must build a non-empty nn.Sequential")
-        if cfg.pipeline.split_points is not None:
-            raise ConfigError(
-                "pipeline.split_points",
-                "the model is a flat nn.Sequential already (its children are the pieces); "
-                "leave split_points null",
-            )
-        return model
-    if not isinstance(model, nn.Module):
-        raise ConfigError("model._target_", "must build an nn.Module")
-    if bundle is None:
-        with torch.device("cpu"):  # data is made on the host, whatever the default device
-            bundle = build_bundle(cfg, None)
-    return capture_model(model, cfg, bundle)
-
-
-def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -> nn.Sequential:
-    """``model`` (e.g. a Hugging Face or torchvision module) as the flat Sequential the engine
-    cuts: :func:`capture` on two samples of the first training batch, at
-    ``pipeline.split_points``, ending with ``pipeline.output``.
-
-    Example::
-
-        seq = capture_model(hf_causal_lm("llama", layers=4), cfg, bundle)   # 6 pieces
-    """
-    inputs, _ = next(bundle.train_batches(cfg.trainer.seed, 0))
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    sample = tuple(t[:2].to(device) if isinstance(t, torch.Tensor) else t for t in as_tuple(inputs))
-    return capture(model, sample, cfg.pipeline.split_points, cfg.pipeline.output)
-
-
-def capture(
-    model: nn.Module, sample: tuple[Any, ...], split_points: Any, output: str | None
-) -> nn.Sequential:
-    """:func:`giantpipe.sequentialize` of ``model`` on ``sample`` (its positional inputs), with
-    its pieces' key/value caches when the model offers them; it must end with one tensor, the
-    output the loss takes. Errors name the config key (``pipeline.split_points``,
-    ``pipeline.output``, ``model._target_``). ``recipes/generate.py`` captures a saved run's
-    model with it as the runner did.
-
-    Example::
-
-        seq = capture(hf_causal_lm("llama", layers=2), (torch.zeros(2, 8, dtype=torch.long),),
-                      None, "logits")                                    # 4 pieces
-    """
-    try:
-        seq = sequentialize(model, *sample, split_points=split_points, output=output)
-    except CaptureError as err:
-        key = {"split_points": "pipeline.split_points", "output": "pipeline.output"}
-        raise ConfigError(key.get(err.about, "model._target_"), str(err)) from err
-    if seq.out_spec.num_leaves != 1:
-        raise ConfigError(
-            "pipeline.output",
-            f"the model returns {seq.out_spec.num_leaves} values ({seq.out_spec.type}); name "
-            "the one the loss takes, e.g. pipeline.output=logits",
-        )
-    # A model may give its pieces key/value caches for generation (models.hf's builder offers
-    # it): called with the model while it is still whole, it keeps only each piece's own parts.
-    cache_pieces = getattr(model, "giantpipe_cache_pieces", None)
-    if callable(cache_pieces):
-        cache_pieces(model, list(seq), seq.spans)
-    return seq
-
-
 def build_bundle(cfg: ExperimentConfig, run_dir: Path | None) -> DataBundle:
     """The data bundle (``run_dir`` is where builders keep files, e.g. a trained vocabulary;
     ``progress``, logger.progress, whether their own progress bars show)."""
@@ -207,27 +115,11 @@ def build_bundle(cfg: ExperimentConfig, run_dir: Path | None) -> DataBundle:
     return bundle
 
 
-def micro_batch_sample(inputs: Tensors, chunks: int) -> Tensors:
-    """The first micro-batch of ``inputs``: what the time / memory balance policies profile."""
-    size = math.ceil(batch_size(inputs) / chunks)
-    return tuple(t[:size] for t in inputs) if isinstance(inputs, tuple) else inputs[:size]
-
-
 def total_steps(cfg: ExperimentConfig, steps_per_epoch: float) -> int:
     """trainer.max_steps, or trainer.max_epochs converted to optimizer steps."""
     if cfg.trainer.max_steps is not None:
         return cfg.trainer.max_steps
     return max(1, round((cfg.trainer.max_epochs or 0) * steps_per_epoch))
-
-
-def worker_devices(cfg: PipelineConfig, world: World) -> tuple[list[str], str]:
-    """The K workers' devices, and this process's own (collective under torchrun)."""
-    cuda = torch.cuda.device_count()
-    if world.size == 1:
-        devices = resolve_devices(cfg, cuda)
-        return devices, devices[0]
-    k, own = world.agree(lambda: (pipeline_ranks(cfg, world.size), rank_device(cfg, cuda)))
-    return [str(d) for d in world.gather(own)[:k]], own  # replica 0's ranks are 0..K-1
 
 
 def loss_of(cfg: ExperimentConfig, bundle: DataBundle) -> LossFn:
@@ -240,94 +132,48 @@ def loss_of(cfg: ExperimentConfig, bundle: DataBundle) -> LossFn:
     )
 
 
-def plan_and_spec(
-    cfg: ExperimentConfig,
-    model: nn.Sequential,
-    bundle: DataBundle,
-    devices: list[str],
-    replicas: int = 1,
-) -> tuple[PipelineSpec, dict[str, Any] | None]:
-    """The pipeline's spec and, under plan=auto, the planner's choice (else None): the
-    planner's spec, else the config's with its balance (profiled on the first device by the
-    ``time`` and ``memory`` policies), checked against the model and the devices. The spec, and
-    so the schedule, is made and checked once, here."""
-    sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
-    if cfg.pipeline.plan == "auto":
-        loss_fn = loss_of(cfg, bundle)
-        return plan_pipeline(
-            cfg, model, devices, sample_inputs, sample_targets, loss_fn, replicas=replicas
-        )
-    sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
-    balance = resolve_balance(cfg.pipeline, model, devices, sample)
-    spec = pipeline_spec(cfg.pipeline, balance, devices)
-    check_fits(spec, len(model), len(devices))
-    return spec, None
-
-
 def build_experiment(
     cfg: ExperimentConfig, run_dir: Path | None = None, world: World | None = None
 ) -> Experiment:
-    """Devices, data, model, plan, balance, engine, optimizer, LR schedule, loss and EMA.
+    """Data, model, pipe (devices, spec, engine), optimizer, LR schedule, loss and EMA.
 
     Under torchrun (``world``) rank 0 builds the data first (builders may write files, e.g. a
     vocabulary, that the other ranks then find in ``run_dir``) and plans and balances for all.
     """
     world = world or World()
-    devices, own = worker_devices(cfg.pipeline, world)
     first = world.agree(lambda: build_bundle(cfg, run_dir) if world.rank == 0 else None)
 
-    def model_and_plan() -> tuple[DataBundle, nn.Sequential, Any]:
+    def data_and_model() -> tuple[DataBundle, Model]:
         bundle = first or build_bundle(cfg, run_dir)
-        # before anything is allocated: each rank sizes the run against its own device
-        check_fit(cfg, bundle, devices, world, lambda: build_model(cfg, bundle))
-        model = build_model(cfg, bundle)
-        replicas = world.size // len(devices) if world.size % len(devices) == 0 else 1
-        decided = plan_and_spec(cfg, model, bundle, devices, replicas) if world.rank == 0 else None
-        return bundle, model, decided
+        # Before anything is allocated each rank sizes the run against its own device: the
+        # model as built on meta, or (pipeline.build=host) built again under the meta device
+        # before its whole copy is allocated.
+        devices, _ = worker_devices(cfg.pipeline, world)
+        if cfg.pipeline.build == "host":
+            check_fit(cfg, bundle, devices, world, lambda: build_model(cfg, bundle).layers)
+            return bundle, build_model(cfg, bundle)
+        model = build_model(cfg, bundle)  # parameters on meta: nothing allocated
+        # sized on a copy whose buffers (BatchNorm's statistics, real) are on meta too
+        check_fit(cfg, bundle, devices, world, lambda: copy.deepcopy(model.layers).to("meta"))
+        return bundle, model
 
-    bundle, model, decided = world.agree(model_and_plan)
-    # planned, profiled and checked once, on rank 0; the others receive the spec as made
-    spec, plan_choice = world.from_rank0(decided)
-    workers = spec.num_workers
-    check_generates(cfg, bundle, model)
-    pipe: Pipe
-    if world.size == 1:
-        pipe = build_pipe(model, spec)
-        inputs_to, targets_to = devices[0], devices[workers - 1]
-    else:
-        pipe = build_distributed_pipe(model, spec, own, cfg.pipeline)
-        world.bind(pipe)
-        inputs_to = targets_to = own
-    # No rank keeps the whole model under torchrun: whole-model evaluation runs through the pipe.
+    bundle, model = world.agree(data_and_model)
+    loss_fn = loss_of(cfg, bundle)
+    pipeline = build_pipeline(cfg, model, bundle, loss_fn, world)
     return _training_parts(
-        cfg, bundle, model if world.size == 1 else None, pipe, (inputs_to, targets_to), plan_choice
+        cfg, bundle, model.layers if world.size == 1 else None, pipeline, loss_fn
     )
-
-
-def check_generates(cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential) -> None:
-    """An evaluation that decodes through the pipe (``generates``: held-out BLEU, LM samples)
-    needs a model whose children can keep key/value caches: refused up front, naming the key
-    that asked."""
-    hook = bundle.evaluate_model
-    if not getattr(hook, "generates", False):
-        return
-    try:
-        check_cached(list(model))
-    except TypeError as err:
-        arch = getattr(cfg.model, "architecture", None)
-        named = f"model {arch!r}: " if arch else ""
-        raise ConfigError(getattr(hook, "config_key", "model._target_"), named + str(err)) from err
 
 
 def _training_parts(
     cfg: ExperimentConfig,
     bundle: DataBundle,
     model: nn.Sequential | None,
-    pipe: Pipe,
-    feeds: tuple[str, str],
-    plan_choice: dict[str, Any] | None,
+    pipeline: Pipeline,
+    loss_fn: LossFn,
 ) -> Experiment:
-    """What trains the pipe's parameters: optimizer, LR schedule, loss and EMA."""
+    """What trains the pipe's parameters: optimizer, LR schedule and EMA."""
+    pipe, feeds = pipeline.pipe, pipeline.feeds
     names = parameter_names(pipe, model)
     optimizer = build_optimizer(names.values(), cfg.optim)
     steps_per_epoch = bundle.batches_per_epoch / cfg.trainer.accumulate
@@ -343,10 +189,10 @@ def _training_parts(
         names=names,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
-        loss_fn=loss_of(cfg, bundle),
+        loss_fn=loss_fn,
         ema=WeightEMA(names, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None,
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
-        plan_choice=plan_choice,
+        plan_choice=pipeline.plan_choice,
         grad_scaler=build_grad_scaler(pipe, cfg.pipeline.precision),
     )

@@ -19,7 +19,9 @@ from giantpipe.config import ConfigError, ExperimentConfig
 from giantpipe.config.checks import human_bytes
 from giantpipe.perf.costs import DeviceModel, LayerCost
 from giantpipe.perf.planner import LayerTimes
-from giantpipe.runner.build import build_bundle, build_model, worker_devices
+from giantpipe.runner.build import build_bundle
+from giantpipe.runner.model import build_model
+from giantpipe.runner.pipeline import worker_devices
 from giantpipe.runner.preflight import RunForecast, forecast_run, refusal
 from giantpipe.runner.world import World
 
@@ -67,7 +69,7 @@ def dry_run(cfg: ExperimentConfig) -> dict[str, Any]:
     def times(layers: list[LayerCost]) -> LayerTimes:
         return rate.layer_times(layers)
 
-    fit = forecast_run(cfg, bundle, devices, world, lambda: build_model(cfg, bundle), times)
+    fit = forecast_run(cfg, bundle, devices, world, lambda: build_model(cfg, bundle).layers, times)
     if fit is None:
         raise ConfigError(
             "trainer.dry_run", "the model cannot be sized on the meta device (see the warning)"

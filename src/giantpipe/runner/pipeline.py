@@ -1,46 +1,122 @@
-"""From ``PipelineConfig`` to an engine: devices, balance, the pipeline's spec and the pipe.
+"""From the config to the pipe, one way: devices, then the spec, then the engine.
 
-The local executor's pipe is a :class:`~giantpipe.engine.GPipe` over K devices of this process;
-under torchrun each rank builds a
-:class:`~giantpipe.engine.distributed.pipe.DistributedPipe` over its own device, and
-the world is K pipeline ranks x R replicas::
-
-    K: len(pipeline.balance) / V for a listed balance, else pipeline.num_devices, else the
-       world size (R = 1)
-
-Everything here is checked before any training work: a bad device list, a balance that does not
-fit the model or more stages than devices is a ConfigError naming the ``pipeline.*`` key. The
-config becomes a :class:`~giantpipe.engine.spec.PipelineSpec` in one place,
-:func:`pipeline_spec` (the spec checks M, V, the schedule, built once there, and the timeout),
-and the spec is checked against the model and the devices once, :func:`check_fits`.
+:func:`build_pipeline` takes the ``pipeline`` keys to the K workers' devices (this process's, or
+each pipeline rank's own), the spec (the config's balance or the planner's, made and checked on
+rank 0) and a GPipe or this rank's DistributedPipe, each making real only the layers it holds.
+The world is K pipeline ranks x R replicas, K the length of a listed ``pipeline.balance`` / V,
+else ``pipeline.num_devices``, else the world size. A bad device list or balance is a
+ConfigError naming its ``pipeline.*`` key, before any layer is made real.
 
 Example::
 
-    devices = resolve_devices(cfg.pipeline, torch.cuda.device_count())    # ["cpu", "cpu"]
-    balance = resolve_balance(cfg.pipeline, model, devices, sample)       # e.g. [4, 4]
-    spec = pipeline_spec(cfg.pipeline, balance, devices)
-    check_fits(spec, len(model), len(devices))
-    pipe = build_pipe(model, spec)
+    built = build_pipeline(cfg, model, bundle, loss_fn, World())
+    built.pipe.spec.balance, built.feeds, built.plan_choice     # e.g. (2, 2), ("cpu", "cpu"), None
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from giantpipe.config import ConfigError, PipelineConfig
+from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.config.pipeline import as_config_error
-from giantpipe.data.bundle import Tensors
+from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.engine import GPipe
 from giantpipe.engine.distributed.pipe import DistributedPipe
-from giantpipe.engine.distributed.replicas import MixedPrecisionPolicy, mixed_precision_policy
+from giantpipe.engine.distributed.replicas import mixed_precision_policy
+from giantpipe.engine.meta import UnsetError, allocate_layers
+from giantpipe.engine.pipe import Pipe
 from giantpipe.engine.spec import PipelineSpec, virtual_stages_of
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
+from giantpipe.runner.losses import LossFn
+from giantpipe.runner.model import Model
+from giantpipe.runner.planning import plan_pipeline
+from giantpipe.runner.world import World
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What :func:`build_pipeline` gives the run."""
+
+    pipe: Pipe
+    feeds: tuple[str, str]
+    """Where this process's inputs and targets go (stage 0's device, the last stage's)."""
+    plan_choice: dict[str, Any] | None
+    """pipeline.plan=auto: the planner's choice and its predictions (summary.json); else None."""
+
+
+def build_pipeline(
+    cfg: ExperimentConfig, model: Model, bundle: DataBundle, loss_fn: LossFn, world: World
+) -> Pipeline:
+    """Devices, spec, pipe (collective under torchrun): the one way from the config to the
+    engine. The spec is made and checked once, on rank 0, and handed to the others; a model
+    whose init leaves a parameter unset names ``pipeline.build``."""
+    devices, own = worker_devices(cfg.pipeline, world)
+    replicas = 1 if world.size == 1 else world.size // len(devices)
+
+    def decide() -> Any:  # rank 0's (spec, plan choice); None elsewhere
+        if world.rank != 0:
+            return None
+        return plan_and_spec(cfg, model, bundle, devices, loss_fn, replicas)
+
+    spec, plan_choice = world.from_rank0(world.agree(decide))
+    try:
+        if world.size == 1:
+            local = GPipe(model.layers, spec=spec, init=model.init)
+            return Pipeline(local, (devices[0], devices[spec.num_workers - 1]), plan_choice)
+        pipe = DistributedPipe(
+            model.layers,
+            spec=spec,
+            device=torch.device(own),
+            init=model.init,
+            replica_sharding=cfg.pipeline.replica_sharding,
+            mixed_precision=mixed_precision_policy(cfg.pipeline.precision, own),
+        )
+    except UnsetError as err:
+        raise ConfigError(
+            "pipeline.build",
+            f"{err}: give the model's Sequential a giantpipe_init_layer "
+            "(docs/your-data.md), or build it whole with pipeline.build=host",
+        ) from err
+    world.bind(pipe)
+    return Pipeline(pipe, (own, own), plan_choice)
+
+
+def worker_devices(cfg: PipelineConfig, world: World) -> tuple[list[str], str]:
+    """The K workers' devices, and this process's own (collective under torchrun)."""
+    cuda = torch.cuda.device_count()
+    if world.size == 1:
+        devices = resolve_devices(cfg, cuda)
+        return devices, devices[0]
+    k, own = world.agree(lambda: (pipeline_ranks(cfg, world.size), rank_device(cfg, cuda)))
+    return [str(d) for d in world.gather(own)[:k]], own  # replica 0's ranks are 0..K-1
+
 
 DEFAULT_CPU_STAND_INS = 2
+
+
+def resolve_devices(cfg: PipelineConfig, cuda_count: int) -> list[str]:
+    """Device names for the stages, before trimming to the number of stages.
+
+    Example::
+
+        resolve_devices(PipelineConfig(devices="cpu", num_devices=3), cuda_count=0)
+        # ["cpu", "cpu", "cpu"]
+    """
+    if isinstance(cfg.devices, list | tuple):
+        listed = _check_listed(list(cfg.devices), cuda_count)
+        return listed[: cfg.num_devices] if cfg.num_devices else listed
+    if cfg.devices == "cuda" or (cfg.devices == "auto" and cuda_count > 0):
+        return _cuda_devices(cfg, cuda_count)
+    # cpu, or auto without GPUs: stand-in devices that share this machine's cores.
+    return ["cpu"] * (_requested_count(cfg) or DEFAULT_CPU_STAND_INS)
 
 
 def _requested_count(cfg: PipelineConfig) -> int | None:
@@ -70,23 +146,6 @@ def _check_listed(devices: list[str], cuda_count: int) -> list[str]:
     return list(devices)
 
 
-def resolve_devices(cfg: PipelineConfig, cuda_count: int) -> list[str]:
-    """Device names for the stages, before trimming to the number of stages.
-
-    Example::
-
-        resolve_devices(PipelineConfig(devices="cpu", num_devices=3), cuda_count=0)
-        # ["cpu", "cpu", "cpu"]
-    """
-    if isinstance(cfg.devices, list | tuple):
-        listed = _check_listed(list(cfg.devices), cuda_count)
-        return listed[: cfg.num_devices] if cfg.num_devices else listed
-    if cfg.devices == "cuda" or (cfg.devices == "auto" and cuda_count > 0):
-        return _cuda_devices(cfg, cuda_count)
-    # cpu, or auto without GPUs: stand-in devices that share this machine's cores.
-    return ["cpu"] * (_requested_count(cfg) or DEFAULT_CPU_STAND_INS)
-
-
 def pipeline_ranks(cfg: PipelineConfig, world: int) -> int:
     """K, the pipeline ranks, for a world of ``world`` processes (the rest are replicas).
 
@@ -95,7 +154,8 @@ def pipeline_ranks(cfg: PipelineConfig, world: int) -> int:
         pipeline_ranks(PipelineConfig(num_devices=2), world=4)    # 2: two replicas of K=2
     """
     if isinstance(cfg.balance, list | tuple):
-        k, key = len(cfg.balance) // stages_per_worker(cfg), "pipeline.balance"
+        v = virtual_stages_of(cfg.schedule, cfg.virtual_stages)
+        k, key = len(cfg.balance) // v, "pipeline.balance"
     elif cfg.num_devices is not None:
         k, key = cfg.num_devices, "pipeline.num_devices"
     else:
@@ -138,71 +198,87 @@ def rank_device(cfg: PipelineConfig, cuda_count: int, local_rank: int | None = N
     return "cpu"
 
 
-def stages_per_worker(cfg: PipelineConfig) -> int:
-    """V: ``pipeline.virtual_stages``, else the schedule's (the spec's rule).
-
-    Example::
-
-        stages_per_worker(PipelineConfig(schedule="interleaved"))     # 2
-    """
-    return virtual_stages_of(cfg.schedule, cfg.virtual_stages)
-
-
-def check_fits(spec: PipelineSpec, num_layers: int, num_devices: int) -> None:
-    """The spec against the model (its ``num_layers`` layers) and the ``num_devices`` devices
-    there are: :meth:`PipelineSpec.check_against`, as the ConfigError of ``pipeline.balance``.
-
-    Example::
-
-        check_fits(PipelineSpec((2, 2)), 5, 2)
-        # ConfigError: pipeline.balance: [2, 2] sums to 4 but the model has 5 layers
-    """
-    with as_config_error():
-        spec.check_against(num_layers, num_devices)
+def plan_and_spec(
+    cfg: ExperimentConfig,
+    model: Model,
+    bundle: DataBundle,
+    devices: list[str],
+    loss_fn: LossFn,
+    replicas: int = 1,
+) -> tuple[PipelineSpec, dict[str, Any] | None]:
+    """The pipeline's spec and, under plan=auto, the planner's choice (else None): the
+    planner's spec, else the config's with its balance (profiled on the first device by the
+    ``time`` and ``memory`` policies), checked against the model and the devices."""
+    sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
+    if cfg.pipeline.plan == "auto":
+        layers = runnable(model)
+        return plan_pipeline(cfg, layers, devices, sample_inputs, sample_targets, loss_fn, replicas)
+    sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
+    balance = resolve_balance(cfg.pipeline, model, devices, sample)
+    return pipeline_spec(cfg.pipeline, balance, devices, len(model.layers)), None
 
 
 def resolve_balance(
-    cfg: PipelineConfig, model: nn.Sequential, devices: list[str], sample: Tensors
+    cfg: PipelineConfig, model: Model, devices: list[str], sample: Tensors
 ) -> list[int]:
     """A list of layers per stage: the configured list, or the engine's policy over all devices.
 
-    ``sample`` is one micro-batch of inputs (used by the ``time`` and ``memory`` policies).
+    ``sample`` is one micro-batch of inputs (used by the ``time`` and ``memory`` policies, which
+    run the layers: :func:`runnable`).
     """
     if isinstance(cfg.balance, list):
-        balance = list(cfg.balance)
-    else:
-        stages = len(devices) * stages_per_worker(cfg)
-        if stages > len(model):
-            raise ConfigError(
-                "pipeline.num_devices",
-                f"{stages} stages but the model has only {len(model)} layers",
-            )
-        if cfg.balance == "params":
-            balance = balance_by_params(stages, model)
-        elif cfg.balance == "time":
-            balance = balance_by_time(stages, model, sample, device=devices[0])
-        else:
-            balance = balance_by_size(stages, model, sample, device=devices[0])
-    return balance
+        return list(cfg.balance)
+    layers = model.layers
+    stages = len(devices) * virtual_stages_of(cfg.schedule, cfg.virtual_stages)
+    if stages > len(layers):
+        raise ConfigError(
+            "pipeline.num_devices", f"{stages} stages but the model has only {len(layers)} layers"
+        )
+    if cfg.balance == "params":
+        return balance_by_params(stages, layers)  # counts elements: on meta too
+    policy = balance_by_time if cfg.balance == "time" else balance_by_size
+    return policy(stages, runnable(model), sample, device=devices[0])
+
+
+def runnable(model: Model) -> nn.Sequential:
+    """The layers as the ``time`` and ``memory`` balance policies and the planner run them:
+    real, on the host (for a model built on meta, a copy made real one layer at a time with its
+    init, held by rank 0 only while it plans)."""
+    if model.init is None:
+        return model.layers
+    layers = copy.deepcopy(model.layers)  # on meta: nothing is copied but the buffers
+    allocate_layers(layers, range(len(layers)), torch.device("cpu"), model.init)
+    return layers
+
+
+def micro_batch_sample(inputs: Tensors, chunks: int) -> Tensors:
+    """The first micro-batch of ``inputs``: what the time / memory balance policies profile."""
+    size = math.ceil(batch_size(inputs) / chunks)
+    return tuple(t[:size] for t in inputs) if isinstance(inputs, tuple) else inputs[:size]
 
 
 def pipeline_spec(
-    cfg: PipelineConfig, balance: Sequence[int], devices: Sequence[str] | None = None
+    cfg: PipelineConfig,
+    balance: Sequence[int],
+    devices: Sequence[str] | None = None,
+    num_layers: int | None = None,
 ) -> PipelineSpec:
     """The one place a ``pipeline`` config becomes a PipelineSpec: the balance as resolved,
     the first K of ``devices`` (the workers' devices; under torchrun, each pipeline rank's), and
-    the config's M, V, schedule, recompute, timeout and deferred BatchNorm. A bad one is a
-    ConfigError naming the key; the schedule is built and validated here, once. Whether it fits
-    the model is :func:`check_fits`.
+    the config's M, V, schedule, recompute, timeout and deferred BatchNorm; given the model's
+    ``num_layers``, checked against it and the devices too. A bad one is a ConfigError naming
+    the key; the schedule is built and validated here, once.
 
     Example::
 
         spec = pipeline_spec(PipelineConfig(chunks=4, schedule="1f1b"), [2, 2], ["cpu"] * 3)
         spec.devices, spec.step_schedule().name      # ("cpu", "cpu"), "1f1b"
+        pipeline_spec(PipelineConfig(), [2, 2], ["cpu"] * 2, num_layers=5)
+        # ConfigError: pipeline.balance: [2, 2] sums to 4 but the model has 5 layers
     """
-    workers = len(balance) // stages_per_worker(cfg)
+    workers = len(balance) // virtual_stages_of(cfg.schedule, cfg.virtual_stages)
     with as_config_error():
-        return PipelineSpec(
+        spec = PipelineSpec(
             balance=tuple(balance),
             chunks=cfg.chunks,
             schedule=cfg.schedule,
@@ -212,39 +288,6 @@ def pipeline_spec(
             timeout=cfg.timeout,
             deferred_batch_norm=cfg.deferred_batch_norm,
         )
-
-
-def build_pipe(model: nn.Sequential, spec: PipelineSpec) -> GPipe:
-    """The local engine over the spec's devices, with its M, schedule and modes."""
-    return GPipe(model, spec=spec)
-
-
-def build_distributed_pipe(
-    model: nn.Sequential, spec: PipelineSpec, device: str, cfg: PipelineConfig | None = None
-) -> DistributedPipe:
-    """This rank's engine (collective): it keeps its own stage of ``model``, built whole on the
-    host as the local runner builds it, so that both start from the same weights. With R > 1
-    replicas its stages are spread over them as ``cfg.replica_sharding`` says, with FSDP2's
-    mixed precision for ``cfg.precision`` on this device (:func:`replica_precision`)."""
-    cfg = cfg or PipelineConfig()
-    return DistributedPipe(
-        model,
-        spec=spec,
-        device=torch.device(device),
-        init=None,
-        replica_sharding=cfg.replica_sharding,
-        mixed_precision=replica_precision(cfg, device),
-    )
-
-
-def replica_precision(cfg: PipelineConfig, device: str) -> MixedPrecisionPolicy:
-    """FSDP2's mixed precision for the replicas of a stage on ``device``: on a GPU, bf16 and
-    fp16 gather the parameters in that type and reduce the gradients in float32; torch's
-    default (each tensor's own type) on the CPU and in fp32.
-
-    Example::
-
-        replica_precision(PipelineConfig(precision="bf16"), "cuda:0").param_dtype  # bfloat16
-        replica_precision(PipelineConfig(precision="bf16"), "cpu").param_dtype     # None
-    """
-    return mixed_precision_policy(cfg.precision, device)
+        if num_layers is not None:
+            spec.check_against(num_layers, None if devices is None else len(devices))
+    return spec

@@ -31,14 +31,14 @@ from torch import nn
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.config.checks import human_bytes
 from giantpipe.data.bundle import DataBundle, batch_size
-from giantpipe.engine.spec import PipelineSpec
+from giantpipe.engine.spec import PipelineSpec, virtual_stages_of
 from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.perf.costs import DeviceModel, LayerCost, measure_layers, meta_sample, per_sample
 from giantpipe.perf.fit import Shortfall, forecast, shortfalls
 from giantpipe.perf.planner import Candidate, DeviceSpec, LayerTimes, plan
 from giantpipe.perf.replica_state import ReplicaSharding
 from giantpipe.perf.simulate import Simulation
-from giantpipe.runner.pipeline import pipeline_spec, rank_device, stages_per_worker
+from giantpipe.runner.pipeline import pipeline_spec, rank_device
 from giantpipe.runner.planning import chunk_options, has_batchnorm, optimizer_slots
 from giantpipe.runner.step import autocast
 from giantpipe.runner.world import World
@@ -220,7 +220,7 @@ def evaluate(
     policies, which profile real layers, by FLOPs here). None: a spec the run's own checks
     refuse (they say why)."""
     layers, sharding = sized.layers, ReplicaSharding(sized.replicas, pcfg.replica_sharding)
-    v = stages_per_worker(pcfg)
+    v = virtual_stages_of(pcfg.schedule, pcfg.virtual_stages)
     if pcfg.plan == "auto" or pcfg.balance in ("time", "memory"):
         return _planned(pcfg, sized, k, memory, times, sharding)
     if isinstance(pcfg.balance, list | tuple):
@@ -269,7 +269,7 @@ def _planned(
         search = functools.partial(
             search,
             schedules=[pcfg.schedule],
-            virtual_stages=[stages_per_worker(pcfg)],
+            virtual_stages=[virtual_stages_of(pcfg.schedule, pcfg.virtual_stages)],
             chunks=[pcfg.chunks],
             recompute=[pcfg.recompute],
         )
@@ -353,7 +353,7 @@ def remedies(cfg: PipelineConfig, fit: RunForecast) -> list[str]:
         if fits(replace(cfg, plan="auto")):
             found.append("pipeline.plan=auto")
     if not isinstance(cfg.balance, list | tuple):
-        v = stages_per_worker(cfg)
+        v = virtual_stages_of(cfg.schedule, cfg.virtual_stages)
         wider = [n for n in (2 * k, 4 * k, 8 * k) if n * v <= len(sized.layers)]
         workers = next((n for n in wider if fits(replace(cfg, num_devices=n), workers=n)), None)
         if workers is not None:

@@ -11,7 +11,9 @@ recipe that compares a pipeline with the plain model takes its reference from he
 - :func:`accumulate_micro_batches`: the same on the model itself, whose RNG hooks are installed
   (a run of several steps, a replica's shard, runs of layers on their own devices, autocast, a
   gradient scaler, backwards in fill-drain order);
-- :func:`plain_forward`: one micro-batch's forward, as the step runs it.
+- :func:`plain_forward`: one micro-batch's forward, as the step runs it;
+- :func:`plain_model`: the whole model of an experiment as its run starts it (every layer
+  filled by its own init under (trainer.seed, layer), as each pipe fills the layers it holds).
 
 Example:
 
@@ -42,8 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from giantpipe.config import ExperimentConfig
+from giantpipe.data.bundle import DataBundle
+from giantpipe.engine.meta import allocate_layers
 from giantpipe.engine.microbatch import batch_size, scatter, to_device
 from giantpipe.engine.rng import draw_step_seed, install_rng_hooks, rng_context
+from giantpipe.runner.build import build_bundle
+from giantpipe.runner.model import build_model
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs, targets)``: a micro-batch's loss (its mean, or with a normalizer its sum)."""
@@ -62,6 +69,16 @@ def step_seed(seed: int) -> int:
     """
     torch.manual_seed(seed)
     return draw_step_seed()
+
+
+def plain_model(cfg: ExperimentConfig, bundle: DataBundle | None = None) -> nn.Sequential:
+    """The whole model of ``cfg`` as its run starts it, real on the host: the plain reference
+    of a pipe of any layout, executor or device (built from the config, with ``bundle`` or the
+    config's data as the sample a captured model needs)."""
+    model = build_model(cfg, bundle if bundle is not None else build_bundle(cfg, None))
+    if model.init is not None:
+        allocate_layers(model.layers, range(len(model.layers)), CPU, model.init)
+    return model.layers
 
 
 def reference_step(

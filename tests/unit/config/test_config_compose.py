@@ -13,7 +13,8 @@ from giantpipe.cli.registration import register_configs
 from giantpipe.config import SCHEMAS, ExperimentConfig
 from giantpipe.data.bundle import DataBundle, batch_size
 from giantpipe.data.images.generated import write_image_folder
-from giantpipe.runner.build import build_model
+from giantpipe.runner.build import build_bundle
+from giantpipe.runner.model import build_model
 from giantpipe.runner.registry import build_from_target
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
@@ -84,12 +85,16 @@ def test_every_fixed_group_option_converts_to_its_schema(group, option):
     assert isinstance(getattr(cfg, group), SCHEMAS[group])
 
 
+CAPTURED = ("hf_causal_lm", "torchvision")
+"""The model options that are not a flat Sequential: captured on a sample of their data."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("option", options("model"))
 def test_every_model_target_instantiates(option):
     cfg = composed(*recipe_using("model", option), f"model={option}")
-    with torch.device("meta"):  # paper-sized models (557M parameters) without allocating them
-        model = build_model(cfg)
+    bundle = build_bundle(cfg, None) if option in CAPTURED else None  # their sample
+    model = build_model(cfg, bundle).layers  # on meta: paper-sized models allocate nothing
     assert isinstance(model, torch.nn.Sequential) and len(model) > 0
 
 

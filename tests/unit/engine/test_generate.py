@@ -119,7 +119,7 @@ def test_a_hugging_face_type_without_caches_is_refused_by_name() -> None:
     from giantpipe import sequentialize
     from giantpipe.config import ConfigError
     from giantpipe.data.lm_tokens import lm_tokens
-    from giantpipe.runner.build import check_generates
+    from giantpipe.runner.model import check_generates
     from models.hf import give_caches, hf_causal_lm
 
     model = hf_causal_lm("gpt_neox", layers=1, width=16, heads=2, vocab_size=41, max_len=32)

@@ -13,8 +13,10 @@ from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig, TrainerConfig
 from giantpipe.data.options import SyntheticDataConfig
-from giantpipe.runner.build import build_bundle, build_model, worker_devices
+from giantpipe.runner.build import build_bundle, build_experiment
 from giantpipe.runner.dry_run import dry_run
+from giantpipe.runner.model import build_model
+from giantpipe.runner.pipeline import worker_devices
 from giantpipe.runner.preflight import (
     GIB,
     check_fit,
@@ -53,7 +55,7 @@ def tiny(budget_gib: float | None = None, **pipeline) -> ExperimentConfig:
 def peaks(cfg: ExperimentConfig) -> list[int]:
     bundle = build_bundle(cfg, None)
     devices, _ = worker_devices(cfg.pipeline, World())
-    fit = forecast_run(cfg, bundle, devices, World(), lambda: build_model(cfg, bundle))
+    fit = forecast_run(cfg, bundle, devices, World(), lambda: build_model(cfg, bundle).layers)
     assert fit is not None
     return list(fit.outcome.simulation.peak_memory_bytes)
 
@@ -61,7 +63,7 @@ def peaks(cfg: ExperimentConfig) -> list[int]:
 def check(cfg: ExperimentConfig) -> None:
     bundle = build_bundle(cfg, None)
     devices, _ = worker_devices(cfg.pipeline, World())
-    check_fit(cfg, bundle, devices, World(), lambda: build_model(cfg, bundle))
+    check_fit(cfg, bundle, devices, World(), lambda: build_model(cfg, bundle).layers)
 
 
 def test_a_run_over_budget_is_refused_in_one_line_naming_keys_that_fit():
@@ -110,12 +112,13 @@ def test_nothing_fits_names_what_it_wants():
 
 def test_the_model_is_built_on_meta_and_the_random_streams_are_untouched():
     cfg, built = tiny(), []
+    cfg.pipeline.build = "host"  # the builder alone would make it real: the check's meta does not
     bundle = build_bundle(cfg, None)
 
     def build() -> nn.Sequential:  # a builder that draws from python's and torch's streams
         random.random()
         torch.rand(8, device="cpu")
-        built.append(build_model(cfg, bundle))
+        built.append(build_model(cfg, bundle).layers)
         return built[-1]
 
     torch.manual_seed(3)
@@ -173,3 +176,15 @@ def test_each_process_checks_the_devices_it_answers_for(
     assert checked_devices(cfg, ["cpu", "cpu"] if devices == "cpu" else devices[:2], world) == (
         expected
     )
+
+
+def test_the_build_sizes_a_model_built_by_share_whose_buffers_are_real(tmp_path, caplog):
+    # built on meta by share, a BatchNorm's running statistics stay real: the build's own
+    # pre-flight must still size it (not skip it with a warning) and refuse it over budget
+    cfg = tiny(budget_gib=1e-4)
+    cfg.model = replace(cfg.model, norm="batch")
+    with caplog.at_level("WARNING", logger="giantpipe.runner.preflight"):
+        with pytest.raises(ConfigError, match="does not fit") as info:
+            build_experiment(cfg, tmp_path)
+    assert info.value.key == "pipeline.memory_budget_gib"
+    assert "pre-flight skipped" not in caplog.text

@@ -20,7 +20,8 @@ from giantpipe.config import (
 from giantpipe.data.options import LMTokensDataConfig, RandomImagesDataConfig, SyntheticDataConfig
 from giantpipe.engine.capture import Sequentialized
 from giantpipe.runner import train
-from giantpipe.runner.build import build_experiment, build_model
+from giantpipe.runner.build import build_bundle, build_experiment
+from giantpipe.runner.model import build_model
 from models.options import MlpModelConfig, TorchvisionModelConfig
 
 pytest.importorskip("transformers")
@@ -41,6 +42,10 @@ def llama_config(**pipeline) -> ExperimentConfig:
     )
 
 
+def layers_of(cfg: ExperimentConfig) -> torch.nn.Sequential:
+    return build_model(cfg, build_bundle(cfg, None)).layers
+
+
 def test_a_hugging_face_llama_trains_and_its_checkpoint_loads_into_the_plain_model(tmp_path: Path):
     summary = train(llama_config(), tmp_path, "name: llama\n")
     assert summary["status"] == "completed" and summary["train/tokens_per_s"] > 0
@@ -55,7 +60,7 @@ def test_pieces_at_decoder_layers_or_at_split_points():
     parts = build_experiment(llama_config(balance=[3, 1]))
     assert isinstance(parts.model, Sequentialized) and len(parts.model) == 4  # embed, 2, head
     assert "model.layers.0.self_attn.q_proj.weight" in parts.names
-    cut = build_model(llama_config(split_points=["model.layers.1"]))
+    cut = layers_of(llama_config(split_points=["model.layers.1"]))
     assert len(cut) == 2
 
 
@@ -82,7 +87,7 @@ def test_a_torchvision_model_by_name_on_image_data():
 )
 def test_capture_problems_name_the_key(pipeline, key):
     with pytest.raises(ConfigError, match=key):
-        build_model(llama_config(**pipeline))
+        layers_of(llama_config(**pipeline))
 
 
 def test_split_points_of_a_flat_sequential_are_refused():
@@ -92,7 +97,7 @@ def test_split_points_of_a_flat_sequential_are_refused():
         pipeline=PipelineConfig(split_points=["0"]),
     )
     with pytest.raises(ConfigError, match="pipeline.split_points: the model is a flat"):
-        build_model(cfg)
+        layers_of(cfg)
 
 
 def test_split_points_must_be_a_list_of_names():

@@ -28,7 +28,9 @@ def test_one_step_trains_on_the_smoothed_loss_as_the_plain_model(tmp_path: Path)
     smoothed = partial(F.cross_entropy, label_smoothing=SMOOTHING)
     plain, want = reference_step(parts.model, x, y, chunks, seed, loss_fn=smoothed)
     _, unsmoothed = reference_step(parts.model, x, y, chunks, seed)
-    assert abs(want - unsmoothed) > 0.05 * want  # the smoothing shows in the loss
+    # the smoothing shows in the loss: 100x the tolerance the runner's loss is held to below
+    # (how much depends on the initial weights, which are the model's own init per layer)
+    assert abs(want - unsmoothed) > 1e-3 * want
 
     loop = TrainingLoop(cfg, parts, tmp_path, None, Progress(), None, World())
     record = loop.optimizer_step(iter([(x, y)]))  # the step's gradients stay in .grad

@@ -4,19 +4,28 @@ import pytest
 import torch
 from torch import nn
 
-from giantpipe.config import ConfigError, PipelineConfig
-from giantpipe.engine.spec import PipelineSpec
+from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
+from giantpipe.data.options import SyntheticDataConfig
+from giantpipe.engine.meta import build_on_meta, seeded_init
+from giantpipe.runner.build import build_bundle
+from giantpipe.runner.losses import build_loss
+from giantpipe.runner.model import Model
 from giantpipe.runner.pipeline import (
-    build_pipe,
-    check_fits,
+    build_pipeline,
     pipeline_spec,
     resolve_balance,
     resolve_devices,
 )
+from giantpipe.runner.world import World
+from models.options import MlpModelConfig
 
 
 def seq(n: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+
+
+def on_meta(n: int) -> Model:
+    return Model(build_on_meta(lambda: seq(n)), seeded_init(0))
 
 
 @pytest.mark.parametrize(
@@ -54,36 +63,46 @@ def test_unusable_devices_are_rejected(cfg, cuda, key):
 
 
 def test_balance_must_cover_the_model_and_fit_the_devices():
+    cfg = PipelineConfig(devices="cpu")
     with pytest.raises(ConfigError, match=r"pipeline.balance: \[2, 2\] sums to 4 .* 5 layers"):
-        check_fits(PipelineSpec((2, 2)), 5, 2)
+        pipeline_spec(cfg, [2, 2], ["cpu"] * 2, num_layers=5)
     with pytest.raises(ConfigError, match="pipeline.balance: 3 stages but only 2 devices"):
-        check_fits(PipelineSpec((1, 2, 2)), 5, 2)
-    check_fits(PipelineSpec((2, 3)), 5, 2)
+        pipeline_spec(cfg, [1, 2, 2], ["cpu"] * 2, num_layers=5)
+    pipeline_spec(cfg, [2, 3], ["cpu"] * 2, num_layers=5)
 
 
 def test_policy_balance_uses_every_device_and_the_engine():
     sample = torch.randn(2, 4)
     for policy in ("params", "time", "memory"):
         cfg = PipelineConfig(devices="cpu", num_devices=2, balance=policy)
-        balance = resolve_balance(cfg, seq(6), ["cpu", "cpu"], sample)
+        balance = resolve_balance(cfg, on_meta(6), ["cpu", "cpu"], sample)
         assert len(balance) == 2 and sum(balance) == 6
 
 
 def test_more_stages_than_layers_is_rejected():
     cfg = PipelineConfig(devices="cpu", num_devices=3, balance="params")
     with pytest.raises(ConfigError, match="pipeline.num_devices: 3 stages .* only 2 layers"):
-        resolve_balance(cfg, seq(2), ["cpu"] * 3, torch.randn(2, 4))
+        resolve_balance(cfg, on_meta(2), ["cpu"] * 3, torch.randn(2, 4))
 
 
-def test_build_pipe_passes_the_settings_through():
-    cfg = PipelineConfig(devices="cpu", num_devices=3, chunks=3, recompute="always")
-    pipe = build_pipe(seq(4), pipeline_spec(cfg, [2, 2], ["cpu"] * 3))
+def test_build_pipeline_passes_the_settings_through():
+    pipeline = PipelineConfig(
+        devices="cpu", num_devices=3, balance=[2, 2], chunks=3, recompute="always"
+    )
+    cfg = ExperimentConfig(
+        model=MlpModelConfig(in_features=4), pipeline=pipeline, data=SyntheticDataConfig(features=4)
+    )
+    loss = build_loss("cross_entropy", 0.0, None, summed=False)
+    built = build_pipeline(cfg, on_meta(4), build_bundle(cfg, None), loss, World())
+    pipe = built.pipe
     assert (pipe.balance, pipe.chunks, pipe.recompute, len(pipe.devices)) == (
         [2, 2],
         3,
         "always",
         2,
     )
+    assert built.feeds == ("cpu", "cpu") and built.plan_choice is None
+    pipe.close()
 
 
 def test_unknown_schedule_is_rejected_naming_the_key():

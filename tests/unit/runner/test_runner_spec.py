@@ -49,6 +49,9 @@ def test_the_schedule_is_built_and_validated_once_before_step_1(
 
     monkeypatch.setattr(schedules, "validate", counting)  # what build_schedule calls
     cfg = tiny(schedule=schedule)
+    # the pre-flight sizes candidate specs of its own (tests/unit/runner/test_preflight.py);
+    # this test follows the run's one spec from the config to step 1
+    cfg.trainer.memory_check = False
     seed_everything(cfg.trainer.seed)
     parts = build_experiment(cfg, tmp_path)
     x, y = next(parts.bundle.train_batches(cfg.trainer.seed, 0))

@@ -37,7 +37,8 @@ Its parts, one concept each (this package's own code is the door, :func:`sequent
 - :mod:`.graph`: the export graph, captured and prepared for cutting (RandomOp layers,
   :class:`CaptureError`);
 - :mod:`.cuts`: where to cut (split points, repeated blocks);
-- :mod:`.pieces`: cutting the graph into pieces, and what crosses each cut.
+- :mod:`.pieces`: cutting the graph into pieces, and what crosses each cut;
+- :mod:`.init`: a piece filled by its model's own initialisation (a model built on meta).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ naming the submodule.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -96,14 +97,42 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     modes = {m: m.training for m in model.modules()}
     model.train()
     try:
-        return torch.export.export(
-            model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
-        )
+        with _buffers_on_meta(model):
+            return torch.export.export(
+                model,
+                args,
+                kwargs,
+                dynamic_shapes=_dynamic_shapes(model, args, kwargs),
+                strict=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any capture failure becomes one message
         raise CaptureError(_capture_failure(exc, model)) from exc
     finally:
         for module, mode in modes.items():
             module.training = mode
+
+
+@contextmanager
+def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
+    """A model whose parameters are on meta (built without them) is traced on meta alone: its
+    real buffers (BatchNorm statistics, position tables) are lent meta copies for the trace;
+    the pieces take the real ones back, resolved by name after it."""
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        yield
+        return
+    real = [
+        (module, name, buf)
+        for module in model.modules()
+        for name, buf in module._buffers.items()  # noqa: SLF001
+        if buf is not None and buf.device.type != "meta"
+    ]
+    for module, name, buf in real:
+        module._buffers[name] = buf.to("meta")  # noqa: SLF001
+    try:
+        yield
+    finally:
+        for module, name, buf in real:
+            module._buffers[name] = buf  # noqa: SLF001
 
 
 def _batched(value: Any) -> bool:

@@ -13,7 +13,7 @@ What lives here, one concept per module:
 - :mod:`.tied`: parameters tied across pipeline ranks, their gradients summed once per step;
 - :mod:`.collectives`: a step's collectives under the pipe's timeout;
 - :mod:`.faults`: failures that stop every rank, named;
-- :mod:`.meta`: a model built on meta, only a rank's layers allocated;
+- :mod:`.share`: a rank's share of a model built on meta: its stages, or its FSDP2 shards;
 - :mod:`.generation`: the generation ring between ranks (a DistributedPipe's link).
 
 It imports torch (``torch.distributed``), the rest of :mod:`giantpipe.engine` and, for

@@ -1,29 +1,22 @@
-"""The distributed executor: one process per pipeline rank (under torchrun), R replicas.
+"""The distributed executor: :class:`DistributedPipe`, one rank's share of the pipeline (one
+process per pipeline rank under torchrun, R replicas of it).
 
-One concept, one class: :class:`DistributedPipe`, a rank's share of the pipeline (its section
-dividers group its members: who needs what, steps, failures, state).
-
-Each rank builds the model with its parameters on the meta device, allocates only the layers
-of its own stage(s), and runs its own list of actions from the same schedule data as the local
-executor (the very same ``StepRun``; only its mailbox sends to other processes). What a step
-sends, over which group, is in docs/engine.md ("Beyond one process"). A failure on any rank
-tears down this rank's groups and raises :class:`RankFailure` naming the rank that failed first.
+A rank holds only its stages (built on meta, made real by share: :mod:`.share`) and runs its own
+actions of the same schedule as the local executor (the same ``StepRun``, its mailbox sending to
+other processes; docs/engine.md, "Beyond one process"). A failure on any rank raises
+:class:`RankFailure` on every rank, naming the first.
 
 Example (``torchrun --nproc_per_node=2 train.py``)::
 
     init_distributed()                                      # reads torchrun's environment
     pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)   # R = world size / K
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)        # this rank's (its shards with R > 1)
-    x = batch if pipe.needs_inputs else None
-    y = target if pipe.needs_targets else None
-    loss = pipe.train_step(x, y, nn.functional.cross_entropy)   # same value on every rank
-    pipe.clip_grad_norm_(1.0)                               # the global norm, every rank
-    opt.step(); opt.zero_grad()
-    pipe.save_checkpoint("ckpt/", step=100)                 # shards by un-partitioned names
+    loss = pipe.train_step(x if pipe.needs_inputs else None,
+                           y if pipe.needs_targets else None, nn.functional.cross_entropy)
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -62,7 +55,6 @@ from giantpipe.engine.distributed.layout import (
     tied_workers,
     warm_up,
 )
-from giantpipe.engine.distributed.meta import LayerInit, build_on_meta, local_stages, seeded_init
 from giantpipe.engine.distributed.p2p import P2PMailbox
 from giantpipe.engine.distributed.replicas import (
     DEFAULT_REPLICA_SHARDING,
@@ -71,10 +63,12 @@ from giantpipe.engine.distributed.replicas import (
     check_replica_sharding,
     shard_like,
 )
+from giantpipe.engine.distributed.share import fill_shards, held_layers, stage_modules, templates
 from giantpipe.engine.distributed.tied import TiedSync, tied_copies
 from giantpipe.engine.distributed.wire import Layouts, signature
 from giantpipe.engine.executor import StepRun
 from giantpipe.engine.fp16 import AgreedGradScaler, check_agreed
+from giantpipe.engine.meta import LayerInit, build_on_meta, materialize, on_meta, pipe_init
 from giantpipe.engine.microbatch import TensorOrTensors, batch_size, forward_chunks, gather, scatter
 from giantpipe.engine.partition import shared_parameters
 from giantpipe.engine.pipe import Normalizer, Pipe, check_model
@@ -101,7 +95,8 @@ class DistributedPipe(Pipe):
     """This rank's share of a pipeline x data-parallel model; a step door like ``GPipe``'s.
 
     Args:
-        module: the model, or a function that builds it (called with parameters on meta).
+        module: the model (its parameters on meta, :func:`~giantpipe.engine.meta.build_on_meta`,
+            or real), or a function that builds it (called with parameters on meta).
         balance: layers per stage (K*V stages: K pipeline ranks, V virtual stages each).
         chunks: M, micro-batches per mini-batch (per replica).
         recompute: the re-materialization mode, as GPipe's (``'always'``, ``'except_last'``,
@@ -109,9 +104,9 @@ class DistributedPipe(Pipe):
         schedule: a name of :func:`giantpipe.engine.schedules.build_schedule`.
         virtual_stages: V (interleaved schedules); default 2 for ``'interleaved'``, else 1.
         device: this rank's device (default ``cuda:LOCAL_RANK`` if CUDA, else CPU).
-        seed: initialisation seed of the layers (see :mod:`giantpipe.engine.distributed.meta`).
-        init: ``init(index, layer)`` for meta layers; default: ``seeded_init(seed)``; None to
-            leave them uninitialised (load a checkpoint right after).
+        seed, init: what fills the meta layers this rank holds: ``init(index, layer)``
+            (:mod:`giantpipe.engine.meta`); default ``seeded_init(seed)``; None leaves them
+            unset (a checkpoint is loaded right after).
         deferred_batch_norm: BatchNorm running statistics once per mini-batch, as GPipe's.
         timeout: seconds any wait for another rank may take before the run fails.
         replica_sharding: how each stage is spread over its R replicas, on FSDP2
@@ -173,7 +168,7 @@ class DistributedPipe(Pipe):
         # The current CUDA device is this rank's own (a user may have called
         # init_process_group without init_distributed): NCCL and object collectives use it.
         self.device = bind_device(resolve_device(device))
-        shared = shared_parameters(model)  # tied parameters, found before the layers are copied
+        shared = self._shared = shared_parameters(model)  # found before the layers are copied
         self._hold_layers(model, seed, init, spec.deferred_batch_norm)
         self.groups = build_groups(self.layout, self.timeout, self.device)
         self.board = FailureBoard(default_store(), self.layout.label())
@@ -184,16 +179,8 @@ class DistributedPipe(Pipe):
         self.replica_sharding = replica_sharding
         self.shards = self._spread(replica_sharding, mixed_precision)
         # After the spread: the tied copies are its DTensors.
-        self.tied = tied_copies(
-            model,
-            shared,
-            self.layout,
-            self.balance,
-            self.placement,
-            self.timeout,
-            self.device,
-            self.board,
-        )
+        where = (self.layout, self.balance, self.placement, self.timeout, self.device)
+        self.tied = tied_copies(model, shared, *where, self.board)
         # Every NCCL communicator now, in one order, not lazily inside step 1 (layout.warm_up).
         tied = tied_workers(shared, self.balance, self.placement)
         warm_up(self.layout, self.groups, tied, self.device, self.timeout, self.board)
@@ -206,14 +193,18 @@ class DistributedPipe(Pipe):
     def _hold_layers(
         self, model: nn.Sequential, seed: int, init: LayerInit | None | str, deferred: bool
     ) -> None:
-        """Allocates this rank's layers (the others stay on meta) and registers them."""
+        """Makes this rank's layers real on its device (the others stay on meta) and registers
+        them; with R > 1 replicas of a model on meta they stay on meta until :meth:`_spread`
+        gives each its shards (:mod:`.share`)."""
         self._rng_hooks = install_rng_hooks(model)  # numbered over the whole model, as GPipe
-        layer_init = seeded_init(seed) if init == "seeded" else init
-        if isinstance(layer_init, str):
-            raise ValueError(f"init must be 'seeded', a function or None; got {init!r}")
-        self.partitions = local_stages(
-            model, self.balance, self.layout.local_stages, self.device, layer_init
-        )
+        layer_init = pipe_init(init, seed)
+        self._init, held = layer_init, held_layers(self.balance, self.layout.local_stages)
+        self._meta_copies: dict[int, nn.Module] | None = None
+        if self.layout.replicas > 1 and on_meta(model):
+            self._meta_copies = templates(model, held)  # the unsharded layers, for their values
+        else:
+            materialize(model, dict.fromkeys(held, self.device), layer_init)
+        self.partitions = stage_modules(model, self.balance, self.layout.local_stages)
         self.devices = [self.device] * len(self.partitions)
         for part in self.partitions:
             if deferred:
@@ -225,11 +216,19 @@ class DistributedPipe(Pipe):
             names.install(self)
 
     def _spread(self, mode: str, policy: MixedPrecisionPolicy | None) -> ReplicaShards | None:
-        """This rank's stages on FSDP2 over its replica group (None with R = 1)."""
-        held = {s: self.partitions[s] for s in self.layout.local_stages}
-        if self.layout.replicas > 1:
-            return ReplicaShards(held, self.groups.replica, self.device, mode, policy)
-        return None
+        """This rank's stages on FSDP2 over its replica group (None with R = 1); built on meta,
+        sharded there, then each shard set to its part of the unsharded init."""
+        stages = self.layout.local_stages
+        if self.layout.replicas == 1:
+            return None
+        fill, copies, self._meta_copies = None, self._meta_copies, None
+        if copies is not None:
+            layers = [layer for s in stages for layer in self.partitions[s].children()]
+            held = dict(zip(held_layers(self.balance, stages), layers, strict=True))
+            tied = [place for group in self._shared for place in group[1:]]
+            fill = functools.partial(fill_shards, held, copies, self._init, self.device, tied)
+        parts = {s: self.partitions[s] for s in stages}
+        return ReplicaShards(parts, self.groups.replica, self.device, mode, policy, fill)
 
     # ---- who needs what ------------------------------------------------------------------
 

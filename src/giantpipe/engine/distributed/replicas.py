@@ -62,7 +62,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -198,7 +198,11 @@ class ReplicaShards:
 
     ``stages``: the rank's stages by index (Sequentials of layers, their parameters real);
     ``group``: the replica group (R ranks); ``mode``: one of ``REPLICA_SHARDINGS``;
-    ``mp_policy``: FSDP2's mixed precision (:func:`mixed_precision_policy`).
+    ``mp_policy``: FSDP2's mixed precision (:func:`mixed_precision_policy`); ``fill``: for
+    stages whose parameters are on the meta device, called once their shards are allocated
+    on ``device`` (and every buffer emptied) to set them
+    (:func:`giantpipe.engine.distributed.share.fill_shards`): sharded on meta first, as FSDP2
+    documents, no rank ever allocates a whole stage.
     """
 
     def __init__(
@@ -208,6 +212,7 @@ class ReplicaShards:
         device: torch.device,
         mode: str = DEFAULT_REPLICA_SHARDING,
         mp_policy: MixedPrecisionPolicy | None = None,
+        fill: Callable[[], None] | None = None,
     ) -> None:
         self.mode = check_replica_sharding(mode)
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -231,6 +236,9 @@ class ReplicaShards:
         # (a unit spanning two stages included); its forward never runs: its lazy init, which
         # the first forward would do, is done here.
         self.root = self._spread(_Held(ordered))
+        if fill is not None:
+            cast(nn.Module, self.root).to_empty(device=device)  # FSDP2 re-pads each shard
+            fill()
         self._state().lazy_init_root()
         for unit in [*self.units, self.root]:
             unit.set_gradient_divide_factor(1.0)  # a sum: the loss is divided already

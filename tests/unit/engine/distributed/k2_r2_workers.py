@@ -32,6 +32,8 @@ the test compares across ranks:
 9. K=4 over the world, the transport on its device path (on GPUs a receive only makes the
    stream wait, its request asked after the step): rank 2's first receive is aborted after
    its stream wait, as NCCL's watchdog may; the step raises on every rank, none returns a loss.
+10. building by share, a deeper model from meta: the shards hold the plain model's initial
+    weights, and no rank holds more than its share and one layer (:mod:`.share_workers`).
 
 Gradients and weights are read as whole tensors (``full_tensor`` of a sharded parameter) or as
 this rank's shard (``to_local``), so the checks hold however the replicas hold a stage.
@@ -54,10 +56,10 @@ from torch import nn
 from giantpipe.engine.distributed.faults import RankFailure
 from giantpipe.engine.distributed.layout import WARM_UP, Layout
 from giantpipe.engine.distributed.message_order import worker_ops
-from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.p2p import DESCRIPTIONS, PAYLOADS
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.mailbox import Mailbox
+from giantpipe.engine.meta import init_layers
 from giantpipe.runner.build import parameter_names
 from giantpipe.runner.run_state.restore import restore
 from giantpipe.runner.run_state.staging import save_run
@@ -67,6 +69,7 @@ from giantpipe.testing import step_seed
 from tests.distributed.order_workers import recording
 from tests.distributed.workers import reference, shard
 from tests.timeouts import scaled
+from tests.unit.engine.distributed.share_workers import check_share
 
 SEED, INIT, CHUNKS, MAX_NORM, BAD_RANK = 5, 3, 4, 0.05, 3
 LOSS = nn.functional.cross_entropy
@@ -285,6 +288,7 @@ def check(tmp: Path) -> dict[str, Any]:
     out["tied_norm"], tied_warmed = tied_and_strided()
     out["warmed"].append(tied_warmed)
     out["replicated_norm"] = replicated_clip()
+    out["share"] = check_share()  # 10. building by share (share_workers.py)
     out["failed_step"] = failed_transfer()  # last: the failure tears the pipe's groups down
     return out
 

@@ -27,6 +27,10 @@ from tests.distributed.nccl_rules import DeviceOp, replay
 
 pytestmark = pytest.mark.distributed
 
+BUILD_SLACK = 64 * 1024
+"""Bytes a rank may allocate while it builds beyond its share and one whole layer (the layer
+being made whole, its shard copied out): the warm-up's and the groups' small tensors."""
+
 
 def warm_up_op(call: str, where: Any, comm: str) -> DeviceOp:
     """A recorded warm-up call as the replay takes it: a collective over ``where`` (ranks),
@@ -67,3 +71,9 @@ def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Pa
         for r in results
     }
     assert replay(ops) == sum(len(v) for v in ops.values()) // 2 > 0
+    # built by share: the plain model's weights, each rank its shard and never a whole stage
+    for share in (r["share"] for r in results):
+        assert share["equal"] and share["names"] == 16  # 8 layers' weights and biases
+        assert share["held"] == share["share"]
+        assert share["peak"] <= share["share"] + 2 * share["layer"] + BUILD_SLACK, share
+        assert share["stage"] > 2 * share["layer"] + BUILD_SLACK  # a whole stage would show

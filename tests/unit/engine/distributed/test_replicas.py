@@ -13,15 +13,22 @@ from torch import nn
 
 from giantpipe.cli.checks import to_experiment
 from giantpipe.cli.registration import register_configs
-from giantpipe.config import ConfigError, PipelineConfig
+from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
+from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.engine.distributed.replicas import (
     DEFAULT_REPLICA_SHARDING,
     last_backwards,
     mixed_precision_policy,
     units_of,
 )
+from giantpipe.engine.meta import build_on_meta, seeded_init
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.runner import pipeline as runner_pipeline
+from giantpipe.runner.build import build_bundle
+from giantpipe.runner.losses import build_loss
+from giantpipe.runner.model import Model
+from giantpipe.runner.world import World
+from models.options import MlpModelConfig
 
 CONF = Path(__file__).resolve().parents[4] / "conf"
 
@@ -80,6 +87,18 @@ def test_the_precision_gives_fsdp_its_policy_on_gpus(
     assert (policy.param_dtype, policy.reduce_dtype) == (param, reduce)
 
 
+class TwoRanks(World):
+    """Rank 0 of a world of two whose collectives are answered here (every rank alike)."""
+
+    size = 2
+
+    def gather(self, value: Any) -> list[Any]:
+        return [value, value]
+
+    def bind(self, pipe: Any) -> None:
+        self.bound = pipe
+
+
 def test_the_runner_passes_the_sharding_and_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
 
@@ -88,10 +107,16 @@ def test_the_runner_passes_the_sharding_and_the_policy(monkeypatch: pytest.Monke
         return "pipe"
 
     monkeypatch.setattr(runner_pipeline, "DistributedPipe", record)
-    cfg = PipelineConfig(replica_sharding="grads", precision="bf16")
-    spec = runner_pipeline.pipeline_spec(cfg, [1, 1])
-    assert runner_pipeline.build_distributed_pipe(nn.Sequential(), spec, "cuda:1", cfg) == "pipe"
-    assert seen["replica_sharding"] == "grads"
+    monkeypatch.setattr(runner_pipeline.torch.cuda, "device_count", lambda: 2)
+    pipeline = PipelineConfig(
+        devices=["cuda:1", "cuda:0"], balance=[1, 1], replica_sharding="grads", precision="bf16"
+    )
+    cfg = ExperimentConfig(model=MlpModelConfig(), pipeline=pipeline, data=SyntheticDataConfig())
+    model = Model(build_on_meta(lambda: nn.Sequential(nn.ReLU(), nn.ReLU())), seeded_init(0))
+    loss = build_loss("cross_entropy", 0.0, None, summed=False)
+    built = runner_pipeline.build_pipeline(cfg, model, build_bundle(cfg, None), loss, TwoRanks())
+    assert built.pipe == "pipe" and built.feeds == ("cuda:1", "cuda:1")
+    assert seen["replica_sharding"] == "grads" and seen["init"] is model.init
     assert seen["mixed_precision"].param_dtype == torch.bfloat16
     assert seen["mixed_precision"].reduce_dtype == torch.float32
     assert seen["device"] == torch.device("cuda", 1)
