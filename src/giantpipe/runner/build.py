@@ -37,6 +37,7 @@ from torch import nn
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.engine.capture import CaptureError, Sequentialized, sequentialize
+from giantpipe.engine.distributed.meta import LayerInit
 from giantpipe.engine.generate.caches import check_cached
 from giantpipe.engine.microbatch import as_tuple
 from giantpipe.engine.pipe import Pipe
@@ -55,7 +56,7 @@ from giantpipe.runner.pipeline import (
     resolve_balance,
     resolve_devices,
 )
-from giantpipe.runner.planning import plan_pipeline
+from giantpipe.runner.planning import as_run, plan_pipeline
 from giantpipe.runner.registry import build_from_target
 from giantpipe.runner.world import World
 
@@ -245,22 +246,36 @@ def plan_and_spec(
     bundle: DataBundle,
     devices: list[str],
     replicas: int = 1,
+    world: World | None = None,
+    own: str | None = None,
+    init: LayerInit | None = None,
 ) -> tuple[PipelineSpec, dict[str, Any] | None]:
     """The pipeline's spec and, under plan=auto, the planner's choice (else None): the
     planner's spec, else the config's with its balance (profiled on the first device by the
     ``time`` and ``memory`` policies), checked against the model and the devices. The spec, and
-    so the schedule, is made and checked once, here."""
+    so the schedule, is made and checked once, here.
+
+    Collective under torchrun (``world``; ``own``: this rank's device): every rank calls it and
+    gets the same answer; rank 0 profiles, each rank measures only its own device. ``model`` may
+    be built on meta, each layer then made real by ``init`` one at a time."""
+    world = world or World()
     sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
     if cfg.pipeline.plan == "auto":
         loss_fn = loss_of(cfg, bundle)
         return plan_pipeline(
-            cfg, model, devices, sample_inputs, sample_targets, loss_fn, replicas=replicas
-        )
-    sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
-    balance = resolve_balance(cfg.pipeline, model, devices, sample)
-    spec = pipeline_spec(cfg.pipeline, balance, devices)
-    check_fits(spec, len(model), len(devices))
-    return spec, None
+            cfg, model, devices, sample_inputs, sample_targets, loss_fn, replicas,
+            world=world, own=own, init=init,
+        )  # fmt: skip
+
+    def decide() -> tuple[PipelineSpec, dict[str, Any] | None]:
+        sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
+        balance = resolve_balance(cfg.pipeline, model, devices, sample, init)
+        spec = pipeline_spec(cfg.pipeline, balance, devices)
+        check_fits(spec, len(model), len(devices))
+        return spec, None
+
+    # decided once, on rank 0 (devices[0] is its own); the others receive the spec as made
+    return world.decide(decide)
 
 
 def build_experiment(
@@ -275,16 +290,13 @@ def build_experiment(
     devices, own = worker_devices(cfg.pipeline, world)
     first = world.agree(lambda: build_bundle(cfg, run_dir) if world.rank == 0 else None)
 
-    def model_and_plan() -> tuple[DataBundle, nn.Sequential, Any]:
+    def model_and_bundle() -> tuple[DataBundle, nn.Sequential]:
         bundle = first or build_bundle(cfg, run_dir)
-        model = build_model(cfg, bundle)
-        replicas = world.size // len(devices) if world.size % len(devices) == 0 else 1
-        decided = plan_and_spec(cfg, model, bundle, devices, replicas) if world.rank == 0 else None
-        return bundle, model, decided
+        return bundle, build_model(cfg, bundle)
 
-    bundle, model, decided = world.agree(model_and_plan)
-    # planned, profiled and checked once, on rank 0; the others receive the spec as made
-    spec, plan_choice = world.from_rank0(decided)
+    bundle, model = world.agree(model_and_bundle)
+    replicas = world.size // len(devices) if world.size % len(devices) == 0 else 1
+    spec, plan_choice = plan_and_spec(cfg, model, bundle, devices, replicas, world, own)
     workers = spec.num_workers
     check_generates(cfg, bundle, model)
     pipe: Pipe
@@ -292,7 +304,8 @@ def build_experiment(
         pipe = build_pipe(model, spec)
         inputs_to, targets_to = devices[0], devices[workers - 1]
     else:
-        pipe = build_distributed_pipe(model, spec, own, cfg.pipeline)
+        as_planned = as_run(cfg, spec, plan_choice).pipeline  # the planned replica_sharding
+        pipe = build_distributed_pipe(model, spec, own, as_planned)
         world.bind(pipe)
         inputs_to = targets_to = own
     # Rank 0 keeps the whole plain model under torchrun only for a whole-model evaluation that

@@ -35,6 +35,7 @@ from giantpipe.config import ConfigError, PipelineConfig
 from giantpipe.config.pipeline import as_config_error
 from giantpipe.data.bundle import Tensors
 from giantpipe.engine import GPipe
+from giantpipe.engine.distributed.meta import LayerInit
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import MixedPrecisionPolicy, mixed_precision_policy
 from giantpipe.engine.spec import PipelineSpec, virtual_stages_of
@@ -162,11 +163,16 @@ def check_fits(spec: PipelineSpec, num_layers: int, num_devices: int) -> None:
 
 
 def resolve_balance(
-    cfg: PipelineConfig, model: nn.Sequential, devices: list[str], sample: Tensors
+    cfg: PipelineConfig,
+    model: nn.Sequential,
+    devices: list[str],
+    sample: Tensors,
+    init: LayerInit | None = None,
 ) -> list[int]:
     """A list of layers per stage: the configured list, or the engine's policy over all devices.
 
-    ``sample`` is one micro-batch of inputs (used by the ``time`` and ``memory`` policies).
+    ``sample`` is one micro-batch of inputs (used by the ``time`` and ``memory`` policies, which
+    run each layer on ``devices[0]``, one at a time: a model built on meta takes ``init``).
     """
     if isinstance(cfg.balance, list):
         balance = list(cfg.balance)
@@ -180,9 +186,9 @@ def resolve_balance(
         if cfg.balance == "params":
             balance = balance_by_params(stages, model)
         elif cfg.balance == "time":
-            balance = balance_by_time(stages, model, sample, device=devices[0])
+            balance = balance_by_time(stages, model, sample, device=devices[0], init=init)
         else:
-            balance = balance_by_size(stages, model, sample, device=devices[0])
+            balance = balance_by_size(stages, model, sample, device=devices[0], init=init)
     return balance
 
 

@@ -57,12 +57,13 @@ def open_record(
     spec: PipelineSpec,
     log: logging.Logger,
     where: tuple[str, tuple[Any, ...]] = ("", ()),
+    plan_choice: dict[str, Any] | None = None,
 ) -> MetricsLogger:
     """Starts writing into ``run_dir`` (everything is checked by now); returns the sinks.
 
     ``spec`` is the pipeline as run (its devices, balance and M); ``log`` the runner's own
     logger; ``where`` a format and its arguments that the start line carries before the devices
-    (the distributed runner's ranks).
+    (the distributed runner's ranks); ``plan_choice``: the planner's, under plan=auto.
     """
     if resumed:
         cut = truncate_after_step(run_dir / "metrics.jsonl", step)
@@ -87,7 +88,7 @@ def open_record(
         step,
         cfg.trainer.log_every,
         cfg.name,
-        asdict(as_run(cfg, spec)),
+        asdict(as_run(cfg, spec, plan_choice)),
     )
 
 

@@ -240,4 +240,5 @@ def _open(
         parts.spec,
         log,
         where,
+        parts.plan_choice,
     )
