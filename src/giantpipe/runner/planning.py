@@ -149,7 +149,8 @@ def _plan(
     min_micro = 2 if has_batchnorm(model) else 1
     chunks = chunk_options(size, min_micro)
     touched = devices if local else [own] * k  # a local executor's devices are all its own
-    layers, timer, overhead = _measure(cfg, model, touched, inputs, targets, loss_fn, chunks, init)
+    micro = sorted({size // max(chunks), size // min(chunks)})  # a replica's micro-batches
+    layers, timer, overhead = _measure(cfg, model, touched, inputs, targets, loss_fn, micro, init)
     spec = DeviceSpec(
         peak_flops=1.0,  # unused: layer times are measured
         memory_bytes=hardware.memory_bytes,
@@ -237,20 +238,20 @@ def _measure(
     inputs: Tensors,
     targets: Tensors,
     loss_fn: LossFn,
-    chunks: list[int],
+    micro: list[int],
     init: LayerInit | None,
 ) -> tuple[list[LayerCost], LayerTimer, float]:
-    """Bytes per layer and sample, seconds per layer (at the smallest and largest micro-batch,
-    on ``devices[0]``) and the executor's cost per action (its K stages on ``devices``), the
-    RNG streams left as they were. Only ``devices`` are touched."""
-    size, min_micro = batch_size(inputs), 2 if has_batchnorm(model) else 1
+    """Bytes per layer and sample, seconds per layer (at the ``micro``-batch sizes, the search's
+    smallest and largest, on ``devices[0]``) and the executor's cost per action (its K stages
+    on ``devices``), the RNG streams left as they were. Only ``devices`` are touched."""
+    min_micro = 2 if has_batchnorm(model) else 1
     cuda = sorted({torch.device(d) for d in devices if torch.device(d).type == "cuda"}, key=str)
     with torch.random.fork_rng(devices=cuda), autocast(cfg.pipeline.precision, devices[0]):
         sample = meta_sample(inputs, min_micro)
         layers = per_sample(measure_layers(meta_copy(model), sample), min_micro)
         threads = threads_per_worker(devices)
         timer = LayerTimer(model, devices[0], inputs, targets, loss_fn, threads, init=init)
-        timer.calibrate([size // max(chunks), size // min(chunks)])
+        timer.calibrate(micro)
         schedule = build_schedule("gpipe", len(devices), 4)
         overhead = executor_overhead(schedule, [torch.device(d) for d in devices], threads, 2)
     return layers, timer, overhead

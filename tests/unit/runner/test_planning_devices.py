@@ -23,6 +23,7 @@ from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, Tra
 from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.engine.distributed.meta import build_on_meta, seeded_init
 from giantpipe.engine.spec import PipelineSpec
+from giantpipe.perf.costs import LayerTimer
 from giantpipe.perf.links import neighbour_bandwidth
 from giantpipe.runner.planning import Hardware, agree_hardware, plan_pipeline
 from giantpipe.runner.world import World
@@ -156,3 +157,24 @@ def test_each_rank_times_only_its_links_one_after_the_other(monkeypatch: pytest.
     assert [(kind, peer) for r, kind, _, peer in seen if r == 1][-2:] == [("send", 2), ("recv", 2)]
     assert {device for *_, device, _ in seen} == {"meta"}
     assert not [s for s in seen if s[0] >= 3]  # the other replica's ranks time nothing
+
+
+def test_layers_are_timed_at_a_replicas_micro_batches(
+    links: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes: list[list[int]] = []
+    calibrate = LayerTimer.calibrate
+
+    def recorded(timer: LayerTimer, wanted: list[int]) -> None:
+        sizes.append(sorted(wanted))
+        calibrate(timer, wanted)
+
+    monkeypatch.setattr(LayerTimer, "calibrate", recorded)
+    peers = {r: (GIB, None) for r in (1, 2, 3)}  # K=2 x R=2
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    _, choice = plan_pipeline(
+        config(budget=1.0), meta_mlp(), ["cpu", "cpu"], x, y, nn.functional.cross_entropy,
+        replicas=2, world=OneRank(0, peers), own="cpu", init=seeded_init(0),
+    )  # fmt: skip
+    assert sizes == [[1, 8]]  # a replica's 8 samples in 8 micro-batches, or in 1
+    assert (choice["replicas"], choice["replica_sharding"]) == (2, "none")
