@@ -36,7 +36,7 @@ from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.stats import SavedTensorMeter
 from giantpipe.engine.step_config import LossFn
-from giantpipe.perf.materialize import layer_on
+from giantpipe.perf.materialize import has_meta_parameters, layer_on
 from giantpipe.perf.simulate import StageCost
 from giantpipe.perf.stage_profile import profile_stages
 
@@ -212,10 +212,10 @@ def meta_sample(inputs: TensorOrTensors, n: int = 1) -> TensorOrTensors:
 class LayerTimer:
     """Seconds per layer on ``device`` for a micro-batch of n samples: measured at a few sizes
     (:meth:`calibrate`), linear in n between and beyond them. Each layer runs as the executor
-    runs a stage (:func:`~giantpipe.perf.stage_profile.profile_stages`), on a copy made real on
-    ``device`` (:func:`~giantpipe.perf.materialize.layer_on`: a model built on meta needs
-    ``init``), one layer at a time: its input is the previous layer's output, and only that
-    boundary is kept. The loss runs after the last layer.
+    runs a stage (:func:`~giantpipe.perf.stage_profile.profile_stages`), one layer at a time,
+    on a copy made real on ``device`` (:func:`~giantpipe.perf.materialize.layer_on`: a model
+    built on meta needs ``init``) unless it is real there already: its input is the previous
+    layer's output, and only that boundary is kept. The loss runs after the last layer.
 
     Example::
 
@@ -247,7 +247,7 @@ class LayerTimer:
         x: dict[int, Any] = {n: _to(_head(self.inputs, n), self.device) for n in sizes}
         found: dict[int, list[StageCost]] = {n: [] for n in sizes}
         for i in range(len(self.model)):
-            stage = nn.Sequential(layer_on(self.model, i, self.device, self.init))
+            stage = nn.Sequential(self._layer(i))
             last = i == len(self.model) - 1
             for n in sizes:
                 found[n] += self._profile(stage, i, x[n], n, last)
@@ -256,6 +256,17 @@ class LayerTimer:
                         x[n] = stage(x[n])
             del stage  # before the next layer is made
         self.points.update(found)
+
+    def _layer(self, i: int) -> nn.Module:
+        # a real layer on the device runs as it is (a profile leaves its state as it was): a
+        # copy would hold it twice
+        layer = self.model[i]
+        here = all(t.device == self.device for t in [*layer.parameters(), *layer.buffers()])
+        return (
+            layer
+            if here and not has_meta_parameters(layer)
+            else layer_on(self.model, i, self.device, self.init)
+        )
 
     def _profile(self, stage: nn.Sequential, i: int, x: Any, n: int, last: bool) -> list[StageCost]:
         return profile_stages(
