@@ -70,7 +70,7 @@ DEFAULT_REPLICA_SHARDING = "grads"
 """ZeRO-2, torchtitan's rule under pipelining (no resharding after forward): between steps each
 rank holds 1/R of its stage's parameters, gradients and optimizer state, as ZeRO-3 does, and
 gathers each unit once a step rather than for every micro-batch's forward and backward, which
-measured 1.5-3x faster (docs/running.md, "Replicas"). ``full`` is the choice for a stage whose
+measured about 2x faster (docs/running.md, "Replicas"). ``full`` is the choice for a stage whose
 whole parameters and gradients do not fit together; ``pipeline.plan=auto`` makes it where the
 memory budget says so."""
 MAX_CHUNKS = 2**20

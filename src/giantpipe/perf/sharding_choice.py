@@ -2,9 +2,9 @@
 
 With R > 1 replicas of every stage, the modes are tried least sharded first
 (:data:`SHARDING_ORDER`), and the first under which some configuration fits the memory budget
-is taken. Less sharding moves fewer bytes a step and measured faster (results/replicas/speed.md);
-the simulator does not time the collectives, so modes are ordered by that rule rather than by
-its step times (docs/timing-and-planner.md, "Replica sharding").
+is taken: less sharding moves fewer bytes a step, or as few in fewer collectives
+(results/replicas/speed.md). The simulator does not time the collectives, so modes are ordered
+by that rule rather than by its step times (docs/timing-and-planner.md, "Replica sharding").
 
 Example::
 
