@@ -6,7 +6,7 @@
 Model: Linear(8192, 8192) x 4 (1 GiB of fp32 weights) in a GPipe of K=2 CPU stand-ins, Adam
 after one step (2 GiB more state): 3 GiB per save. Each round takes a training step, then saves
 ``last/`` through the runner's own
-:class:`~giantpipe.runner.checkpoint.writer.CheckpointWriter`, once synchronously and once with
+:class:`~giantpipe.runner.run_state.writer.CheckpointWriter`, once synchronously and once with
 ``async_save`` (interleaved rounds; this machine is shared and noisy, so medians; the first
 asynchronous save also allocates the host buffers the later ones reuse), then one more training
 step while the asynchronous write runs:
@@ -43,9 +43,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.engine.distributed import shards
-from giantpipe.runner.checkpoint.state import Progress
-from giantpipe.runner.checkpoint.writer import CheckpointWriter
+from giantpipe.checkpoint.files import atomic_save, describe
+from giantpipe.runner.run_state.state import Progress
+from giantpipe.runner.run_state.writer import CheckpointWriter
 from giantpipe.runner.world import World
 
 
@@ -137,7 +137,7 @@ def hashing(parts: SimpleNamespace, folder: Path) -> tuple[float, float, int]:
     last = folder / "sync" / "last"
     files = [p.relative_to(last).as_posix() for p in last.rglob("*") if p.is_file()]
     start = time.perf_counter()
-    shards.describe(last, files)
+    describe(last, files)
     return as_written, time.perf_counter() - start, sum((last / f).stat().st_size for f in files)
 
 
@@ -169,7 +169,7 @@ def _save(kind: str, state: dict[str, torch.Tensor], where: Path) -> int:
         writer = dcp.FileSystemWriter(where, sync_files=True, thread_count=1, overwrite=False)
         dcp.save(state, storage_writer=writer, no_dist=True)
     else:
-        shards.atomic_save(state, where / "step000000001-000000-rank00000.pt")  # fsynced too
+        atomic_save(state, where / "step000000001-000000-rank00000.pt")  # fsynced too
     return sum(p.stat().st_size for p in where.iterdir())
 
 

@@ -1,4 +1,5 @@
-"""How long ``python train.py`` takes to answer a bad override and ``--help``: median of N runs.
+"""How long ``python train.py`` takes to answer a bad override and ``--help``, and
+``recipes/generate.py`` a bad argument: median of N runs.
 
     python benchmarks/cli_latency.py              # 5 runs of each case: ~15-30 s
     python benchmarks/cli_latency.py --quick      # 1 run of each; what the test suite runs
@@ -17,6 +18,8 @@ checkout in the same run, taking turns with this one run for run, so that both s
     bad model value  train.py model.num_layers=4 (the default AmoebaNet's own check, in its
                      schema in models/options.py; its builder imports torch): exit 2, one line
     --help           train.py --help: exit 0, the recipes and the groups
+    generate: bad argument   recipes/generate.py RUN --prompt=5 --max-new=0: exit 2, one line
+    generate: no run         recipes/generate.py nowhere --prompt=5: exit 2, one line
 """
 
 from __future__ import annotations
@@ -34,23 +37,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "src")]  # run from a checkout without installing
 CASES = {
-    "bad override": (["trainer.max_stpes=5"], 2),
-    "bad value": (["trainer.max_steps=-1"], 2),
-    "bad model value": (["model.num_layers=4"], 2),
-    "--help": (["--help"], 0),
+    "bad override": ("train.py", ["trainer.max_stpes=5"], 2),
+    "bad value": ("train.py", ["trainer.max_steps=-1"], 2),
+    "bad model value": ("train.py", ["model.num_layers=4"], 2),
+    "--help": ("train.py", ["--help"], 0),
+    "generate: bad argument": ("recipes/generate.py", ["RUN", "--prompt=5", "--max-new=0"], 2),
+    "generate: no run": ("recipes/generate.py", ["nowhere", "--prompt=5"], 2),
 }
-"""Case -> (arguments of train.py, the exit status it must give)."""
+"""Case -> (the script, its arguments, the exit status it must give)."""
 
 
-def timed_run(args: list[str], status: int, cwd: Path, repo: Path = REPO) -> tuple[float, float]:
-    """(wall, CPU) seconds of one ``python train.py ARGS`` of the checkout ``repo``; fails if it
+def timed_run(
+    script: str, args: list[str], status: int, cwd: Path, repo: Path = REPO
+) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``python SCRIPT ARGS`` of the checkout ``repo``; fails if it
     exits otherwise than ``status``."""
     paths = [str(repo / "src"), str(repo), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # this checkout's, then the rest
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, str(repo / "train.py"), *args],
+        [sys.executable, str(repo / script), *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -60,7 +67,7 @@ def timed_run(args: list[str], status: int, cwd: Path, repo: Path = REPO) -> tup
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != status:
-        raise SystemExit(f"train.py {' '.join(args)} exited {result.returncode}: {result.stderr}")
+        raise SystemExit(f"{script} {' '.join(args)} exited {result.returncode}: {result.stderr}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return seconds, cpu
 
@@ -74,11 +81,11 @@ def table(repeats: int, repos: list[Path] | None = None) -> dict[Path, list[Row]
     repos = repos or [REPO]
     rows: dict[Path, list[Row]] = {repo: [] for repo in repos}
     with tempfile.TemporaryDirectory() as scratch:
-        for case, (args, status) in CASES.items():
+        for case, (script, args, status) in CASES.items():
             runs: dict[Path, list[tuple[float, float]]] = {repo: [] for repo in repos}
             for _ in range(repeats):
                 for repo in repos:
-                    runs[repo].append(timed_run(args, status, Path(scratch), repo))
+                    runs[repo].append(timed_run(script, args, status, Path(scratch), repo))
             for repo, done in runs.items():
                 wall = [w for w, _ in done]
                 cpu = statistics.median(c for _, c in done)

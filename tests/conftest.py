@@ -1,5 +1,6 @@
 """Shared test settings: small thread pools so the suite behaves on a 2-core machine, the lanes,
-and how xdist spreads the suite over the cores.
+how xdist spreads the suite over the cores, and what a failure that reads as a timeout says
+(the knob that lengthens every timeout: tests/timeouts.py).
 
 Lanes: every test under tests/distributed/ (several processes) and tests/recipes/ (a benchmark's
 or a recipe's quick run) is ``slow``, so ``pytest -m "not slow"`` is the everyday lane.
@@ -15,9 +16,12 @@ long file handed out last would leave the other worker idle.
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
+
+from tests.timeouts import KNOB, TIMEOUT_WORDS, busy_hint, scale
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
@@ -86,3 +90,31 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
             return unit_of(nodeid)
 
     return FileOrAlone(config, log)  # type: ignore[arg-type]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its settings
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-timeout's limit (pyproject.toml's ``timeout``) lengthened by the knob too, unless
+    ``--timeout`` or PYTEST_TIMEOUT gives one."""
+    try:
+        given = config.getvalue("timeout")
+    except ValueError:  # pytest-timeout is not installed
+        return
+    ini = config.getini("timeout")
+    if given is None and "PYTEST_TIMEOUT" not in os.environ and ini:
+        config.option.timeout = float(ini) * scale()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failure that reads as a timeout (tests/timeouts.py) says how to lengthen the suite's
+    timeouts, unless it already names the knob."""
+    report = yield
+    if report.failed and call.excinfo is not None:
+        said = f"{call.excinfo.typename}: {call.excinfo.value}"
+        longrepr = report.longrepr
+        if TIMEOUT_WORDS.search(said) and KNOB not in said and hasattr(longrepr, "addsection"):
+            longrepr.addsection("timeout", busy_hint())
+    return report

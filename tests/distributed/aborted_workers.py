@@ -22,6 +22,7 @@ from torch import nn
 from giantpipe.engine.distributed.faults import RankFailure
 from giantpipe.engine.distributed.ordered import PAYLOADS, OrderedMailbox
 from giantpipe.engine.distributed.pipe import DistributedPipe
+from tests.timeouts import scaled
 
 
 class LikeNccl:
@@ -57,7 +58,7 @@ def aborted_receive(tmp: Path) -> dict[str, Any]:
         dist.irecv = irecv  # type: ignore[assignment]
         OrderedMailbox._on_device = lambda self: True  # type: ignore[method-assign]
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    pipe = DistributedPipe(model, [2, 1], chunks=2, timeout=10, transport="ordered")
+    pipe = DistributedPipe(model, [2, 1], chunks=2, timeout=scaled(10), transport="ordered")
     x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
     returned: Any = "nothing"
     try:

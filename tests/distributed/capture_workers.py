@@ -18,6 +18,7 @@ from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import step_seed
 from tests.distributed.workers import SEED, reference, virtual_stages_for
+from tests.timeouts import scaled
 
 VOCAB, BATCH, T = 97, 8, 12
 
@@ -64,7 +65,7 @@ def gpt2_equals_the_sequentialized(
         balance = solve_balance([1.0] * len(seq), workers * v)
         pipe = DistributedPipe(
             copy.deepcopy(seq), balance, chunks=chunks, recompute=mode, schedule=schedule,
-            virtual_stages=v, init=None, timeout=60,
+            virtual_stages=v, init=None, timeout=scaled(60),
         )  # fmt: skip
         torch.manual_seed(SEED)
         x = (ids, mask) if pipe.needs_inputs else None

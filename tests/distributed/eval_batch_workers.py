@@ -16,6 +16,7 @@ from giantpipe.engine.microbatch import forward_chunks
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import step_seed
 from tests.distributed.workers import INIT, SEED, assert_matches, model_fn, plain_model, reference
+from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import tuple_batch
 
 CHUNKS = 4
@@ -43,7 +44,7 @@ def short_batches(
         virtual_stages=virtual_stages,
         seed=INIT,
         transport=transport,
-        timeout=20,
+        timeout=scaled(20),
     )
     pipe.load_state_dict(model.state_dict())
     model.eval()
@@ -91,3 +92,29 @@ def several(tmp: Path, calls: list[tuple[str, dict[str, Any]]]) -> dict[str, Any
         sub.mkdir(exist_ok=True)
         results[name] = short_batches(sub, **kwargs)
     return results
+
+
+def replica_shares(tmp: Path) -> dict[str, Any]:
+    """The runner's evaluation at K = 2 x R = 2 with FSDP2's ``full`` over batches whose
+    replica shares differ in size (one of them empty): the figures of the plain model in one
+    process. Each replica's forward runs as many micro-batches as the other's, since FSDP2
+    gathers the layers per micro-batch, a collective of the replicas."""
+    from giantpipe.data.bundle import DataBundle
+    from giantpipe.runner.evaluate import evaluate
+    from giantpipe.runner.world import TorchrunWorld
+
+    model = plain_model(2)
+    pipe = DistributedPipe(
+        model_fn(2), [2, 2], chunks=CHUNKS, seed=INIT, timeout=20, replica_sharding="full"
+    )
+    (x, mask), y = tuple_batch(n=11)
+    batches = [((x[a:b], mask[a:b]), y[a:b]) for a, b in [(0, 3), (3, 4), (4, 9), (9, 11)]]
+    bundle = DataBundle(
+        train_batches=lambda seed, position: iter([]),
+        eval_batches=lambda: batches,
+        batches_per_epoch=1,
+    )
+    world = TorchrunWorld(20.0)
+    world.bind(pipe)
+    got = evaluate(pipe, bundle, None, "fp32", [str(pipe.device)], world)
+    return {"got": got, "plain": evaluate(model, bundle, None, "fp32", ["cpu"])}

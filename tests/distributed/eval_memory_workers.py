@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tests.distributed.generate_workers import TRANSLATION
+from tests.timeouts import scaled
 
 # A model big enough that half of it dwarfs the data a rank holds (token ids, a vocabulary).
 WIDER = ["model.d_model=64", "model.head_dim=16", "model.ffn_dim=128", "model.num_heads=4"]
@@ -66,7 +67,11 @@ def run(tmp: Path, run_dir: str, executor: str, overrides: list[str]) -> dict[st
     from tests.distributed.launch import REPO
 
     every = [*TRANSLATION, *WIDER, "trainer.max_steps=2", "trainer.eval_every=0"]
-    every += ["trainer.predict=false", f"pipeline.executor={executor}", "pipeline.timeout=30"]
+    every += [
+        "trainer.predict=false",
+        f"pipeline.executor={executor}",
+        f"pipeline.timeout={scaled(30):g}",
+    ]
     register_configs(REPO / "conf")
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         composed = compose("config", [*every, *overrides])

@@ -15,6 +15,7 @@ from giantpipe import sequentialize
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from models.hf import give_caches, hf_causal_lm
+from tests.timeouts import scaled
 
 VOCAB = 50
 
@@ -46,16 +47,18 @@ def decode(tmp: Path, balance: list[int], chunks: int) -> dict[str, Any]:
     seq = llama_pieces()
     every = [weakref.ref(p) for p in seq.parameters()]
     total = sum(p.numel() for p in seq.parameters())
-    pipe = DistributedPipe(seq, balance, chunks=chunks, timeout=30)
+    pipe = DistributedPipe(seq, balance, chunks=chunks, timeout=scaled(30))
     del seq
     gc.collect()
     alive = sum(p.numel() for r in every if (p := r()) is not None)
     got = {}
     for name, decoding in searches.items():
         feed = split_rows(prompts, chunks) if pipe.needs_inputs else None
-        out = generate(pipe, feed, [8] * chunks, decoding, timeout=30)
+        out = generate(pipe, feed, [8] * chunks, decoding, timeout=scaled(30))
         got[name] = [row for chunk in out for row in chunk]
-    out = generate(pipe, ragged if pipe.needs_inputs else None, [8, 8], Decoding(), timeout=30)
+    out = generate(
+        pipe, ragged if pipe.needs_inputs else None, [8, 8], Decoding(), timeout=scaled(30)
+    )
     got["ragged"] = [row for chunk in out for row in chunk]
     held = sum(p.numel() for p in pipe.parameters())
     return {"got": got, "alone": alone, "held": held, "alive": alive, "total": total}

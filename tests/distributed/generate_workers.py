@@ -15,6 +15,7 @@ from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from models.transformer import transformer_lm, transformer_t
 from tests import tiny
+from tests.timeouts import scaled
 
 BOS, EOS, PAD = 2, 3, 0
 
@@ -51,7 +52,12 @@ def translate(
     }
     virtual = 1 if schedule == "gpipe" else 2
     pipe = DistributedPipe(
-        seq2seq(), balance, chunks=chunks, schedule=schedule, virtual_stages=virtual, timeout=30
+        seq2seq(),
+        balance,
+        chunks=chunks,
+        schedule=schedule,
+        virtual_stages=virtual,
+        timeout=scaled(30),
     )
     micro = micro or chunks
     prompts = None
@@ -60,7 +66,7 @@ def translate(
     got = {}
     for name, beam in (("greedy", 1), ("beam", 3)):
         decoding = Decoding(beam_size=beam, length_penalty=0.6, eos_id=EOS, pad_id=PAD)
-        out = generate(pipe, prompts, [steps] * micro, decoding, timeout=30)
+        out = generate(pipe, prompts, [steps] * micro, decoding, timeout=scaled(30))
         got[name] = [row for chunk in out for row in chunk]
     held = sum(p.numel() for p in pipe.parameters())
     total = sum(p.numel() for p in plain.parameters())
@@ -82,15 +88,17 @@ def sample(tmp: Path, balance: list[int]) -> dict[str, Any]:
     )
     decoding = Decoding(temperature=0.9, top_k=8, seed=4)
     alone = generate(lm(), prompts, [10, 10], decoding)
-    pipe = DistributedPipe(lm(), balance, chunks=2, timeout=30)
+    pipe = DistributedPipe(lm(), balance, chunks=2, timeout=scaled(30))
     pipe.train()
     for module in list(pipe.modules())[1::3]:
         module.eval()
     modes = [m.training for m in pipe.modules()]
-    got = generate(pipe, prompts, [10, 10], decoding, timeout=30)  # prompts on every rank too
+    got = generate(
+        pipe, prompts, [10, 10], decoding, timeout=scaled(30)
+    )  # prompts on every rank too
     ragged: dict[str, Any] = {"got": [], "alone": []}
     for search in (Decoding(), Decoding(beam_size=3, eos_id=7)):
-        out = generate(pipe, RAGGED, [8, 8], search, timeout=30)
+        out = generate(pipe, RAGGED, [8, 8], search, timeout=scaled(30))
         ragged["got"].append([row for chunk in out for row in chunk])
         one = [generate(lm(), [torch.tensor([r])], [8], search)[0][0] for c in RAGGED for r in c]
         ragged["alone"].append(one)

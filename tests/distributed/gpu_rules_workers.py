@@ -25,6 +25,7 @@ from giantpipe.engine.distributed.replicas import local_tensor
 from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
 from tests.distributed.workers import INIT, SEED, mine, reference, shard, toy_data
+from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import Block
 
 D_IN, D = 6, 16
@@ -110,7 +111,7 @@ def train_round(tmp: Path, workers: int, chunks: int = 2, max_norm: float = 0.05
         chunks=chunks,
         deferred_batch_norm=True,
         seed=INIT,
-        timeout=20,
+        timeout=scaled(20),
         device="cpu",
     )
     assert pipe.tied.held, "the model's tied weight should span both pipeline ranks"
@@ -149,7 +150,7 @@ def train_round(tmp: Path, workers: int, chunks: int = 2, max_norm: float = 0.05
     manifest = pipe.load_checkpoint(tmp / "ckpt")
     for name, value in pipe.state_dict().items():
         torch.testing.assert_close(local_tensor(value), saved[name], rtol=0, atol=0, msg=name)
-    world = TorchrunWorld(timeout=20.0)  # its set-up collectives, as before a pipe exists
+    world = TorchrunWorld(timeout=scaled(20.0))  # its set-up collectives, as before a pipe exists
     _round_of_the_runner(world, "set-up")
     world.bind(pipe)
     _round_of_the_runner(world, "bound")

@@ -18,6 +18,7 @@ from giantpipe.engine import pipeline_grad_scaler
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import local_tensor, whole_tensor
 from tests.distributed.workers import shard
+from tests.timeouts import scaled
 
 mse = nn.functional.mse_loss
 INIT = 3  # layer initialisation seed
@@ -63,7 +64,7 @@ def agreement(tmp: Path, workers: int, bad_rank: int) -> dict[str, Any]:
     rank's gradients after the step (as if only its stage overflowed), a clean fp16 step.
     Returns each step's scale and whether this rank's weights moved, and its weights."""
     balance = [3, 2] if workers == 2 else [1] * workers
-    pipe = DistributedPipe(mlp, balance, chunks=2, seed=INIT, timeout=20)
+    pipe = DistributedPipe(mlp, balance, chunks=2, seed=INIT, timeout=scaled(20))
     refused = ""
     try:  # torch's own scaler checks one rank's gradients only: refused before any collective
         step(pipe, 0, torch.amp.GradScaler("cpu"))
@@ -98,10 +99,10 @@ def agreement(tmp: Path, workers: int, bad_rank: int) -> dict[str, Any]:
 
 def runner_fp16(tmp: Path, steps: int) -> dict[str, Any]:
     """``train`` with pipeline.precision=fp16 under the distributed executor, in this rank."""
+    from giantpipe.checkpoint.run import read_checkpoint
+    from giantpipe.checkpoint.unpickling import safe_load
     from giantpipe.config import PipelineConfig
     from giantpipe.runner import train
-    from giantpipe.runner.checkpoint.reading import read_checkpoint
-    from giantpipe.runner.checkpoint.unpickling import safe_load
     from tests.unit.runner.test_runner_loop import tiny
 
     cfg = tiny(max_steps=steps, eval_every=0, grad_clip=1.0, predict=False)

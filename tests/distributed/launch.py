@@ -25,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from giantpipe.testing import free_port, rank_env
+from tests.timeouts import scaled, timed_out
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +62,7 @@ def _entry(
 
     out = Path(tmp) / f"result-{rank}.pt"
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=scaled(30)))
         module, name = target.split(":")
         result = getattr(importlib.import_module(module), name)(Path(tmp), **kwargs)
         torch.save({"ok": True, "result": result}, out)
@@ -97,13 +98,14 @@ def spawn(
     ]
     for p in procs:
         p.start()
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         alive = [r for r, p in enumerate(procs) if p.is_alive()]
         if alive:
-            raise TimeoutError(f"ranks {alive} still running after {timeout:.0f}s")
+            raise TimeoutError(timed_out(f"ranks {alive} of {target}", timeout))
     finally:
         for p in procs:
             if p.is_alive():
@@ -165,7 +167,7 @@ def train_under_torchrun(
             str(REPO / "train.py"),
             *overrides,
             "pipeline.executor=distributed",
-            f"pipeline.timeout={timeout}",
+            f"pipeline.timeout={scaled(timeout):g}",
             f"hydra.run.dir={run_dir}",
         ],
         env=env,
@@ -174,10 +176,11 @@ def train_under_torchrun(
 
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
     """Waits for a torchrun launch; kills its whole process group on timeout."""
+    timeout = scaled(timeout)
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
-        raise AssertionError(f"torchrun did not finish in {timeout:.0f}s:\n{out}") from None
+        raise AssertionError(f"{timed_out('the torchrun launch', timeout)}:\n{out}") from None

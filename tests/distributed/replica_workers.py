@@ -36,6 +36,7 @@ from tests.distributed.workers import (
     shard,
     virtual_stages_for,
 )
+from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import tuple_batch
 
 RECOMPUTE = ["except_last", "always", "never"]
@@ -124,7 +125,7 @@ def grid(
                 virtual_stages=v,
                 deferred_batch_norm=True,
                 seed=INIT,
-                timeout=20,
+                timeout=scaled(20),
                 replica_sharding=sharding,
             )
             held = check_spread(pipe, sharding, what)
@@ -168,7 +169,7 @@ def tied(tmp: Path, workers: int, schedule: str, sharding: str = "full") -> dict
         virtual_stages=v,
         deferred_batch_norm=True,
         seed=INIT,
-        timeout=20,
+        timeout=scaled(20),
         replica_sharding=sharding,
     )
     pipe_opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -305,7 +306,7 @@ def memory(tmp: Path, workers: int, shardings: list[str]) -> dict[str, float]:
     ratios = {}
     for sharding in shardings:
         pipe = DistributedPipe(
-            model_fn(6), balance, chunks=2, seed=INIT, timeout=20, replica_sharding=sharding
+            model_fn(6), balance, chunks=2, seed=INIT, timeout=scaled(20), replica_sharding=sharding
         )
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
         x, y = (shard(t, pipe.replica, pipe.replicas) for t in (inputs, target))

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from giantpipe.checkpoint.files import atomic_save
 from giantpipe.engine.distributed.layout import Layout
 from giantpipe.engine.distributed.meta import (
     allocate_layers,
@@ -22,7 +23,6 @@ from giantpipe.engine.distributed.meta import (
     seeded_init,
 )
 from giantpipe.engine.distributed.p2p import expected_receives, receive_plan
-from giantpipe.engine.distributed.shards import atomic_save
 from giantpipe.engine.distributed.wire import (
     allocate,
     as_bytes,

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from giantpipe.checkpoint.earlier import SHARDS_V1
+from giantpipe.checkpoint.errors import MissingTensors
+from giantpipe.checkpoint.load import load
 from giantpipe.consolidate import main as consolidate_main
-from giantpipe.engine.distributed import shards
 from tests.distributed.launch import REPO, spawn
 from tests.distributed.workers import plain_model
 
@@ -65,17 +67,17 @@ def test_resume_with_another_k_then_consolidate(tmp_path: Path) -> None:
 
 
 def test_consolidate_reports_a_missing_manifest(tmp_path: Path, capsys) -> None:
-    assert consolidate_main([str(tmp_path), str(tmp_path / "x.pt")]) == 1
+    assert consolidate_main([str(tmp_path), str(tmp_path / "x.pt")]) == 2
     assert "manifest.json" in capsys.readouterr().err
     assert not (tmp_path / "x.pt").exists()
 
 
 def test_load_names_what_is_missing(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(
-        json.dumps({"format": shards.OLD_FORMAT, "step": 0, "shards": []})
+        json.dumps({"format": SHARDS_V1, "step": 0, "shards": []})
     )
-    with pytest.raises(KeyError, match=r"0\.weight"):
-        shards.load(tmp_path, ["0.weight"])
+    with pytest.raises(MissingTensors, match=r"0\.weight"):
+        load(tmp_path, ["0.weight"])
 
 
 def test_async_saves_under_the_distributed_executor_resume_exactly(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.engine.distributed import shards
+from giantpipe.checkpoint.export import consolidate
 from tests.distributed.launch import REPO, finish, start_processes, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -36,7 +36,7 @@ def assert_checkpoint_intact(tmp: Path, workers: int) -> None:
     for r in range(workers):
         expected.update(torch.load(tmp / f"expected-{r}.pt", weights_only=True))
     out = tmp / "consolidated.pt"
-    shards.consolidate(tmp / "ckpt", out)
+    consolidate(tmp / "ckpt", out)
     merged = torch.load(out, weights_only=True)
     assert merged.keys() == expected.keys()
     for name, value in expected.items():

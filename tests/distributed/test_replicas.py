@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.engine.distributed import shards
+from giantpipe.checkpoint.export import merged
+from giantpipe.checkpoint.manifest import read_manifest
+from giantpipe.checkpoint.storage import read_metadata
 from tests.distributed.launch import spawn
 from tests.distributed.workers import registered_schedules
 
@@ -84,14 +86,14 @@ def test_a_sharded_checkpoint_resumes_under_another_k_r_and_sharding(tmp_path: P
         assert out[name]["train"] == pytest.approx(run["train"][2:], rel=1e-5), name
         assert out[name]["eval"] == pytest.approx(run["eval"], rel=1e-5), name
     ckpt = tmp_path / "run" / "step_2"
-    meta = shards.read_metadata(ckpt, shards.read_manifest(ckpt))
+    meta = read_metadata(ckpt, read_manifest(ckpt))
     weight = meta.state_dict_metadata["0.0.weight"]  # the first Linear: 16 rows, 8 per replica
     assert sorted(tuple(c.offsets) for c in weight.chunks) == [(0, 0), (8, 0)]
     moment = meta.state_dict_metadata["optimizer/0.0.weight/exp_avg"]
     assert len(moment.chunks) == 2  # AdamW's state, sharded as its parameter
     last = tmp_path / "run" / "last"
-    merged, _ = shards.merged(last)
+    consolidated, _ = merged(last)
     weights = {k: v for r in results for k, v in r["weights"].items()}
-    assert merged.keys() == weights.keys()
+    assert consolidated.keys() == weights.keys()
     for name, value in weights.items():
-        torch.testing.assert_close(merged[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0, msg=name)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.metrics.jsonl import read_jsonl
-from giantpipe.runner.checkpoint.reading import read_checkpoint
 from tests.distributed.launch import finish, train_under_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

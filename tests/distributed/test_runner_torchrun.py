@@ -16,14 +16,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from giantpipe.checkpoint.export import consolidate
+from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.cli.checks import to_experiment
 from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
-from giantpipe.engine.distributed.shards import consolidate
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_model
-from giantpipe.runner.checkpoint.reading import read_checkpoint
 from tests.distributed.launch import REPO, finish, train_under_torchrun
 
 pytestmark = pytest.mark.distributed

@@ -27,8 +27,9 @@ def main() -> None:
     try:
         from giantpipe.engine.distributed.pipe import init_distributed
         from tests.distributed import workers
+        from tests.timeouts import scaled
 
-        init_distributed("gloo", timeout=30.0)
+        init_distributed("gloo", timeout=scaled(30.0))
         result = getattr(workers, name)(out, **kwargs)
         torch.save({"ok": True, "result": result}, out / f"result-{rank}.pt")
     except BaseException:  # noqa: BLE001 - reported to the test

@@ -28,6 +28,7 @@ from giantpipe.engine.rng import install_rng_hooks, mix
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import accumulate_micro_batches, step_seed
+from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 
 SEED = 5  # torch.manual_seed before each step: the step seed rank 0 draws
@@ -185,7 +186,7 @@ def equivalence(
                     schedule=name,
                     virtual_stages=v,
                     seed=INIT,
-                    timeout=20,
+                    timeout=scaled(20),
                     transport=transport,
                     replica_sharding=sharding,
                 )
@@ -221,7 +222,7 @@ def replicated_batch_norm(tmp: Path, workers: int, chunks: int = 2) -> dict[str,
         chunks=chunks,
         deferred_batch_norm=True,
         seed=INIT,
-        timeout=20,
+        timeout=scaled(20),
     )
     x, y = shards[pipe.replica]
     torch.manual_seed(SEED)
@@ -239,7 +240,7 @@ def accumulation(tmp: Path, workers: int, steps: int = 2) -> dict[str, Any]:
     replicas = dist.get_world_size() // workers
     plain = copy.deepcopy(plain_model(4))
     balance = solve_balance([1.0] * len(plain), workers)
-    pipe = DistributedPipe(model_fn(4), balance, chunks=2, seed=INIT, timeout=20)
+    pipe = DistributedPipe(model_fn(4), balance, chunks=2, seed=INIT, timeout=scaled(20))
     for step in range(steps):
         inputs, target = toy_data(step)
         shards = [(shard(inputs, r, replicas), shard(target, r, replicas)) for r in range(replicas)]
@@ -259,7 +260,7 @@ def clipping(tmp: Path, workers: int, max_norm: float = 0.05) -> dict[str, Any]:
     plain, _ = reference(model, shards, 2, step_seed(SEED))
     ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm)
     balance = solve_balance([1.0] * len(model), workers)
-    pipe = DistributedPipe(model_fn(4), balance, chunks=2, seed=INIT, timeout=20)
+    pipe = DistributedPipe(model_fn(4), balance, chunks=2, seed=INIT, timeout=scaled(20))
     x, y = shards[pipe.replica]
     torch.manual_seed(SEED)
     pipe.train_step(x, y, nn.functional.cross_entropy)
@@ -284,7 +285,7 @@ def clipping_under_the_limit(tmp: Path, workers: int) -> dict[str, Any]:
     ref_norm = torch.stack([p.grad.norm() for p in plain.parameters()]).norm()
     max_norm = 2.0 * float(ref_norm)  # the gradients are well under the limit: nothing to clip
     balance = solve_balance([1.0] * len(model), workers)
-    pipe = DistributedPipe(model_fn(4), balance, chunks=2, seed=INIT, timeout=20)
+    pipe = DistributedPipe(model_fn(4), balance, chunks=2, seed=INIT, timeout=scaled(20))
     x, y = shards[pipe.replica]
     torch.manual_seed(SEED)
     pipe.train_step(x, y, nn.functional.cross_entropy)
@@ -360,7 +361,7 @@ def shapes(tmp: Path, workers: int) -> dict[str, Any]:
     model = seq_model()
     init_layers(model, INIT)
     balance = solve_balance([1.0] * len(model), workers)
-    pipe = DistributedPipe(seq_model, balance, chunks=2, seed=INIT, timeout=20)
+    pipe = DistributedPipe(seq_model, balance, chunks=2, seed=INIT, timeout=scaled(20))
     for step, (n, t) in enumerate([(6, 5), (8, 9), (5, 3)]):
         inputs, labels = seq_batch(n, t, seed=step)
         plain, ref_loss = reference(
@@ -508,7 +509,7 @@ def train_and_save(tmp: Path, workers: int, ckpt: str, steps: int = 2) -> dict[s
     """``steps`` SGD steps on K=``workers``, then a sharded checkpoint; returns the local state."""
     model = plain_model(2)
     balance = solve_balance([1.0] * len(model), workers)
-    pipe = DistributedPipe(model_fn(2), balance, chunks=2, seed=INIT, timeout=20)
+    pipe = DistributedPipe(model_fn(2), balance, chunks=2, seed=INIT, timeout=scaled(20))
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     for i in range(steps):
         x, y = toy_data(i)
@@ -523,12 +524,12 @@ def train_and_save(tmp: Path, workers: int, ckpt: str, steps: int = 2) -> dict[s
 def resume_and_step(tmp: Path, workers: int, ckpt: str, step: int = 2) -> dict[str, Any]:
     """Loads the shards into another K (parameters never initialised), takes one step and
     compares it with the plain model loaded from the same shards."""
-    from giantpipe.engine.distributed import shards
+    from giantpipe.checkpoint.load import load
 
     model = plain_model(2)
-    model.load_state_dict(shards.load(ckpt))
+    model.load_state_dict(load(ckpt))
     balance = solve_balance([1.0] * len(model), workers)
-    pipe = DistributedPipe(model_fn(2), balance, chunks=3, seed=INIT, init=None, timeout=20)
+    pipe = DistributedPipe(model_fn(2), balance, chunks=3, seed=INIT, init=None, timeout=scaled(20))
     manifest = pipe.load_checkpoint(ckpt)
     loaded = {k: v.clone() for k, v in pipe.state_dict().items()}
     x, y = toy_data(step)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from giantpipe.cli.usage import NO_SUMMARY
+from tests.timeouts import run, scaled
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
@@ -20,7 +21,7 @@ def train(*args: str, cwd: Path, importtime: bool = False) -> subprocess.Complet
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
     flags = ["-X", "importtime"] if importtime else []
     command = [sys.executable, *flags, str(REPO / "train.py"), *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return run(command, 120, cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def imported(result: subprocess.CompletedProcess) -> set[str]:
@@ -113,7 +114,7 @@ def started_together(tmp_path: Path) -> tuple[str, str]:
         pair = [run_dir(tmp_path), run_dir(tmp_path)]
         found = []
         for proc in pair:
-            out, _ = proc.communicate(timeout=120)
+            out, _ = proc.communicate(timeout=scaled(120))
             assert proc.returncode == 0
             rows = [row.strip() for row in out.splitlines()]
             (line,) = [r for r in rows if r.startswith("dir: outputs/") and "multirun" not in r]

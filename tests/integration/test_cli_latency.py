@@ -9,7 +9,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # a benchmark's quick run: four train.py processes
+@pytest.mark.slow  # a benchmark's quick run: six short processes
 def test_quick_run_prints_a_row_per_case():
     script = REPO / "benchmarks" / "cli_latency.py"
     result = subprocess.run(
@@ -22,4 +22,6 @@ def test_quick_run_prints_a_row_per_case():
         "| bad value",
         "| bad model value",
         "| --help",
+        "| generate: bad argument",
+        "| generate: no run",
     ]

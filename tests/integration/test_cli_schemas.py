@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timeouts import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "torchvision", "transformers")
 SCHEMA_MODULES = ["giantpipe.config", "models.options", "giantpipe.data.options", "giantpipe.cli"]
@@ -24,7 +26,9 @@ def python(code: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-c", textwrap.dedent(code)]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=scaled(120)
+    )
 
 
 def test_importing_every_option_schema_module_imports_no_torch(tmp_path: Path):
@@ -145,7 +149,7 @@ def train(checkout: Path, *args: str, importtime: bool = False) -> subprocess.Co
     flags = ["-X", "importtime"] if importtime else []
     command = [sys.executable, *flags, str(checkout / "train.py"), *args]
     return subprocess.run(
-        command, cwd=checkout, env=env, capture_output=True, text=True, timeout=300
+        command, cwd=checkout, env=env, capture_output=True, text=True, timeout=scaled(300)
     )
 
 

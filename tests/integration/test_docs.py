@@ -6,7 +6,8 @@ of the repository's scripts and configs (so a block that writes ``models/wide.py
 shortens them: ``trainer.max_steps=2`` appended to a ``train.py`` command that sets no
 ``trainer.max_steps`` of its own, ``--quick`` appended to a benchmark or recipe script. A
 ```yaml or ```text block is a file or an output shown, not run. A block opts out only with
-``<!-- not-run: reason -->`` on the line before it.
+``<!-- not-run: reason -->`` on the line before it. What a block writes lands under
+``outputs/``, never beside the checkout's own files.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def workdir(tmp_path: Path) -> Path:
             shutil.copytree(source, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(source, tmp_path / name)
+    (tmp_path / "outputs").mkdir()  # a checkout has it (outputs/.gitkeep)
     return tmp_path
 
 
@@ -195,3 +197,9 @@ def test_block_runs_as_printed(block: Block, workdir: Path) -> None:
         command, cwd=workdir, env=env, capture_output=True, text=True, timeout=1500
     )
     assert done.returncode == 0, f"{block.name} failed:\n{script_of(block)}\n{done.stderr[-3000:]}"
+    # What a block writes goes under outputs/ (or a temporary folder), never beside a user's
+    # checkout's own files (a generated photos/ or corpus/ in the repository's root); a user's
+    # own package of models, or module of callbacks, must sit beside train.py to be imported.
+    own = {"block.py", "mymodels", "my_callbacks.py"}
+    written = {p.name for p in workdir.iterdir()} - {*COPIED, "outputs", *own}
+    assert not written, f"{block.name} wrote {sorted(written)} outside outputs/"

@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.config import ConfigError
-from giantpipe.runner.checkpoint.reading import read_checkpoint
-from giantpipe.runner.checkpoint.unpickling import safe_load
+from giantpipe.checkpoint.errors import CheckpointError
+from giantpipe.checkpoint.run import read_checkpoint
+from giantpipe.checkpoint.unpickling import safe_load
+from tests.timeouts import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -148,7 +149,7 @@ def test_sigterm_saves_marks_preempted_and_resumes_exactly(
     wait_for_step(run_dir, 5, proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert time.monotonic() - sent < 10
     assert proc.returncode == 143, err[-2000:]
     stopped = summary(run_dir)
@@ -178,7 +179,7 @@ def test_save_signal_saves_and_goes_on(tmp_path: Path) -> None:
     wait_for_step(run_dir, int(saves[0]) + 2, proc)  # and goes on
     assert read_checkpoint(run_dir / "last")["step"] >= int(saves[0]) >= 3
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 143, err[-2000:]
     assert len(re.findall(r"\(SIGUSR1 received\)", log.read_text())) == 1
     assert summary(run_dir)["steps"] >= int(saves[0]) + 2
@@ -189,7 +190,7 @@ def test_ctrl_c_stops_at_the_step_boundary_and_twice_at_once(tmp_path: Path) -> 
     proc = start(run_dir, "trainer.max_steps=2000")
     wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 2
     assert summary(run_dir)["status"] == "interrupted"
@@ -200,7 +201,7 @@ def test_ctrl_c_stops_at_the_step_boundary_and_twice_at_once(tmp_path: Path) -> 
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert summary(run_dir)["status"] in ("interrupted",)
@@ -212,7 +213,7 @@ def test_two_runs_into_one_directory_and_a_dead_runs_lock(tmp_path: Path) -> Non
     wait_for_step(run_dir, 2, first)
     second = run(run_dir, "trainer.max_steps=5", "trainer.resume=true")
     first.send_signal(signal.SIGINT)
-    first.communicate(timeout=60)
+    first.communicate(timeout=scaled(60))
     (line,) = errors(second)
     assert line.startswith(f"error: hydra.run.dir: {run_dir} is in use by PID {first.pid}")
     # the first run was not disturbed: one trajectory, each step once
@@ -335,13 +336,14 @@ def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_survives(tmp_path:
 
 
 def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> None:
-    from giantpipe.engine.distributed import shards
+    from giantpipe.checkpoint import files
     from giantpipe.runner import train
     from giantpipe.runner.loop import CheckpointWriteError
+    from giantpipe.runner.run_state import staging
     from tests.unit.runner.test_runner_loop import tiny
 
     saves = {"n": 0}
-    real, real_save = torch.save, shards.save_collective
+    real, real_save = torch.save, staging.save_collective
 
     def counted_save(*args, **kwargs):
         saves["n"] += 1
@@ -355,10 +357,10 @@ def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monk
             )
         return real(obj, handle, *args, **kwargs)
 
-    monkeypatch.setattr(shards, "save_collective", counted_save)
-    monkeypatch.setattr(shards.files.torch, "save", failing_save)
+    monkeypatch.setattr(staging, "save_collective", counted_save)
+    monkeypatch.setattr(files.torch, "save", failing_save)
     full = shutil._ntuple_diskusage(1, 1, 0)
-    monkeypatch.setattr(shards.files.shutil, "disk_usage", lambda _: full)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda _: full)
     with pytest.raises(CheckpointWriteError) as info:
         train(tiny(max_steps=6, checkpoint_every=1, eval_every=0), tmp_path, "")
     message = str(info.value)
@@ -376,7 +378,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_runs(tmp_path: 
             return (os.system, (f"touch {marker}",))
 
     torch.save({"model": {}, "step": 1, "payload": Payload()}, tmp_path / "evil.pt")
-    with pytest.raises(ConfigError, match=r"holds posix.system, which giantpipe never saves"):
+    with pytest.raises(CheckpointError, match=r"holds posix.system, which giantpipe never saves"):
         safe_load(tmp_path / "evil.pt")
     result = run(tmp_path / "run", f"trainer.init_from={tmp_path / 'evil.pt'}")
     (line,) = errors(result)
@@ -393,13 +395,13 @@ def quickstart(cwd: Path, run_dir: str, *args: str) -> subprocess.CompletedProce
     """``python train.py recipe=mlp_quickstart hydra.run.dir=RUN_DIR ARGS``, as a user types it."""
     command = [sys.executable, str(REPO / "train.py"), *QUICKSTART, f"hydra.run.dir={run_dir}"]
     return subprocess.run(
-        [*command, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=300
+        [*command, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=scaled(300)
     )
 
 
 def consolidate(directory: Path, out: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "giantpipe.consolidate", str(directory), str(out)]
-    return subprocess.run(command, env=env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, env=env(), capture_output=True, text=True, timeout=scaled(120))
 
 
 def test_a_damaged_manifest_is_refused_and_nothing_is_removed(tmp_path: Path) -> None:
@@ -474,7 +476,7 @@ def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(tmp_pat
         f"record); start from {kept} with trainer.init_from={kept}"
     )
     merged = consolidate(run_dir / "last", tmp_path / "model.pt")
-    assert merged.returncode == 1 and not (tmp_path / "model.pt").exists()
+    assert merged.returncode == 2 and not (tmp_path / "model.pt").exists()
     assert merged.stderr.strip().splitlines() == [
         f"consolidate: {path} is damaged (content hash differs from the commit record); "
         f"export {kept} instead"
@@ -498,6 +500,6 @@ def test_a_truncated_shard_is_one_line_naming_it(tmp_path: Path) -> None:
     assert line.startswith(f"error: trainer.resume: {path} is damaged (truncated: ")
     assert "Traceback" not in result.stderr
     merged = consolidate(run_dir / "last", tmp_path / "model.pt")
-    assert merged.returncode == 1
+    assert merged.returncode == 2
     (said,) = merged.stderr.strip().splitlines()
     assert said.startswith(f"consolidate: {path} is damaged (truncated: {len(data) // 2} of ")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.checkpoint.run import read_checkpoint
 from tests.integration.test_faults import (
     REPO,
     TINY,
@@ -34,6 +34,7 @@ from tests.integration.test_faults import (
     run,
     summary,
 )
+from tests.timeouts import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,7 @@ def test_a_data_file_that_would_run_code_is_refused_and_leaves_no_run(tmp_path: 
         env=env(),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=scaled(180),
     )
     (line,) = errors(result)
     assert line.startswith(
@@ -116,7 +117,7 @@ def test_a_dropped_ssh_session_saves_exits_129_and_resumes(tmp_path: Path) -> No
         if select.select([master], [], [], 0.05)[0]:
             os.read(master, 1 << 16)  # keep the terminal flowing
     os.close(master)  # the session drops
-    assert proc.wait(timeout=60) == 129
+    assert proc.wait(timeout=scaled(60)) == 129
     stopped = summary(run_dir)
     assert stopped["status"] == "hangup"
     assert read_checkpoint(run_dir / "last")["step"] == stopped["steps"] >= 3
@@ -157,7 +158,12 @@ def sweep(sweep_dir: Path, *args: str) -> subprocess.CompletedProcess:
         *args,
     ]
     return subprocess.run(
-        command, cwd=sweep_dir.parent, env=env(), capture_output=True, text=True, timeout=300
+        command,
+        cwd=sweep_dir.parent,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.checkpoint.run import read_checkpoint
 from tests.integration.test_faults import (
     REPO,
     env,
@@ -31,6 +31,7 @@ from tests.integration.test_faults import (
     summary,
     wait_for_step,
 )
+from tests.timeouts import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +73,11 @@ def test_sigterm_to_the_whole_job_with_loader_workers_saves_and_resumes(tmp_path
     photos = write_image_folder(tmp_path / "photos", num_train=40, num_val=30, image_size=16)
     run_dir = tmp_path / "run"
     proc = on_images(run_dir, photos, "trainer.max_steps=2000")
-    wait_for_step(run_dir, 3, proc, timeout=300)
+    wait_for_step(run_dir, 3, proc, timeout=scaled(300))
     workers = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
     assert len(workers.stdout.split()) >= 3  # the run and its two loader workers
     os.killpg(proc.pid, signal.SIGTERM)  # the whole job, as `timeout` and SLURM send it
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 143, err[-2000:]
     stopped = summary(run_dir)
     assert stopped["status"] == "preempted", stopped
@@ -84,7 +85,7 @@ def test_sigterm_to_the_whole_job_with_loader_workers_saves_and_resumes(tmp_path
     assert "DataLoader worker" not in err and "Traceback" not in err
     more = stopped["steps"] + 2
     resumed = on_images(run_dir, photos, f"trainer.max_steps={more}", "trainer.resume=true")
-    _, err = resumed.communicate(timeout=300)
+    _, err = resumed.communicate(timeout=scaled(300))
     assert resumed.returncode == 0, err[-2000:]
     assert [step for step, _ in losses(run_dir)] == list(range(1, more + 1))
 
@@ -101,7 +102,7 @@ def test_a_save_signal_at_any_moment_of_the_run_never_kills_it(tmp_path: Path) -
         proc.send_signal(signal.SIGUSR1)
         sent += 1
         time.sleep(0.005)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 0, (proc.returncode, err[-2000:])
     assert summary(run_dir)["status"] == "completed" and sent > 10
     assert read_checkpoint(run_dir / "last")["step"] == 8
@@ -175,9 +176,9 @@ def test_a_trace_past_the_runs_end_is_refused_at_the_start(tmp_path: Path) -> No
 def saves_of(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int, OSError] | None = None):
     """Every save's (directory name, step), in order; ``fail``: (name, step, error) raises that
     error instead of writing that save."""
-    from giantpipe.engine.distributed import shards
+    from giantpipe.runner.run_state import staging
 
-    real, done = shards.save_collective, []
+    real, done = staging.save_collective, []
 
     def save_collective(directory, token, *args, **kwargs):
         step = int(re.fullmatch(r"step(\d{9})-[0-9a-f]{6}", token).group(1))
@@ -186,7 +187,7 @@ def saves_of(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int, OSError] | N
         done.append((Path(directory).name, step))
         return real(directory, token, *args, **kwargs)
 
-    monkeypatch.setattr(shards, "save_collective", save_collective)
+    monkeypatch.setattr(staging, "save_collective", save_collective)
     return done
 
 

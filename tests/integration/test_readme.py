@@ -56,3 +56,17 @@ def test_main_job_command_runs_as_written(tmp_path: Path) -> None:
     assert first["loss"] > 1.2 and figures["eval/loss"] < 0.5  # the loss clearly falls
     assert "eval accuracy" in done.stdout  # the summary table is printed
     assert "eval top-5 accuracy" in done.stdout
+
+
+def test_the_quick_start_tells_a_cpu_user_the_cpu_build_and_the_smaller_extras() -> None:
+    """Without a GPU the default torch wheels bring about 6 GB of CUDA libraries: the quick
+    start names torch's CPU index, and every extra of pyproject.toml besides dev."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "`pip install torch --index-url https://download.pytorch.org/whl/cpu`" in section
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"]) - {"dev"}
+    assert extras and all(f"`{extra}`" in section for extra in extras), extras
+    assert "`pip install -e .`" in section

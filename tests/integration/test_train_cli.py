@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from giantpipe.runner.checkpoint.reading import read_checkpoint
+from giantpipe.checkpoint.run import read_checkpoint
+from tests.timeouts import run
 
 pytestmark = pytest.mark.slow  # every test runs python train.py end to end (torch, training)
 
@@ -30,14 +31,8 @@ def train(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProc
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
     env["WANDB_MODE"] = "offline"
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, str(REPO / "train.py"), *args]
+    return run(command, timeout, cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -79,6 +74,30 @@ def test_five_step_run_writes_metrics_checkpoint_and_summary(tmp_path: Path):
     assert "max_steps: 5" in config
     assert "in_features: 16" in config  # interpolations resolved
     assert "samples/s" in result.stdout and "bubble, measured" in result.stdout
+
+
+def test_a_log_that_is_no_terminal_gets_progress_lines(tmp_path: Path):
+    # stdout to a file, as under nohup or a cluster job: no bar, but a progress line at every
+    # trainer.log_every step, and between them at least one every logger.progress_every_s
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    said = {}
+    for name, knobs in {
+        "by_step": ["trainer.log_every=4", "logger.progress_every_s=3600"],
+        "by_time": ["trainer.log_every=1000", "logger.progress_every_s=1e-9"],
+    }.items():
+        run_dir, out = tmp_path / name, tmp_path / f"{name}.out"
+        command = [sys.executable, str(REPO / "train.py"), *TINY, *knobs, "trainer.max_steps=8",
+                   f"hydra.run.dir={run_dir}"]  # fmt: skip
+        with out.open("w") as stdout:
+            run(command, 120, cwd=tmp_path, env=env, stdout=stdout, check=True)
+        lines = [line for line in out.read_text().splitlines() if "samples/s, ETA" in line]
+        assert lines == [
+            line for line in (run_dir / "train.log").read_text().splitlines() if "ETA" in line
+        ]
+        said[name] = [line.split(" - ", 1)[1].split(":")[0] for line in lines]
+    assert said["by_step"] == ["step 4/8", "step 8/8"]
+    assert said["by_time"] == [f"step {s}/8" for s in range(1, 9)]
 
 
 def test_an_interleaved_schedule_runs_from_the_command_line(tmp_path: Path):

@@ -160,7 +160,7 @@ def test_a_text_run_continues_words_as_its_tokenizer_and_model_do_by_hand(text_r
     prompts of unequal length in two micro-batches) up to the end of text, decoded to words;
     equal to doing each step by hand with the run's tokenizer and the plain model."""
     from giantpipe.data.text.vocabulary import Vocabulary
-    from giantpipe.runner.checkpoint.init_from import read_weights
+    from giantpipe.runner.run_state.init_from import read_weights
 
     texts = ["the old farmer", "a fox", "the brave sailor watches"]
     args = [f"--text={t}" for t in texts]
@@ -177,6 +177,13 @@ def test_a_text_run_continues_words_as_its_tokenizer_and_model_do_by_hand(text_r
         expected.append(f"{text} -> {vocab.decode(out).strip()}")
     assert lines == expected
     assert len({len(vocab.encode(t)) for t in texts[1:]}) == 2  # one micro-batch, two lengths
+
+
+@pytest.mark.slow
+def test_the_run_directory_generates_as_its_last_checkpoint(text_run: Path) -> None:
+    """``generate.py RUN``, the natural thing to type, is ``generate.py RUN/last``."""
+    args = ["--text=the old farmer", "--max-new=4"]
+    assert run(str(text_run), *args) == run(str(text_run / "last"), *args)
 
 
 def damaged(run: Path, tmp: Path) -> Path:
@@ -205,6 +212,14 @@ def token_run(run: Path, tmp: Path) -> Path:
     return tmp / "last"
 
 
+def no_last(run: Path, tmp: Path) -> Path:
+    """The run's directory, its last/ kept only as step_2/."""
+    copy = tmp / "run"
+    shutil.copytree(run, copy)
+    (copy / "last").rename(copy / "step_2")
+    return copy
+
+
 def last(run: Path, tmp: Path) -> Path:
     return run / "last"
 
@@ -219,7 +234,8 @@ BAD: dict[str, tuple[Any, list[str], str]] = {
     "max-new -3": (last, ["--prompt=5", "--max-new=-3"], r"--max-new must be >= 1, got -3"),
     "no prompt": (last, [], r"give --prompt .* or --text"),
     "text without tokenizer": (token_run, ["--text=a fox"], r"--text: .* kept no tokenizer"),
-    "no checkpoint": (lambda run, tmp: tmp / "last", ["--prompt=5"], r"no such checkpoint"),
+    "no checkpoint": (lambda run, tmp: tmp / "last", ["--prompt=5"], r"no such run or checkpoint"),
+    "run without last/": (no_last, ["--prompt=5"], r"run: the run has no last/ .* e\.g\. .*step_2"),
 }  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import torch
 from giantpipe.consolidate import main
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, build_model
-from giantpipe.runner.checkpoint.restore import restore
+from giantpipe.runner.run_state.restore import restore
 from giantpipe.runner.world import World
 from tests.unit.runner.test_runner_loop import tiny
 
@@ -65,7 +65,7 @@ def test_a_bad_input_is_one_line_naming_the_path_and_nothing_is_written(
     if case == "not hf":
         args[1] = str(tmp_path / "hf")
         args += ["--format", "hf"]
-    assert main(args) == 1
+    assert main(args) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("consolidate: " + said.format(run=run_dir, folder=folder, out=out))
     assert not (tmp_path / "hf").exists()
@@ -76,21 +76,27 @@ def test_a_bad_input_is_one_line_naming_the_path_and_nothing_is_written(
 
 @pytest.mark.slow
 def test_a_hugging_face_llama_exports_as_a_directory_from_pretrained_loads(tmp_path) -> None:
-    """A sequentialized Llama trained two steps by the runner, exported with --format hf,
-    gives the pipelined model's logits through AutoModelForCausalLM.from_pretrained."""
+    """A sequentialized Llama trained two steps by the runner, exported with --format hf (one
+    file, and cut into shards with an index), gives the pipelined model's logits through
+    AutoModelForCausalLM.from_pretrained."""
     transformers = pytest.importorskip("transformers")
     from tests.unit.runner.test_runner_capture import llama_config
 
     cfg = llama_config()
     train(cfg, tmp_path / "run", "")
-    out = tmp_path / "llama"
-    assert main([str(tmp_path / "run" / "last"), str(out), "--format", "hf"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(hf).__name__ == "LlamaForCausalLM"
     parts = build_experiment(cfg)
     restore(parts, tmp_path / "run" / "last", World())
     parts.pipe.eval()
     ids, _ = next(parts.bundle.train_batches(0, 0))
-    with torch.no_grad():
-        assert torch.equal(hf(input_ids=ids).logits, parts.pipe(ids))
+    out, shards = tmp_path / "llama", tmp_path / "sharded"
+    assert main([str(tmp_path / "run" / "last"), str(out), "--format", "hf"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    last = str(tmp_path / "run" / "last")
+    assert main([last, str(shards), "--format", "hf", "--max-shard-size", "20KB"]) == 0
+    files = sorted(p.name for p in shards.glob("model-*-of-*.safetensors"))
+    assert len(files) > 1 and (shards / "model.safetensors.index.json").is_file()
+    for folder in (out, shards):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert type(hf).__name__ == "LlamaForCausalLM"
+        with torch.no_grad():
+            assert torch.equal(hf(input_ids=ids).logits, parts.pipe(ids)), folder

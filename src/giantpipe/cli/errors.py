@@ -1,4 +1,5 @@
-"""One-line errors: any failure as ONE line that names the config key or the path, and why.
+"""One-line errors: any failure as ONE line that names the config key or the path, and why (and
+any warning as one line: :func:`one_line_warning`).
 
 Hydra, OmegaConf and YAML report over several lines, often with the reason on the second;
 :func:`one_line` condenses each to the line ``train.py`` prints after ``error:``, and
@@ -10,6 +11,8 @@ Hydra, OmegaConf and YAML report over several lines, often with the reason on th
 """
 
 from __future__ import annotations
+
+import difflib
 
 import yaml
 from hydra.errors import ConfigCompositionException, MissingConfigException
@@ -76,9 +79,33 @@ def _yaml_line(err: yaml.MarkedYAMLError) -> str:
 
 
 def _missing_option(err: MissingConfigException) -> str:
-    """``model=foo``: an option that does not exist; list the real ones (schemas left out)."""
+    """``model=foo``: an option that does not exist; list the real ones (schemas left out) and
+    name the one spelt nearly the same, if any (``recipe=mlp_quickstrat``)."""
     group, _, option = (err.missing_cfg_file or "").rpartition("/")
     if not group or err.options is None:  # not a GROUP=OPTION choice: the primary config
         return _first_line(str(err))
-    shown = ", ".join(o for o in err.options if o not in OPTION_SCHEMAS)
-    return f"{group}={option}: no such option" + (f" (available: {shown})" if shown else "")
+    real = [o for o in err.options if o not in OPTION_SCHEMAS]
+    shown = f" (available: {', '.join(real)})" if real else ""
+    close = difflib.get_close_matches(option, real, n=1)
+    near = f"; did you mean {group}={close[0]}?" if close else ""
+    return f"{group}={option}: no such option{shown}{near}"
+
+
+def one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    """A warning as one line, for ``warnings.formatwarning`` (Python's own adds the line of
+    source that warned): giantpipe's own warnings as ``warning: TimingNoise: ...``, other
+    packages' with the place that warned.
+
+    >>> print(one_line_warning("spread 82%", UserWarning, "/x/costs.py", 252, "warn()"), end="")
+    /x/costs.py:252: UserWarning: spread 82%
+    """
+    text = _joined(str(message))
+    if category.__module__.split(".")[0] in ("giantpipe", "models"):
+        return f"warning: {category.__name__}: {text}\n"
+    return f"{filename}:{lineno}: {category.__name__}: {text}\n"

@@ -27,13 +27,17 @@ learn the run directory from rank 0 (see :func:`rank_overrides`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
 import signal
 import sys
+import tempfile
 import threading
+import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from giantpipe.cli.checks import check_config, check_fits, late_checks
-from giantpipe.cli.errors import is_config_error, one_line
+from giantpipe.cli.errors import is_config_error, one_line, one_line_warning
 from giantpipe.cli.registration import CONF_DIRS, STARTED, register_configs
 from giantpipe.cli.schemas import OPTION_GROUPS
 from giantpipe.cli.usage import usage
@@ -51,9 +55,10 @@ from giantpipe.config import ConfigError
 
 log = logging.getLogger("giantpipe")
 
-FAILURES: list[tuple[int, str]] = []
-"""(exit status, line) per failed job of this process; :func:`guarded` reports them and exits
-with the first status: 2 for a refused config, 1 for a run that failed."""
+FAILURES: list[tuple[int, str, str]] = []
+"""(exit status, line, the line as any rank says it) per failed job of this process;
+:func:`guarded` reports them and exits with the first status: 2 for a refused config, 1 for a
+run that failed."""
 USAGE_EXIT = 2
 """Exit status of a usage or config error (a typo, a bad value, an option that does not fit)."""
 FAILED_EXIT = 1
@@ -141,7 +146,8 @@ def run_job(cfg: DictConfig) -> float:
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
             raise
         code = USAGE_EXIT if is_config_error(err) else FAILED_EXIT
-        FAILURES.append((code, _failure_line(err, run_dir, hydra_cfg, multirun)))
+        line = _failure_line(err, run_dir, hydra_cfg, multirun)
+        FAILURES.append((code, line, one_line(err)))
         return math.nan
 
 
@@ -241,6 +247,71 @@ def _leave_as_found(run_dir: Path) -> None:
         folder = folder.parent
 
 
+def first_to_refuse(line: str) -> bool:
+    """Whether this process reports the config error ``line``: every rank of a torchrun launch
+    checks the same config and would print the same line, so only the first of its host to
+    refuse it does (rank 0 or another), through a marker file per launch. The others wait for
+    it to have exited, so that torchrun, stopping the launch at their exit, cannot stop it
+    before it has said why. Outside torchrun, always.
+
+    Example::
+
+        if first_to_refuse(line):
+            print(f"error: {line}", file=sys.stderr)
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    launch = f"{os.getppid()}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    marker = Path(tempfile.gettempdir(), f"giantpipe-refused-{launch}-{_digest(line)}")
+    _forget_old_markers(marker.parent)
+    try:
+        handle = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        _wait_for_reporter(marker)
+        return False
+    except OSError:
+        return True  # no marker here: better twice than never
+    os.write(handle, str(os.getpid()).encode())
+    os.close(handle)
+    return True
+
+
+def _digest(line: str) -> str:
+    return hashlib.sha1(line.encode()).hexdigest()[:16]
+
+
+def _forget_old_markers(folder: Path) -> None:
+    for old in folder.glob("giantpipe-refused-*"):  # a day old: their launches are over
+        try:
+            if old.stat().st_mtime < time.time() - 86400:
+                old.unlink()
+        except OSError:
+            pass
+
+
+def _wait_for_reporter(marker: Path, patience: float = 5.0) -> None:
+    """Until the process that wrote ``marker`` (its PID) has exited, at most ``patience`` s."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            pid = int(marker.read_text() or "0")
+            if pid:
+                os.kill(pid, 0)
+                if _exited(pid):
+                    return
+        except (OSError, ValueError):  # gone (or no marker left): it has said it
+            return
+        time.sleep(0.02)
+
+
+def _exited(pid: int) -> bool:
+    """A process that has exited and waits to be reaped (a zombie, on Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def guarded(main: Callable[[], None], conf_dir: Path) -> None:
     """Register the schemas of ``conf_dir`` and run a ``@hydra.main`` function; report failures
     as one line each and exit non-zero (143 / 129 / 130 for a run a signal stopped)."""
@@ -249,6 +320,7 @@ def guarded(main: Callable[[], None], conf_dir: Path) -> None:
     else:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # make Hydra raise, so the error reaches us whole
     logging.raiseExceptions = False  # a log line lost to a full disk must not end the run
+    warnings.formatwarning = one_line_warning  # not the line of source that warned
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
         print(usage(conf_dir))  # ours, not Hydra's: it composes nothing and names the recipes
         sys.exit(0)
@@ -262,13 +334,15 @@ def guarded(main: Callable[[], None], conf_dir: Path) -> None:
     except Exception as err:  # noqa: BLE001 - composition and launch errors
         if os.environ.get("GIANTPIPE_FULL_ERROR") == "1":
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        if first_to_refuse(one_line(err)):
+            print(f"error: {one_line(err)}", file=sys.stderr)
         sys.exit(USAGE_EXIT)
-    for _, line in FAILURES:
-        print(f"error: {line}", file=sys.stderr)
+    for code, line, said in FAILURES:
+        if code != USAGE_EXIT or first_to_refuse(said):
+            print(f"error: {line}", file=sys.stderr)
     if STOPPED:
         code, line = STOPPED[0]
         print(line, file=sys.stderr)
         sys.exit(code)
     if FAILURES:
-        sys.exit(max(code for code, _ in FAILURES))  # a refused job (2) outranks a failed one
+        sys.exit(max(code for code, _, _ in FAILURES))  # a refused job (2) outranks a failed one

@@ -26,6 +26,11 @@ Recipes (recipe=NAME; the default is {default}):
 Groups (GROUP=OPTION: a recipe picks one option of each; choose another on the command line):
 {groups}
 
+Checkpoints kept, early stopping, your hooks (docs/running.md#keeping-checkpoints):
+  trainer.keep_last=K trainer.keep_best=K trainer.monitor=eval/loss trainer.monitor_mode=min
+  trainer.early_stop_patience=P trainer.early_stop_min_delta=D
+  'trainer.callbacks=[{{_target_: mypkg.MyCallback}}]'
+
 Exit status: 0 done; 1 the run failed; 2 a usage or config error (nothing trained, nothing
 written); 129, 130, 143 stopped by SIGHUP, Ctrl-C, SIGTERM (after saving).
 Runs land in outputs/DATE/TIME.MICROSECONDS-PID; more in docs/command-line.md."""

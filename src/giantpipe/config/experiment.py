@@ -25,7 +25,7 @@ from giantpipe.config.logger import LoggerConfig
 from giantpipe.config.optim import OptimConfig
 from giantpipe.config.pipeline import PipelineConfig
 from giantpipe.config.sweep import SweepConfig
-from giantpipe.config.trainer import TrainerConfig
+from giantpipe.config.trainer import TrainerConfig, monitored
 
 RENAMED_KEYS = {
     "pipeline.checkpoint": "pipeline.recompute",
@@ -60,6 +60,8 @@ class ExperimentConfig:
                 spec.get("_target_") if isinstance(spec, dict) else getattr(spec, "_target_", None)
             )
             check(bool(target), f"{key}._target_", f"missing: choose a {key}=OPTION")
+        if self.trainer.keep_best or self.trainer.early_stop_patience is not None:
+            monitored(self.trainer, self.sweep)  # an eval figure, and which way it improves
 
 
 SCHEMAS: dict[str, type] = {

@@ -13,14 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from giantpipe.config.checks import (
+    ConfigError,
     check,
     check_choice,
     check_fields_finite,
     check_min,
     check_optional_path,
 )
+from giantpipe.config.sweep import SweepConfig
 
 SAVE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGCONT")
+MONITOR_MODES = ("min", "max")
 RESUME_AUTO = "auto"
 """``trainer.resume=auto``: resume where a checkpoint exists, start where none, skip a finished
 run (see giantpipe.runner.rundir.resume_point)."""
@@ -93,6 +96,20 @@ class TrainerConfig:
     overwrite: bool = False
     """A fresh run into a directory holding another run's record (metrics, summary) but no
     checkpoint: true moves that record aside (``replaced-N/``) and starts over; false refuses."""
+    keep_last: int | None = None
+    """Of the ``step_N/`` that trainer.checkpoint_every writes, keep the K newest (null: all)."""
+    keep_best: int = 0
+    """Keep the K best ``step_N/`` by trainer.monitor, saving evaluations that rank (0: none)."""
+    monitor: str | None = None
+    """The eval figure keep_best and early stopping watch (null: sweep.objective, eval/loss)."""
+    monitor_mode: str | None = None
+    """``min`` or ``max``: which way trainer.monitor improves (null: sweep.direction)."""
+    early_stop_patience: int | None = None
+    """Stop (exit 0) after this many evaluations without trainer.monitor improving (null: no)."""
+    early_stop_min_delta: float = 0.0
+    """The least change of trainer.monitor that counts as an improvement."""
+    callbacks: list[Any] = field(default_factory=list)
+    """Your hooks: ``[{_target_: mypkg.MyCallback}]`` (the protocol: giantpipe.runner.callbacks)."""
 
     def __post_init__(self) -> None:
         check_fields_finite(self, "trainer")
@@ -146,6 +163,37 @@ class TrainerConfig:
         )
         if self.save_signal is not None:
             check_choice(self.save_signal, SAVE_SIGNALS, "trainer.save_signal")
+        self._check_keeping()
+        check_callbacks(self.callbacks)
+
+    def _check_keeping(self) -> None:
+        """keep_last, keep_best, the monitor and early stopping: each needs what it watches."""
+        if self.keep_last is not None:
+            check_min(self.keep_last, 1, "trainer.keep_last")
+            check(
+                self.checkpoint_every > 0,
+                "trainer.keep_last",
+                "keeps the newest step_N/ that trainer.checkpoint_every writes, and that is 0 "
+                "(none are written); set trainer.checkpoint_every",
+            )
+        check_min(self.keep_best, 0, "trainer.keep_best")
+        if self.monitor is not None:
+            check(
+                isinstance(self.monitor, str) and self.monitor.startswith("eval/"),
+                "trainer.monitor",
+                f"must name an eval figure, e.g. eval/loss or eval/accuracy; got {self.monitor!r}",
+            )
+        if self.monitor_mode is not None:
+            check_choice(self.monitor_mode, MONITOR_MODES, "trainer.monitor_mode")
+        if self.early_stop_patience is not None:
+            check_min(self.early_stop_patience, 1, "trainer.early_stop_patience")
+            check(
+                self.eval_every > 0,
+                "trainer.early_stop_patience",
+                "counts the evaluations every trainer.eval_every steps, and that is 0 (only the "
+                "final one); set trainer.eval_every",
+            )
+        check_min(self.early_stop_min_delta, 0.0, "trainer.early_stop_min_delta")
 
     def _check_resume_changed(self) -> None:
         entries = self.resume_changed
@@ -162,6 +210,67 @@ class TrainerConfig:
                 f"{entry} is not checked on resume (only trainer.seed, model.* and data.* are); "
                 "other keys may change without it",
             )
+
+
+def check_callbacks(callbacks: Any) -> None:
+    """``trainer.callbacks`` is a list of ``_target_`` specs (whether each imports and fits its
+    class is checked when the run builds them: giantpipe.runner.callbacks).
+
+    Example::
+
+        check_callbacks([{"every": 2}])
+        # ConfigError: trainer.callbacks[0]._target_: missing: name your callback's class, e.g.
+        # {_target_: mypkg.MyCallback}
+    """
+    check(
+        isinstance(callbacks, list | tuple),
+        "trainer.callbacks",
+        f"must be a list, e.g. [{{_target_: mypkg.MyCallback}}]; got {callbacks!r}",
+    )
+    for index, spec in enumerate(callbacks):
+        key = f"trainer.callbacks[{index}]"
+        check(
+            isinstance(spec, dict),
+            key,
+            f"must be a mapping with a _target_, e.g. {{_target_: mypkg.MyCallback}}; got {spec!r}",
+        )
+        target = spec.get("_target_")
+        check(
+            isinstance(target, str) and "." in target,
+            f"{key}._target_",
+            "missing: name your callback's class, e.g. {_target_: mypkg.MyCallback}"
+            if target is None
+            else f"must be a dotted path like mypkg.MyCallback; got {target!r}",
+        )
+
+
+def monitored(trainer: TrainerConfig, sweep: SweepConfig) -> tuple[str, str]:
+    """The eval figure keep_best and early stopping watch, and which way it improves
+    (``min`` or ``max``): trainer.monitor, else sweep.objective with sweep.direction.
+
+    Example::
+
+        monitored(TrainerConfig(keep_best=1), SweepConfig())      # ("eval/loss", "min")
+        monitored(TrainerConfig(monitor="eval/accuracy", monitor_mode="max"), SweepConfig())
+        # ("eval/accuracy", "max")
+    """
+    key = trainer.monitor or sweep.objective
+    if trainer.monitor_mode is not None:
+        mode = trainer.monitor_mode
+    elif key == sweep.objective:
+        mode = "min" if sweep.direction == "minimize" else "max"
+    else:
+        raise ConfigError(
+            "trainer.monitor_mode",
+            f"say which way {key} improves: trainer.monitor_mode=min or trainer.monitor_mode=max",
+        )
+    check(
+        key.startswith("eval/"),
+        "trainer.monitor",
+        f"keep_best and early stopping watch an eval figure, and sweep.objective is {key!r}; "
+        "set trainer.monitor, e.g. trainer.monitor=eval/loss",
+    )
+    return key, mode
 
 
 def check_trace_steps(trace_steps: list[int], total_steps: int) -> None:

@@ -23,12 +23,12 @@ For token-level losses (translation), set ``loss_normalizer`` (targets -> number
 then the loss is summed and the engine divides by that number), ``ignore_index`` (the padding id)
 and ``tokens_per_batch`` ((inputs, targets) -> tokens, so metrics report tokens/s).
 
-Figures that need more than the engine's forward (BLEU from decoding held-out sentences) come
-from ``evaluate_model``: at every evaluation the runner calls it with the un-partitioned model,
-the very object the model's builder returned (the same modules the pipeline trains, EMA weights
-swapped in when configured), so what that object offers besides ``forward`` (an encoder-decoder's
-``encode`` and ``decode_logits``) is there; it logs what the hook returns under ``eval/``. A
-hook with ``takes_pipe = True`` (held-out BLEU) is called with the pipe instead, on every rank.
+Figures that need more than the loss and the metric (BLEU from decoding held-out sentences)
+come from ``evaluate_model``: at every evaluation the runner calls it on every process with the
+model as the pipe runs it, a :class:`~giantpipe.engine.inference.PipedModel` (``model(inputs)``
+through the stages, outputs on every process; ``model.generate(...)``; EMA weights swapped in
+when configured); no process holds the whole model. It logs what the hook returns under
+``eval/``. The protocol, with an example: docs/your-data.md.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
+
+from giantpipe.engine.inference import PipedModel
 
 Tensors = Tensor | tuple[Tensor, ...]
 Batch = tuple[Tensors, Tensors]
@@ -67,10 +69,13 @@ class DataBundle:
     """targets -> the number the summed loss is divided by (e.g. non-pad tokens); None: mean."""
     tokens_per_batch: Callable[[Batch], int] | None = None
     """batch -> tokens in it, for tokens/s; None when tokens do not apply."""
-    evaluate_model: Callable[[nn.Module], dict[str, float | str]] | None = None
-    """model -> extra evaluation figures (e.g. ``{"bleu": 31.2, "bleu/en-de": 29.8}``); strings
-    (e.g. a sacreBLEU signature) go to the log and the summary, numbers to the metrics too.
-    It raises :class:`EvaluationError` (naming the evaluation set) when it fails."""
+    evaluate_model: Callable[[PipedModel], dict[str, float | str]] | None = None
+    """model -> extra evaluation figures (e.g. ``{"bleu": 31.2, "bleu/en-de": 29.8}``), called
+    with the pipe as its whole model on every process (the same calls everywhere: they are
+    collective); strings (e.g. a sacreBLEU signature) go to the log and the summary, numbers to
+    the metrics too. It raises :class:`EvaluationError` (naming the evaluation set) when it
+    fails. A hook that decodes says so, ``generates = True``: the model's children must then
+    keep key/value caches, checked before training."""
     eval_set: str = "the evaluation batches"
     """What the evaluation batches are read from (e.g. ``valid.tsv``, ``DIR/val``), for messages
     such as an evaluation error's."""

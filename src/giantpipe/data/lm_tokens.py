@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from giantpipe.data.bundle import Batch, DataBundle
+from giantpipe.engine.generate import Decoding
+from giantpipe.engine.inference import PipedModel
 
 HELD_OUT_INDEX = 1 << 20  # eval batches are drawn as if far past any training position
 
@@ -80,19 +82,17 @@ class WalkSamples:
     Example::
 
         hook = WalkSamples(table, prompts=held_out[0][0][:3, :8], length=16)
-        hook(pipe)     # {"samples": "12 7 ... -> 40 3 ...", "sample_valid": 0.97}
+        hook(PipedModel(pipe))     # {"samples": "12 7 ... -> 40 3 ...", "sample_valid": 0.97}
     """
 
-    takes_pipe = True  # the runner hands it the pipe, on every rank
+    generates = True  # it decodes: the model's children must keep key/value caches
     config_key = "data.eval_samples"  # what asked for it, if the model cannot generate
 
     def __init__(self, table: Tensor, prompts: Tensor, length: int) -> None:
         self.table, self.prompts, self.length = table, prompts, length
 
-    def __call__(self, pipe: nn.Module) -> dict[str, float | str]:
-        from giantpipe.engine.generate import Decoding, generate
-
-        out = generate(pipe, [self.prompts], [self.length], Decoding())[0]
+    def __call__(self, model: PipedModel) -> dict[str, float | str]:
+        out = model.generate([self.prompts], [self.length], Decoding())[0]
         lines, allowed, steps = [], 0, 0
         for prompt, tokens in zip(self.prompts.tolist(), out, strict=True):
             walk = prompt[-1:] + tokens

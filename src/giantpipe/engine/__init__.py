@@ -25,6 +25,7 @@ What lives here, one concept per module:
 - :mod:`.gpipe`: :class:`GPipe`, a worker thread per device, torchgpipe's door and the step's;
 - :mod:`.capture`: any model as a flat Sequential (:func:`sequentialize`, torch.export);
 - :mod:`.generate`: generation through either pipe, each stage keeping its key/value caches;
+- :mod:`.inference`: a pipe used as its whole model for inference (:class:`~.inference.PipedModel`);
 - :mod:`.dist`: ``DistributedPipe``, a process per device (imported only by who needs it).
 
 Nothing here imports Hydra, the runner, ``models`` or the cost model (:mod:`giantpipe.perf`,

@@ -84,7 +84,7 @@ from giantpipe.engine.microbatch import (
     nbytes,
     to_device,
 )
-from giantpipe.engine.profiling import profiled, warn_if_profiler_misses_workers
+from giantpipe.engine.profiling import arrived, interleave, interleaves, profiled
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.schedules.actions import Action, Schedule
@@ -237,7 +237,10 @@ class StepRun:
         if len(workers) == 1 and not own_threads:
             self._work(*workers[0], times, own_thread=False)
             return
-        warn_if_profiler_misses_workers()
+        if interleaves(needs_threads=own_threads and self.cuda):  # profiled: see profiling.py
+            last = len(self.cfg.stages) - 1 if self.cfg.loss is not None else None
+            ready = partial(arrived, mailbox=self.mailbox, last_with_loss=last)
+            return interleave(workers, ready, lambda a, lane: self._work((a,), lane, times, False))
         pool = self.pool if self.pool is not None else WorkerPool()
         tasks = [partial(self._work, acts, lane, times, True) for acts, lane in workers]
         pool.run(tasks, self.cfg.timeout)

@@ -58,6 +58,11 @@ class Mailbox:
                 self._cond.wait(left)
             return self._items.pop(key)
 
+    def holds(self, key: Key) -> bool:
+        """Whether ``key`` has arrived (a :meth:`get` of it would not wait)."""
+        with self._cond:
+            return key in self._items
+
     def consumed_here(self, key: Key) -> bool:
         """Whether a worker of this process takes ``key`` (a mailbox across processes sends
         some elsewhere: nobody here waits for their CUDA events)."""

@@ -6,7 +6,7 @@ draw a picture.
 
     step.py       the step record: StepRecord, the Window that sums records, breakdown
     logger.py     the loop's door: MetricsLogger fans records out to the sinks, draws the curves
-    progress.py   the progress bar (tqdm on a terminal, silent elsewhere)
+    progress.py   progress: a tqdm bar on a terminal, log lines elsewhere (nohup, clusters)
     jsonl.py      metrics.jsonl: its writer (JsonlSink), reader and resume trim
     trackers.py   the outside trackers: Weights & Biases and TensorBoard
     summary.py    the run's summary: labels, the two-column table, summary.json

@@ -43,13 +43,19 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [r for r in records if isinstance(r, dict)]
 
 
-def truncate_after_step(path: Path, step: int) -> int:
+def truncate_after_step(path: Path, step: int, partial_too: bool = False) -> int:
     """Cuts ``path`` back to the records up to ``step`` (a torn last line goes too): a resumed
-    run writes the rest again, so every step appears once. Returns how many lines went."""
+    run writes the rest again, so every step appears once. ``partial_too``: the lines of cut
+    windows go too (the resumed run goes on with their window and writes it whole). Returns how
+    many lines went."""
     if not path.exists():
         return 0
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= step]
+    kept = [
+        r
+        for r in read_jsonl(path)
+        if int(r.get("step", 0)) <= step and not (partial_too and r.get("partial"))
+    ]
     if len(kept) == len(lines):
         return 0
     tmp = path.with_suffix(".jsonl.tmp")

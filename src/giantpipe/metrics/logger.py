@@ -1,6 +1,6 @@
 """The loop's door to the metrics: :class:`MetricsLogger` fans each step's record out to the
-progress bar, metrics.jsonl and the trackers, keeps the run-long figures, and draws
-``curves.png`` when the run closes.
+progress bar (or progress lines in the log), metrics.jsonl and the trackers, keeps the run-long
+figures, and draws ``curves.png`` when the run closes.
 
 Example::
 
@@ -14,13 +14,15 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from giantpipe.config import LoggerConfig
 from giantpipe.metrics.curves import plot_curves
 from giantpipe.metrics.jsonl import JsonlSink, read_jsonl
-from giantpipe.metrics.progress import ProgressBar
+from giantpipe.metrics.progress import ProgressBar, ProgressLines, wants_lines
 from giantpipe.metrics.step import StepRecord, Window
 from giantpipe.metrics.trackers import TensorBoardSink, WandbSink
 
@@ -39,6 +41,8 @@ class MetricsLogger:
         log_every: int,
         name: str,
         config: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+        window: dict[str, Any] | None = None,
     ) -> None:
         self.log_every = log_every
         self.run_dir = run_dir
@@ -54,7 +58,13 @@ class MetricsLogger:
             else None
         )
         self.bar = ProgressBar(total_steps, start_step, cfg.progress)
-        self.window = Window()
+        self.progress_lines = (
+            ProgressLines(total_steps, start_step, cfg.progress_every_s, clock)
+            if wants_lines(cfg.progress)
+            else None
+        )
+        # A resumed run goes on with the window the stop cut (the checkpoint carries it).
+        self.window = Window.from_state(window) if window else Window()
         # The run's first step pays for thread start-up and allocation; leave it out of the
         # run-long throughput unless it is the only step.
         self.run = Window()
@@ -66,6 +76,7 @@ class MetricsLogger:
                            or line["kind"] == "eval"})  # fmt: skip
         if self.jsonl is not None:
             self.jsonl.write(line)
+        line = {k: v for k, v in line.items() if k != "partial"}  # metrics.jsonl's mark only
         prefix = f"{line['kind']}/"
         if self.wandb is not None:
             self.wandb.log({prefix + k: v for k, v in line.items()}, step=line["step"])
@@ -82,7 +93,14 @@ class MetricsLogger:
         else:
             self.run.add(record)
         self.bar.advance(1, loss=f"{record.loss:.4f}")
-        if record.step % self.log_every:
+        due = record.step % self.log_every == 0
+        if self.progress_lines is not None:
+            said = self.progress_lines.add(
+                record.step, record.loss, record.samples, record.step_time_s, due
+            )
+            if said is not None:
+                log.info("%s", said)
+        if not due:
             return None
         line = {"kind": "train", "step": record.step, **self.window.figures()}
         self.window = Window()
@@ -90,13 +108,18 @@ class MetricsLogger:
         return line
 
     def flush(self) -> dict[str, Any] | None:
-        """Write the partial window left at the end of training as one more line."""
+        """Write the window left at the end of training (or at a stop) as one more line,
+        marked ``partial``; the window stays for :meth:`window_state`: a resumed run replaces
+        the line by the whole window's."""
         if not len(self.window) or self._last_step is None:
             return None
-        line = {"kind": "train", "step": self._last_step, **self.window.figures()}
-        self.window = Window()
+        line = {"kind": "train", "step": self._last_step, "partial": True, **self.window.figures()}
         self._emit(line)
         return line
+
+    def window_state(self) -> dict[str, Any] | None:
+        """The logging window not yet written as a whole line (None: empty), for a checkpoint."""
+        return self.window.state() if len(self.window) else None
 
     def evaluation(self, step: int, figures: dict[str, float]) -> None:
         """Write an evaluation line and say it on the console / train.log."""

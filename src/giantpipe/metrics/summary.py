@@ -21,6 +21,7 @@ _LABELS = {
     "status": "status",
     "steps": "optimizer steps",
     "wall_time_s": "wall time (s)",
+    "stopped_early": "stopped early",
     "train/loss": "train loss (last window)",
     "eval/loss": "eval loss",
     "eval/accuracy": "eval accuracy",
@@ -49,6 +50,8 @@ _LABELS = {
     "pipeline/predicted_peak_memory_bytes": "peak memory per device, predicted (+ weights, grads)",
     "pipeline/predict_time_s": "prediction cost (s, profile + simulation)",
     "pipeline/plan_choice": "plan (pipeline.plan=auto)",
+    "checkpoints/kept": "checkpoint kept",
+    "checkpoints/removed": "checkpoints removed",
 }
 
 

@@ -106,10 +106,25 @@ def _csv(text: str) -> str:
 def _plot_sweep(
     rows: list[dict[str, Any]], swept: list[str], objective: str, path: Path
 ) -> Path | None:
-    """The objective against each swept key, one panel per key (numbers on a numeric axis,
-    anything else as categories)."""
+    """``path`` (PNG): the figure :func:`draw_sweep` draws, if there is a swept key."""
     if not swept:
         return None
+    fig = draw_sweep(rows, swept, objective)
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+    return path
+
+
+def draw_sweep(rows: list[dict[str, Any]], swept: list[str], objective: str) -> Any:
+    """The objective against each swept key, one panel per key (numbers on a numeric axis,
+    anything else as categories), its values on the axis as they are (no offset such as
+    ``1e-8+1.9411071``) and a range of at least 2% of their size: values equal but for float
+    noise are drawn equal.
+
+    Example::
+
+        fig = draw_sweep(sweep_rows(sweep_dir, "eval/loss"), ["pipeline.chunks"], "eval/loss")
+    """
     plt = pyplot()
     fig, axes = plt.subplots(1, len(swept), figsize=(4.5 * len(swept), 3.8), squeeze=False)
     for ax, key in zip(axes[0], swept):
@@ -118,10 +133,28 @@ def _plot_sweep(
             xs: list[Any] = [float(x) for x, _ in points]
         except ValueError:
             xs = [x for x, _ in points]
-        ax.plot(xs, [y for _, y in points], "o")
+        ys = [y for _, y in points]
+        ax.plot(xs, ys, "o")
         ax.set(xlabel=key, ylabel=objective)
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False)
+        ax.set_ylim(*value_range([y for y in ys if math.isfinite(y)]) or ax.get_ylim())
     fig.suptitle(f"{objective} per job")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def value_range(values: list[float], least: float = 0.01) -> tuple[float, float] | None:
+    """Axis limits around ``values`` spanning at least ``least`` of their size on each side of
+    their middle (None: no values, matplotlib chooses).
+
+    >>> [round(limit, 4) for limit in value_range([1.9411071, 1.94110711])]
+    [1.9217, 1.9605]
+    >>> [round(limit, 4) for limit in value_range([0.5, 2.5])]
+    [0.45, 2.55]
+    """
+    if not values:
+        return None
+    low, high = min(values), max(values)
+    middle, half = (low + high) / 2, (high - low) / 2
+    half = max(half * 1.05, least * max(abs(low), abs(high)) or 0.5)
+    return middle - half, middle + half

@@ -52,8 +52,6 @@ from giantpipe.perf.costs import LayerCost
 from giantpipe.perf.replica_state import ReplicaSharding, keeps_units
 from giantpipe.perf.simulate import Simulation, StageCost, peak_activations, simulate
 
-GIB = 2**30
-
 LayerTimes = Callable[[int], Sequence[tuple[float, float, float]]]
 """Measured seconds per layer for a micro-batch of n samples: (forward, input gradient,
 weight gradient), one triple per layer."""
@@ -512,25 +510,39 @@ def _pareto(points: set[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def format_table(candidates: Sequence[Candidate]) -> str:
-    """The candidates as a markdown table, one row each, ranked as given.
+    """The candidates as a markdown table, one row each, ranked as given; the peak memory in
+    the unit of the largest (a small model's reads in KiB, not as 0.0 GiB).
 
     Example::
 
         print(format_table(plan(layers, 8, 512, device)[:10]))
     """
+    unit, size = memory_unit(max((b for c in candidates for b in c.peak_memory_bytes), default=0))
     lines = [
         "| # | schedule | V | M | recompute | balance | samples/s | step s | bubble "
-        "| peak GiB per device |",
+        f"| peak {unit} per device |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, c in enumerate(candidates, 1):
-        peaks = " ".join(f"{b / GIB:.1f}" for b in c.peak_memory_bytes)
+        peaks = " ".join(f"{b / size:.1f}" for b in c.peak_memory_bytes)
         lines.append(
             f"| {rank} | {c.schedule} | {c.virtual_stages} | {c.chunks} | {c.recompute} "
             f"| {c.balance} | {c.samples_per_s:.1f} | {c.step_time_s:.3f} | {c.bubble:.3f} "
             f"| {peaks} |"
         )
     return "\n".join(lines)
+
+
+def memory_unit(nbytes: float) -> tuple[str, int]:
+    """The binary unit a column of byte counts up to ``nbytes`` reads best in, and its size.
+
+    >>> memory_unit(150_000), memory_unit(12 * 2**30), memory_unit(900)
+    (('KiB', 1024), ('GiB', 1073741824), ('B', 1))
+    """
+    for unit, power in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 2**power:
+            return unit, 2**power
+    return "B", 1
 
 
 @contextmanager

@@ -19,10 +19,17 @@ receives the dataclasses of ``giantpipe.config``; only ``giantpipe.cli`` imports
     step.py       one optimizer step's engine steps (accumulation, replica slices, clipping)
     evaluate.py   evaluation, and the data's whole-model figures (BLEU)
     forecast.py   the simulator's forecast beside the measured step, in every run
-    checkpoint/   the one checkpoint format: save (in the background too), restore, init_from
+    run_state/    a run's state in its checkpoints: staged, written (in the background too),
+                  restored under any layout; init_from (the format: giantpipe.checkpoint)
     seeding.py    the process's random-number generators: seeded at the start, saved, restored
     rundir.py     the run directory: where a run starts or resumes, one run at a time
     record.py     the run's record (metrics, summary)
+    keeping.py    what a run keeps and when it stops early: rank 0's verdicts after evaluations
+    ledger.py     RUN/checkpoints.json, and the crash-safe removal of a step_N/ giantpipe wrote
+    retention.py  which step_N/ a run keeps: trainer.keep_last newest, trainer.keep_best best
+    early_stop.py early stopping on the monitored figure (trainer.early_stop_patience)
+    monitor.py    the monitored eval figure (trainer.monitor) and which way it improves
+    callbacks.py  your own hooks named in trainer.callbacks, and their protocol
     world.py      who runs: one process or torchrun's
 
 Example::

@@ -67,9 +67,9 @@ class Experiment:
 
     bundle: DataBundle
     model: nn.Sequential | None
-    """The whole plain model, where whole-model evaluation (e.g. BLEU) runs: the local
-    executor's (its layers are the pipe's), rank 0's under torchrun when the data has such an
-    evaluation (filled with every rank's weights before it runs); None elsewhere."""
+    """The whole plain model in one process (the local executor's: its layers are the pipe's);
+    None under torchrun, where no rank holds it (whole-model evaluation runs through the pipe,
+    :func:`~giantpipe.runner.evaluate.whole_model_figures`)."""
     pipe: Pipe
     spec: PipelineSpec
     """The pipeline's shape as run (``pipe.spec``): the config's, or the planner's under
@@ -308,21 +308,18 @@ def build_experiment(
         pipe = build_distributed_pipe(model, spec, own, as_planned)
         world.bind(pipe)
         inputs_to = targets_to = own
-    # Rank 0 keeps the whole plain model under torchrun only for a whole-model evaluation that
-    # cannot run through the pipe (held-out BLEU can: it decodes stage by stage, any schedule).
-    through_pipe = hasattr(bundle.evaluate_model, "takes_pipe")
-    gathers = bundle.evaluate_model is not None and not through_pipe
-    keep = world.rank == 0 and (world.size == 1 or gathers)
+    # No rank keeps the whole model under torchrun: whole-model evaluation runs through the pipe.
     return _training_parts(
-        cfg, bundle, model if keep else None, pipe, (inputs_to, targets_to), plan_choice
+        cfg, bundle, model if world.size == 1 else None, pipe, (inputs_to, targets_to), plan_choice
     )
 
 
 def check_generates(cfg: ExperimentConfig, bundle: DataBundle, model: nn.Sequential) -> None:
-    """An evaluation that decodes through the pipe (held-out BLEU, LM samples) needs a model
-    whose children can keep key/value caches: refused up front, naming the key that asked."""
+    """An evaluation that decodes through the pipe (``generates``: held-out BLEU, LM samples)
+    needs a model whose children can keep key/value caches: refused up front, naming the key
+    that asked."""
     hook = bundle.evaluate_model
-    if not getattr(hook, "takes_pipe", False):
+    if not getattr(hook, "generates", False):
         return
     try:
         check_cached(list(model))

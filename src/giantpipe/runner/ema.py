@@ -53,7 +53,7 @@ class WeightEMA:
             self._swap()
 
     def state_dict(self) -> dict[str, Tensor]:
-        # An FSDP2 shard stays where it is: a save stages it (runner.checkpoint.saving).
+        # An FSDP2 shard stays where it is: a save stages it (runner.run_state.staging).
         return {
             name: t.detach() if isinstance(t, DTensor) else t.detach().cpu()
             for name, t in self.shadow.items()

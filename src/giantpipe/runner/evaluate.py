@@ -6,12 +6,9 @@ of each batch, those holding the last stage score the outputs, and the tallies a
 the world, so every process returns the figures of the whole evaluation set. The local executor
 is a world of one, where the sums and the count are its own.
 
-The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`):
-a hook that takes the pipe (``takes_pipe``, as held-out BLEU) runs on every rank and decodes
-through the stages (any schedule: a worker with virtual stages keeps each one's caches), no
-rank holding more than its own; any other needs every layer in one process: under torchrun,
-rank 0 gathers the other ranks' weights into its copy of the plain model first (see
-:func:`whole_model_figures`).
+The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`)
+runs on every process through the pipe's stages, no process holding more than its own
+(:func:`whole_model_figures`).
 
 Example::
 
@@ -30,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from giantpipe.data.bundle import Batch, DataBundle, batch_size
-from giantpipe.engine.distributed.replicas import whole_tensor
+from giantpipe.data.bundle import Batch, DataBundle, Tensors, batch_size
 from giantpipe.engine.generate import evaluating
+from giantpipe.engine.inference import PipedModel
 from giantpipe.engine.pipe import Pipe
 from giantpipe.runner.losses import LossFn, build_loss, count_correct, count_top_k
 from giantpipe.runner.step import autocast, replica_slice, to_device
@@ -128,13 +125,14 @@ def evaluate(
         for batch in eval_stream(bundle, max_batches, inputs_wanted or targets_wanted, world):
             inputs: Any = None
             if batch is not None and inputs_wanted:
-                inputs = to_device(replica_slice(batch[0], r, replicas), devices[0])
+                inputs = to_device(even_share(batch[0], r, replicas), devices[0])
             with autocast(precision, devices[0]):
                 output = pipe(inputs)
             if batch is not None and targets_wanted:
                 targets = replica_slice(batch[1], r, replicas)
                 if not isinstance(output, Tensor) or not isinstance(targets, Tensor):
                     raise TypeError("the runner's losses need a tensor output and tensor targets")
+                output = output[: batch_size(targets)]  # the rows even_share added go
                 if batch_size(targets) > 0:  # a replica's share of a short last batch may be none
                     add_batch(tally, output, targets.to(output.device), bundle, loss_fn)
     figures = _figures(world.sum(tally.as_list()), bundle.metric)
@@ -143,39 +141,47 @@ def evaluate(
     return figures
 
 
+def even_share(tensors: Tensors, replica: int, replicas: int) -> Tensors:
+    """Replica ``replica``'s share of an evaluation batch (:func:`replica_slice`), made up to
+    the largest share with the batch's first rows, so that every replica's forward runs the
+    same micro-batches: with FSDP2's ``full`` each gathers its layers per micro-batch, a
+    collective of the replicas. The rows added are scored nowhere.
+
+    >>> [even_share(torch.arange(5), r, 2).tolist() for r in (0, 1)]
+    [[0, 1, 2], [3, 4, 0]]
+    """
+    if replicas == 1:
+        return tensors
+    whole = batch_size(tensors)
+    rows = -(-whole // replicas)  # the first shares of tensor_split's are the largest
+
+    def padded(t: Tensor) -> Tensor:
+        share = torch.tensor_split(t, replicas)[replica]
+        return torch.cat([share, t[: rows - share.shape[0]]])
+
+    return tuple(padded(t) for t in tensors) if isinstance(tensors, tuple) else padded(tensors)
+
+
 def per_token(bundle: DataBundle) -> bool:
     """Whether the loss is a mean cross-entropy per token (language models, translation), of
     which perplexity is the exponential."""
     return bundle.loss == "cross_entropy" and bundle.tokens_per_batch is not None
 
 
-def whole_model_figures(
-    pipe: Pipe, model: nn.Sequential | None, bundle: DataBundle, world: World
-) -> dict[str, float | str]:
+def whole_model_figures(pipe: Pipe, bundle: DataBundle, world: World) -> dict[str, float | str]:
     """The data's own evaluation of the whole model (e.g. BLEU), on every process.
 
-    A hook that takes the pipe (``takes_pipe``) runs on every rank, through the stages (held-out
-    BLEU decodes with each stage's caches, for every schedule). For any other, under torchrun
-    the ranks of replica 0 send their weights (with FSDP2 gathered from every replica's shards)
-    to rank 0, which loads them into its plain model
-    and runs the evaluation; the figures then reach every rank.
+    The hook runs on every process with the pipe as its whole model
+    (:class:`~giantpipe.engine.inference.PipedModel`: a forward through the stages whose
+    outputs reach every process, generation with each stage's caches, any schedule); each
+    process holds only its stages throughout. Rank 0's figures reach every process.
+
+    Example::
+
+        whole_model_figures(pipe, bundle, world)   # {"bleu": 12.3, "bleu/en-xa": 15.1, ...}
     """
     hook = bundle.evaluate_model
     if hook is None:
         return {}
-    if getattr(hook, "takes_pipe", False):
-        through_pipe: dict[str, float | str] = world.from_rank0(hook(pipe))
-        return through_pipe
-    if world.size > 1:
-        # FSDP2 shards are gathered first, by every replica of a stage in the same order.
-        whole = {k: whole_tensor(v.detach()) for k, v in pipe.state_dict().items()}
-        held = whole if pipe.replica == 0 else {}
-        state = {k: v.cpu() for k, v in held.items()}
-        gathered = world.collect(state)
-        if gathered is not None:
-            assert model is not None, "rank 0 keeps the plain model for whole-model evaluation"
-            merged = {k: v for part in gathered for k, v in part.items()}
-            model.load_state_dict(merged)
-    figures = hook(model) if world.rank == 0 and model is not None else {}
-    result: dict[str, float | str] = world.from_rank0(figures)
-    return result
+    figures: dict[str, float | str] = world.from_rank0(hook(PipedModel(pipe)))
+    return figures

@@ -5,6 +5,7 @@ One loop for both executors. The local executor is a world of one process; under
 the loss and the statistics are collective, and rank 0 alone writes the run directory (config,
 progress bar, ``metrics.jsonl``, ``summary.json``, the log): it already holds what it logs,
 because the engine gathers the loss and every stage's busy time, bubble and peak memory.
+Hooks: retention and early stopping (:mod:`.keeping`), your callbacks (:mod:`.callbacks`).
 :func:`giantpipe.runner.run.train` opens the run around it (run directory, build, resume).
 
 Example::
@@ -37,11 +38,14 @@ from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.metrics.step import EngineStats, StepRecord
 from giantpipe.metrics.summary import write_summary
 from giantpipe.runner.build import Experiment
-from giantpipe.runner.checkpoint.saving import model_record
-from giantpipe.runner.checkpoint.state import Progress
-from giantpipe.runner.checkpoint.writer import BackgroundSaveError, CheckpointWriter
+from giantpipe.runner.callbacks import CallbackError, Callbacks, RunInfo, step_figures
 from giantpipe.runner.evaluate import evaluate, whole_model_figures
 from giantpipe.runner.forecast import Forecast
+from giantpipe.runner.keeping import Keeping, judges
+from giantpipe.runner.retention import BEST, EVERY
+from giantpipe.runner.run_state.model_record import model_record
+from giantpipe.runner.run_state.state import Progress
+from giantpipe.runner.run_state.writer import BackgroundSaveError, CheckpointWriter
 from giantpipe.runner.rundir import LAST
 from giantpipe.runner.step import accumulate_gradients
 from giantpipe.runner.world import Request, StopSignals, World
@@ -79,9 +83,17 @@ class TrainingLoop:
         progress: Progress,
         last_good: tuple[Path, int] | None,
         world: World,
+        callbacks: Callbacks | None = None,
+        keeping: Keeping | None = None,
     ) -> None:
         self.cfg, self.parts, self.run_dir, self.metrics = cfg, parts, run_dir, metrics
         self.progress, self.last_good, self.world = progress, last_good, world
+        self.callbacks = callbacks or Callbacks([], configured=False)
+        """trainer.callbacks built on this process (giantpipe.runner.callbacks)."""
+        self.keeping = keeping
+        """Rank 0's ledger, retention and early stopping (None elsewhere, or unconfigured)."""
+        self.stopped_early: str | None = None
+        """Why early stopping ended the run (``stopped early at step N: ...``)."""
         self.last_eval: dict[str, float] = {}
         self.eval_notes: dict[str, str] = {}
         """Text figures of the latest evaluation (e.g. the BLEU signature), for the summary."""
@@ -103,6 +115,10 @@ class TrainingLoop:
         self._about: dict[str, Any] | None = None
         self._last_at: int | None = None
         """The step ``last/`` was last saved at by this process (it is written once a step)."""
+        self._numbered_at: int | None = None
+        """The step ``step_N/`` was last saved at by this process."""
+        self._commits: list[tuple[Path, int]] = []
+        """Saves committed (in the background too) that the main thread has not handled."""
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -254,7 +270,7 @@ class TrainingLoop:
             [parts.input_device],
             world,
         )
-        whole = whole_model_figures(parts.pipe, parts.model, parts.bundle, world)
+        whole = whole_model_figures(parts.pipe, parts.bundle, world)
         notes = {k: v for k, v in whole.items() if isinstance(v, str)}
         for key, note in notes.items():
             log.info("step %d eval %s: %s", self.progress.step, key, note)
@@ -297,6 +313,7 @@ class TrainingLoop:
         if not self._finite():
             raise self._fail("a weight", math.nan, self.progress.step)
         directory = self.run_dir / name
+        self.progress.window = self.metrics.window_state() if self.metrics is not None else None
         if self._about is None and self.world.rank == 0:
             self._about = model_record(self.cfg.model, self.parts.model)
         try:
@@ -307,6 +324,8 @@ class TrainingLoop:
             raise self._background_failed(err) from err.cause
         if name == LAST:
             self._last_at = self.progress.step
+        else:
+            self._numbered_at = self.progress.step
 
     def save_last(self) -> None:
         """Saves ``last/`` unless it already holds this step: a step that evaluates and
@@ -328,6 +347,17 @@ class TrainingLoop:
         held = self.last_good
         if held is None or step > held[1] or (step == held[1] and directory.name == LAST):
             self.last_good = (directory, step)
+        self._commits.append((directory, step))
+
+    def _saved(self) -> None:
+        """In the main thread, each save committed since the last call: the retention prunes
+        (rank 0), then the callbacks hear of it."""
+        while self._commits:
+            directory, step = self._commits.pop(0)
+            if self.keeping is not None:
+                self.keeping.committed(directory, step)
+            if self.callbacks.built:
+                self.callbacks.call("after_save", self._info(step), directory)
 
     def _write_failed(self, err: OSError, directory: Path, step: int) -> CheckpointWriteError:
         reason = err.strerror or str(err)
@@ -356,17 +386,73 @@ class TrainingLoop:
     def after_step(self) -> None:
         """The cadence after each optimizer step: every ``trainer.eval_every`` steps before the
         end, evaluate, then refresh ``last/`` (with ``trainer.save_last``); every
-        ``trainer.checkpoint_every`` steps, write ``step_N/`` and ``last/`` (once a step)."""
+        ``trainer.checkpoint_every`` steps, write ``step_N/`` and ``last/`` (once a step);
+        an evaluation among the ``trainer.keep_best`` best is saved as ``step_N/`` too."""
         trainer, step = self.cfg.trainer, self.progress.step
         evaluates = bool(trainer.eval_every) and step % trainer.eval_every == 0
         evaluates = evaluates and step < self.parts.total_steps
         keeps = bool(trainer.checkpoint_every) and step % trainer.checkpoint_every == 0
+        best = False
         if evaluates:
             self.evaluate()
-        if keeps:
-            self.save(f"step_{step}")
+            best, self.stopped_early = self._judge()
+        why = ([EVERY] if keeps else []) + ([BEST] if best else [])
+        if why:
+            self._save_step(why)
         if keeps or (evaluates and trainer.save_last):
             self.save_last()
+        self._saved()
+
+    def _judge(self) -> tuple[bool, str | None]:
+        """After an evaluation, rank 0's verdict on every rank: whether it is saved as one of
+        the ``trainer.keep_best`` best, and why the run stops early (None: it goes on); then
+        the callbacks hear of it."""
+        figures = {f"eval/{key}": value for key, value in self.last_eval.items()}
+        verdict: tuple[bool, str | None] = (False, None)
+        if self.keeping is not None:
+            verdict = self.keeping.judge(self.progress.step, figures)
+        if judges(self.cfg) and self.world.size > 1:
+            verdict = self.world.from_rank0(verdict)
+        if self.callbacks.built:
+            self.callbacks.call("after_evaluation", self._info(), figures)
+        return verdict
+
+    def _save_step(self, why: list[str]) -> None:
+        """Saves ``step_N/``, recorded first (rank 0's ledger) with why it is written; one
+        written already at this step is only kept for ``why`` too."""
+        step = self.progress.step
+        if self._numbered_at == step:
+            if self.keeping is not None:
+                self.keeping.tagged(step, why)
+            return
+        if self.keeping is not None:
+            self.keeping.planned(step, why)
+        self.save(f"step_{step}")
+
+    def _info(self, step: int | None = None) -> RunInfo:
+        """Where the run is, for a hook (``step``: the step a save holds, if not the run's)."""
+        world, total = self.world, self.parts.total_steps
+        step = self.progress.step if step is None else step
+        return RunInfo(self.cfg.name, self.run_dir, step, total, world.rank, world.size)
+
+    def _check_callbacks(self) -> None:
+        """At a step's end: a hook that raised on any rank stops the run on every rank."""
+        failure = self.callbacks.agreed_failure(self.world)
+        if failure is not None:
+            raise CallbackError(
+                f"{failure}; the run stopped ({self.kept()}): fix it and {self._resume_how()}"
+            ) from self.callbacks.error
+
+    def ended(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The run has ended without failing: the callbacks get rank 0's summary (a hook that
+        raises fails the run, its checkpoints as they are). Returns ``summary``."""
+        if not self.callbacks.configured:
+            return summary
+        shared = self.world.from_rank0(summary) if self.world.size > 1 else summary
+        if self.callbacks.built:
+            self.callbacks.call("at_end", self._info(), shared)
+        self._check_callbacks()
+        return summary
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -383,6 +469,7 @@ class TrainingLoop:
                 self._finish_quietly()  # the save in flight commits; the first failure is news
                 raise
             self.finish_saves()
+            self._saved()
 
     def _run(self) -> None:
         try:
@@ -395,7 +482,11 @@ class TrainingLoop:
             return
         if self.forecast is not None and self.world.writes:
             self.forecast.report(self.run_dir, self.parts.pipe)
-        self.evaluate()
+        if self.stopped_early is None:  # else the run stops right after an evaluation
+            self.evaluate()
+            best, _ = self._judge()  # the run ends anyway: no early stop to say
+            if best:
+                self._save_step([BEST])
         if self.cfg.trainer.save_last:
             self.save_last()
 
@@ -417,8 +508,14 @@ class TrainingLoop:
             record = self.optimizer_step(stream)
             if self.metrics is not None:
                 self.last_line = self.metrics.train_step(record) or self.last_line
+            if self.callbacks.built:
+                self.callbacks.call("after_step", self._info(), step_figures(record))
             self.after_step()
+            self._check_callbacks()
             if self._honour(self.world.agree_stop(signals.take())):
+                break
+            if self.stopped_early is not None:
+                log.info("%s", self.stopped_early)
                 break
         if self.metrics is not None:
             self.last_line = self.metrics.flush() or self.last_line
@@ -429,6 +526,7 @@ class TrainingLoop:
             self.save_last()
             if request.stop:  # about to leave: the save must be on disk first
                 self.finish_saves()
+            self._saved()
             why = request.stop or f"{self.cfg.trainer.save_signal} received"
             log.info("step %d: saved %s (%s)", self.progress.step, self.run_dir / LAST, why)
         self.stopped = request.stop

@@ -57,16 +57,19 @@ def open_record(
     spec: PipelineSpec,
     log: logging.Logger,
     where: tuple[str, tuple[Any, ...]] = ("", ()),
+    window: dict[str, Any] | None = None,
     plan_choice: dict[str, Any] | None = None,
 ) -> MetricsLogger:
     """Starts writing into ``run_dir`` (everything is checked by now); returns the sinks.
 
     ``spec`` is the pipeline as run (its devices, balance and M); ``log`` the runner's own
     logger; ``where`` a format and its arguments that the start line carries before the devices
-    (the distributed runner's ranks); ``plan_choice``: the planner's, under plan=auto.
+    (the distributed runner's ranks); ``window`` the logging window the resumed checkpoint
+    carries, whose partial line the resumed run replaces by the whole window's; ``plan_choice``
+    the planner's, under plan=auto.
     """
     if resumed:
-        cut = truncate_after_step(run_dir / "metrics.jsonl", step)
+        cut = truncate_after_step(run_dir / "metrics.jsonl", step, partial_too=window is not None)
         if cut:
             log.info("metrics.jsonl cut back to step %d (%d lines after it, or torn)", step, cut)
     save_config(run_dir, config_yaml, step if resumed else None)
@@ -89,6 +92,7 @@ def open_record(
         cfg.trainer.log_every,
         cfg.name,
         asdict(as_run(cfg, spec, plan_choice)),
+        window=window,
     )
 
 

@@ -24,10 +24,10 @@ from giantpipe.config import ExperimentConfig
 from giantpipe.config.trainer import check_trace_steps
 from giantpipe.metrics.logger import MetricsLogger
 from giantpipe.runner.build import Experiment, build_experiment
-from giantpipe.runner.checkpoint.init_from import load_initial_weights
-from giantpipe.runner.checkpoint.restore import restore
-from giantpipe.runner.checkpoint.state import Progress
+from giantpipe.runner.callbacks import build_callbacks
+from giantpipe.runner.keeping import Keeping
 from giantpipe.runner.loop import TrainingLoop
+from giantpipe.runner.monitor import check_monitor
 from giantpipe.runner.record import (
     base_summary,
     check_objective,
@@ -35,6 +35,9 @@ from giantpipe.runner.record import (
     read_summary,
     run_to_summary,
 )
+from giantpipe.runner.run_state.init_from import load_initial_weights
+from giantpipe.runner.run_state.restore import restore
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.rundir import (
     RunLock,
     check_resumed_config,
@@ -75,6 +78,10 @@ def summarize(cfg: ExperimentConfig, loop: TrainingLoop, wall_time_s: float) -> 
     )
     if loop.stopped is not None:
         summary["status"] = loop.stopped  # preempted / interrupted: resumable from last/
+    if loop.stopped_early is not None:  # completed: what the run was asked to do is done
+        summary["stopped_early"] = loop.stopped_early
+    if loop.keeping is not None:
+        summary.update(loop.keeping.summary())
     if loop.forecast is not None:
         summary.update(loop.forecast.figures())
     if parts.plan_choice is not None:
@@ -165,9 +172,15 @@ def _checked(
                 else None
             )
         )
+    world.agree(lambda: check_objective(cfg, parts))
+    world.agree(lambda: check_monitor(cfg, parts))
+    callbacks = world.agree(lambda: build_callbacks(cfg.trainer.callbacks, world))
     if world.writes:  # only once what the run resumes from has been read and accepted
         clean_interrupted_saves(run_dir)
-    world.agree(lambda: check_objective(cfg, parts))
+    # rank 0's ledger: removals a kill interrupted are finished (None elsewhere)
+    keeping = world.agree(
+        lambda: Keeping.open(cfg, run_dir, progress.step) if world.writes else None
+    )
     # -- checked: from here on the run writes into run_dir -----------------------------------
     aside = resume_from is None and moves_record_aside(
         cfg.trainer.resume, run_dir, cfg.trainer.overwrite
@@ -176,14 +189,16 @@ def _checked(
         move_record_aside(run_dir)
     metrics = _open(cfg, run_dir, config_yaml, parts, progress, resume_from is not None, world)
     last_good = (resume_from, progress.step) if resume_from is not None else None
-    loop = TrainingLoop(cfg, parts, run_dir, metrics, progress, last_good, world)
+    loop = TrainingLoop(
+        cfg, parts, run_dir, metrics, progress, last_good, world, callbacks, keeping
+    )
     with loop.signals:  # until the record is written: a signal at the end kills no summary
         summary = run_to_summary(
             cfg.name,
             run_dir,
             metrics,
             loop.run,
-            lambda: summarize(cfg, loop, time.perf_counter() - start),
+            lambda: loop.ended(summarize(cfg, loop, time.perf_counter() - start)),
             lambda: loop.progress.step,
         )
         shared: dict[str, Any] = world.from_rank0(summary)
@@ -240,5 +255,6 @@ def _open(
         parts.spec,
         log,
         where,
+        progress.window if resumed else None,
         parts.plan_choice,
     )

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import time
 from collections.abc import Collection, Sequence
@@ -46,18 +45,17 @@ from typing import Any
 
 import yaml
 
+from giantpipe.checkpoint.cleanup import interrupted, remove, set_aside
+from giantpipe.checkpoint.earlier import ONE_FILE
+from giantpipe.checkpoint.manifest import read_manifest
+from giantpipe.checkpoint.names import MANIFEST, SAVE_FOLDER
 from giantpipe.config import RESUME_AUTO, RESUME_CHECKED, ConfigError
-from giantpipe.engine.distributed.shards import MANIFEST, stale
-from giantpipe.engine.distributed.shards.cleanup import MANIFEST_TMP, SAVE_FOLDER
-from giantpipe.runner.checkpoint.reading import kept_beside
 from giantpipe.runner.registry import current_target
 
 log = logging.getLogger(__name__)
 
 LAST = "last"
 """The checkpoint directory refreshed at every evaluation and at the end."""
-LEGACY_LAST = "last.pt"
-"""The same, as the earlier one-file format wrote it."""
 LOCK = ".giantpipe.lock"
 RECORD = ("metrics.jsonl", "summary.json")
 """Files that say a directory holds a run's record."""
@@ -68,8 +66,8 @@ def held_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint ``run_dir`` holds, if any: ``last/`` or a legacy ``last.pt``."""
     if (run_dir / LAST / MANIFEST).is_file():
         return run_dir / LAST
-    if (run_dir / LEGACY_LAST).exists():
-        return run_dir / LEGACY_LAST
+    if (run_dir / ONE_FILE).exists():  # the earlier one-file format
+        return run_dir / ONE_FILE
     return None
 
 
@@ -170,7 +168,8 @@ def resume_point(resume: bool | str, run_dir: Path, overwrite: bool = False) -> 
 def finished_run(resume: bool | str, run_dir: Path, max_steps: int | None) -> bool:
     """``trainer.resume=auto``: whether ``run_dir`` holds a run that completed and has nothing
     left to do (its summary says ``completed`` and either no checkpoint can continue it, a kept
-    ``step_N/`` included, or it reached ``trainer.max_steps``). Such a run is skipped, unchanged.
+    ``step_N/`` included, or it reached ``trainer.max_steps``, or stopped early). Such a run is
+    skipped, unchanged.
 
     Example::
 
@@ -186,6 +185,7 @@ def finished_run(resume: bool | str, run_dir: Path, max_steps: int | None) -> bo
         return False
     steps = summary.get("steps")
     reached = max_steps is not None and isinstance(steps, int) and steps >= max_steps
+    reached = reached or "stopped_early" in summary  # trainer.early_stop_patience ended it
     unheld = held_checkpoint(run_dir) is None and lost_last(run_dir, resume) is None
     return reached or unheld
 
@@ -444,30 +444,35 @@ def checkpoint_directories(run_dir: Path) -> list[Path]:
 
 
 def clean_interrupted_saves(run_dir: Path) -> int:
-    """Removes what killed saves left in the run's checkpoint directories, and nothing else:
-    save folders and temporary manifests under giantpipe's own names that the directory's
-    manifest does not commit (:func:`giantpipe.engine.distributed.shards.stale`). A directory whose
-    manifest cannot be read is left as it is, and so is everything outside ``last/`` and
-    ``step_N/``. In a directory with no manifest at all only temporary manifests go: its save
-    folder may be a save whose manifest was lost, as well as a first save that was killed; the
-    next save into that directory replaces it. Call it after the checkpoint to resume from has
-    been read. Returns how many files and folders went.
+    """Removes what killed saves left in the run's checkpoint directories
+    (:func:`giantpipe.checkpoint.cleanup.interrupted`) and checkpoints a killed removal set
+    aside (:func:`giantpipe.checkpoint.cleanup.set_aside`), and nothing else. Call it after the
+    checkpoint to resume from has been read. Returns how many files and folders went.
 
     Example::
 
         clean_interrupted_saves(Path("outputs/2026-12-01/10-00-00"))   # 1
     """
-    removed = [
-        path
-        for folder in checkpoint_directories(run_dir)
-        for path in stale(folder)
-        if (folder / MANIFEST).exists() or MANIFEST_TMP.fullmatch(path.name)
-    ]
+    removed = [path for folder in checkpoint_directories(run_dir) for path in interrupted(folder)]
+    removed += set_aside(run_dir)  # checkpoints whose removal (retention) was killed
     for path in removed:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove(path)
     if removed:
         log.info("removed %d leftovers of interrupted saves in %s", len(removed), run_dir)
     return len(removed)
+
+
+def kept_beside(directory: Path) -> Path | None:
+    """The newest other checkpoint of the same run (``step_N/`` beside ``directory``) whose
+    manifest reads, to offer when ``directory`` is damaged."""
+    here = directory.resolve()
+    numbered = [p for p in here.parent.glob("step_*") if re.fullmatch(r"step_\d+", p.name)]
+    for path in sorted(numbered, key=lambda p: int(p.name[5:]), reverse=True):
+        if path.resolve() == here:
+            continue
+        try:
+            read_manifest(path)
+        except (OSError, ValueError):
+            continue
+        return directory.parent / path.name
+    return None

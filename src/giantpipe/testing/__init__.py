@@ -5,7 +5,8 @@
 - :mod:`.world`: a world of ranks on this machine (``free_port``, ``rank_env``);
 - :mod:`.gpu`: where the GPU checks run, CUDA devices or CPU stand-ins (``GpuOptions``).
 - :mod:`.outputs`: where a script writes its report, ``outputs/`` or (``--update-results``)
-  ``results/`` (``add_output_options``, ``output_path``).
+  ``results/`` (``add_output_options``, ``output_path``);
+- :mod:`.reads`: the bytes a process reads from disk, and files dropped from the page cache.
 
 It sits beside the entry points, above the engine, perf and runner: the library itself never
 imports it.

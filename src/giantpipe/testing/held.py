@@ -7,18 +7,24 @@ Example::
 
     state = training_bytes(pipe.parameters(), optimizer)   # {"params": ..., "grads": ..., ...}
     live = live_bytes()                                    # every live tensor's storage, once
+    done, peak = peak_above_start(lambda: export(...))     # the most RSS rose during a call
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from giantpipe.engine.distributed.replicas import local_tensor
 
-__all__ = ["live_bytes", "storage_bytes", "training_bytes"]
+__all__ = ["live_bytes", "peak_above_start", "storage_bytes", "training_bytes"]
+
+_T = TypeVar("_T")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -81,3 +87,18 @@ def live_bytes() -> int:
                 continue
     storages.pop(0, None)  # empty tensors
     return sum(storages.values())
+
+
+def peak_above_start(call: Callable[[], _T]) -> tuple[_T, int]:
+    """``call()``'s result, and the most this process's resident memory rose above where it
+    was when the call began (Linux: the peak, ``VmHWM``, is reset first through
+    ``/proc/self/clear_refs``)."""
+
+    def status(key: str) -> int:
+        found = re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+        return int(found.group(1)) * 1024 if found else 0
+
+    Path("/proc/self/clear_refs").write_text("5")
+    start = status("VmRSS")
+    result = call()
+    return result, status("VmHWM") - start

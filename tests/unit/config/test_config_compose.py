@@ -128,3 +128,20 @@ def test_a_renamed_key_is_one_line_naming_the_new_key(override, line):
     with pytest.raises(Exception) as info:
         composed(override)
     assert one_line(info.value) == line
+
+
+@pytest.mark.parametrize(
+    ("override", "near"),
+    [
+        ("recipe=mlp_quickstrat", "; did you mean recipe=mlp_quickstart?"),
+        ("model=amoebanet_dd", "; did you mean model=amoebanet_d?"),
+        ("optim=sdg", "; did you mean optim=sgd?"),
+        ("model=resnet", ""),
+    ],
+)
+def test_a_typo_in_a_groups_option_names_the_option_meant(override: str, near: str) -> None:
+    with pytest.raises(Exception) as info:
+        composed(override)
+    line = one_line(info.value)
+    assert line.startswith(f"{override}: no such option (available: ")
+    assert line.endswith(")" + near)

@@ -15,6 +15,7 @@ from giantpipe import GPipe
 from giantpipe.config import ConfigError
 from giantpipe.data.lm_tokens import lm_tokens
 from giantpipe.data.options import LMTokensDataConfig
+from giantpipe.engine.inference import PipedModel
 from giantpipe.runner.evaluate import evaluate
 from models.transformer import transformer_lm
 
@@ -43,8 +44,8 @@ def bundle(samples: int = 3) -> object:
 
 def test_a_model_that_walks_the_table_scores_one_and_prints_every_prompt() -> None:
     hook = bundle().evaluate_model
-    assert hook is not None and hook.takes_pipe
-    figures = hook(nn.Sequential(Oracle(hook.table)))
+    assert hook is not None and hook.generates
+    figures = hook(PipedModel(nn.Sequential(Oracle(hook.table))))
     assert figures["sample_valid"] == 1.0
     lines = str(figures["samples"]).split(" | ")
     assert len(lines) == 3 and all(len(line.split(" -> ")[1].split()) == 8 for line in lines)
@@ -58,8 +59,8 @@ def test_samples_through_the_pipe_equal_the_plain_model() -> None:
         torch.manual_seed(0)
         return transformer_lm(2, d_model=16, ffn_dim=32, num_heads=2, vocab_size=VOCAB, max_len=32)
 
-    plain = hook(model())
-    piped = hook(GPipe(model(), balance=[2, 2], devices=["cpu", "cpu"], chunks=2))
+    plain = hook(PipedModel(model()))
+    piped = hook(PipedModel(GPipe(model(), balance=[2, 2], devices=["cpu", "cpu"], chunks=2)))
     assert piped == plain and 0.0 <= float(plain["sample_valid"]) < 1.0
 
 

@@ -17,6 +17,7 @@ from giantpipe.data.translation.decoding import _max_steps, beam_search, greedy_
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from giantpipe.engine.generate.caches import StageCaches
 from models.transformer import transformer_lm, transformer_t
+from tests.timeouts import scaled
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
 
@@ -49,7 +50,7 @@ def pipelined(k: int, m: int, src: torch.Tensor, steps: int, beam: int) -> list[
     pipe = GPipe(seq2seq(), balance=BALANCES[k], devices=["cpu"] * k, chunks=m)
     prompts = [(s, torch.full((len(s), 1), BOS)) for s in split_rows(src, m)]
     decoding = Decoding(beam_size=beam, length_penalty=0.6, eos_id=EOS, pad_id=PAD)
-    out = generate(pipe, prompts, [steps] * len(prompts), decoding, timeout=60.0)
+    out = generate(pipe, prompts, [steps] * len(prompts), decoding, timeout=scaled(60.0))
     return [row for chunk in out for row in chunk]
 
 

@@ -15,6 +15,7 @@ from giantpipe import GPipe
 from giantpipe.data.translation.decoding import beam_search, greedy_decode
 from giantpipe.engine.generate import Decoding, generate, padded_prompt
 from models.transformer import transformer_lm
+from tests.timeouts import scaled
 from tests.unit.engine.test_generate import BOS, PAD, seq2seq
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
@@ -105,7 +106,7 @@ def test_generate_leaves_each_module_in_the_mode_it_found_also_on_error() -> Non
     generate(pipe, [ROWS], [STEPS], Decoding(beam_size=2))
     assert modes(pipe) == before
     with pytest.raises(IndexError):  # an id beyond the vocabulary fails in the embedding
-        generate(pipe, [[[VOCAB + 5]]], [STEPS], Decoding(), timeout=30.0)
+        generate(pipe, [[[VOCAB + 5]]], [STEPS], Decoding(), timeout=scaled(30.0))
     assert modes(pipe) == before
 
 

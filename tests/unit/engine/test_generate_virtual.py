@@ -17,6 +17,7 @@ from giantpipe import GPipe
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from giantpipe.engine.generate.ring import held_stages
 from models.transformer import transformer_lm
+from tests.timeouts import scaled
 from tests.unit.engine import test_generate
 from tests.unit.engine.test_generate import seq2seq
 
@@ -46,7 +47,7 @@ def test_translation_through_virtual_stages_equals_the_uncached_reference(
     pipe = virtual_pipe(seq2seq(), schedule, [1, 2, 2, 1])
     prompts = [(s, torch.full((len(s), 1), BOS)) for s in split_rows(translation["src"], m)]
     decoding = Decoding(beam_size=beam, length_penalty=0.6, eos_id=EOS, pad_id=PAD)
-    out = generate(pipe, prompts, [translation["steps"]] * m, decoding, timeout=60.0)
+    out = generate(pipe, prompts, [translation["steps"]] * m, decoding, timeout=scaled(60.0))
     assert [row for chunk in out for row in chunk] == translation["greedy" if beam == 1 else "beam"]
 
 
@@ -90,7 +91,7 @@ def test_lm_through_virtual_stages_equals_the_uncached_reference(
     decoding = Decoding(beam_size=beam, eos_id=7)
     reference = generate(nn.Sequential(Uncached(lm())), prompts, [12] * m, decoding)
     pipe = virtual_pipe(lm(), schedule, [1, 2, 1, 1])
-    assert generate(pipe, prompts, [12] * m, decoding, timeout=60.0) == reference
+    assert generate(pipe, prompts, [12] * m, decoding, timeout=scaled(60.0)) == reference
     assert any(len(row) >= 6 for chunk in reference for row in chunk)  # not all cut short
 
 

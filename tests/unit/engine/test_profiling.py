@@ -1,8 +1,12 @@
-"""torch.profiler sees the stages: with the profiler following every thread, each stage's ops
-(``aten::addmm``) sit inside a range naming the action (``giantpipe forward stage 1 mb 0``), on
-the stage's worker thread; a profiler that follows only the caller's thread is told so."""
+"""torch.profiler sees the stages: a plain ``torch.profiler.profile()`` (it follows the calling
+thread only) records each stage's ops (``aten::addmm``) inside a range naming the action
+(``giantpipe forward stage 1 mb 0``), for every schedule, the step equal to an unprofiled one;
+a profiler following every thread sees them on the stages' own worker threads."""
 
 from __future__ import annotations
+
+import copy
+import warnings
 
 import pytest
 import torch
@@ -13,10 +17,9 @@ from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 from giantpipe import GPipe
 
 
-def two_stage_pipe() -> GPipe:
+def model() -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    return GPipe(model, [2, 1], devices=["cpu", "cpu"], chunks=2)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 4))
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,26 +33,75 @@ def action_of(event) -> str | None:
     return None if event is None else event.name
 
 
-def test_a_profiled_step_shows_each_stages_ops_inside_its_actions() -> None:
-    pipe = two_stage_pipe()
+def addmm_by_action(prof) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for event in prof.events():
+        if event.name == "aten::addmm":
+            action = action_of(event) or "outside any action"
+            found[action] = found.get(action, 0) + 1
+    return found
+
+
+FORWARDS = {f"giantpipe forward stage {s} mb {m}": 1 + (s == 1) for s in (0, 1) for m in (0, 1)}
+RECOMPUTED = {f"giantpipe backward stage {s} mb 0": 1 + (s == 1) for s in (0, 1)}
+"""Stage 0 holds one Linear, stage 1 two: one addmm per Linear and micro-batch in its forward,
+and again in the backward that re-materializes it (checkpoint="except_last": micro-batch 0)."""
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_plain_profiler_records_every_stages_ops_inside_its_actions(schedule: str) -> None:
+    plain = model()
+    pipe = GPipe(plain, [2, 2], devices=["cpu", "cpu"], chunks=2, schedule=schedule)
+    twin = copy.deepcopy(plain)
+    other = GPipe(twin, [2, 2], devices=["cpu", "cpu"], chunks=2, schedule=schedule)
+    x, y = batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to tell: the profiler sees every stage
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss = pipe.train_step(x, y, F.cross_entropy)
+    unprofiled = other.train_step(x, y, F.cross_entropy)
+    pipe.close()
+    other.close()
+    assert addmm_by_action(prof) == FORWARDS | RECOMPUTED
+    names = {e.name for e in prof.events()}
+    assert {f"giantpipe backward stage {s} mb {m}" for s in (0, 1) for m in (0, 1)} <= names
+    assert torch.equal(loss, unprofiled)
+    for mine, its in zip(plain.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(mine.grad, its.grad)  # the same step, profiled or not
+
+
+def test_a_plain_profiler_sees_the_front_doors_forward_and_backward() -> None:
+    pipe = GPipe(model(), [2, 2], devices=["cpu", "cpu"], chunks=2)
+    x, y = batch()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        F.cross_entropy(pipe(x), y).backward()
+    pipe.close()
+    assert addmm_by_action(prof) == FORWARDS | RECOMPUTED
+    names = {e.name for e in prof.events()}
+    assert {f"giantpipe backward stage {s} mb {m}" for s in (0, 1) for m in (0, 1)} <= names
+
+
+def test_a_profiler_of_every_thread_sees_each_stage_on_its_own_thread() -> None:
+    pipe = GPipe(model(), [2, 2], devices=["cpu", "cpu"], chunks=2)
     x, y = batch()
     every_thread = _ExperimentalConfig(profile_all_threads=True)
     with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
         pipe.train_step(x, y, F.cross_entropy)
     pipe.close()
-    addmm = [(action_of(e), e.thread) for e in prof.events() if e.name == "aten::addmm"]
-    forwards = {a: t for a, t in addmm if a is not None and a.startswith("giantpipe forward")}
-    assert set(forwards) == {f"giantpipe forward stage {s} mb {m}" for s in (0, 1) for m in (0, 1)}
-    threads = {s: {t for a, t in forwards.items() if f"stage {s} " in a} for s in (0, 1)}
+    assert addmm_by_action(prof) == FORWARDS | RECOMPUTED
+    ranges = {s: f"giantpipe forward stage {s}" for s in (0, 1)}
+    threads = {
+        s: {e.thread for e in prof.events() if (action_of(e) or "").startswith(name)}
+        for s, name in ranges.items()
+    }
     assert len(threads[0]) == len(threads[1]) == 1 and threads[0] != threads[1]
-    names = {e.name for e in prof.events()}
-    assert {f"giantpipe backward stage {s} mb {m}" for s in (0, 1) for m in (0, 1)} <= names
 
 
-def test_a_profiler_of_the_calling_thread_only_is_told_how_to_see_the_stages() -> None:
-    pipe = two_stage_pipe()
+def test_after_a_profiled_step_the_stages_run_on_their_threads_again() -> None:
+    pipe = GPipe(model(), [2, 2], devices=["cpu", "cpu"], chunks=2)
     x, y = batch()
-    with pytest.warns(UserWarning, match="profile_all_threads=True"):
-        with profile(activities=[ProfilerActivity.CPU]):
-            pipe.train_step(x, y, F.cross_entropy)
+    with profile(activities=[ProfilerActivity.CPU]):
+        pipe.train_step(x, y, F.cross_entropy)
+    pipe.train_step(x, y, F.cross_entropy)
+    assert len(pipe.worker_pool) == 2
     pipe.close()

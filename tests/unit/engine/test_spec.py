@@ -225,7 +225,7 @@ def test_one_set_of_defaults_for_the_spec_both_pipes_and_the_config() -> None:
 
 # a parameter, keyword, field or attribute named checkpoint(s) (not a word in prose or ``code``)
 MODE_NAMED_CHECKPOINT = re.compile(
-    r"(?<![`\w])checkpoints?\s*[=:]|(?<!distributed)\.checkpoints?\b"
+    r"(?<![`\w])checkpoints?\s*[=:]|(?<!distributed)(?<!giantpipe)\.checkpoints?\b"
 )
 
 

@@ -119,3 +119,60 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path: Path) -> No
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(2, 1.5), (4, 9.0)]
+
+
+def test_a_language_models_curves_put_each_scale_on_an_axis_of_its_own() -> None:
+    """Accuracy (0-1) and perplexity (75-175) on one linear axis made accuracy a flat line."""
+    from giantpipe.metrics.curves import draw_curves, pyplot
+
+    records = [{"kind": "train", "step": s, "loss": 5.0 - s / 100} for s in (10, 20, 30)]
+    records += [
+        {"kind": "eval", "step": 10, "loss": 5.2, "accuracy": 0.21, "perplexity": 175.0},
+        {"kind": "eval", "step": 20, "loss": 4.8, "accuracy": 0.30, "perplexity": 120.0},
+        {"kind": "eval", "step": 30, "loss": 4.3, "accuracy": 0.38, "perplexity": 75.0},
+    ]
+    fig = draw_curves(records)
+    drawn = {
+        ax.get_title(): {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+        for ax in fig.axes
+    }
+    pyplot().close(fig)
+    assert drawn == {
+        "loss": {"train loss": [4.9, 4.8, 4.7], "eval loss": [5.2, 4.8, 4.3]},
+        "accuracy": {"eval accuracy": [0.21, 0.30, 0.38]},
+        "perplexity": {"eval perplexity": [175.0, 120.0, 75.0]},
+    }
+    accuracy = next(ax for ax in fig.axes if ax.get_title() == "accuracy")
+    low, high = accuracy.get_ylim()
+    assert 0.1 < low and high < 0.5  # the accuracy's own range, not perplexity's 75-175
+
+
+def test_fractions_share_an_axis_and_a_run_without_evaluations_draws_the_loss_only() -> None:
+    from giantpipe.metrics.curves import draw_curves, pyplot, scale_panels
+
+    evals = [{"kind": "eval", "step": 4, "loss": 1.0, "accuracy": 0.5, "top5": 0.9, "bleu": 21.0}]
+    assert scale_panels(evals) == [["accuracy", "top5"], ["bleu"]]
+    fig = draw_curves([{"kind": "train", "step": 1, "loss": 2.0}])
+    assert [ax.get_title() for ax in fig.axes] == ["loss"]
+    pyplot().close(fig)
+
+
+def test_the_sweep_plot_shows_values_as_they_are_and_equal_ones_equal() -> None:
+    """Three jobs whose objective differs by float noise drew `1e-8+1.9411071` over the axis
+    and three points far apart."""
+    from giantpipe.metrics.curves import pyplot
+    from giantpipe.metrics.sweep import draw_sweep
+
+    values = [1.9411071, 1.94110711, 1.9411071]
+    rows = [{"job": i, "pipeline.chunks": str(m), "status": "completed", "eval/loss": v}
+            for i, (m, v) in enumerate(zip([1, 2, 4], values))]  # fmt: skip
+    fig = draw_sweep(rows, ["pipeline.chunks"], "eval/loss")
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    offset = ax.yaxis.get_offset_text().get_text()
+    ticks = [float(t.get_text().replace("\u2212", "-")) for t in ax.get_yticklabels()]
+    heights = [ax.transData.transform((x, y))[1] for x, y in zip([1, 2, 4], values)]
+    pyplot().close(fig)
+    assert offset == ""
+    assert min(ticks) > 1.9 and max(ticks) < 2.0  # the values themselves on the axis
+    assert max(heights) - min(heights) < 0.5  # pixels: drawn equal

@@ -139,7 +139,60 @@ def test_summary_table_and_json(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["train/loss"] == "nan"
 
 
+def test_the_summary_table_says_what_retention_kept_and_why_the_run_stopped() -> None:
+    summary = {
+        "steps": 30,
+        "stopped_early": "eval/loss has not improved by 0.01 for 2 evaluations",
+        "checkpoints/kept": {"step_10": "best", "step_30": "last 1"},
+        "checkpoints/removed": 2,
+    }
+    lines = format_table(summary).splitlines()[1:-1]
+    assert [line.split("  ")[0].strip() for line in lines] == [
+        "optimizer steps",
+        "stopped early",
+        "checkpoint kept: step_10",
+        "checkpoint kept: step_30",
+        "checkpoints removed",
+    ]
+
+
 def test_progress_bar_is_quiet_off_a_terminal(monkeypatch):
     monkeypatch.setattr("sys.stdout.isatty", lambda: False)
     assert not wants_bar("auto")
     assert wants_bar("tqdm") and not wants_bar("none")
+
+
+def test_a_resumed_run_writes_the_lines_of_the_uninterrupted_one(tmp_path):
+    """A stop after step 7 (log_every=5) writes the window 6-7 as a partial line and leaves the
+    window to the checkpoint; the resumed run replaces the line by the whole window 6-10."""
+    cfg = LoggerConfig(progress="none")
+    loss = {s: 1.0 / s for s in range(1, 13)}
+
+    def logger(folder, start, window=None):
+        return MetricsLogger(cfg, folder, 12, start, 5, name="t", config={}, window=window)
+
+    (tmp_path / "whole").mkdir()
+    whole = logger(tmp_path / "whole", 0)
+    for step in range(1, 13):
+        whole.train_step(record(step, loss[step]))
+    whole.flush()
+    whole.close({})
+    (tmp_path / "cut").mkdir()
+    first = logger(tmp_path / "cut", 0)
+    for step in range(1, 8):
+        first.train_step(record(step, loss[step]))
+    first.flush()
+    carried = json.loads(json.dumps(first.window_state()))  # as the checkpoint's manifest holds it
+    first.close({})
+    assert [r.get("partial", False) for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == [
+        False, True,
+    ]  # fmt: skip
+    truncate_after_step(tmp_path / "cut" / "metrics.jsonl", 7, partial_too=carried is not None)
+    resumed = logger(tmp_path / "cut", 7, window=carried)
+    for step in range(8, 13):
+        resumed.train_step(record(step, loss[step]))
+    resumed.flush()
+    resumed.close({})
+    lines = [read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("whole", "cut")]
+    assert [r["step"] for r in lines[0]] == [5, 10, 12]
+    assert lines[1] == lines[0]

@@ -21,6 +21,7 @@ from giantpipe.engine.generate.search import BeamSearch, RowSearch
 
 pytest.importorskip("transformers")
 from models.hf import LLAMA_FAMILY, give_caches, hf_causal_lm  # noqa: E402
+from tests.timeouts import scaled
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
 
@@ -82,7 +83,7 @@ def pipelined(captured: dict[str, Any], k: int, m: int, decoding: Decoding) -> l
     seq = captured["seq"]
     pipe = GPipe(seq, balance=BALANCES[k], devices=["cpu"] * k, chunks=m) if k > 1 else seq
     prompts = split_rows(captured["prompts"], m)
-    out = generate(pipe, prompts, [STEPS] * len(prompts), decoding, timeout=60.0)
+    out = generate(pipe, prompts, [STEPS] * len(prompts), decoding, timeout=scaled(60.0))
     return [row for chunk in out for row in chunk]
 
 
@@ -231,7 +232,7 @@ def test_prompts_of_unequal_length_decode_as_alone_and_as_hugging_face(architect
     give_caches(model, list(seq), seq.spans)
     pipe = GPipe(seq, balance=[2, 2], devices=["cpu"] * 2, chunks=2)
     micro = [RAGGED[:2], RAGGED[2:]]
-    greedy = generate(pipe, micro, [STEPS] * 2, Decoding(), timeout=60.0)
+    greedy = generate(pipe, micro, [STEPS] * 2, Decoding(), timeout=scaled(60.0))
     alone = [uncached(model, torch.tensor([row]), Decoding())[0] for row in RAGGED]
     assert [row for chunk in greedy for row in chunk] == alone
     width = max(map(len, RAGGED))
@@ -242,7 +243,7 @@ def test_prompts_of_unequal_length_decode_as_alone_and_as_hugging_face(architect
                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
     assert out[:, width:].tolist() == alone
     beam = Decoding(beam_size=3, eos_id=alone[0][3])
-    got = generate(pipe, micro, [STEPS] * 2, beam, timeout=60.0)
+    got = generate(pipe, micro, [STEPS] * 2, beam, timeout=scaled(60.0))
     want = [uncached(model, torch.tensor([row]), beam)[0] for row in RAGGED]
     assert [row for chunk in got for row in chunk] == want
 
@@ -259,8 +260,8 @@ def test_generate_leaves_the_hugging_face_model_in_its_modes_also_on_error(mode:
     every = [*model.modules(), *pipe.modules()]
     before = [m.training for m in every]
     assert any(before) and (mode == "train") == all(m.training for m in model.modules())
-    generate(pipe, [RAGGED[:2], RAGGED[2:]], [4, 4], Decoding(), timeout=60.0)
+    generate(pipe, [RAGGED[:2], RAGGED[2:]], [4, 4], Decoding(), timeout=scaled(60.0))
     assert [m.training for m in every] == before
     with pytest.raises(IndexError):  # an id beyond the vocabulary fails in the first piece
-        generate(pipe, [[[VOCAB + 3]]], [4], Decoding(), timeout=60.0)
+        generate(pipe, [[[VOCAB + 3]]], [4], Decoding(), timeout=scaled(60.0))
     assert [m.training for m in every] == before

@@ -10,7 +10,7 @@ from torch import nn
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.perf.balance import NoFit, solve_balance
 from giantpipe.perf.costs import LayerCost, measure_layers
-from giantpipe.perf.planner import DeviceSpec, plan, pressure
+from giantpipe.perf.planner import DeviceSpec, format_table, memory_unit, plan, pressure
 
 
 def test_measure_layers_on_meta() -> None:
@@ -123,3 +123,18 @@ def test_plan_drops_what_does_not_fit_and_counts_optimizer_state() -> None:
         "except_last",
     }  # 'never' holds 4 x (10 + 2 x 100 + 10) = 880 B next to 1600, 'always' 4 x 10 + 210
     assert plan(layers, 2, 4, device, optimizer_slots=2) == []  # 400 x 4 = 1600 per layer
+
+
+def test_the_table_shows_a_small_models_memory_in_a_unit_it_reads_in() -> None:
+    """The planner's table printed 0.0 GiB per device for the MLP quick start."""
+    device = DeviceSpec(peak_flops=1e12, memory_bytes=16 * 2**30, link_bandwidth=1e10)
+    best = plan([layer() for _ in range(4)], 2, 8, device)[:3]
+    largest = max(b for c in best for b in c.peak_memory_bytes)
+    unit, size = memory_unit(largest)
+    assert unit in ("B", "KiB", "MiB") and 1 <= largest / size < 1024
+    table = format_table(best).splitlines()
+    assert table[0].endswith(f"| peak {unit} per device |")
+    for row, candidate in zip(table[2:], best, strict=True):
+        shown = [float(v) for v in row.rstrip(" |").rpartition("|")[2].split()]
+        assert shown == [round(b / size, 1) for b in candidate.peak_memory_bytes]
+        assert all(v > 0 for v in shown)

@@ -10,7 +10,7 @@ import pytest
 
 from giantpipe.config import ConfigError
 from giantpipe.runner.rundir import clean_interrupted_saves, finished_run, lost_last, resume_point
-from tests.unit.engine.distributed.test_shards import save, weights
+from tests.unit.checkpoint.saves import save, weights
 
 
 def leftover(folder: Path) -> Path:

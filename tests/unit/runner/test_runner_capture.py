@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from giantpipe.checkpoint.export import consolidate
 from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
@@ -18,7 +19,6 @@ from giantpipe.config import (
 )
 from giantpipe.data.options import LMTokensDataConfig, RandomImagesDataConfig, SyntheticDataConfig
 from giantpipe.engine.capture import Sequentialized
-from giantpipe.engine.distributed.shards import consolidate
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, build_model
 from models.options import MlpModelConfig, TorchvisionModelConfig

@@ -1,5 +1,5 @@
-"""Checkpoint IO: atomic writes, name-keyed optimizer state, resuming under another balance,
-saving in the background (trainer.async_save), and checkpoints of the earlier format."""
+"""A run's state in its checkpoints: name-keyed optimizer state, resuming under another
+balance, saving in the background (trainer.async_save), resuming from the earlier format."""
 
 import errno
 import json
@@ -12,50 +12,28 @@ import pytest
 import torch
 from torch import nn
 
+from giantpipe.checkpoint import save
+from giantpipe.checkpoint.earlier import SHARDS_V1
+from giantpipe.checkpoint.manifest import FORMAT
+from giantpipe.checkpoint.run import RUN_FORMAT, read_checkpoint
 from giantpipe.config import ConfigError
 from giantpipe.engine import GPipe
-from giantpipe.engine.distributed import shards
-from giantpipe.engine.distributed.shards import atomic_save
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment, parameter_names
-from giantpipe.runner.checkpoint.legacy import load_checkpoint
-from giantpipe.runner.checkpoint.reading import read_checkpoint
-from giantpipe.runner.checkpoint.restore import restore
-from giantpipe.runner.checkpoint.state import (
-    RUN_FORMAT,
+from giantpipe.runner.loop import CheckpointWriteError
+from giantpipe.runner.run_state import staging
+from giantpipe.runner.run_state.restore import restore
+from giantpipe.runner.run_state.state import (
     Progress,
     check_model_fits,
     load_optimizer_state_by_name,
     optimizer_state_by_name,
 )
-from giantpipe.runner.checkpoint.writer import CheckpointWriter
-from giantpipe.runner.loop import CheckpointWriteError
+from giantpipe.runner.run_state.writer import CheckpointWriter
 from giantpipe.runner.seeding import rng_state, seed_everything
 from giantpipe.runner.world import World
 from tests.unit.runner.test_runner_loop import tiny
-
-
-class Unpicklable:
-    def __reduce__(self):
-        raise RuntimeError("boom")
-
-
-def test_atomic_save_replaces_whole_file_and_leaves_no_temp(tmp_path: Path):
-    path = tmp_path / "last.pt"
-    atomic_save({"step": 1}, path)
-    atomic_save({"step": 2}, path)
-    assert torch.load(path)["step"] == 2
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
-
-
-def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path):
-    path = tmp_path / "last.pt"
-    atomic_save({"step": 1}, path)
-    with pytest.raises(RuntimeError, match="boom"):
-        atomic_save({"step": 2, "bad": Unpicklable()}, path)
-    assert torch.load(path)["step"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
 def model() -> nn.Sequential:
@@ -139,19 +117,6 @@ def test_model_that_does_not_fit_is_one_line_naming_the_path(tmp_path: Path):
         check_model_fits({}, live, tmp_path / "x.pt")
 
 
-def test_unreadable_or_foreign_checkpoint_is_a_config_error(tmp_path: Path):
-    junk = tmp_path / "junk.pt"
-    junk.write_bytes(b"not a checkpoint")
-    with pytest.raises(ConfigError, match="junk.pt is not a readable checkpoint"):
-        load_checkpoint(junk)
-    foreign = tmp_path / "foreign.pt"
-    torch.save({"weights": 1}, foreign)
-    with pytest.raises(ConfigError, match="not a giantpipe checkpoint"):
-        load_checkpoint(foreign)
-    with pytest.raises(ConfigError, match="no checkpoint at"):
-        load_checkpoint(tmp_path / "absent.pt")
-
-
 # -- trainer.async_save: the step waits for the copy, not for the write ------------------------
 
 
@@ -170,14 +135,14 @@ def test_an_async_save_returns_before_the_write_and_saves_the_state_it_copied(
 ) -> None:
     parts = stepped(tiny(eval_every=0))
     held, started = threading.Event(), threading.Event()
-    real = shards.save_collective
+    real = staging.save_collective
 
     def held_write(*args, **kwargs):
         started.set()
         assert held.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(shards, "save_collective", held_write)
+    monkeypatch.setattr(staging, "save_collective", held_write)
     writer = CheckpointWriter(World(), asynchronous=True)
     before = {k: v.clone() for k, v in parts.pipe.state_dict().items()}
     writer.save(parts, Progress(step=1, position=1), tmp_path / "last")  # the write is held
@@ -207,7 +172,7 @@ def test_async_saves_resume_exactly_as_synchronous_ones(tmp_path: Path) -> None:
 
 def test_a_failed_background_write_is_reported_never_lost(tmp_path, monkeypatch) -> None:
     writes = {"n": 0}
-    real = shards.write_folder
+    real = save.write_folder
 
     def full_disk(folder, *args, **kwargs):
         writes["n"] += 1
@@ -215,7 +180,7 @@ def test_a_failed_background_write_is_reported_never_lost(tmp_path, monkeypatch)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "__0_0.distcp"))
         return real(folder, *args, **kwargs)
 
-    monkeypatch.setattr(shards.saving, "write_folder", full_disk)  # what a save calls
+    monkeypatch.setattr(save, "write_folder", full_disk)  # what a save calls
     cfg = tiny(max_steps=4, eval_every=0, checkpoint_every=2, async_save=True)
     with pytest.raises(CheckpointWriteError) as info:  # raised at the end of the run
         train(cfg, tmp_path, "")
@@ -256,7 +221,7 @@ def write_earlier_format(directory: Path, parts, progress: Progress) -> None:
     extra = {"format": RUN_FORMAT, "step": progress.step, "position": progress.position}
     extra.update(state_files=[f"state-{token}-rank00000.pt"], leader_ranks=[0], ema=False)
     manifest = {
-        "format": shards.OLD_FORMAT,
+        "format": SHARDS_V1,
         "step": progress.step,
         "balance": list(parts.spec.balance),
     }
@@ -264,17 +229,48 @@ def write_earlier_format(directory: Path, parts, progress: Progress) -> None:
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_a_checkpoint_of_the_earlier_format_resumes_exactly_and_is_saved_anew(tmp_path) -> None:
+def write_one_file(run_dir: Path, parts, progress: Progress) -> None:
+    """A local run's checkpoint as giantpipe wrote it first: everything in one last.pt."""
+    run_dir.mkdir(parents=True)
+    state = {
+        "format_version": 1,
+        "step": progress.step,
+        "position": progress.position,
+        "balance": list(parts.spec.balance),
+        "model": {k: v.detach().clone() for k, v in parts.pipe.state_dict().items()},
+        "optimizer": optimizer_state_by_name(parts.optimizer, parts.names),
+        "scheduler": parts.scheduler.state_dict(),
+        "ema": None,
+        "rng": rng_state(),
+    }
+    torch.save(state, run_dir / "last.pt")
+
+
+@pytest.fixture(scope="module")
+def halfway(tmp_path_factory: pytest.TempPathFactory):
+    """A 4-step run's losses, and the same run's state after 2 steps."""
+    tmp = tmp_path_factory.mktemp("earlier")
     cfg = tiny(max_steps=4, eval_every=0, log_every=1)
-    train(cfg, tmp_path / "full", "")
-    train(replace(cfg, trainer=replace(cfg.trainer, max_steps=2)), tmp_path / "half", "")
+    train(cfg, tmp / "full", "")
+    train(replace(cfg, trainer=replace(cfg.trainer, max_steps=2)), tmp / "half", "")
+    return cfg, losses(tmp / "full"), tmp / "half"
+
+
+@pytest.mark.parametrize("earlier", ["giantpipe-shards/1", "last.pt"])
+def test_a_checkpoint_of_an_earlier_format_resumes_exactly_and_is_saved_anew(
+    earlier: str, halfway, tmp_path: Path
+) -> None:
+    cfg, full, half = halfway
     parts = build_experiment(cfg)
-    progress = restore(parts, tmp_path / "half" / "last", World())
+    progress = restore(parts, half / "last", World())
     old = tmp_path / "old"
-    write_earlier_format(old / "last", parts, progress)
-    (old / "metrics.jsonl").write_bytes((tmp_path / "half" / "metrics.jsonl").read_bytes())
+    if earlier == "last.pt":
+        write_one_file(old, parts, progress)
+    else:
+        write_earlier_format(old / "last", parts, progress)
+    (old / "metrics.jsonl").write_bytes((half / "metrics.jsonl").read_bytes())
     train(replace(cfg, trainer=replace(cfg.trainer, resume=True)), old, "")
-    assert losses(old) == losses(tmp_path / "full")
+    assert losses(old) == full
     manifest = json.loads((old / "last" / "manifest.json").read_text())
-    assert manifest["format"] == shards.FORMAT and manifest["step"] == 4
+    assert manifest["format"] == FORMAT and manifest["step"] == 4
     assert sorted(p.name for p in (old / "last").iterdir()) == ["manifest.json", manifest["folder"]]

@@ -26,6 +26,7 @@ from giantpipe.runner.pipeline import pipeline_ranks, rank_device
 from giantpipe.runner.rundir import resume_point
 from giantpipe.runner.step import replica_slice
 from models.options import MlpModelConfig
+from tests.timeouts import scaled
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 
@@ -48,7 +49,7 @@ def tiny(**pipeline: object) -> ExperimentConfig:
 
 def test_executor_key_composes_with_local_as_default() -> None:
     assert composed().pipeline.executor == "local"
-    cfg = composed("pipeline.executor=distributed", "pipeline.timeout=20")
+    cfg = composed("pipeline.executor=distributed", f"pipeline.timeout={scaled(20):g}")
     assert (cfg.pipeline.executor, cfg.pipeline.timeout) == ("distributed", 20.0)
     with pytest.raises(ConfigError, match=r"^pipeline.executor: must be one of local, distributed"):
         composed("pipeline.executor=mpi")

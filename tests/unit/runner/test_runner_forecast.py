@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
 from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
-from giantpipe.runner.checkpoint.reading import read_checkpoint
 from giantpipe.runner.forecast import Forecast
 from models.options import MlpModelConfig
 

@@ -15,10 +15,10 @@ import torch
 from giantpipe.config import ExperimentConfig, PipelineConfig
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint.restore import restore
-from giantpipe.runner.checkpoint.saving import save_run
-from giantpipe.runner.checkpoint.state import Progress
 from giantpipe.runner.loop import TrainingLoop
+from giantpipe.runner.run_state.restore import restore
+from giantpipe.runner.run_state.staging import save_run
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from tests.unit.runner.test_runner_loop import tiny

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from giantpipe.checkpoint.export import consolidate
 from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
 from giantpipe.data.lm_tokens import lm_tokens
 from giantpipe.data.options import LMTokensDataConfig
-from giantpipe.engine.distributed.shards import consolidate
 from giantpipe.runner import train
 
 pytest.importorskip("transformers")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
@@ -22,9 +23,8 @@ from giantpipe.data.synthetic import classification
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.build import build_experiment
-from giantpipe.runner.checkpoint.reading import read_checkpoint
-from giantpipe.runner.checkpoint.state import Progress
 from giantpipe.runner.loop import NonFiniteLossError, TrainingLoop
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from models.options import MlpModelConfig
@@ -247,3 +247,43 @@ def test_resume_from_a_path_will_not_overwrite_another_run(tmp_path: Path):
     with pytest.raises(ConfigError, match="holds another run's last/manifest.json"):
         train(tiny(max_steps=4, resume=str(tmp_path / "a" / "last")), tmp_path / "b", "")
     assert (tmp_path / "b" / "last" / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("cut", ["preempted", "run to its end, then extended"])
+def test_a_resumed_runs_metrics_are_the_uninterrupted_runs_line_for_line(
+    tmp_path: Path, monkeypatch, cut: str
+):
+    """log_every=5 and a cut after step 7: the window 6-7 is written as a partial line and
+    carried by the checkpoint; the resumed run replaces that line by the whole window 6-10, so
+    metrics.jsonl's training lines are the uninterrupted run's (their timings aside)."""
+    from giantpipe.runner.world import Request, StopSignals
+
+    def cfg(**trainer) -> ExperimentConfig:
+        return tiny(log_every=5, eval_every=0, predict=False, **trainer)
+
+    train(cfg(max_steps=12), tmp_path / "full", "")
+    if cut == "preempted":  # SIGTERM caught during step 7
+        steps = iter(range(1, 100))
+        monkeypatch.setattr(
+            StopSignals, "take", lambda self: Request("preempted" if next(steps) == 7 else None)
+        )
+        assert train(cfg(max_steps=12), tmp_path / "part", "")["steps"] == 7
+        monkeypatch.undo()
+    else:
+        train(cfg(max_steps=7), tmp_path / "part", "")
+    cut_lines = read_jsonl(tmp_path / "part" / "metrics.jsonl")
+    assert [(r["step"], r.get("partial")) for r in cut_lines if r["kind"] == "train"] == [
+        (5, None), (7, True),
+    ]  # fmt: skip
+    train(cfg(max_steps=12, resume=True), tmp_path / "part", "")
+    shown = ("kind", "step", "loss", "lr", "partial")
+    lines = {
+        name: [
+            {k: r.get(k) for k in shown}
+            for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+            if r["kind"] == "train"
+        ]
+        for name in ("full", "part")
+    }
+    assert [line["step"] for line in lines["full"]] == [5, 10, 12]
+    assert lines["part"] == lines["full"]

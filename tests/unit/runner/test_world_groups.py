@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from giantpipe.runner import world as world_module
 from giantpipe.runner.world import TorchrunWorld
+from tests.timeouts import scaled
 
 
 def test_the_runner_talks_on_host_groups(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,7 +30,7 @@ def test_the_runner_talks_on_host_groups(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(
         dist, "broadcast_object_list", lambda box, src, group=None: used.append(group)
     )
-    world = TorchrunWorld(timeout=60.0)
+    world = TorchrunWorld(timeout=scaled(60.0))
     assert made == [(None, "gloo")]  # the whole world, gloo named, once
     world.from_rank0("set-up")
     pipe = SimpleNamespace(groups=SimpleNamespace(p2p="<p2p>", control="<control>"))

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from giantpipe.runner import world as world_module
 from giantpipe.runner.world import Request, StopSignals, TorchrunWorld, leave_lost_terminal
+from tests.timeouts import scaled
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_the_ranks_agree_on_which_stop_wins(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "new_group", lambda **kwargs: "<gloo>")
-    world = TorchrunWorld(timeout=60.0)
+    world = TorchrunWorld(timeout=scaled(60.0))
     sums = {"flags": [0.0, 1.0, 1.0, 0.0]}  # preempted, hangup, interrupted, save: summed
     sent: list[list[float]] = []
 

@@ -33,6 +33,7 @@ from giantpipe.data.translation.decoding import (
 )
 from giantpipe.data.translation.files import split_pair
 from giantpipe.data.translation.vocabulary import SharedVocabulary
+from giantpipe.engine.inference import PipedModel
 
 __all__ = [
     "BleuReport",
@@ -181,17 +182,18 @@ class HeldOutBleu:
     ``bleu_zero_shot/<pair>`` and their mean ``bleu_zero_shot``, never in ``bleu``. A failure
     is an :class:`~giantpipe.data.bundle.EvaluationError` naming ``eval_set``.
 
-    Given a pipe (``takes_pipe``: the runner hands it the pipe, not a whole model) it decodes
-    through the stages with their caches; under torchrun every rank of the pipeline calls it.
+    Given the pipe as its whole model (a :class:`~giantpipe.engine.inference.PipedModel`, as
+    the runner hands it on every rank) or a pipe, it decodes through the stages with their
+    caches; given a whole plain model, with the reference decoders.
 
     Example::
 
         scorer = HeldOutBleu(vocab, {"en-xa": [("the dog .", "hanu .")]}, beam_size=1)
         scorer(model)["bleu/en-xa"]
-        scorer(pipe)["bleu/en-xa"]                 # the same figure, decoded stage by stage
+        scorer(PipedModel(pipe))["bleu/en-xa"]     # the same figure, decoded stage by stage
     """
 
-    takes_pipe = True
+    generates = True  # it decodes: the model's children must keep key/value caches
     config_key = "data.bleu_sentences"  # what asked for it, if the model cannot generate
 
     def __init__(
@@ -216,10 +218,10 @@ class HeldOutBleu:
         shown = ", ".join(f"{p} {b:.1f}" for p, b in copy.per_pair.items())
         log.info("copy-the-source baseline BLEU %.2f (%s)", copy.average, shown)
 
-    def __call__(self, model: nn.Module) -> dict[str, float | str]:
+    def __call__(self, model: PipedModel | nn.Module) -> dict[str, float | str]:
         try:
             report = evaluate_bleu(
-                model,
+                model.pipe if isinstance(model, PipedModel) else model,
                 self.vocab,
                 self.corpus,
                 beam_size=self.beam_size,

@@ -15,11 +15,11 @@ What lives here, one concept per module:
 - :mod:`.collectives`: a step's collectives under the pipe's timeout;
 - :mod:`.faults`: failures that stop every rank, named;
 - :mod:`.meta`: a model built on meta, only a rank's layers allocated;
-- :mod:`.generation`: the generation ring between ranks (a DistributedPipe's link);
-- :mod:`.shards`: checkpoints sharded by un-partitioned names, on DCP.
+- :mod:`.generation`: the generation ring between ranks (a DistributedPipe's link).
 
-It imports torch (``torch.distributed``) and the rest of :mod:`giantpipe.engine`; nothing in
-the engine outside this package imports it. The runner and scripts may.
+It imports torch (``torch.distributed``), the rest of :mod:`giantpipe.engine` and, for
+``DistributedPipe.save_checkpoint``, the checkpoint format beside it (:mod:`giantpipe.checkpoint`);
+nothing in the engine outside this package imports it. The runner and scripts may.
 
 Example (``torchrun --nproc_per_node=2 train.py``)::
 

@@ -1,20 +1,26 @@
 """The generation ring between ranks: a DistributedPipe's link for :mod:`giantpipe.engine.generate`,
-its messages on the wire format of :mod:`.wire`.
+its messages on the wire format of :mod:`.wire`, and the last stage's values (the ring's
+results, a forward's outputs) handed to every rank of the pipeline (:func:`from_last_stage`).
 
 A message of the ring (:class:`~giantpipe.engine.generate.decoding.Message`: micro-batch, value,
-order, steps, end, stage) travels as wire's announcement and frame of one value, the tuple
+order, steps, ghost, stage) travels as wire's announcement and frame of one value, the tuple
 ``(kind, *tensors of the value, order)``: a header of ``HEADER_WORDS`` int64 words holding the
 message's fields and the value's description (dtypes from wire's one table, shapes, plain
 items), an ``extra`` message for description words beyond ``INLINE`` (as wire's announcements),
 then the tensors' bytes as one bare frame (no message for a frame of no bytes)::
 
-    header | m, end, steps, stage, n | description words (wire.encode) ...   int64 x 64
+    header | m, ghost, steps, stage, n | description words (wire.encode) ... int64 x 64
     extra  | description words beyond INLINE                                   (long ones)
     frame  | t_0 bytes | pad | t_1 bytes | pad | ...                          (wire.pack)
 
 It travels on a host (gloo) group, under a tag of its own, apart from training's frames on the
 same pair of ranks. Sends are asynchronous (a rank computes on while its bytes travel, and no
 cycle of blocked sends can form around the ring); receives wait at most ``timeout``.
+
+With R > 1 and FSDP2's ``full`` the replicas decode in lockstep (:class:`Lockstep`): each layer
+is gathered over its replicas around its use and freed after it, so every replica takes the same
+steps in the same order (the most micro-batches of any, each going on while any replica's
+does); with ``grads`` or ``none`` each replica decodes on its own.
 
 Example::
 
@@ -26,19 +32,23 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
+from giantpipe.engine.distributed.collectives import all_reduce_sum
+from giantpipe.engine.distributed.faults import FailureBoard, wait_work
+from giantpipe.engine.distributed.replicas import GatheredLink, ReplicaShards
 from giantpipe.engine.distributed.wire import HEADER_WORDS, Frame, encode, pack, unpack
 from giantpipe.engine.generate.decoding import Message, Tokens
 
-__all__ = ["RankLink", "generation_link"]
+__all__ = ["Lockstep", "RankLink", "from_last_stage", "generation_link"]
 
 TAG = 23  # generation's messages, apart from training's frames on the same pair of ranks
-FIXED_WORDS = 5  # m, end, steps, stage, n (description words); then the description
+FIXED_WORDS = 5  # m, ghost, steps, stage, n (description words); then the description
 INLINE = HEADER_WORDS - FIXED_WORDS
 KEY = ("act", 0, 0)  # a bare frame's key: written nowhere (pack writes no prefix)
 
@@ -54,7 +64,7 @@ def flatten(message: Message) -> tuple[list[int], list[Tensor]]:
     kind = 0 if value is None else 1 if isinstance(value, Tensor) else 2
     items = [] if value is None else [value] if kind == 1 else list(value)
     words, tensors = encode((kind, *items, message.order))
-    fields = [message.m, int(message.end), message.steps, message.stage, len(words)]
+    fields = [message.m, int(message.ghost), message.steps, message.stage, len(words)]
     return fields + words, tensors
 
 
@@ -67,10 +77,48 @@ def unflatten(words: list[int], frame: Frame, payload: Tensor) -> Message:
     >>> [t.tolist() for t in got.value], got.order, got.steps
     ([[1.0, 1.0], [0.0, 0.0]], None, 4)
     """
-    m, end, steps, stage, _ = words[:FIXED_WORDS]
+    m, ghost, steps, stage, _ = words[:FIXED_WORDS]
     kind, *items, order = unpack(frame, payload)
     value = None if kind == 0 else items[0] if kind == 1 else tuple(items)
-    return Message(m, value, order, steps, bool(end), stage)
+    return Message(m, value, order, steps, bool(ghost), stage)
+
+
+def _max(value: int, group: Any, timeout: float, board: FailureBoard | None, what: str) -> int:
+    total = torch.tensor([value], dtype=torch.int64)
+    work = dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    wait_work(work, timeout, f"the all-reduce of {what}", board)
+    return int(total[0])
+
+
+class Lockstep:
+    """The replicas of a pipeline decoding together while each stage stays sharded over them
+    (FSDP2's ``full``): a layer's all-gather is a collective of its R replicas, so every
+    replica gathers the same layers in the same order. They serve the most micro-batches of
+    any replica (``micro_batches``, over the world) and take a micro-batch's next step while
+    any replica's goes on (``goes_on``, over the last stage's replicas); a replica with fewer
+    walks the rest round the ring as ghosts, gathering without computing. ``hold``: a layer's
+    unit gathered for the block, then freed (one layer whole at a time).
+
+    Example::
+
+        lockstep = Lockstep(pipe.shards, pipe.groups, 60.0, pipe.board)
+        with lockstep.hold(layer): out, cache = layer.forward_cached(x, cache)
+    """
+
+    def __init__(
+        self, shards: ReplicaShards, groups: Any, timeout: float, board: FailureBoard | None
+    ) -> None:
+        self.shards, self.groups, self.timeout, self.board = shards, groups, timeout, board
+
+    def micro_batches(self, own: int) -> int:
+        return _max(own, self.groups.control, self.timeout, self.board, "micro-batches to decode")
+
+    def goes_on(self, going: bool) -> bool:
+        group, what = self.groups.host_replica, "whether a micro-batch goes on decoding"
+        return all_reduce_sum(float(going), group, self.timeout, self.board, what) > 0
+
+    def hold(self, layer: nn.Module) -> AbstractContextManager[Any]:
+        return self.shards.layer_gathered(layer)
 
 
 class RankLink:
@@ -78,7 +126,8 @@ class RankLink:
     ``message.stage`` (``ranks``: stage -> global rank). ``count`` and ``held`` (this rank's
     stages) are what :func:`~giantpipe.engine.generate.ring.serve_held_stages` reads;
     ``share_group``: the group of this rank's pipeline, over which the last stage's results
-    reach every rank.
+    reach every rank and its ranks agree on the micro-batches; ``lockstep``: the replicas'
+    agreement with FSDP2's ``full`` (:class:`Lockstep`), else each pipeline on its own.
 
     A rank hears the ranks holding the stages before its own: one with one stage per rank or
     interleaved placement (the rank before), two under zb-v (the ranks on either side). With
@@ -98,9 +147,10 @@ class RankLink:
         rank: int,
         timeout: float,
         share_group: Any = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         self.group, self.ranks, self.timeout = group, list(ranks), timeout
-        self.share_group = share_group
+        self.share_group, self.lockstep = share_group, lockstep
         self.count = len(self.ranks)
         self.held = [s for s, r in enumerate(self.ranks) if r == rank]
         senders = {self.ranks[s - 1] for s in self.held} - {rank}  # stage -1: the last one
@@ -148,6 +198,21 @@ class RankLink:
             self._receive(payload, sender)
         return unflatten(words, frame, payload)
 
+    def micro_batches(self, own: int) -> int:
+        """The micro-batches every stage serves: stage 0's (``own`` there, 0 elsewhere), the
+        most of any replica in lockstep."""
+        if self.lockstep is not None:
+            return self.lockstep.micro_batches(own)
+        if self.share_group is None:
+            return own
+        return _max(own, self.share_group, self.timeout, None, "micro-batches to decode")
+
+    def goes_on(self, going: bool) -> bool:
+        return going if self.lockstep is None else self.lockstep.goes_on(going)
+
+    def hold(self, layer: nn.Module) -> AbstractContextManager[Any]:
+        return nullcontext() if self.lockstep is None else self.lockstep.hold(layer)
+
     def finish(self) -> None:
         """Waits until every message this rank sent is on its way."""
         for works, _ in self.sending:
@@ -157,19 +222,52 @@ class RankLink:
 
     def share(self, results: dict[int, Tokens]) -> dict[int, Tokens]:
         """The last stage's ``results`` on every rank of this rank's pipeline."""
-        shared: list[Any] = [results]
-        dist.broadcast_object_list(shared, src=self.ranks[-1], group=self.share_group)
-        return dict(shared[0])
+        return dict(_broadcast(results, self.ranks[-1], self.share_group))
 
 
-def generation_link(pipe: Any, timeout: float) -> RankLink:
+def _broadcast(value: Any, src: int, group: Any) -> Any:
+    shared: list[Any] = [value]
+    dist.broadcast_object_list(shared, src=src, group=group)
+    return shared[0]
+
+
+def _on_host(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.cpu()
+    return tuple(_on_host(v) for v in value) if isinstance(value, tuple) else value
+
+
+def from_last_stage(pipe: Any, value: Any) -> Any:
+    """``value`` of the rank holding ``pipe``'s last stage (e.g. its forward's outputs) on
+    every rank of its pipeline, tensors on the host (collective over the pipeline's host group;
+    ignored elsewhere than the last stage).
+
+    Example::
+
+        outputs = from_last_stage(pipe, pipe(inputs))   # every rank: the last stage's outputs
+    """
+    layout = pipe.layout
+    last = layout.rank_of_stage(layout.num_stages - 1)
+    mine = _on_host(value) if layout.rank == last else None
+    return _broadcast(mine, last, pipe.groups.host_pipeline)
+
+
+def generation_link(pipe: Any, timeout: float) -> RankLink | GatheredLink:
     """``pipe``'s (a DistributedPipe's) ends of the generation ring: its stages' ranks on the
-    control group, results shared over its pipeline's host group.
+    control group, results shared over its pipeline's host group. With R > 1 (collective over
+    the replicas): ``full`` decodes in :class:`Lockstep`, a layer gathered at a time; ``grads``
+    gathers every FSDP2 unit until the link's ``finish``, and each replica decodes on its own.
 
     Example::
 
         out = generate(pipe, prompts, steps, decoding)    # calls pipe.generation_link(timeout)
     """
-    layout = pipe.layout
+    layout, groups, shards = pipe.layout, pipe.groups, pipe.shards
     ranks = [layout.rank_of_stage(s) for s in range(layout.num_stages)]
-    return RankLink(pipe.groups.control, ranks, layout.rank, timeout, pipe.groups.host_pipeline)
+    full = shards is not None and shards.mode == "full"
+    lockstep = Lockstep(shards, groups, timeout, pipe.board) if full else None
+    link = RankLink(groups.control, ranks, layout.rank, timeout, groups.host_pipeline, lockstep)
+    if shards is None or full:
+        return link
+    shards.gather()
+    return GatheredLink(link, shards.release)

@@ -35,8 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from giantpipe.checkpoint.load import load
+from giantpipe.checkpoint.manifest import read_manifest
+from giantpipe.checkpoint.save import save
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm, merge_deferred_batch_norm
-from giantpipe.engine.distributed import shards
 from giantpipe.engine.distributed.clipping import clip_grad_norm_
 from giantpipe.engine.distributed.collectives import all_gather_rows, all_reduce_, all_reduce_sum
 from giantpipe.engine.distributed.faults import (
@@ -47,7 +49,7 @@ from giantpipe.engine.distributed.faults import (
     run_guarded,
     wait_device,
 )
-from giantpipe.engine.distributed.generation import RankLink, generation_link
+from giantpipe.engine.distributed.generation import RankLink, from_last_stage, generation_link
 from giantpipe.engine.distributed.layout import (
     Groups,
     Layout,
@@ -545,15 +547,13 @@ class DistributedPipe(Pipe):
         return all_reduce_(tensor, group, self.timeout, self.board, what)
 
     def generation_link(self, timeout: float) -> RankLink | GatheredLink:
-        """This rank's ends of the ring that :func:`giantpipe.engine.generate.generate` circles
-        (:mod:`giantpipe.engine.distributed.generation`). With R > 1 (collective over the replicas)
-        every FSDP2 unit is gathered until the link's ``finish``: each replica then decodes
-        its own prompts for as many tokens as they take, with no collective per token."""
-        link = generation_link(self, timeout)
-        if self.shards is None:
-            return link
-        self.shards.gather()
-        return GatheredLink(link, self.shards.release)
+        """This rank's ends of the ring :func:`giantpipe.engine.generate.generate` circles."""
+        return generation_link(self, timeout)  # engine/distributed/generation.py
+
+    def share_outputs(self, outputs: Any) -> Any:
+        """The last stage's :meth:`forward` outputs on every rank of this pipeline, on the host
+        (collective over the pipeline; the door ``engine.inference.PipedModel`` takes)."""
+        return from_last_stage(self, outputs)
 
     def norm_group(self) -> Any:
         """The device group the global norm is summed over: the pipeline's ranks, and with
@@ -590,12 +590,12 @@ class DistributedPipe(Pipe):
     ) -> None:
         """Collective. Every rank of replica 0 writes its stages' tensors (with FSDP2, every
         rank its shards, gathered nowhere); rank 0 commits the manifest."""
-        self._guarded(lambda: shards.save(self, directory, step, extra, self.groups.control))
+        self._guarded(lambda: save(self, directory, step, extra, self.groups.control))
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Loads this rank's names from whichever shards hold them (with FSDP2, only the parts
         of its own shards); returns the manifest."""
-        manifest = shards.read_manifest(directory)
+        manifest = read_manifest(directory)
         own = self.state_dict()
-        self.load_state_dict(shards.load(directory, own.keys(), self.device, like=own))
+        self.load_state_dict(load(directory, own.keys(), self.device, like=own))
         return manifest

@@ -44,8 +44,9 @@ its whole gradients (2 x its parameter bytes) plus its 1/R shards; ``full`` (not
 its whole gradients, one unit's parameters and its shards. Where memory allows, ``grads``
 moves M times fewer bytes; ``full`` is for a stage whose whole parameters and gradients do not
 fit together. A forward-only pass (evaluation) gathers each unit per micro-batch with ``full``,
-once with ``grads``. Between steps every unit is sharded (``full``, ``grads``): the optimizer
-steps on its 1/R shard.
+once with ``grads``; generation likewise, with ``full`` each layer around its use, the replicas
+in lockstep (``layer_gathered``; ``generation.py``). Between steps every unit is sharded
+(``full``, ``grads``): the optimizer steps on its 1/R shard.
 
 Example (every rank of a K=2 x R=2 world)::
 
@@ -213,12 +214,14 @@ class ReplicaShards:
         self.mesh = DeviceMesh.from_group(group, device.type)
         ordered = [stages[s] for s in sorted(stages)]
         self.units: list[FSDPModule] = []
+        self.unit_of: dict[int, FSDPModule] = {}  # id(piece) -> its unit
         self.stage_units: dict[int, list[FSDPModule]] = {s: [] for s in stages}
         # full frees each layer after its use: a unit per layer. grads and none keep every
         # layer gathered through the step: a unit per stage, one all-gather and one reduce.
         for members in units_of(ordered, per_layer=self.mode == "full"):
             unit = self._spread(members if len(members) > 1 else members[0])
             self.units.append(unit)
+            self.unit_of.update((id(member), unit) for member in members)
             # A unit shared by several stages is reduced after the last of them (see reduce).
             for s, stage in stages.items():
                 held = [stage, *stage.children()]
@@ -361,6 +364,22 @@ class ReplicaShards:
         if self.mode == "full":
             self.root.set_reshard_after_forward(True)
         for unit in self.units:
+            unit.reshard()
+
+    @contextmanager
+    def layer_gathered(self, layer: nn.Module) -> Iterator[None]:
+        """``layer``'s unit (with ``full``, the layer, or the pieces sharing its parameters)
+        gathered for the block, resharded after it (collective, every replica in the same
+        order); a layer without parameters gathers nothing. What generation's lockstep runs
+        a layer in, one layer whole at a time (``engine/distributed/generation.py``)."""
+        unit = self.unit_of.get(id(layer))
+        if unit is None or self.mode == "none":
+            yield
+            return
+        unit.unshard()
+        try:
+            yield
+        finally:
             unit.reshard()
 
     @contextmanager

@@ -21,8 +21,9 @@ Both executors, any schedule's placement: a :class:`~giantpipe.GPipe` runs one t
 worker, a ``DistributedPipe`` one process per worker (the messages between ranks travel on its
 host group: the pipe gives the link, :mod:`giantpipe.engine.distributed.generation`), and a worker
 holding V stages (interleaved, zb-v) keeps the caches of each, so a token's step goes round the
-workers V times (:mod:`.ring`); no rank holds more than its stages' weights and caches. A plain
-``nn.Sequential`` decodes in the caller's thread.
+workers V times (:mod:`.ring`); no rank holds more than its stages' weights and caches (with
+replicas sharded by FSDP2's ``full``, more than one layer whole: the replicas decode in
+lockstep). A plain ``nn.Sequential`` decodes in the caller's thread.
 
 Its parts, one concept each:
 
@@ -86,7 +87,8 @@ def generate(
     """Decodes every micro-batch of ``prompts`` (stage 0's first inputs; see the module
     docstring) through ``pipe``: a GPipe (one thread per worker, serving each of its stages),
     a DistributedPipe (one process per worker; ``prompts`` and ``steps`` are read where stage 0
-    is, and the result reaches every rank of the pipeline) or a plain Sequential. Any schedule's
+    is, and the result reaches every rank of the pipeline; with replicas every rank of the world
+    calls it, each replica with its own prompts) or a plain Sequential. Any schedule's
     placement: with virtual stages a worker keeps the caches of each stage it holds.
     A language model's micro-batch may hold prompts of unequal length: a list of rows, or a
     tensor left-padded with ``decoding.pad_id`` (:mod:`.prompts`); each row decodes as that

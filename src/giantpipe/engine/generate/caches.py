@@ -6,11 +6,15 @@ child returns logits whose last position scores the next token (``models.transfo
 describes the convention). A micro-batch of prompts of unequal length reaches the first child
 as ``(tokens, keep)`` (:mod:`.prompts`); the children carry the mask on. The engine knows
 nothing else of the model.
+
+A stage whose parameters are sharded over replicas (FSDP2's ``full``) is given ``hold``: each
+layer's parameters gathered around its use and freed after it, one layer whole at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -18,7 +22,14 @@ from torch import Tensor, nn
 
 from giantpipe.engine.generate.decoding import Value
 
-__all__ = ["StageCaches", "check_cached"]
+__all__ = ["Hold", "StageCaches", "check_cached"]
+
+Hold = Callable[[nn.Module], AbstractContextManager[Any]]
+"""layer -> a block inside which its parameters are whole (gathered, then freed after)."""
+
+
+def _nothing(layer: nn.Module) -> AbstractContextManager[Any]:
+    return nullcontext()
 
 
 def check_cached(layers: Sequence[nn.Module]) -> None:
@@ -55,7 +66,8 @@ def _to(value: Value, device: torch.device) -> Value:
 
 
 class StageCaches:
-    """One stage's children and, per micro-batch, their caches.
+    """One stage's children and, per micro-batch, their caches; ``hold``: around each child's
+    use (default: nothing to gather).
 
     Example::
 
@@ -65,9 +77,12 @@ class StageCaches:
         stage.drop(0)
     """
 
-    def __init__(self, layers: Sequence[nn.Module], device: torch.device) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], device: torch.device, hold: Hold | None = None
+    ) -> None:
         check_cached(layers)
         self.layers, self.device = list(layers), device
+        self.hold = hold or _nothing
         self.caches: dict[int, list[Any]] = {}
 
     def run(self, m: int, value: Value, order: Tensor | None) -> Value:
@@ -78,9 +93,17 @@ class StageCaches:
             caches = [None if c is None else c.reorder(order) for c in caches]
         value = _to(value, self.device)
         for i, layer in enumerate(self.layers):
-            value, caches[i] = layer.forward_cached(value, caches[i])  # type: ignore[operator]
+            with self.hold(layer):
+                value, caches[i] = layer.forward_cached(value, caches[i])  # type: ignore[operator]
         self.caches[m] = caches
         return value
+
+    def idle(self) -> None:
+        """The gathers of a :meth:`run`, in its order, without computing anything: a step of a
+        micro-batch done here that the replicas in lockstep still take."""
+        for layer in self.layers:
+            with self.hold(layer):
+                pass
 
     def drop(self, m: int) -> None:
         self.caches.pop(m, None)

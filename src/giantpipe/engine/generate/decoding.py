@@ -4,13 +4,15 @@
 A message is ``(m, value, order)``: ``order`` says which rows of the previous step each row
 continues (beam search picks the parents of its new beams, finished sentences leave; None when
 every row goes on), and every stage reorders its caches with it before running the value; a
-value of None says micro-batch m is done (the stages drop its caches).
+value of None says micro-batch m is done (the stages drop its caches), unless the message is a
+``ghost``: a step of a micro-batch done here that a replica in lockstep still decodes, which
+each stage answers with the gathers of its layers and no compute (:mod:`.ring`).
 
 Example::
 
     >>> Decoding(beam_size=4, eos_id=3).length_penalty
     0.6
-    >>> Message(0, None).end
+    >>> Message(0, None).ghost
     False
 """
 
@@ -70,12 +72,12 @@ class Message:
     tokens; ``value`` None: m is done. ``order``: rows of the previous step each row continues
     (None: every row, as it was).
     ``steps``: the most tokens m may generate (read by the last stage on m's first message).
-    ``end``: the last message of a call (every micro-batch done). ``stage``: the stage it goes
-    to (a worker may hold several)."""
+    ``ghost``: a step without values (``value`` None), kept in lockstep with the replicas.
+    ``stage``: the stage it goes to (a worker may hold several)."""
 
     m: int
     value: Value
     order: Tensor | None = None
     steps: int = 0
-    end: bool = False
+    ghost: bool = False
     stage: int = 0

@@ -10,10 +10,11 @@ all of them from one inbox, so a decode step goes round the workers V times per 
     zb-v K=2:             worker 0: stages 0, 3     0 -> 1 -> 2 -> 3 -> (search) -> 0
                           worker 1: stages 1, 2     w0   w1   w1   w0               w0
 
-A message to a stage of the same worker stays in the worker's own queue (served before the
-link, so a worker never waits on the link for work it holds itself). Between threads the link is
+A worker serves its messages in one order (token step, stage, micro-batch), whatever order they
+arrive in; a message to a stage of the same worker never leaves it. Between threads the link is
 a :class:`LocalLink`; between processes the pipe gives its own (:class:`ProcessRing`), so that
-this module needs no process group.
+this module needs no process group. Replicas whose stages are sharded (FSDP2's ``full``) decode
+in lockstep: the same steps in the same order, a layer gathered at a time (docs/generation.md).
 
 Example::
 
@@ -24,12 +25,13 @@ Example::
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from giantpipe.engine.generate.caches import StageCaches
 from giantpipe.engine.generate.decoding import Decoding, Message, Tokens
@@ -62,12 +64,20 @@ class Link(Protocol):
 
 class StageServer:
     """One worker's stages (``stages``: index -> its caches, of ``count`` in the ring) for one
-    call: the messages to any of them in arrival order, until each has heard ``end`` (stage 0
-    counts the micro-batches done and sends ``end`` round; the others pass it on).
+    call of ``micro_batches`` micro-batches (every worker of the ring knows the number): each
+    stage serves each micro-batch once per token step until the micro-batch is done.
+
+    Messages are served in one order, whatever order they arrive in: by token step, then
+    stage, then micro-batch (:meth:`_next`). It is the ring's own order where a worker hears
+    one sender, and it keeps every worker's gathers in the same sequence as its replicas'
+    (lockstep, ``goes_on``); it can never wait on itself, since every message a step depends
+    on comes before it in that order. ``goes_on(going)``: whether a micro-batch takes another
+    step, as the replicas agree (a replica whose micro-batch is done then walks it round the
+    ring as a ghost, see :class:`~giantpipe.engine.generate.decoding.Message`); alone: itself.
 
     Example::
 
-        StageServer({0: first, 2: third}, 4, link, prompts, None).serve()   # worker 0 of 2
+        StageServer({0: first, 2: third}, 4, link, prompts, None, 2).serve()   # worker 0 of 2
     """
 
     def __init__(
@@ -77,21 +87,41 @@ class StageServer:
         link: Link,
         prompts: Sequence[Message],
         searches: Searches | None,
+        micro_batches: int,
+        goes_on: Callable[[bool], bool] = bool,
     ) -> None:
         self.stages, self.count, self.link, self.searches = stages, count, link, searches
-        self.prompts = list(prompts) if 0 in stages else []  # prompts go in at stage 0 only
-        self.here: deque[Message] = deque(self.prompts)
-        self.open, self.finished = set(stages), 0
+        self.goes_on = goes_on
+        # (stage, m) -> the step it serves next, while m is not done there
+        self.steps = {(s, m): 0 for s in stages for m in range(micro_batches)}
+        self.waiting: dict[tuple[int, int], Message] = {}
+        if 0 in stages:  # prompts go in at stage 0 only; beyond this replica's own, ghosts
+            for m in range(micro_batches):
+                ghost = Message(m, None, ghost=True)
+                self.waiting[0, m] = prompts[m] if m < len(prompts) else ghost
 
     def serve(self) -> None:
-        if 0 in self.stages and not self.prompts:  # nothing to decode: the others hear it
-            self._end()
-        while self.open:
-            self._handle(self.here.popleft() if self.here else self.link.receive())
+        while self.steps:
+            s, m = self._next()
+            message = self.waiting.pop((s, m), None)
+            while message is None:
+                self._keep(self.link.receive())
+                message = self.waiting.pop((s, m), None)
+            self.steps[s, m] += 1
+            self._handle(message)
+
+    def _next(self) -> tuple[int, int]:
+        """The (stage, micro-batch) served next: the lowest (step, stage, micro-batch)."""
+        return min(self.steps, key=lambda key: (self.steps[key], *key))
+
+    def _keep(self, message: Message) -> None:
+        key = (message.stage, message.m)
+        assert key not in self.waiting, f"two messages for stage {key[0]}, micro-batch {key[1]}"
+        self.waiting[key] = message
 
     def _send(self, message: Message) -> None:
         if message.stage in self.stages:
-            self.here.append(message)
+            self._keep(message)
         else:
             self.link.send(message)
 
@@ -99,29 +129,34 @@ class StageServer:
         if message.stage < self.count - 1:  # the last stage is where the word stops
             self._send(replace(message, stage=message.stage + 1))
 
-    def _end(self) -> None:
-        self.open.discard(0)
-        self._pass_on(Message(-1, None, end=True, stage=0))
-
     def _handle(self, message: Message) -> None:
-        s = message.stage
-        if message.end:
-            self.open.discard(s)
-            self._pass_on(message)
+        s, m, last = message.stage, message.m, message.stage == self.count - 1
+        if message.ghost:
+            self.stages[s].idle()
+            if last:
+                self._reply(Message(m, None))
+            else:
+                self._pass_on(message)
         elif message.value is None:  # m is done: its caches go, and the word goes on
-            self.stages[s].drop(message.m)
+            self.stages[s].drop(m)
+            del self.steps[s, m]
             self._pass_on(message)
-            self.finished += s == 0
-            if s == 0 and self.finished == len(self.prompts):  # every micro-batch is done
-                self._end()
-        elif s == self.count - 1:  # the logits: the search picks the next tokens
-            out = self.stages[s].run(message.m, message.value, message.order)
+        elif last:  # the logits: the search picks the next tokens
+            out = self.stages[s].run(m, message.value, message.order)
             assert self.searches is not None
-            reply = self.searches.advance(Message(message.m, out, steps=message.steps))
-            self._send(replace(reply, stage=0))
+            self._reply(self.searches.advance(Message(m, out, steps=message.steps)))
         else:
-            out = self.stages[s].run(message.m, message.value, message.order)
-            self._send(Message(message.m, out, message.order, message.steps, stage=s + 1))
+            out = self.stages[s].run(m, message.value, message.order)
+            self._send(Message(m, out, message.order, message.steps, stage=s + 1))
+
+    def _reply(self, reply: Message) -> None:
+        """The last stage's answer to stage 0: the next tokens, the end of the micro-batch, or
+        (done here, not in every replica) another ghost step."""
+        going = reply.value is not None
+        if self.goes_on(going) and not going:
+            self._send(Message(reply.m, None, ghost=True, stage=0))
+        else:
+            self._send(replace(reply, stage=0))
 
 
 class LocalPost:
@@ -206,7 +241,8 @@ def generate_local(
         held = {s: stages[s] for s in held_stages(placement, w)}
 
         def serve() -> None:
-            StageServer(held, len(stages), LocalLink(post, w), prompts, searches).serve()
+            link = LocalLink(post, w)
+            StageServer(held, len(stages), link, prompts, searches, len(prompts)).serve()
 
         return _worker(serve, devices[w], threads)
 
@@ -229,11 +265,23 @@ class ProcessRing(Link, Protocol):
     """This process's ends of a ring spread over processes, as the pipe gives them
     (``pipe.generation_link(timeout)``; a DistributedPipe's is
     :class:`giantpipe.engine.distributed.generation.RankLink`): the stages of the ring (``count``),
-    those this process holds (``held``), a wait for this process's sends (``finish``), and the
-    last stage's results handed to every process of the pipeline (``share``)."""
+    those this process holds (``held``), what every process agrees on (``micro_batches``,
+    ``goes_on``: collectives), how a layer's parameters are held while it runs (``hold``), a
+    wait for this process's sends (``finish``), and the last stage's results handed to every
+    process of the pipeline (``share``)."""
 
     count: int
     held: list[int]
+
+    def micro_batches(self, own: int) -> int:
+        """How many micro-batches every stage serves, given this process's own prompts."""
+        ...
+
+    def goes_on(self, going: bool) -> bool:
+        """At the last stage: whether a micro-batch takes another step (``going``: here)."""
+        ...
+
+    def hold(self, layer: nn.Module) -> AbstractContextManager[Any]: ...
 
     def finish(self) -> None: ...
 
@@ -245,9 +293,13 @@ def serve_held_stages(
 ) -> dict[int, Tokens]:
     """This process's stages of a ring across processes (``pipe.partitions[s]`` on
     ``pipe.device``); the last stage's results, shared with every process of the pipeline."""
-    held = {s: StageCaches(list(pipe.partitions[s].children()), pipe.device) for s in link.held}
+    held = {
+        s: StageCaches(list(pipe.partitions[s].children()), pipe.device, link.hold)
+        for s in link.held
+    }
     searches = Searches(decoding) if link.count - 1 in held else None
+    count = link.micro_batches(len(prompts) if 0 in held else 0)
     with torch.no_grad():
-        StageServer(held, link.count, link, prompts, searches).serve()
+        StageServer(held, link.count, link, prompts, searches, count, link.goes_on).serve()
     link.finish()
     return link.share(searches.results if searches is not None else {})

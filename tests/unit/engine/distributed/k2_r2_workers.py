@@ -18,7 +18,11 @@ the test compares across ranks:
    pipe's ``grad_scaler``: every rank skips the step and halves the scale; a clean step after
    moves every rank;
 6. the ordered transport's payload sends and receives of step 1, recorded: exactly the order
-   ``message_order.worker_ops`` gives (the test replays every rank's under NCCL's rule).
+   ``message_order.worker_ops`` gives (the test replays every rank's under NCCL's rule);
+7. a second pipe, on the default transport, of a model whose input and output layers share a
+   weight (held by both pipeline ranks) and whose boundary value is not contiguous: a step's
+   loss and gradients, the global-norm clip and the clipped gradients equal the plain model's
+   (the tied weight counted once in the norm, the boundary value received with its values).
 
 Gradients and weights are read as whole tensors (``full_tensor`` of a sharded parameter) or as
 this rank's shard (``to_local``), so the checks hold however the replicas hold a stage.
@@ -41,13 +45,14 @@ from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.ordered import PAYLOADS
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.runner.build import parameter_names
-from giantpipe.runner.checkpoint.restore import restore
-from giantpipe.runner.checkpoint.saving import save_run
-from giantpipe.runner.checkpoint.state import Progress
+from giantpipe.runner.run_state.restore import restore
+from giantpipe.runner.run_state.staging import save_run
+from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
 from tests.distributed.order_workers import recording
 from tests.distributed.workers import reference, shard
+from tests.timeouts import scaled
 
 SEED, INIT, CHUNKS, MAX_NORM, BAD_RANK = 5, 3, 4, 0.05, 3
 LOSS = nn.functional.cross_entropy
@@ -58,6 +63,45 @@ def model() -> nn.Sequential:
         nn.Linear(8, 16), nn.Dropout(0.25), nn.ReLU(),
         nn.Linear(16, 16), nn.Dropout(0.25), nn.Linear(16, 4),
     )  # fmt: skip
+
+
+class Embed(nn.Module):
+    """Features to hidden through ``proj``, whose weight the head reuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class ColumnMajor(nn.Module):
+    """Its input laid out column by column: the same values in a tensor that is not
+    contiguous (as a transposed attention output is)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.t().contiguous().t()
+
+
+class TiedHead(nn.Module):
+    """Hidden to 8 logits with the embedding's weight (no ``reset_parameters``: the first
+    stage's rank gives the value)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight
+
+
+def tied_model() -> nn.Sequential:
+    """Cut [3, 3]: the tied weight on both pipeline ranks, ColumnMajor's output at the cut."""
+    embed = Embed()
+    return nn.Sequential(
+        embed, nn.Tanh(), ColumnMajor(), nn.Linear(16, 16), nn.Tanh(), TiedHead(embed.proj.weight)
+    )
 
 
 def shards(step: int, replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,7 +133,7 @@ def step(pipe: DistributedPipe, number: int, scaler: Any = None) -> float:
 
 def grads_equal(pipe: DistributedPipe, plain: nn.Module, what: str) -> int:
     """This rank's gradients equal the plain model's, by name; returns how many."""
-    want = dict(plain.named_parameters())
+    want = dict(plain.named_parameters(remove_duplicate=False))  # a tied weight: both names
     names = list(pipe.named_parameters())
     for name, p in names:
         assert p.grad is not None, f"{what}: {name} has no gradient"
@@ -113,7 +157,7 @@ def check(tmp: Path) -> dict[str, Any]:
     built: list[dict[str, Any]] = []
     with recording(built):
         pipe = DistributedPipe(
-            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=20,
+            model, [3, 3], chunks=CHUNKS, schedule="1f1b", seed=INIT, timeout=scaled(20),
             transport="ordered",
         )  # fmt: skip
     layout = Layout(world_size, rank, 2, tuple(pipe.placement))
@@ -167,7 +211,7 @@ def check(tmp: Path) -> dict[str, Any]:
     plain_opt.zero_grad()
 
     # 4. resume with RNG: save, a step, every rank's generators scrambled, restore, the step
-    world = TorchrunWorld(timeout=20.0)
+    world = TorchrunWorld(timeout=scaled(20.0))
     world.bind(pipe)
     parts = SimpleNamespace(
         pipe=pipe,
@@ -210,4 +254,26 @@ def check(tmp: Path) -> dict[str, Any]:
         opt.zero_grad()
     out["moved"], out["scales"], out["losses"] = moved, scales, losses
     pipe.release()
+    out["tied_norm"] = tied_and_strided()
     return out
+
+
+def tied_and_strided() -> float:
+    """7. one step, then the clip, of a pipe of :func:`tied_model`; returns the norm."""
+    plain = tied_model()
+    init_layers(plain, INIT)
+    boundary = plain[:3](shards(5, 2)[0][0][:2])  # one micro-batch's value at the cut
+    assert not boundary.is_contiguous(), "the model should send a value that is not contiguous"
+    pipe = DistributedPipe(tied_model, [3, 3], chunks=CHUNKS, seed=INIT, timeout=20)
+    torch.manual_seed(SEED + 5)
+    loss = step(pipe, 5)
+    _, ref = reference(plain, shards(5, 2), CHUNKS, step_seed(SEED + 5), accumulate=True)
+    assert abs(loss - ref) <= 1e-5 * abs(ref), ("tied, strided", loss, ref)
+    grads_equal(pipe, plain, "tied, strided")
+    norm = pipe.clip_grad_norm_(MAX_NORM)
+    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
+    torch.testing.assert_close(float(norm), float(ref_norm), rtol=1e-5, atol=0.0)
+    assert float(norm) > MAX_NORM  # so the clip scaled every gradient
+    grads_equal(pipe, plain, "tied, strided, clipped")
+    pipe.release()
+    return float(norm)

@@ -4,10 +4,12 @@ public API, against the plain model.
 Every test under tests/distributed/ is ``slow`` (tests/conftest.py marks the folder), so
 ``pytest -m "not slow"`` ran none of them and let through a replica gradient sync dropping
 accumulated gradients, clipping by a local norm, RNG restored on rank 0 only, the ordered
-transport's send order and an fp16 overflow verdict taken per rank. This file lives outside
-that folder and carries no ``slow`` mark, so the fast lane runs it: four spawned ranks (a
-forkserver that imported torch once), about 10 s of a quiet 2-core machine. What each rank
-checks is :mod:`tests.unit.engine.distributed.k2_r2_workers`.
+transport's send order and an fp16 overflow verdict taken per rank (issue 32), a weight tied
+across the pipeline ranks counted by each holder in the global norm, and a boundary value that
+is not contiguous sent by its memory (issue 40). This file lives outside that folder and carries
+no ``slow`` mark, so the fast lane runs it: four spawned ranks (a forkserver that imported torch
+once), about 10 s of a quiet 2-core machine. What each rank checks is
+:mod:`tests.unit.engine.distributed.k2_r2_workers`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Pa
     losses = {tuple(r["losses"]) for r in results}
     assert len(losses) == 1  # the global loss, the same on every rank
     assert {tuple(r["resumed"]) for r in results} == {tuple(results[0]["resumed"])}
+    # a weight tied across the pipeline ranks, a boundary value not contiguous: one norm
+    assert len({r["tied_norm"] for r in results}) == 1
     # rank 3 alone overflowed: every rank skipped and halved, then every rank stepped
     assert [r["moved"] for r in results] == [[False, True]] * 4
     assert [r["scales"] for r in results] == [[2.0**9, 2.0**9]] * 4

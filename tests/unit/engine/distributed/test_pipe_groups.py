@@ -18,6 +18,7 @@ import torch
 from giantpipe.engine.distributed import pipe as pipe_module
 from giantpipe.engine.distributed.layout import Groups, Layout
 from giantpipe.engine.distributed.pipe import DistributedPipe
+from tests.timeouts import scaled
 
 NAMES = ("p2p", "control", "pipeline", "replica", "host_pipeline", "host_replica")
 
@@ -29,7 +30,7 @@ def _fake_pipe() -> Any:
         groups=groups,
         layout=layout,
         device=torch.device("cpu"),
-        timeout=30.0,
+        timeout=scaled(30.0),
         board=None,
         chunks=2,
         virtual_stages=1,
@@ -73,7 +74,7 @@ def test_host_numbers_go_to_host_groups(monkeypatch: pytest.MonkeyPatch) -> None
 def test_checkpoint_objects_go_to_the_control_group(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
     monkeypatch.setattr(
-        pipe_module.shards,
+        pipe_module,
         "save",
         lambda pipe, directory, step, extra, group=None: seen.append(group),
     )

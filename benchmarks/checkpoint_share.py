@@ -1,0 +1,272 @@
+"""Checkpoints by share: what each of K ranks reads to start from a model's weights, and what
+an export holds in memory.
+
+    python benchmarks/checkpoint_share.py            # a Llama of 456 MiB, K=4; exports to 1 GiB
+    python benchmarks/checkpoint_share.py --quick    # small sizes, seconds; what the tests run
+
+Load (``trainer.init_from``): a Llama saved as Hugging Face does (``save_pretrained``,
+safetensors in 100 MB shards) and as a giantpipe checkpoint one process wrote (one DCP file:
+each rank's share lies inside it); K gloo ranks each read their pipeline share (the embedding
+with the first layers, the head with the last: ``giantpipe.testing.reads.pipeline_shares``)
+through the runner's own read, the files dropped from the page cache first. Per rank: its
+share, the bytes it read from disk (``read_bytes``: page-cache misses, mapped pages included,
+with the kernel's read-ahead) and through read() (``rchar``: DCP checks each block before it
+reads it), and whether every tensor equals a whole load's; then one process reading the whole.
+
+Export (``python -m giantpipe.consolidate``'s own ``main``): checkpoints of N tensors of one
+size, N and 4N, exported in a fresh process each (its modules imported first); the peak of its
+memory (VmHWM, reset before the export) above what it held before. ``whole`` is the export as
+it was before it streamed: every weight loaded, then saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from giantpipe.checkpoint.export import merged  # noqa: E402
+from giantpipe.checkpoint.files import atomic_save  # noqa: E402
+from giantpipe.checkpoint.names import new_token  # noqa: E402
+from giantpipe.checkpoint.save import save_collective  # noqa: E402
+from giantpipe.checkpoint.weights import open_weights  # noqa: E402
+from giantpipe.consolidate import main as consolidate  # noqa: E402
+from giantpipe.testing import free_port, rank_env  # noqa: E402
+from giantpipe.testing.held import peak_above_start  # noqa: E402
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
+from giantpipe.testing.reads import (  # noqa: E402
+    Layouts,
+    digest,
+    disk_bytes_read,
+    drop_cache,
+    pipeline_shares,
+    read_my_share,
+)
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Setup:
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    ranks: int
+    tensor_mib: int
+    tensors: int
+    """Export: the smaller checkpoint's count of tensors of ``tensor_mib`` (the larger: 4x)."""
+
+
+FULL = Setup(1024, intermediate=2816, layers=8, vocab=8192, ranks=4, tensor_mib=32, tensors=8)
+QUICK = Setup(128, intermediate=352, layers=4, vocab=1024, ranks=4, tensor_mib=4, tensors=2)
+
+
+def save_checkpoint(directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """One process's save and commit of ``state`` (a local run's, without the run state)."""
+    entry = {"rank": 0, "stages": [0], "names": list(state)}
+    meta = {"step": 0, "balance": [1], "schedule": "gpipe", "chunks": 1, "workers": 1}
+    meta.update(replicas=1, placement=[0])
+    save_collective(directory, new_token(0), state, {}, entry, (meta, {}), None)
+
+
+def llama(setup: Setup, folder: Path) -> dict[str, torch.Tensor]:
+    """A Llama with random weights, saved in ``folder/hf`` (save_pretrained) and
+    ``folder/ckpt`` (a giantpipe checkpoint); returns its state dict."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=setup.vocab,
+        hidden_size=setup.hidden,
+        intermediate_size=setup.intermediate,
+        num_hidden_layers=setup.layers,
+        num_attention_heads=8,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(folder / "hf", max_shard_size="100MB")
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    save_checkpoint(folder / "ckpt", state)
+    return state
+
+
+def _rank(rank: int, world: int, port: int, source: str, shares: list[Layouts], out: str) -> None:
+    os.environ.update(rank_env(rank, world, port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        torch.save(read_my_share(Path(source), shares), Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def load_rows(setup: Setup, folder: Path, state: dict[str, torch.Tensor]) -> list[str]:
+    """Per source and rank: share, read from disk, read(), equal; then a whole load."""
+    shares = [
+        {n: (state[n].dtype, tuple(state[n].shape)) for n in names}
+        for names in pipeline_shares(list(state), setup.ranks)
+    ]
+    whole = sum(t.nbytes for t in state.values())
+    rows = []
+    for name in ("hf", "ckpt"):
+        out = folder / f"ranks-{name}"
+        out.mkdir()
+        args = (setup.ranks, free_port(), str(folder / name), shares, str(out))
+        mp.start_processes(_rank, args=args, nprocs=setup.ranks, start_method="spawn")
+        for rank in range(setup.ranks):
+            got = torch.load(out / f"rank{rank}.pt", weights_only=False)
+            equal = all(got["digests"][n] == digest(state[n]) for n in shares[rank])
+            rows.append(
+                f"| {name} | {rank} | {got['share'] / MiB:.1f} | {got['read'] / MiB:.1f} "
+                f"| {got['read'] / got['share']:.2f} | {got['rchar'] / MiB:.1f} | {equal} |"
+            )
+        drop_cache(folder / name)
+        before = disk_bytes_read()
+        source = open_weights(folder / name)
+        source.read(source.names())
+        read = disk_bytes_read() - before
+        rows.append(
+            f"| {name} | whole, one process | {whole / MiB:.1f} | {read / MiB:.1f} "
+            f"| {read / whole:.2f} | | |"
+        )
+    return rows
+
+
+EXPORTS = {
+    "pt": ("pt", ".pt", 0),
+    "safetensors": ("safetensors", ".safetensors", 0),
+    "safetensors shards": ("safetensors", "", 2),  # shards of two tensors, and an index
+    "whole": ("whole", ".pt", 0),
+}
+"""An export's name -> its format, the output's suffix (none: a folder), its shards' size in
+tensors (0: one file)."""
+
+
+def peak_of_export(directory: Path, out: Path, kind: str, shard_bytes: int) -> float:
+    """MiB above its start that a fresh process's memory peaks at, exporting ``directory``."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--export-one",
+            str(directory),
+            str(out),
+            kind,
+            str(shard_bytes),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def export_one(directory: Path, out: Path, kind: str, shard_bytes: int) -> None:
+    """In this process: the export, and its peak memory above the start, printed in MiB."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode()  # the modules it brings (about 150 MiB) are the process's, not the model's
+
+    def whole() -> None:  # the export as it was before it streamed
+        state, _ = merged(directory)
+        atomic_save(state, out)
+
+    args = [str(directory), str(out), "--format", kind]
+    args += ["--max-shard-size", str(shard_bytes)] if shard_bytes else []
+    _, peak = peak_above_start(whole if kind == "whole" else lambda: consolidate(args))
+    print(f"{peak / MiB:.1f}")
+
+
+def export_rows(setup: Setup, folder: Path) -> list[str]:
+    """Per export and checkpoint size: the export's peak memory above its start."""
+    rows = []
+    tensor = setup.tensor_mib * MiB
+    for count in (setup.tensors, 4 * setup.tensors):
+        torch.manual_seed(count)
+        state = {f"{i}.weight": torch.randn(tensor // 4) for i in range(count)}
+        directory = folder / f"export-{count}"
+        save_checkpoint(directory, state)
+        del state
+        for name, (kind, suffix, shard) in EXPORTS.items():
+            out = folder / f"out-{count}{suffix}"
+            peak = peak_of_export(directory, out, kind, shard * tensor)
+            rows.append(
+                f"| {name} | {count * setup.tensor_mib} | {setup.tensor_mib} | {peak:.1f} "
+                f"| {peak / setup.tensor_mib:.2f} |"
+            )
+            if out.is_dir():
+                shutil.rmtree(out)
+            else:
+                out.unlink()
+    return rows
+
+
+def report(setup: Setup, folder: Path) -> list[str]:
+    load = os.getloadavg()[0]
+    state = llama(setup, folder)
+    loads = load_rows(setup, folder, state)
+    whole = sum(t.nbytes for t in state.values())
+    del state
+    exports = export_rows(setup, folder)
+    return [
+        f"# Checkpoints by share ({time.strftime('%Y-%m-%d %H:%M')}, load {load:.1f} -> "
+        f"{os.getloadavg()[0]:.1f})",
+        "",
+        f"## Load: {setup.ranks} ranks read their share of a Llama of {whole / MiB:.0f} MiB "
+        f"({setup.layers} layers of width {setup.hidden})",
+        "",
+        "| source | rank | share (MiB) | read from disk (MiB) | read / share | read() (MiB) "
+        "| equal to a whole load |",
+        "|---|---|---|---|---|---|---|",
+        *loads,
+        "",
+        f"## Export: peak memory above the start, tensors of {setup.tensor_mib} MiB",
+        "",
+        "| export | checkpoint (MiB) | largest tensor (MiB) | peak above start (MiB) "
+        "| peak / largest tensor |",
+        "|---|---|---|---|---|",
+        *exports,
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, seconds")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--export-one", nargs=4, help=argparse.SUPPRESS)
+    add_output_options(parser, "checkpoints/share.md")
+    args = parser.parse_args(argv)
+    if args.export_one:
+        directory, out, kind, shard_bytes = args.export_one
+        export_one(Path(directory), Path(out), kind, int(shard_bytes))
+        return 0
+    folder = Path(tempfile.mkdtemp(prefix="giantpipe-share-bench-", dir=args.dir))
+    try:
+        lines = report(QUICK if args.quick else FULL, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    path = output_path(args, ROOT, "checkpoints/share.md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/checkpoint_share.py" + (" --quick" if args.quick else "")
+    path.write_text(f"`{command}`\n\n{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
