@@ -29,14 +29,14 @@ tests in a pytest of its own) and the speed and memory measurements (gpu_measure
                         policy): equals the plain model; needs 4 GPUs, skipped with fewer
 
 Each case prints a markdown table (check, verdict, measured, criterion: a test's row, or a
-measurement's) and its seconds; a summary lists the failures; the exit status is 1 when any
-check failed, timed out or crashed. With ``--out DIR`` the report is also written to DIR, with
-the date and the command.
+measurement's) and its seconds; a summary lists the failures and the bands the run proposes; the
+exit status is 1 when any check failed, timed out or crashed. With ``--out DIR`` the report is
+also written to DIR, with the date and the command.
 
-Expect every row to pass. No GPU has run this yet (results/gpu/README.md): the tolerances are
-derived (fp32: float noise of reordered sums; low precision: the plain model's own error), but
-the speed floors, the memory band and the overlap fraction are the team's acceptance criteria,
-set before any measurement.
+The tests' tolerances are derived (fp32: float noise of reordered sums; low precision: the plain
+model's own error) and fail hard; memory, speed and overlap are judged by bands a GPU run set
+from its data (``--bands``, default results/gpu/bands.json): until then such a row prints its
+value and "no band yet" (results/gpu/README.md).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ for _path in (ROOT, ROOT / "src", ROOT / "benchmarks"):  # run from a checkout
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import gpu_bands  # noqa: E402
 import torch  # noqa: E402
 from gpu_common import FAIL, CaseResult  # noqa: E402
 from gpu_measure import MEASUREMENTS, kill_group, run_measurement  # noqa: E402
@@ -234,6 +235,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--timeout", type=float, help="seconds per test or measurement (default: its own)"
     )
     parser.add_argument("--out", type=Path, help="also write the report into this directory")
+    parser.add_argument(
+        "--bands", type=Path, default=gpu_bands.BANDS, help="the bands measured rows are judged by"
+    )
     # test-only: proves that a hang and a wrong result are reported as failures
     parser.add_argument("--inject", choices=INJECTIONS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -253,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_dry_run and gpus == 0:
         print("no CUDA device: run with --cpu-dry-run", file=sys.stderr)
         return 2
+    try:
+        bands = gpu_bands.load(args.bands)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
     opts = GpuOptions(dry=args.cpu_dry_run, quick=args.quick, gpus=gpus, inject=args.inject)
+    where = gpu_bands.setting(opts)
     command = shlex.join(["python", "benchmarks/gpu_check.py", *(argv or sys.argv[1:])])
     head = [f"# GPU check, {datetime.datetime.now():%Y-%m-%d %H:%M}", "", f"`{command}`", ""]
     report = ["\n".join(head + environment(opts)) + "\n"]
@@ -261,21 +271,28 @@ def main(argv: list[str] | None = None) -> int:
     started, cases = time.perf_counter(), []
     for name in args.only or list(CASES):
         cases.append(run_case(name, opts, args.timeout))
+        gpu_bands.judge(cases[-1], bands.get(where, {}))
         report.append(section(cases[-1]))
         print(report[-1], flush=True)
     budget = None if opts.dry else BUDGET_S["quick" if opts.quick else "full"]
     report.append(summary(cases, time.perf_counter() - started, budget))
-    print(report[-1], flush=True)
-    if args.out is not None:
-        write(args.out, "\n".join(report), opts)
+    path = None if args.out is None else report_path(args.out, opts)
+    report.append(gpu_bands.proposals(cases, where, path.name if path else head[0][2:]))
+    print("\n".join(report[-2:]), flush=True)
+    if path is not None:
+        write(path, "\n".join(report))
     return 1 if any(c.failed for c in cases) else 0
 
 
-def write(directory: Path, text: str, opts: GpuOptions) -> Path:
-    """The report as ``DIR/gpu_check_<date>_<mode>.md``."""
-    directory.mkdir(parents=True, exist_ok=True)
+def report_path(directory: Path, opts: GpuOptions) -> Path:
+    """Where the report goes: ``DIR/gpu_check_<date>_<time>_<mode>.md``."""
     mode = "dry" if opts.dry else "quick" if opts.quick else "full"
-    path = directory / f"gpu_check_{datetime.datetime.now():%Y-%m-%d_%H%M}_{mode}.md"
+    return directory / f"gpu_check_{datetime.datetime.now():%Y-%m-%d_%H%M}_{mode}.md"
+
+
+def write(path: Path, text: str) -> Path:
+    """The report at ``path`` (its folder made if need be)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(f"written to {path}")
     return path

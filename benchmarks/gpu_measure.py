@@ -1,15 +1,16 @@
 """The GPU check's measurements, and how one runs: in a child process with a timeout.
 
 Speed and memory are measured, not tested: each measurement prints a table of rows (check,
-verdict, measured, criterion) against the team's acceptance criteria, on the GPUs of the run or
-on CPU stand-ins, where what cannot be judged says so. The copy/compute overlap and memory are
+verdict, measured, criterion), its values judged by the bands a GPU run set from its data
+(gpu_bands.py; "no band yet" until one did), on the GPUs of the run or on CPU stand-ins, where
+what cannot be judged says so. The copy/compute overlap and memory are
 gpu_perf.py's, the throughput gpu_speed.py's. The GPU tests (tests/gpu, pytest) prove the
 engine right; these say how fast and how big.
 
 Example (what the child runs)::
 
     section = MEASUREMENTS["memory"].run(GpuOptions(dry=True, quick=True, gpus=0))
-    section.rows[0]   # ('recompute never: measured/forecast', 'pass', '1.00 (...)', ...)
+    section.rows[0]   # ('recompute never: measured/forecast', 'no band yet', '1.00 (...)', '-')
 """
 
 from __future__ import annotations
@@ -74,7 +75,11 @@ def child(name: str, opts: GpuOptions, result: str, log: str, timeout: float) ->
         torch.set_num_threads(1)
     try:
         section = MEASUREMENTS[name].run(opts)
-        payload: dict[str, object] = {"rows": section.rows, "notes": section.notes}
+        payload: dict[str, object] = {
+            "rows": section.rows,
+            "notes": section.notes,
+            "measured": section.measured,
+        }
     except BaseException:  # noqa: BLE001 - reported in the case's table
         payload = {"error": traceback.format_exc()}
         print(payload["error"], file=sys.stderr, flush=True)
@@ -144,7 +149,7 @@ def _outcome(
         if "error" in data:
             out.problem, out.log = "raised an exception", data["error"]
         else:
-            out.rows, out.notes = data["rows"], data["notes"]
+            out.rows, out.notes, out.measured = data["rows"], data["notes"], data["measured"]
     elif "Timeout (" in log or code is None or seconds >= timeout:
         out.problem = f"timed out after {timeout:.0f} s"
     else:

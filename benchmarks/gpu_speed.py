@@ -3,8 +3,8 @@ torch.distributed.pipelining ("pippy") on the same GPU, as benchmarks/peers.py c
 CPU: the same MLP for every method, K=2, checkpoint never, medians of interleaved rounds.
 
 On one GPU both stages share it (giantpipe: each worker on its own stream); a peer that cannot
-be built or stepped is a failed row, not a lost case. Ratios are judged against floors on a
-GPU, printed only on CPU stand-ins (two shared cores say nothing about a GPU).
+be built or stepped is a failed row, not a lost case. Each ratio to a peer is judged by the floor
+a GPU run set from its data (gpu_bands.py; "no band yet" until then).
 
 Example::
 
@@ -29,7 +29,7 @@ from giantpipe import GPipe
 from giantpipe.perf.balance import even_balance
 from giantpipe.testing.gpu import GpuOptions
 
-SPEED_FLOORS = {"torchgpipe": 0.9, "pippy": 0.9, "plain-mb": 0.8}  # giantpipe / method, 1 GPU
+PEERS = ("torchgpipe", "pippy", "plain-mb")  # giantpipe's speed is judged against each, 1 GPU
 Methods = dict[str, Callable[[], Any]]
 
 
@@ -160,9 +160,11 @@ def build(opts: GpuOptions, mlp: MLP) -> tuple[Methods, dict[str, str]]:
     return methods, broken
 
 
-def rates(opts: GpuOptions, mlp: MLP, methods: Methods, broken: dict[str, str]) -> dict[str, float]:
-    """Samples/s per method, the median of ``mlp.rounds`` rounds that each time every method in
-    turn; a method that raises is dropped (into ``broken``)."""
+def rounds(
+    opts: GpuOptions, mlp: MLP, methods: Methods, broken: dict[str, str]
+) -> dict[str, list[float]]:
+    """Seconds per step of each method in each of ``mlp.rounds`` rounds that each time every
+    method in turn; a method that raises is dropped (into ``broken``)."""
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(mlp.rounds):
         for name, step in list(methods.items()):
@@ -172,27 +174,32 @@ def rates(opts: GpuOptions, mlp: MLP, methods: Methods, broken: dict[str, str]) 
                 traceback.print_exc()
                 broken[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
                 del methods[name], seconds[name]
-    return {name: mlp.batch / statistics.median(s) for name, s in seconds.items()}
+    return seconds
 
 
 def ratio_row(
     section: Section,
-    rate: dict[str, float],
+    seconds: dict[str, list[float]],
     broken: dict[str, str],
     ours: str,
     peer: str,
-    floor: float | None,
     check: str,
+    banded: bool = True,
 ) -> None:
-    """``ours / peer`` against ``floor`` (None: printed only)."""
-    missing = [m for m in (ours, peer) if m not in rate]
-    criterion = "-" if floor is None else f">= {floor}"
+    """``ours / peer`` in samples/s: the ratio of the medians, judged by a floor (``banded``),
+    which a run proposes from its rounds' ratios; else printed only."""
+    missing = [m for m in (ours, peer) if m not in seconds]
     if missing:
         why = "; ".join(f"{m}: {broken.get(m, 'not measured')}" for m in missing)
-        section.add(check, FAIL, f"not measured ({why})", criterion)
+        section.add(check, FAIL, f"not measured ({why})", "-")
         return
-    ratio = rate[ours] / rate[peer]
-    section.add(check, INFO if floor is None else ratio >= floor, f"{ratio:.2f}", criterion)
+    ratio = statistics.median(seconds[peer]) / statistics.median(seconds[ours])
+    if not banded:
+        section.add(check, INFO, f"{ratio:.2f}", "-")
+        return
+    each = [p / o for p, o in zip(seconds[peer], seconds[ours], strict=True)]
+    section.banded(check, [ratio], f"{ratio:.2f} (rounds {min(each):.2f}-{max(each):.2f})",
+                   "floor", seen=each)  # fmt: skip
 
 
 def throughput(opts: GpuOptions) -> Section:
@@ -200,35 +207,22 @@ def throughput(opts: GpuOptions) -> Section:
     giantpipe's ratio to each."""
     mlp = MLP.of(opts)
     methods, broken = build(opts, mlp)
-    rate = rates(opts, mlp, methods, broken)
+    seconds = rounds(opts, mlp, methods, broken)
     section = Section()
-    for name, r in rate.items():
-        section.add(f"{name} samples/s", INFO, f"{r:.1f}", f"median of {mlp.rounds} rounds")
-    for peer, floor in SPEED_FLOORS.items():
-        ratio_row(
-            section,
-            rate,
-            broken,
-            "giantpipe gpipe",
-            peer,
-            None if opts.dry else floor,
-            f"giantpipe / {peer}, one GPU",
-        )
-    ratio_row(section, rate, broken, "giantpipe gpipe", "plain", None, "giantpipe / plain")
+    for name, s in seconds.items():
+        rate = mlp.batch / statistics.median(s)
+        section.add(f"{name} samples/s", INFO, f"{rate:.1f}", f"median of {mlp.rounds} rounds")
+    ours = "giantpipe gpipe"
+    for peer in PEERS:
+        ratio_row(section, seconds, broken, ours, peer, f"giantpipe / {peer}, one GPU")
+    ratio_row(section, seconds, broken, ours, "plain", "giantpipe / plain", banded=False)
     if opts.gpus >= 2:
-        ratio_row(
-            section,
-            rate,
-            broken,
-            "giantpipe gpipe, 2 GPUs",
-            "torchgpipe, 2 GPUs",
-            SPEED_FLOORS["torchgpipe"],
-            "giantpipe / torchgpipe, 2 GPUs",
-        )
+        two = ("giantpipe gpipe, 2 GPUs", "torchgpipe, 2 GPUs", "giantpipe / torchgpipe, 2 GPUs")
+        ratio_row(section, seconds, broken, *two)
     section.notes.append(
         f"{mlp.blocks} x (Linear({mlp.width}) + ReLU), batch {mlp.batch}, M={mlp.chunks}, fp32, "
         f"checkpoint never, {mlp.steps} steps per round, methods interleaved in each round."
     )
     if opts.dry:
-        section.notes.append("CPU stand-ins on shared cores: ratios printed, not judged.")
+        section.notes.append("CPU stand-ins on shared cores: their ratios say nothing of a GPU.")
     return section

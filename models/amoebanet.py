@@ -1,24 +1,9 @@
 """AmoebaNet-D and AmoebaNet-B as one flat ``nn.Sequential`` of L + 6 layers.
 
-Layout (L normal cells, L divisible by 3, D base filters, C the cell width)::
-
-    stem          image -> (x, x)                 3 -> D/4 channels, stride 2
-    reduce1       (cur, prev) -> (out, cur)       C = D/2, stride 2
-    reduce2                                       C = D,   stride 2
-    normal1_1 .. normal1_{L/3}                    C = D
-    reduce3                                       C = 2D,  stride 2
-    normal2_1 .. normal2_{L/3}                    C = 2D
-    reduce4                                       C = 4D,  stride 2
-    normal3_1 .. normal3_{L/3}                    C = 4D
-    classifier    (cur, prev) -> logits           global average pool, Linear
-
-Every child between the stem and the classifier takes and returns a (current, previous) pair
-of tensors, so any cut between two children is a valid pipeline boundary. The structure follows
-torchgpipe's AmoebaNet-D benchmark model, which reproduces the GPipe paper's Table 1 parameter
-counts exactly (81,505,540 for (18, 208)), with two deliberate differences that change no
-parameter: "max_pool_3x3" is a true max pool (torchgpipe builds an average pool; the TF
-reference builds a max pool), and the stem does not apply a ReLU to the raw image (torchgpipe
-does, which zeroes the negative half of a normalized image; the TF reference does not).
+A stem, four reduction cells, three stacks of L/3 normal cells and a classifier, every child
+between stem and classifier taking and returning a (current, previous) pair, so any cut is a
+valid boundary; torchgpipe's benchmark model, with its two departures from the TF reference
+undone (layout and why: docs/paper-tables.md#amoebanet-d-and-amoebanet-b).
 
 Example::
 

@@ -1,18 +1,9 @@
 """Hugging Face causal language models, built from their config classes with random weights.
 
-Nothing is downloaded: ``AutoConfig.for_model(architecture, ...)`` and
-``AutoModelForCausalLM.from_config`` make the model of the given shape. The builder returns the
-Hugging Face module itself; the runner (``giantpipe.runner.build``) captures it as the flat
-Sequential the engine cuts, with ``giantpipe.sequentialize``. Needs the ``hf`` extra
-(``pip install -e ".[hf]"``); this module imports transformers only when a model is built.
-``models.options.HfCausalLmModelConfig`` is the schema of ``model=hf_causal_lm``.
-
-Generation: the captured pieces of the types in :data:`CACHED_TYPES` can keep key/value caches
-(:func:`give_caches`). Training runs the captured graph, unchanged; each piece also gets a
-``forward_cached(inputs, cache)`` (the convention of ``models.transformer_layers``) that runs the
-original Hugging Face submodules the piece spans, on the piece's own parameters: embeddings (and
-rotary positions) in the first piece, its decoder layers with a Hugging Face ``DynamicCache`` of
-their own, final norm and ``lm_head`` on the last position in the last piece.
+Nothing is downloaded (``AutoModelForCausalLM.from_config``); the runner captures the module
+with ``giantpipe.sequentialize``, and :func:`give_caches` lets the pieces of the types in
+:data:`CACHED_TYPES` decode with caches (docs/generation.md#what-a-models-children-offer).
+Needs the ``hf`` extra; transformers is imported only when a model is built.
 
 Example::
 

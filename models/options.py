@@ -1,17 +1,9 @@
 """The model options' schemas: one dataclass per ``conf/model/*.yaml``, importing no torch.
 
-Each schema types the arguments of its builder (``_target_``) and checks their values in
-``__post_init__``, raising ``ValueError("model.KEY: problem")`` (``models.checks``): the command
-line shows it as the one line ``error: model.KEY: problem`` and exits 2. This module imports the
-standard library and ``models.checks`` only, never torch, torchvision or transformers, so the
-command line imports it, and runs every check, before it imports torch (a builder imports its
-schema from here where it needs one).
-
-A rule that needs an installed package's list (torchvision's classifiers, the model types
-transformers builds) cannot run without importing it: a schema keeps such rules in a method
-``check_installed()``, which imports what it needs inside and raises the same ``ValueError``.
-The command line calls it once torch is imported (``giantpipe.cli.checks.late_checks``); any
-option's schema may define it, a model's or a data set's.
+Each schema types its builder's arguments and checks them in ``__post_init__``, raising
+``ValueError("model.KEY: problem")``, so the command line checks a model before it imports
+torch; a rule that needs an installed package's list goes in ``check_installed()``, called once
+torch is imported (docs/command-line.md#errors-come-first-and-fast).
 
 Example::
 

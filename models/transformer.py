@@ -1,27 +1,9 @@
 """The paper's T(L, H, A) encoder-decoder as one flat ``nn.Sequential`` (Section 5).
 
-Every child is a unit of partitioning, so any cut between two children is a valid pipeline
-boundary. ``transformer_t(L, H, A)`` has 2L + 2 children, every boundary a 4-tuple::
-
-    index      child                  takes                        returns
-    0          SourceTargetEmbedding  (src_tokens, tgt_in_tokens)  (src_x, src_pad, tgt_x, tgt_pad)
-    1 .. L     EncoderLayer           the 4-tuple                  the 4-tuple, src_x updated
-    L+1 .. 2L  DecoderLayer           the 4-tuple                  the 4-tuple, tgt_x updated
-    2L+1       OutputHead             the 4-tuple                  logits [B, T, V]
-
-``src_x`` [B, S, D] and ``tgt_x`` [B, T, D] are float states; ``src_pad`` [B, S] and ``tgt_pad``
-[B, T] are bool masks, True at padding (they never require grad). The target is embedded in
-child 0 together with the source so that a shared source/target table lives in one child; the
-target states ride unchanged through the encoder layers. The first decoder layer applies the
-encoder's final LayerNorm to ``src_x`` (pre-norm stacks need one).
-
-The Sequential is an :class:`EncoderDecoder`, which also offers what decoding needs without the
-engine (``encode``, ``decode_logits``, ``max_len``), so BLEU evaluation reaches the model only
-through the model object. Every child also offers ``forward_cached(inputs, cache)``
-(incremental decoding: the encoder runs once, each decoder layer keeps a :class:`DecoderCache`),
-which :mod:`giantpipe.engine.generate` runs through the pipeline's stages. The decoder-only
-Transformer-L lives in ``models.transformer_lm`` (re-exported here); the shared blocks and the
-two stabilizers (``ffn_init_scale``, ``logit_clip``) in ``models.transformer_layers``.
+2L + 2 children (embedding, L encoder layers, L decoder layers, output head), every boundary
+the 4-tuple ``(src_x, src_pad, tgt_x, tgt_pad)``; an :class:`EncoderDecoder` that also decodes
+without the engine and offers ``forward_cached`` to the pipeline's generation
+(docs/paper-tables.md#the-transformers). Transformer-L is ``models.transformer_lm``.
 
 Example::
 

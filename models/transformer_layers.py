@@ -1,34 +1,14 @@
 """Building blocks shared by the paper's Transformers (``models.transformer``, ``.transformer_lm``).
 
 Pre-norm attention and feed-forward blocks, the output head with the paper's logit clipping,
-sinusoidal positions, and the initialisation with its feed-forward scaling (Section 5):
-
-- ``ffn_init_scale``: the weights of both linear maps of every feed-forward block are initialised
-  as usual (Xavier uniform) and then multiplied by 1/sqrt(2L) (``"sqrt"``) or 1/L (``"linear"``),
-  L = layers per stack; a float gives the factor directly.
-- ``logit_clip``: logits whose magnitude exceeds the threshold c are clipped, either smoothly,
-  ``c * tanh(logits / c)`` (``logit_clip_mode="tanh"``, default, keeps gradients), or hard,
-  ``clamp(logits, -c, c)`` (``"clamp"``). Either way |logits| <= c.
+sinusoidal positions and the scaled feed-forward initialisation
+(docs/paper-tables.md#the-transformers), and the caches of incremental decoding, padded
+prompts included (docs/generation.md#what-a-models-children-offer).
 
 Example::
 
     head = OutputHead(d_model=32, vocab_size=100, logit_clip=30.0)
     logits = head(torch.randn(2, 5, 32))          # |logits| <= 30
-
-Incremental decoding: the children that generation runs offer ``forward_cached(inputs, cache)
--> (outputs, cache)``; ``cache`` is None on the first call (the whole prompt) and then what the
-previous call returned (each later call gets only the new positions). Every cache has
-``reorder(index)``: the rows to keep, in their new order (beam search picks the parents of its
-new beams; finished sentences leave). :class:`KVCache` holds one attention's keys and values,
-:class:`Seen` only how many positions a child has seen (an embedding's next position).
-
-Prompts of unequal length (``giantpipe.engine.generate.prompts``): the first call of a language
-model takes ``(tokens, keep)``, left-padded tokens [B, T] with ``keep`` [B, T] True at each row's
-own tokens. The embedding places each row's first token at position 0 (:class:`SeenRows` keeps
-each row's next position) and passes ``(states, keep)`` on; each attending child keeps ``keep``
-in its :class:`KVCache`, so no query ever attends to padding (:func:`allowed_keys`); later calls
-carry only new positions, every one a token, as without padding. A row then decodes as its
-prompt alone.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ recorder) do what they say."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -20,13 +21,28 @@ def check() -> ModuleType:
     return load_script("benchmarks/gpu_check.py")  # puts benchmarks/ on sys.path (gpu_perf)
 
 
+NOT_PASSED = {  # what CPU stand-ins cannot judge is no pass; measured rows have no band yet
+    "host-sync": "not run (CUDA only)",
+    "overlap": "not run (needs 2 GPUs)",
+    "throughput": "no band yet",
+    "memory": "no band yet",
+}
+
+
 @pytest.mark.slow
 def test_dry_run_runs_every_case_and_passes(check: ModuleType, capsys, tmp_path: Path) -> None:
     assert check.main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for name in check.CASES:  # a case CPU stand-ins cannot judge at all is not a pass
-        verdict = "not run (CUDA only)" if name == "host-sync" else "pass"
-        assert f"## {name}: {verdict} (" in out, name
+    for name in check.CASES:
+        assert f"## {name}: {NOT_PASSED.get(name, 'pass')} (" in out, name
+    # the measured rows print their value and no verdict until a GPU run sets their band
+    for row in ("memory: recompute never: measured/forecast", "throughput: giantpipe / pippy"):
+        case, check_name = row.split(": ", 1)
+        table = out.split(f"## {case}:")[1].split("## ")[0]
+        assert f"| {check_name}" in table and "| no band yet | " in table, row
+    proposed = out.split("## Bands this run proposes")[1]
+    assert "no GPU's bands" in proposed and '"CPU stand-ins": {' in proposed
+    assert '"memory: recompute never: measured/forecast": {"low": ' in proposed
     for precision in ("fp32", "bf16"):  # every schedule x mode, each its own row
         table = out.split(f"## transparency-{precision}")[1].split("## ")[0]
         for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
@@ -40,6 +56,28 @@ def test_dry_run_runs_every_case_and_passes(check: ModuleType, capsys, tmp_path:
     assert "Failures: 0" in out
     (report,) = tmp_path.glob("gpu_check_*_dry.md")
     assert "`python benchmarks/gpu_check.py --cpu-dry-run --out" in report.read_text()
+
+
+def test_a_measured_row_is_judged_by_the_band_a_run_set(
+    check: ModuleType, capsys, tmp_path: Path
+) -> None:
+    """A band (here one the dry run's memory ratio, 1.00, lies above) judges the row: FAIL,
+    exit 1, the band and its report in the criterion; a bands file that does not read stops
+    the run before any case, in one line."""
+    bands = tmp_path / "bands.json"
+    key = "memory: recompute never: measured/forecast"
+    entry = {"low": 0.5, "high": 0.9, "from": "gpu_check_x_dry.md"}
+    bands.write_text(json.dumps({"bands": {"CPU stand-ins": {key: entry}}}))
+    argv = ["--cpu-dry-run", "--only", "memory", "--bands", str(bands)]
+    assert check.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "| recompute never: measured/forecast | FAIL | 1.00, 1.00 (" in out
+    assert "| 0.50-0.90 (set from gpu_check_x_dry.md) |" in out
+    assert "| recompute except_last: measured/forecast | no band yet |" in out
+    assert "## memory: FAIL (" in out and f"- {key}" in out
+    bands.write_text(json.dumps({"bands": {"CPU stand-ins": {key: {"low": 0.5}}}}))
+    assert check.main(argv) == 2
+    assert "bands.json: CPU stand-ins / memory: recompute never" in capsys.readouterr().err
 
 
 def test_a_hanging_case_fails_with_every_threads_stack(check: ModuleType, capsys) -> None:
@@ -88,6 +126,14 @@ def test_the_nccl_case_on_one_gpu_is_not_run_rather_than_passed(check: ModuleTyp
     assert {row[1] for row in case.rows} == {TWO_GPUS}
     assert "## nccl: not run (needs 2 GPUs) (" in check.section(case)
     assert "| nccl | not run (needs 2 GPUs) |" in check.summary([case], 1.0, None)
+
+
+def test_the_results_readme_lists_the_cases_a_run_has(check: ModuleType) -> None:
+    """results/gpu/README.md says what a run proves case by case: exactly the script's cases
+    (it once promised a one-rank NCCL check after that case had gone)."""
+    text = (Path(check.ROOT) / "results" / "gpu" / "README.md").read_text()
+    listed = [line.split("`")[1] for line in text.splitlines() if line.startswith("| `")]
+    assert listed == list(check.CASES)
 
 
 def test_list_names_every_case(check: ModuleType, capsys) -> None:

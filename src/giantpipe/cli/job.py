@@ -1,6 +1,11 @@
 """One job of ``train.py``: check the config, train, and turn the outcome into an exit status.
 
-``train.py`` is a thin ``@hydra.main`` around :func:`run_job`, started by :func:`guarded`::
+The config is checked before torch is imported; a refusal exits 2, a failed run 1, a signal
+129, 130 or 143 after saving, each reported as one line
+(docs/command-line.md#errors-come-first-and-fast). ``train.py`` is a thin ``@hydra.main``
+around :func:`run_job`, started by :func:`guarded`.
+
+Example::
 
     @hydra.main(config_path="conf", config_name="config", version_base="1.3")
     def main(cfg: DictConfig) -> float:
@@ -8,21 +13,6 @@
 
     if __name__ == "__main__":
         guarded(main, conf_dir=Path(__file__).parent / "conf")   # registers, then runs
-
-The config is checked before torch is imported (:mod:`giantpipe.cli.checks`); every refusal
-exits 2, a run that fails 1 (:data:`USAGE_EXIT`, :data:`FAILED_EXIT`), each reported as one line
-(:mod:`giantpipe.cli.errors`). Set HYDRA_FULL_ERROR=1 for the full traceback. In a multirun a
-failing job is logged, returns NaN (sweepers such as Optuna mark the trial failed) and the other
-jobs go on. A refused config leaves the disk as it was: the run directory Hydra made for the job
-(and its empty log) goes.
-
-A run stopped by a signal exits with a documented status after saving: SIGTERM (a cluster
-preempting the job) 143, SIGHUP (the terminal or SSH session went away) 129, Ctrl-C 130 (a
-second Ctrl-C stops at once, also 130); the remaining jobs of a multirun are not started.
-
-Under torchrun (``pipeline.executor=distributed``) every rank composes the config, but only
-rank 0 keeps Hydra's run directory and log file: the other ranks log warnings to stderr and
-learn the run directory from rank 0 (see :func:`rank_overrides`).
 """
 
 from __future__ import annotations

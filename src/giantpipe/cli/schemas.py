@@ -1,28 +1,18 @@
 """How an option file finds its schema: a documented lookup rule of plain imports.
 
-An option of a group in :data:`OPTION_GROUPS` (a file ``conf/GROUP/NAME.yaml``) names its builder
-by ``_target_`` and, first in its defaults, the dataclass that types and checks its values (adding
-a model or a data set edits no list)::
+An option (``conf/GROUP/NAME.yaml``) names its builder by ``_target_`` and, first in its
+defaults, the dataclass that checks its values; that name is looked up in the nearest module
+named ``options`` up the builder's package path, then in the builder's own module
+(:func:`schema_modules`; docs/command-line.md#errors-come-first-and-fast). A rule that needs an
+installed package goes in the schema's ``check_installed()``, called once torch is imported.
+
+Example::
 
     # conf/model/mlp.yaml                      # models/options.py (imports no torch)
     defaults:                                  @dataclass
       - MlpModelConfig                         class MlpModelConfig:
       - _self_                                     _target_: str = "models.mlp.mlp"
     _target_: models.mlp.mlp                       in_features: int = 16 ...
-    hidden: 64
-
-The schema is looked up by its name (:func:`schema_modules`): in the nearest module named
-``options`` up the builder's package path, then in the builder's own module. ``models.mlp.mlp``
-is looked up in ``models.options``, then ``models.mlp``; ``giantpipe.data.x.y.build`` in
-``giantpipe.data.x.options``, ``giantpipe.data.options``, ``giantpipe.options``, then
-``giantpipe.data.x.y``. An ``options`` module imports no torch (the project's do not), so the
-command line checks a config before it imports torch; a schema found beside its builder (a user's
-own option may keep it there) imports the builder's module, and with it whatever that imports.
-
-A schema is plain Python (inheritance, helpers, constants, computed defaults): it is imported, not
-read. Its ``__post_init__`` checks the values; a rule that needs an installed package's list goes
-in a ``check_installed()`` method, which the command line calls once torch is imported
-(:func:`giantpipe.cli.checks.late_checks`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
-"""Experiment configuration: the core groups' schemas, validated in ``__post_init__``.
+"""Experiment configuration: the core groups' schemas, validated in ``__post_init__`` (no torch).
 
-One module per concept (none imports torch, so the command line checks a config before torch is
-imported):
-
-- :mod:`.checks`: :class:`ConfigError` (its message starts with the dotted key) and the check
-  helpers every schema uses (``check``, ``check_min``, ``check_choice``, ..., ``human_bytes``);
-- :mod:`.pipeline`: ``PipelineConfig``, the ``pipeline`` group (its shape keys' defaults and
-  checks are :class:`~giantpipe.engine.spec.PipelineSpec`'s);
-- :mod:`.optim`: ``OptimConfig`` and its ``LRScheduleConfig``;
-- :mod:`.trainer`: ``TrainerConfig``: steps, evaluation, saving, resumption;
-- :mod:`.logger`: ``LoggerConfig``: progress bar, metrics.jsonl, W&B, TensorBoard;
-- :mod:`.sweep`: ``SweepConfig``: what a job returns to Hydra's sweeper;
-- :mod:`.experiment`: ``ExperimentConfig`` (one field per group), ``SCHEMAS`` (the fixed groups)
-  and ``RENAMED_KEYS``.
-
-The ``model`` and ``data`` groups name a builder by ``_target_``; their schemas live in
-torch-free ``options`` modules (``models/options.py``'s ``MlpModelConfig``,
-``giantpipe/data/options.py``'s ``SyntheticDataConfig``, ...), found from ``conf/`` by
-``giantpipe.cli.schemas`` (its lookup rule). The Hydra tree is converted to these dataclasses
-once, at the entry point (``giantpipe.cli``); everything below it receives plain dataclasses and
-never imports OmegaConf or Hydra. This package re-exports the names other modules import from it
-(and ``MAX_TIMEOUT_S``, the engine's limit of ``pipeline.timeout``).
+Its modules: :mod:`.checks` (:class:`ConfigError`, the check helpers), :mod:`.pipeline`,
+:mod:`.optim`, :mod:`.trainer`, :mod:`.logger`, :mod:`.sweep` (one group each) and
+:mod:`.experiment` (the whole experiment, the fixed groups, renamed keys). The ``model`` and
+``data`` groups' schemas live in torch-free ``options`` modules beside their builders
+(:mod:`giantpipe.cli.schemas`). Only ``giantpipe.cli`` sees Hydra: below it, plain dataclasses.
 
 Example::
 
     from giantpipe.config import ConfigError, TrainerConfig
-
     try:
         TrainerConfig(max_steps=0)
     except ConfigError as err:

@@ -1,34 +1,18 @@
 """The contract between a data builder and the runner: a :class:`DataBundle`.
 
-A data config group option names a builder with ``_target_``; the runner calls it with the
-option's other fields and gets back a DataBundle. Batches are ``(inputs, targets)`` pairs; each
-may be a tensor or a tuple of tensors (the engine splits every tensor along dim 0).
-
-Training batches must be a pure function of ``(seed, position)``: the runner resumes a run by
-asking for the stream again from the saved position, so steps after a resume see exactly the
-batches an uninterrupted run would have seen.
+Batches are ``(inputs, targets)`` pairs, training batches a pure function of ``(seed,
+position)`` (a resume asks again from the saved position); token losses set
+``loss_normalizer``, ``ignore_index`` and ``tokens_per_batch``; ``evaluate_model`` gives figures
+beyond the loss (docs/your-data.md#a-whole-model-evaluation-of-your-own).
 
 Example::
 
     bundle = DataBundle(
         train_batches=lambda seed, position: my_stream(seed, start=position),
         eval_batches=lambda: my_eval_loader,
-        batches_per_epoch=len(my_train_set) // 64,
-        loss="cross_entropy",
-        metric="accuracy",
+        batches_per_epoch=len(my_train_set) // 64, loss="cross_entropy", metric="accuracy",
     )
     inputs, targets = next(bundle.train_batches(seed=0, position=0))
-
-For token-level losses (translation), set ``loss_normalizer`` (targets -> number of real tokens,
-then the loss is summed and the engine divides by that number), ``ignore_index`` (the padding id)
-and ``tokens_per_batch`` ((inputs, targets) -> tokens, so metrics report tokens/s).
-
-Figures that need more than the loss and the metric (BLEU from decoding held-out sentences)
-come from ``evaluate_model``: at every evaluation the runner calls it on every process with the
-model as the pipe runs it, a :class:`~giantpipe.engine.inference.PipedModel` (``model(inputs)``
-through the stages, outputs on every process; ``model.generate(...)``; EMA weights swapped in
-when configured); no process holds the whole model. It logs what the hook returns under
-``eval/``. The protocol, with an example: docs/your-data.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The ``data=`` options' schemas: one dataclass per option, its fields the builder's arguments,
 checked in ``__post_init__``; this module imports no torch.
 
-The command line imports it to check a data option's values before torch is imported (so a bad
-value is answered at once), then calls the builder its ``_target_`` names with the fields:
-
-- ``SyntheticDataConfig`` (``data=synthetic``): :mod:`giantpipe.data.synthetic`;
-- ``TensorDataConfig`` (``data=tensors``): :mod:`giantpipe.data.tensor_files`;
-- ``LMTokensDataConfig`` (``data=lm_tokens``): :mod:`giantpipe.data.lm_tokens`;
-- ``GeneratedImagesDataConfig``, ``RandomImagesDataConfig``, ``ImageFolderDataConfig``
-  (``data=images_generated``, ``images_random``, ``images_folder``):
-  :mod:`giantpipe.data.images.bundle`;
-- ``TextDataConfig`` (``data=text``): :mod:`giantpipe.data.text.bundle`;
-- ``TranslationDataConfig`` (``data=translation``): :mod:`giantpipe.data.translation.bundle`.
-
-Imports the standard library and ``giantpipe.config`` only (a test imports it in a fresh
-interpreter and finds no torch); a check that needs more stays with its builder.
+The command line imports it to check a data option before torch is imported, then calls the
+builder its ``_target_`` names (``SyntheticDataConfig``: :mod:`giantpipe.data.synthetic`, ...,
+``TranslationDataConfig``: :mod:`giantpipe.data.translation.bundle`). It imports the standard
+library and ``giantpipe.config`` only; a check that needs more stays with its builder.
 
 Example::
 

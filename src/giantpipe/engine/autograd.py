@@ -1,24 +1,8 @@
 """Where one stage's autograd graph meets the next: leaves in, gradients out, on this thread.
 
-**Boundaries.** Every stage's graph starts at detached copies of its inputs ("leaves"), so a
-backward never crosses threads, devices or processes by itself: the gradient of each leaf is
-read off and handed to the previous stage, exactly as activations are handed on (see
-:mod:`giantpipe.engine.executor`)::
-
-    leaves = make_leaves(x, first=False)         # float tensors require grad
-    y = stage(leaves)
-    tensors, grads = pair_gradients(as_tuple(y), received, device)
-    torch.autograd.backward(tensors, grads)      # leaves[i].grad goes to the previous stage
-
-**On the calling thread.** A worker runs its stage's backward itself (:func:`backward_here`
-around every ``backward``/``grad`` call it makes): called from a thread that is not one of
-autograd's, ``torch.autograd.backward`` otherwise hands the graph's CUDA nodes to the autograd
-thread of their device and waits, and that thread may be the very one waiting for the worker
-(the front door's backward), so it hangs; the gradient hooks (a rank's all-reduces) would also
-run there rather than on the thread that runs the action. On CPU the calling thread runs its
-graph in any case; the flag costs nothing.
-
-The backward split in B (input gradient) and W (weight gradient) of zero-bubble schedules is
+Every stage's graph starts at detached copies of its inputs, so a backward never crosses threads,
+devices or processes by itself; :func:`backward_here` keeps a worker's backward on its own thread
+(docs/engine-internals.md#autograd-boundaries). The split backward is
 :mod:`giantpipe.engine.split_backward`.
 
 Example::
@@ -58,7 +42,8 @@ def make_leaves(x: TensorOrTensors, first: bool) -> TensorOrTensors:
 
     Float leaves require grad so that the gradient for the previous stage can be read off them;
     on the first stage only where the user's input requires grad (no wasted input gradient).
-    The detach is what keeps each stage's graph to itself (see the module docstring).
+    The detach is what keeps each stage's graph to itself
+    (docs/engine-internals.md#autograd-boundaries).
     """
 
     def leaf(t: Any) -> Any:

@@ -1,55 +1,9 @@
-"""The local executor: one process, one worker thread per pipeline worker, any schedule.
+"""The executor both pipes run: :class:`StepRun`, one step of any schedule by the pipe's workers.
 
-One concept, one class: :class:`StepRun`, a step's run (its section dividers group its methods:
-running a phase, the actions, CUDA time, memory accounting).
-
-The threads belong to the pipe's :class:`~giantpipe.engine.workers.WorkerPool` and serve step
-after step (a fresh thread's first action is slow); ``pipe.close()`` or the pipe's collection
-joins them all, and those of a failed phase are joined by the next one (or at exit).
-
-Each worker runs its list of actions in order. An action waits only for what it consumes::
-
-    F(k, m): activation of m from stage k-1  --(mailbox)-->  runs stage k  --> activation to k+1
-    B(k, m): gradient of m from stage k+1    --(mailbox)-->  backward of k --> gradient to k-1
-
-    W(k, m): weight gradients of k for m, where the schedule split the backward (zero bubble):
-             B then computes only the input gradient and keeps the graph until W
-
-Every stage's autograd graph starts at detached copies of its inputs ("leaves"), so a backward
-never crosses threads or devices by itself: gradients cross the boundary through the mailbox,
-exactly as activations do. Torch kernels release the GIL, so workers on CPU stand-ins really run
-concurrently.
-
-Each worker runs its stage's backward on its own thread, the thread of its B and W actions:
-its worker context turns autograd's multithreading off
-(:func:`~giantpipe.engine.autograd.backward_here`). On CUDA, autograd would otherwise hand a
-graph's CUDA nodes to the device's autograd thread, which the front door keeps busy waiting for
-the very workers that wait for it (a hang), and the post-accumulate-grad hooks that start a
-rank's gradient all-reduces would run on that device thread instead of the rank's one thread
-(NCCL wants every collective from one thread, in the same order on every rank). The front
-door's backward phase runs on pool threads even for a lone worker: autograd calls it on the
-output device's autograd thread, which must not run a stage's backward.
-
-On CUDA each worker also enters its device and stream (both are thread-local in PyTorch; see
-:mod:`giantpipe.engine.streams`), and a value handed from one worker to another carries the
-event its producer recorded right after computing it: the consumer waits for that event only
-(:class:`~giantpipe.engine.microbatch.CopyStreams`).
-
-A failing action aborts the step: the caller hears at once, and the other workers stop at their
-next action (or wait). The exception is the one the stage raised (``except ValueError`` and
-``except torch.OutOfMemoryError`` catch it, as with torchgpipe), with a note naming the stage,
-device and micro-batch; :func:`failed_action` gives the action to code::
-
-    ValueError: bad gradient
-    giantpipe: stage 1 (device cpu) failed on micro-batch 0 (backward)
-
-The engine's own failures (a wait over the timeout) are :class:`PipelineError`; KeyboardInterrupt
-and SystemExit stay what they are.
-
-What a step is given, a :class:`~giantpipe.engine.step_config.StepConfig` (the stages, their
-devices, the loss, which micro-batches are recomputed, the caller's autocast state), is all the
-workers read; both pipes build it (:mod:`giantpipe.engine.pipe`), and the distributed executor
-runs the very same :class:`StepRun` with a mailbox that reaches other processes.
+Each worker runs its list of actions in order on its own thread (a ``GPipe``'s mailbox joins
+threads, a ``DistributedPipe``'s reaches other processes); an action waits only for what it
+consumes, and a failing one aborts the step with the stage's own exception. Why each backward
+runs on its worker's thread, and what CUDA asks: docs/engine-internals.md#the-executor.
 
 Example::
 
@@ -189,8 +143,9 @@ class StepRun:
 
     def run(self, schedule: Schedule, own_threads: bool = False) -> None:
         """Runs every worker's actions of ``schedule``; the first failure is raised as it is,
-        at once (see the module docstring). A lone worker runs on the calling thread unless
-        ``own_threads`` (the front door's backward: the caller is autograd's own thread)."""
+        at once (docs/engine-internals.md#when-an-action-fails). A lone worker runs on the
+        calling thread unless ``own_threads`` (the front door's backward: the caller is
+        autograd's own thread)."""
         self.mailbox = _reopen(self.mailbox)
         self.split |= {
             (a.stage, a.microbatch) for w in schedule.actions for a in w if a.kind == "W"
@@ -314,8 +269,8 @@ class StepRun:
         # caller's state, and one share of the cores each so stages don't oversubscribe. A
         # pooled thread gets its own core count back after the phase, as if it were fresh.
         # On the caller's thread too (a lone worker, a distributed rank): the worker's device
-        # and stream, and its backward on this very thread (see the module docstring), both
-        # undone when the phase ends.
+        # and stream, and its backward on this very thread, both undone when the phase ends
+        # (docs/engine-internals.md#each-backward-on-its-workers-thread).
         with ExitStack() as stack:
             if own_thread and self.cfg.threads_per_worker:
                 stack.callback(torch.set_num_threads, torch.get_num_threads())

@@ -1,14 +1,8 @@
 """The engine's failures: where a stage's exception was raised, and the engine's own errors.
 
-An exception raised by a stage's own code reaches the caller as it was raised
-(with the note of :func:`note_failure`; :func:`failed_action` reads where). :class:`PipelineError`
-is for the engine's own failures: a wait that timed out (:class:`PipelineTimeout`), a lost rank
-(``RankFailure``).
-
-A stage's exception carries a note::
-
-    ValueError: bad gradient
-    giantpipe: stage 1 (device cpu) failed on micro-batch 0 (backward)
+A stage's exception reaches the caller as raised, with a note naming the stage, device and
+micro-batch; :class:`PipelineError` is the engine's own (a timed-out wait, a lost rank):
+docs/engine-internals.md#when-an-action-fails.
 
 Example::
 

@@ -1,55 +1,18 @@
 """fp16 loss scaling in a pipeline: the scale enters each micro-batch's gradient, and every rank
 agrees on the inf/NaN verdict.
 
-fp16 gradients underflow; ``torch.amp.GradScaler`` multiplies the loss by a scale ``S`` before
-backward, divides the gradients by ``S`` before the optimizer step, and skips the step (halving
-``S``) when a gradient is inf or NaN. A pipeline runs the backward itself, so the scaler is
-handed to ``train_step`` and the engine scales each micro-batch's loss::
+The engine seeds each micro-batch's backward with the scaler's scale (:func:`scale_gradient`),
+so ``p.grad`` holds the scaled gradient and the loss returned is unscaled. A
+``DistributedPipe``'s :class:`AgreedGradScaler` sums each rank's inf check over every rank in
+``unscale_``, blocking the host until that all-reduce is done (on NCCL: has run on the GPU), so
+every rank steps or every rank skips: docs/engine-internals.md#fp16-loss-scaling.
 
-    caller                       last stage, micro-batch m              every stage
-    S = scaler.scale(ones)       L_m = loss_fn(y_m, t_m) * w_m           grads of S * sum L_m
-    (a tensor, no host sync)     backward from L_m with gradient S       accumulate in p.grad
-    loss = sum L_m  (unscaled)
-
-The scale enters only the gradient (:func:`scale_gradient`; :func:`current_scale` reads ``S``):
-backward from ``L_m`` seeded with ``S`` is the backward of ``S * L_m``, bit for bit as
-``scaler.scale(loss).backward()``, and the loss the step returns needs no division. Then, as
-with the plain model::
+Example::
 
     scaler = pipe.grad_scaler()                       # GPipe or DistributedPipe
-    with torch.autocast("cuda", dtype=torch.float16):
-        loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
-    scaler.unscale_(optimizer)                        # only to clip: before the norm
-    pipe.clip_grad_norm_(1.0)
-    scaler.step(optimizer)                            # skipped if any gradient is inf/NaN
-    scaler.update()
-
-A ``GPipe`` holds its parameters on several devices: torch's scaler unscales each device's
-gradients and sums their inf checks. A ``DistributedPipe`` rank holds only its own stages, so
-its scaler sees only its own gradients. If a stage of one rank overflowed and the others did
-not, torch's scaler would skip the step there and take it elsewhere, and the scales would move
-apart: the replicas' weights, and the stages of one pipeline, would no longer belong to one
-model. Its ``grad_scaler()`` is an :class:`AgreedGradScaler`, which sums each rank's found-inf
-over every rank (every pipeline rank and every replica) before anyone decides::
-
-    rank 0 (stage 0)   found_inf 0 --.                   .--> 1: skip, S/2
-    rank 1 (stage 1)   found_inf 1 ---+-- all-reduce --> +--> 1: skip, S/2
-    rank 2 (stage 0')  found_inf 0 --'                   '--> 1: skip, S/2
-
-One all-reduce of one device tensor per ``unscale_`` (no host sync until ``step`` reads the
-verdict, as torch's own scaler does), on the pipe's group over every rank: the pipe makes it
-(:class:`AgreeingPipe`, what ``DistributedPipe`` offers), so this module needs no process
-group of its own. torch's ``ShardedGradScaler`` (FSDP) does the same per device; this one makes
-exactly one collective per rank whatever its devices, and has a verdict even on a rank without
-gradients.
-
-Example (``torchrun --nproc_per_node=4``, K=2 x R=2)::
-
-    scaler = pipe.grad_scaler()              # an AgreedGradScaler(pipe)
-    with torch.autocast("cuda", dtype=torch.float16):
-        loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
-    scaler.step(opt)                         # every rank steps, or every rank skips
-    scaler.update()                          # the same scale everywhere
+    loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)
+    scaler.unscale_(optimizer); pipe.clip_grad_norm_(1.0)
+    scaler.step(optimizer); scaler.update()           # skipped everywhere on inf/NaN
 """
 
 from __future__ import annotations

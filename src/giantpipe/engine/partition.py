@@ -1,24 +1,15 @@
 """Partitioning: cut a flat ``nn.Sequential`` into K contiguous stages on K devices.
 
+The stages hold the very layer objects (no copy) under their original names (``"0.weight"``;
+:func:`plain_names` reads torchgpipe's); a parameter tied across devices gets a copy per device
+(:class:`TiedCopies`): docs/engine-internals.md#tied-parameters.
+
 Example::
 
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     >>> stages = split_module(model, [2, 1], [torch.device("cpu")] * 2)
     >>> [len(s) for s in stages]
     [2, 1]
-
-The stages hold the very same layer objects as ``model`` (no copy), each moved to its device, and
-each keeps the layer's original name so that parameter names do not depend on the cut:
-``"0.weight"`` where torchgpipe says ``"partitions.0.0.weight"`` (:func:`plain_names` reads
-torchgpipe's state dicts).
-
-Tied parameters (input and output embeddings: one parameter held by two layers) stay one
-object on one device; stages on different devices each get a copy (:class:`TiedCopies`), whose
-gradients the engine sums once per step, so the copies take the same optimizer step and stay
-equal, as Megatron-LM does for its embedding group::
-
-    stage 0 (cuda:0): wte ... | stage 1 (cuda:1): ... lm_head = wte' (copy)
-    after backward:  wte.grad = wte'.grad = wte.grad + wte'.grad
 """
 
 from __future__ import annotations

@@ -1,40 +1,9 @@
 """The base both pipes share: :class:`Pipe`, what a step needs besides its transport.
 
-One concept, one class (the section dividers below group its members): the pipes' shape (a
-:class:`~giantpipe.engine.spec.PipelineSpec`), the check of the model against it, the loss
-scaling, the configuration of a step, deferred BatchNorm's commit and the global-norm clip.
-
-:class:`~giantpipe.engine.gpipe.GPipe` (a worker thread per device) and
-:class:`~giantpipe.engine.distributed.pipe.DistributedPipe` (a process per device) differ only in
-transport, so everything else lives here once::
-
-    Pipe                          shared                        DistributedPipe's hook
-      spec                        balance, M, V, schedule,
-                                  recompute, timeout (checked
-                                  once, when the spec is made)
-      check_model(module, spec)   a flat Sequential, balance
-                                  summing to its length (the
-                                  spec's check_against)
-      step_schedule()             the spec's validated schedule
-      _loss_spec()                per micro-batch loss scales   _reduce_normalizer: sum over
-                                                                replicas (global batch/tokens)
-      _loss_scale(grad_scaler)    fp16: the scaler's scale, a
-                                  tensor on the last device
-      step_config(grad, loss)     StepConfig: recompute, seed,
-                                  autocast, timeout, placement
-      _commit_batchnorm()         deferred BatchNorm, once      _merge_batchnorm: replicas'
-                                                                statistics merged first
-      clip_grad_norm_(max_norm)   global norm over every stage  (each pipe implements it)
-
-Loss scaling makes a pipelined step equal the plain model's: ``loss_fn`` returns the MEAN over a
-micro-batch, weighted by the micro-batch's share of the mini-batch; with ``loss_normalizer``
-(e.g. the number of non-padding tokens) it returns a SUM, divided by the normalizer. With a
-``grad_scaler`` (fp16), each micro-batch's backward is also that of its loss times the scaler's
-scale, and the loss returned is unscaled (:mod:`giantpipe.engine.fp16`)::
-
-    scaler = pipe.grad_scaler()
-    loss = pipe.train_step(x, y, loss_fn, grad_scaler=scaler)   # p.grad holds S * gradient
-    scaler.step(optimizer); scaler.update()                      # unscales; skips on inf/NaN
+The pipes' shape (a :class:`~giantpipe.engine.spec.PipelineSpec`), the check of the model
+against it, the loss scaling, the configuration of a step, deferred BatchNorm's commit and the
+global-norm clip; ``GPipe`` and ``DistributedPipe`` add their transport, and the distributed one
+its hooks: docs/engine-internals.md#what-both-pipes-share.
 
 Example::
 
@@ -43,9 +12,6 @@ Example::
             check_model(module, spec)
             super().__init__(spec)
             self.partitions = ...; self.devices = ...; self.placement = ...
-
-The fp16 side of the loss (the scale in each micro-batch's gradient, the scaler every rank
-agrees with) is :mod:`giantpipe.engine.fp16`.
 """
 
 from __future__ import annotations
@@ -212,9 +178,10 @@ class Pipe(nn.Module):
         loss_scale: torch.Tensor | None = None,
         chunks: int | None = None,
     ) -> LossSpec:
-        """The loss of each micro-batch and its weight (see the module docstring);
-        ``loss_scale``: what :meth:`_loss_scale` gave, the gradients' scale; ``chunks``: the
-        micro-batches of the step (M; an evaluation of a smaller batch runs fewer)."""
+        """The loss of each micro-batch and its weight
+        (docs/engine-internals.md#what-both-pipes-share); ``loss_scale``: what
+        :meth:`_loss_scale` gave, the gradients' scale; ``chunks``: the micro-batches of the
+        step (M; an evaluation of a smaller batch runs fewer)."""
         chunks = self.chunks if chunks is None else chunks
         micro = scatter(targets, chunks)
         norm = float(normalizer(targets)) if normalizer else float(batch_size(targets))

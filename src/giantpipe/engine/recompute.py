@@ -1,19 +1,8 @@
 """Re-materialization: which micro-batches drop their activations, and how recompute stays exact.
 
-Modes (``recompute=``, torchgpipe's mode names; see :mod:`giantpipe.engine.spec`), for M
-micro-batches in training:
-
-    always       every micro-batch is recomputed in backward     (least memory)
-    except_last  all but the last one; the last one's backward follows its forward at once,
-                 so keeping its activations costs nothing extra
-    never        nothing is recomputed                            (fastest)
-
-Recomputation must reproduce the forward exactly:
-
-- Dropout masks: every RNG-using layer is seeded from (step seed, layer, micro-batch) by
-  :mod:`giantpipe.engine.rng`, so the replay draws the same masks with no state to save.
-- BatchNorm: a recompute must not move running statistics a second time. Layers can ask
-  :func:`is_recomputing`; plain ``nn.BatchNorm*`` layers have their buffers restored.
+Modes ``always``, ``except_last`` and ``never`` (torchgpipe's names); a replay draws the same
+dropout masks (:mod:`giantpipe.engine.rng`) and leaves BatchNorm's running statistics alone
+(:func:`is_recomputing`): docs/engine-internals.md#recompute-stays-exact.
 
 Example::
 

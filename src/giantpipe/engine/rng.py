@@ -1,21 +1,12 @@
 """Deterministic randomness for pipelined layers (dropout, drop-path).
 
-Stages run concurrently, and on CPU stand-ins they share one generator, so "draw from the global
-RNG" would depend on thread timing. Instead each RNG-using layer is seeded, just before it runs,
-from (step seed, layer number, micro-batch, call count). The masks are then:
-
-- reproducible: two identical runs draw the same masks, whatever the thread interleaving;
-- replayable: re-materialization re-runs the layer under the same seed, no state to stash;
-- independent of the cut: the same for K=1 or K=4, so a pipelined step can be compared with
-  the plain model run micro-batch by micro-batch under :func:`rng_context`.
-
-Only the seeding + the layer's own call are serialised per device (a short critical section),
-and the device generator's state is restored afterwards, so user code sees no change.
+Each RNG-using layer is seeded just before it runs from (step seed, layer, micro-batch, call
+count), so thread timing and the cut change no mask and a recompute replays it
+(docs/engine-internals.md#deterministic-randomness).
 
 Example::
 
-    >>> model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
-    >>> handles = install_rng_hooks(model)
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)); _ = install_rng_hooks(model)
     >>> with rng_context(seed=7, microbatch=0, device=torch.device("cpu")):
     ...     a = model(torch.ones(2, 4))
     >>> with rng_context(seed=7, microbatch=0, device=torch.device("cpu")):

@@ -1,35 +1,17 @@
 """The backward split in two: B (the input gradient, now) and W (the weight gradient, later).
 
-Zero-bubble schedules send the input gradient on as soon as it exists and compute
-the weight gradient when the worker would otherwise idle. Asking autograd twice (once for the
-inputs, once for the parameters) would run most of the backward twice. Instead, B captures the
-gradient flowing into each node where a parameter's path leaves the input path, and W starts
-there::
-
-    output --> [addmm_2] --> [relu] --> [addmm_1] --> stage input        B walks this path
-                  |                        |
-                  '--> T --> weight_2      '--> T --> weight_1           W walks these, from
-                                                                         the captured gradients
-
-The nodes of the input path are I (every node from which an input is reachable). A parameter's
-"exits" are the nodes of I right above its own sub-graph; W re-runs each exit asking only for
-the parameter side (autograd skips the outputs nobody asked for, e.g. addmm's input gradient).
-Outputs that do not depend on the inputs (I empty on stage 0, where the data needs no gradient)
-are seeded with their given gradient. Parameters sharing an exit form one group, one autograd
-call each; where one exit feeds another within a group, a pre-hook pins the later one to its
-captured gradient so nothing is counted twice.
+B captures the gradient where each parameter's path leaves the input path, so W starts there and
+no part of the backward runs twice (docs/engine-internals.md#the-split-backward).
 
 Example::
 
-    >>> from torch import nn
-    >>> layer = nn.Linear(4, 4)
+    >>> layer = torch.nn.Linear(4, 4)
     >>> x = torch.randn(2, 4, requires_grad=True)
     >>> y = layer(x)
     >>> (dx,), weight = backward_input([y], [torch.ones_like(y)], [x], layer.parameters())
     >>> layer.weight.grad is None   # B left the parameters alone ...
     True
-    >>> weight.run()                # ... W accumulates their gradients, then frees the graph
-    >>> layer.weight.grad.shape
+    >>> weight.run(); layer.weight.grad.shape    # ... W accumulates them, then frees the graph
     torch.Size([4, 4])
 """
 

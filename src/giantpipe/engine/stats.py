@@ -1,24 +1,8 @@
 """Where the time and memory of a step went, measured on every step.
 
-**Time.** Each worker times its own actions (busy time); the step's span runs from the first
-action's start to the last action's end. The measured bubble is the idle share of the K
-worker-timelines over that span, to compare with the bound (K-1)/(V*M+K-1).
-
-**Memory**, measured, not estimated. On CPU there is no allocator to ask, so the engine counts
-what a forward pass really keeps alive for backward (:class:`SavedTensorMeter`): every tensor
-autograd saves, deduplicated by storage, parameters excluded (they are resident anyway). On
-CUDA the allocator's peak is reported instead (:func:`device_peak`), where it is a worker's:
-the allocator counts per device, so workers that share a device (K stages on one GPU) report
-their saved activations instead, per worker (:func:`memory_kind`).
-
-**CUDA time.** A kernel launch returns before the kernel has run, so ``perf_counter`` around a
-CUDA action measures the launch. There, :class:`CudaClock` times each action with events on the
-stage's stream, and the idle time of the stream while the worker waited for a neighbour with a
-pair of events around the wait; after the phase, the events are read back onto the host clock
-(``StepStats.clock`` says which clock a step's figures come from). Workers sharing a GPU run on
-streams of their own (:mod:`giantpipe.engine.streams`), so each one's events time its own
-kernels; kernels of two streams running at once share the GPU, so their busy times may add up
-to more than the span (the bubble then reads 0), which a shared device cannot avoid.
+Busy time per worker, the step's span and its bubble; memory as the saved activations
+(:class:`SavedTensorMeter`) or the CUDA allocator's peak; CUDA actions timed by events
+(:class:`CudaClock`): docs/engine-internals.md#measured-time-and-memory.
 
 Example::
 
@@ -26,13 +10,6 @@ Example::
     ...                            chunks=4, memory_kind="saved_activations")
     >>> round(s.bubble, 2), round(s.expected_bubble, 2)
     (0.3, 0.2)
-    >>> from torch import nn
-    >>> layer = nn.Linear(256, 256)
-    >>> meter = SavedTensorMeter(exclude=layer.parameters())
-    >>> with meter:
-    ...     y = layer(torch.randn(8, 256, requires_grad=True)).relu()
-    >>> meter.bytes  # the input of the matmul and the ReLU result: 2 x 8 x 256 x 4
-    16384
 """
 
 from __future__ import annotations
@@ -180,6 +157,14 @@ class SavedTensorMeter:
 
     Relies on ``torch.autograd.graph.saved_tensors_hooks``, which is thread-local, so each
     pipeline worker meters only its own stage.
+
+    >>> from torch import nn
+    >>> layer = nn.Linear(256, 256)
+    >>> meter = SavedTensorMeter(exclude=layer.parameters())
+    >>> with meter:
+    ...     y = layer(torch.randn(8, 256, requires_grad=True)).relu()
+    >>> meter.bytes  # the input of the matmul and the ReLU result: 2 x 8 x 256 x 4
+    16384
     """
 
     def __init__(

@@ -1,37 +1,9 @@
-"""Where each worker of the local executor runs on CUDA: its device, its stream, and the joins
-that order its stream with the caller's.
+"""Where each worker runs on CUDA: its device, its stream, and the joins that order its stream
+with the caller's.
 
-In PyTorch the current device and the current stream are both thread-local: a fresh worker
-thread starts on cuda:0 with that device's default stream, whatever the caller had made current.
-So every worker enters its own :class:`Lane` (device and stream) before its first action
-(:func:`enter_lane`), on a pool thread as on the caller's own thread.
-
-Which stream (:func:`own_streams`, decided per phase over the workers that run in this process):
-
-- a worker alone on its CUDA device runs on the caller's current stream of that device: its
-  kernels are ordered with what the caller did before (inputs, the optimizer's update) and
-  after (reading outputs, ``p.grad`` and the loss), with no join at all;
-- workers sharing a CUDA device (K stages on one GPU) each get a stream of their own on it, so
-  that their kernels may overlap and the CUDA events that time them
-  (:class:`~giantpipe.engine.stats.CudaClock`) time one worker each. Those streams are joined
-  with the caller's at both ends of a phase::
-
-      caller's stream  --(join_from_caller)-->  worker streams: the phase's actions
-      caller's stream  <--(join_to_caller)---   worker streams        (outputs, p.grad, loss)
-
-  A value handed between two of them waits for the event its producer recorded and is marked
-  in use on the consumer's stream (:class:`~giantpipe.engine.microbatch.CopyStreams`).
-
-Memory allocated on a worker's stream (activations, gradients, ``p.grad``) and freed later by
-the caller needs no ``record_stream``: the allocator hands a block back only to allocations on
-the stream it came from, that stream's next phase starts with a wait for the caller's stream
-(so after every kernel the caller queued reading the block), and a worker's stream is the same
-object step after step (:func:`worker_stream`).
-
-None of this can run without a GPU: the stream objects, ``wait_stream`` and the thread-local
-current stream are proven by ``benchmarks/gpu_check.py``. On CPU, a lane is its device alone
-and entering it does nothing; the tests check which worker enters which lane, and the table
-of :func:`own_streams`.
+Device and stream are thread-local in PyTorch, so every worker enters its :class:`Lane` before
+its first action; a worker alone on its GPU takes the caller's stream, workers sharing one get
+streams of their own, joined with the caller's: docs/engine-internals.md#streams-on-cuda.
 
 Example::
 

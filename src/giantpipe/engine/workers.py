@@ -1,28 +1,8 @@
-"""The local executor's workers: long-lived threads that run a step's tasks, step after step.
+"""The executor's workers: long-lived threads that run a step's tasks, step after step.
 
-A fresh thread's first action is slow (cold allocator caches and torch's
-per-thread state: 103 against 68 ms for one AmoebaNet stage), so a :class:`~giantpipe.GPipe`
-keeps its workers in a :class:`WorkerPool`::
-
-    step 1:  start giantpipe-worker-0..K-1  -> run  -> idle (blocked on their queue)
-    step 2:                                    run  -> idle
-    failure: the caller hears at once;         run  -> retired: each ends after its current
-             the next step joins the retired           action, the others' stop at their next
-    pipe.close() or the pipe collected:                all joined
-
-A run returns as soon as one task fails (or the caller is interrupted): nobody waits for a slow
-stage to finish what it is computing. Its threads are retired, and the next run (or ``close``)
-joins them before it starts, so a thread of a failed step never overlaps the next one (think of
-``except torch.OutOfMemoryError``: retry with a smaller batch on the same pipe). Threads are
-daemons, named ``giantpipe-worker-<i>``, at most one per worker of the largest schedule run. A
-thread holds nothing of a finished step: the task and its closure are dropped before it waits.
-
-At interpreter exit every worker thread still alive is stopped and joined (:func:`_join_at_exit`,
-an atexit hook; a retired one for at most its run's timeout), pools dropped or not. A daemon
-thread must not outlive the interpreter inside torch: when a failed step's thread finishes its
-last kernel during finalization, taking the GIL back ends the thread with ``pthread_exit``,
-whose unwinding through torch's ``noexcept`` GIL guard calls ``std::terminate``
-("terminate called without an active exception", exit status 134 after a caught exception).
+A :class:`WorkerPool` keeps its threads between steps (a fresh thread's first action is slow),
+retires those of a failed step and joins them before the next, and at interpreter exit stops
+every thread still alive: docs/engine-internals.md#worker-threads.
 
 Example::
 
@@ -60,7 +40,8 @@ _alive_lock = threading.Lock()
 
 
 class WorkerPool:
-    """Runs each of a list of tasks on its own long-lived thread; see the module docstring."""
+    """Runs each of a list of tasks on its own long-lived thread
+    (docs/engine-internals.md#worker-threads)."""
 
     def __init__(self) -> None:
         # The threads see only this list (never the pool), so dropping the pool stops them.

@@ -1,9 +1,5 @@
 """Metrics: what an optimizer step reports and where it goes.
 
-Imported by the runner (and scripts reading ``metrics.jsonl``); imports nothing of giantpipe
-but ``giantpipe.config`` (the engine's step statistics are duck-typed), and matplotlib only to
-draw a picture.
-
     step.py       the step record: StepRecord, the Window that sums records, breakdown
     logger.py     the loop's door: MetricsLogger fans records out to the sinks, draws the curves
     progress.py   progress: a tqdm bar on a terminal, log lines elsewhere (nohup, clusters)
@@ -13,8 +9,8 @@ draw a picture.
     curves.py     curves.png: loss and evaluation figures against the step
     sweep.py      the sweep table: sweep.md, sweep.csv and sweep.png of a multirun
 
-``write_sweep_table`` is importable from here too: the command line's sweep callback imports
-it by that name once a multirun ends.
+It imports nothing of giantpipe but ``giantpipe.config``, and matplotlib only to draw;
+``write_sweep_table`` is importable from here for the command line's sweep callback.
 """
 
 from __future__ import annotations

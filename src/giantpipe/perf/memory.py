@@ -1,18 +1,9 @@
 """Memory sized without allocating it: the live-bytes tracker, tensor specs and fake copies.
 
-- :class:`LiveBytesTracker` is a dispatch mode that sees every aten op. Each storage an op
-  returns is counted once (views and in-place results share their storage and add nothing) and
-  uncounted by a weakref callback when the storage dies, so ``live`` follows allocations and
-  frees exactly as a caching allocator's "allocated bytes" would, minus rounding. Storages of
-  fake and meta tensors have a size but no data, so a 1.8B-parameter model can be sized on a
-  laptop (``torch.distributed._tools.mem_tracker.MemTracker`` works so too, without its module
-  bookkeeping). :class:`AllocatorTracker` reads the same figures off the CUDA allocator.
-  (Not to be confused with the engine's saved-bytes meter, which counts only what autograd
-  keeps for backward.)
-- A stage is measured alone, so its inputs (activations from the previous stage) and its output
-  gradients (from the next one) are made from specs (:class:`TensorSpec`) at the moment the
-  real pipeline would receive them; under ``FakeTensorMode`` they are fake too.
-- :func:`as_fake` turns a meta model into fake tensors, in place.
+:class:`LiveBytesTracker` follows every storage aten ops make and free (fake and meta ones too,
+so a large model is sized on a laptop), :class:`AllocatorTracker` reads the CUDA allocator, and
+:class:`TensorSpec` makes a stage's inputs when it would receive them
+(docs/performance.md#memory-without-allocating-it).
 
 Example::
 
@@ -22,9 +13,6 @@ Example::
     ...     y = (x * 2).relu()                   # x * 2 dies as soon as relu returns
     >>> mem.peak
     12582912
-    >>> spec = spec_of((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))
-    >>> spec_bytes(spec), [t.shape for t in make(spec)]
-    (40, [torch.Size([2, 3]), torch.Size([2])])
 """
 
 from __future__ import annotations
@@ -180,7 +168,12 @@ def spec_of(x: Any, grad: bool = False) -> Spec:
 
 
 def spec_bytes(spec: Spec) -> int:
-    """Bytes of the tensors a spec describes (each counted, as separate copies on a device)."""
+    """Bytes of the tensors a spec describes (each counted, as separate copies on a device).
+
+    >>> spec = spec_of((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))
+    >>> spec_bytes(spec), [t.shape for t in make(spec)]
+    (40, [torch.Size([2, 3]), torch.Size([2])])
+    """
     if isinstance(spec, TensorSpec):
         return spec.nbytes
     return sum(s.nbytes for s in spec)

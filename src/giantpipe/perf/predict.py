@@ -1,39 +1,15 @@
 """The simulator's forecast of a pipeline's step, from its stages measured on this machine.
 
+Each stage profiled alone, each worker's actions replayed by the executor with nothing waiting,
+the executor's hand-over per action and the workers' contention feed the simulator; this module
+reads a pipe through :class:`PipeView` and the engine never imports it
+(docs/performance.md#forecasting-a-step-from-measured-stages).
+
+Example::
+
     prediction = predict(pipe, x, y, nn.functional.cross_entropy)  # pipe: a GPipe
     pipe.train_step(x, y, nn.functional.cross_entropy)
     prediction.step_time_s, pipe.last_stats.wall_time_s             # predicted, measured
-    prediction.bubble, pipe.last_stats.bubble
-
-Four measurements feed :func:`~giantpipe.perf.simulate.simulate`:
-
-- each stage alone (:func:`~giantpipe.perf.stage_profile.profile_stages`): the bytes it keeps
-  for backward, and times for what the replay below does not run;
-- each worker's own actions run by the executor in the schedule's order, alone, nothing waiting
-  (:func:`replay`): forward, backward, recompute and weight-gradient times as a real step sees
-  them;
-- the executor's hand-over per action (:func:`executor_overhead`): mailbox, waking the waiting
-  thread;
-- how much more busy time the workers need when they all run at once than alone (the same
-  replay, all workers together): CPU stand-ins share the machine's cores and memory bus, and
-  every worker's Python work serialises on the GIL; the simulator slows only the actions that
-  really overlap.
-
-Why the replay: :func:`~giantpipe.perf.stage_profile.profile_stages` times a stage by running
-its forward again and again on one input. The executor does something else: a worker of 1F1B
-runs a forward right after a backward of another micro-batch, each on fresh memory, with its
-bookkeeping (mailbox, meter, RNG hooks) around every action. On CPU stand-ins that made the
-executor's forwards 10-19% slower than the isolated profile's under 1F1B (8-block MLP, 64 rows
-per micro-batch, 2 cores), and the forecast too optimistic by as much. So :func:`replay` lets
-the executor run each worker's own action list of the real schedule, in its order, on that
-worker's pool thread, with a mailbox that hands every action its activation or gradient at once
-(:class:`CannedMailbox`): nothing waits, and every action is timed as in a real step
-(:class:`~giantpipe.engine.stats.ActionTiming`). The median per stage and kind of action
-replaces the profile's times. Parameters' gradients, buffers and deferred BatchNorm's
-accumulators are put back afterwards.
-
-This module reads a pipe through :class:`PipeView` (``GPipe`` has all of it) and never imports
-the engine's ``GPipe``; the engine never imports this module: callers hand it the pipe.
 """
 
 from __future__ import annotations

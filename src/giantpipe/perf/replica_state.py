@@ -1,20 +1,7 @@
 """The bytes of a stage's training state a rank holds when the stage is spread over R replicas
-on FSDP2 (``pipeline.replica_sharding``, ``engine/distributed/replicas.py``): at the step's
-peak, and between steps.
+on FSDP2 (``pipeline.replica_sharding``): at the step's peak, and between steps.
 
-A layer with ``w`` bytes of parameters and ``s`` optimizer slots per parameter (RMSProp 1,
-Adam 2) costs a rank, at the peak of a step (its backward)::
-
-    R = 1                   w (parameters) + w (gradients) + s w (optimizer)    = (2 + s) w
-    none                    the same, and w more: FSDP2's replicate computes with unsharded
-                            parameters beside its replicated ones                = (3 + s) w
-    grads, or full under    w (gathered parameters) + w (unsharded gradients,
-    zb-h1 / zb-v            accumulated over the micro-batches) + (2 + s) w / R  (its shards)
-    full                    w (unsharded gradients) + (2 + s) w / R, and per stage one
-                            unit gathered at a time: its largest layer's parameters
-
-and, between steps, ``(2 + s) w`` divided by R in both sharded modes (the optimizer steps on
-the shards). benchmarks/replica_memory.py measures both (results/replicas/memory.md).
+Per sharding mode, the table: docs/performance.md#a-replicas-share-of-a-stages-state.
 
 Example::
 
@@ -66,7 +53,7 @@ class ReplicaSharding:
 
     def layer_bytes(self, weights: float, slots: int) -> float:
         """A layer's state at the step's peak: ``weights`` bytes of parameters, ``slots``
-        optimizer slots per parameter (see the module docstring)."""
+        optimizer slots per parameter (docs/performance.md#a-replicas-share-of-a-stages-state)."""
         if self.replicas == 1:
             return float((2 + slots) * weights)
         if self.mode == "none":

@@ -1,27 +1,8 @@
 """The pipeline simulator: any schedule, run against a cost per action instead of a model.
 
-It replays a schedule exactly as the local executor runs it (each worker takes its actions in
-order; an action starts when its worker is free and its inputs have arrived) and reports the
-step time, the bubble and the peak memory of each worker. The costs come from a profile of the
-real model on the real device (:func:`giantpipe.perf.stage_profile.profile_stages`, or
-``giantpipe.perf.predict.predict(pipe, x, y, loss_fn)``) or from a FLOP-and-byte model of a
-device (the planner, :mod:`giantpipe.perf.planner`). Where workers share hardware (CPU
-stand-ins share cores and memory bandwidth), ``contention`` slows the actions down while, and
-only while, they overlap.
-
-How each action is timed, for stage s of micro-batch m (stage s on worker placement[s])::
-
-    F  waits for the activation of stage s-1 (+ send time when s-1 is on another worker);
-       runs ``forward``, or ``forward_no_grad`` if m will be re-materialized
-    B  replays the forward first (``recompute``, if m is re-materialized; the executor does it
-       before it waits, so it overlaps the wait), then waits for the gradient of stage s+1,
-       then runs ``backward`` (or ``backward_input`` when the schedule has a W for it)
-    W  runs ``weight`` as soon as the worker is free
-
-Memory follows the executor's accounting: F keeps the stage input and, unless m is
-re-materialized, the activations autograd saves; a recompute adds the activations back; B (or
-W, where the backward is split) frees them all. Parameters, gradients and optimizer state are
-``static_bytes``, resident throughout.
+It replays a schedule as the executor runs it and reports the step time, the bubble and each
+worker's peak memory; costs come from a profile of the real model (:mod:`.predict`) or a
+device model (the planner). The rules: docs/performance.md#the-simulators-rules.
 
 Example (equal costs: GPipe's bubble is exactly (K-1)/(M+K-1))::
 

@@ -1,29 +1,8 @@
 """The largest model that trains in a memory budget per device: predict, search, measure.
 
-1. Profile: each layer of a small template model (AmoebaNet-D (9, D), Transformer-L with one
-   layer) runs once under fake tensors for one micro-batch
-   (:func:`~giantpipe.perf.stage_memory.profile_layer_memory`). A model of depth L repeats the
-   template's layers (``family.expand``): cells of one stack are identical from the third on,
-   Transformer layers all are. The families themselves are model-specific and live with the
-   recipe that uses them (recipes/model_sizes.py); this module knows them by
-   :class:`ModelFamily`.
-2. Predict: for each width D, the deepest L whose best balance (:func:`balance_memory`, cut by
-   :func:`~giantpipe.perf.balance.solve_balance`) keeps every predicted stage peak
-   (:func:`stage_peaks`) under the budget (binary search on L): :func:`size_model`.
-3. Measure: the best candidate is built on the meta device and each of its stages runs a real
-   training step with the engine (:func:`~giantpipe.perf.stage_memory.measure_stage`). If a
-   stage is over budget after all, the next smaller candidate is measured. Every reported
-   number comes from step 3 (:func:`confirm`).
-
-A stage that re-materializes ('always') holds, at its peak (the first backward)::
-
-    resident   weights + gradients + optimizer slots of its layers
-  + M x input  its boundary input, kept for every micro-batch
-  + backward   one micro-batch's activations, recomputed through the whole stage, and the
-               extra bytes of the backward: max over layers j of (saved by layers 1..j +
-               transient of j), as later layers' activations are freed when j runs
-
-Without re-materialization ('never') the other M - 1 micro-batches' activations are kept too.
+Each layer of a small template is profiled under fake tensors, the deepest model per width
+whose stage peaks fit is searched, and the best is confirmed by measuring its stages; the model
+families live with recipes/model_sizes.py (docs/performance.md#sizing-the-largest-model).
 
 Example::
 
@@ -31,7 +10,6 @@ Example::
     setting = Setting.uncut("Pipeline-2", 2, chunks=128, recompute="always")
     sizes = search(family, [setting], budget=8 * 2**30, widths=[256, 512], depths=range(6, 200, 6))
     confirmed = confirm(family, sizes, budget=8 * 2**30)
-    confirmed.size.params, confirmed.stages[0].peak
 """
 
 from __future__ import annotations
@@ -161,8 +139,8 @@ def stage_peaks(
     recompute: str,
     replicas: ReplicaSharding | None = None,
 ) -> list[int]:
-    """Predicted peak bytes of each stage (see the module docstring for the sum) under the
-    re-materialization mode ``recompute`` ('always', 'except_last' or 'never'), each stage
+    """Predicted peak bytes of each stage (the sum: docs/performance.md#sizing-the-largest-model)
+    under the re-materialization mode ``recompute`` ('always', 'except_last' or 'never'), each stage
     spread over ``replicas`` (default: one).
 
     Example::

@@ -1,23 +1,8 @@
 """Bytes a pipeline stage and its layers hold, measured by running them under the tracker.
 
-:func:`measure_stage`: one stage's real training step, run by the engine itself. The stage runs
-the engine's own actions (:class:`giantpipe.engine.executor.StepRun`'s ``forward`` and
-``backward``, in the order the schedule gives this stage, with the engine's re-materialization)
-and then a real optimizer step. Only this stage is on the "device": its input activations are
-made when the schedule would receive them, its outputs and input gradients are dropped when they
-would be sent on. The step runs in the caller's thread (the engine's workers are threads, and
-fake-tensor and dispatch modes are thread-local), so under fake tensors
-:class:`~giantpipe.perf.memory.LiveBytesTracker` counts live bytes; on CUDA, the allocator's
-``max_memory_allocated`` does (:class:`~giantpipe.perf.memory.AllocatorTracker`). The optimizer
-state exists before the step (as from step 2 on), gradients are set to None after it, as
-``zero_grad()`` does, so the peak is the steady-state one. Under GPipe's fill-drain schedule
-each extra micro-batch adds exactly what one forward leaves on the device (its stored input; its
-activations under 'never') and its target, so with ``extrapolate`` the step runs M = 2 and is
-extended linearly to M (tests check this against direct runs); other schedules run all M.
-
-:func:`profile_layer_memory`: each layer of a model once, forward and backward, for one
-micro-batch (:class:`LayerMemory`); the model-size search (:mod:`giantpipe.perf.sizing`)
-predicts stage peaks from these, and :func:`measure_stage` confirms the model it reports.
+:func:`measure_stage` runs one stage's real training step with the engine's own actions and an
+optimizer step, alone on its "device"; :func:`profile_layer_memory` runs each layer once, from
+which :mod:`.sizing` predicts (docs/performance.md#memory-without-allocating-it).
 
 Example::
 

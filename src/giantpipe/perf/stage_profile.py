@@ -1,18 +1,8 @@
 """Measured stage costs for the simulator: each stage alone on its device, on one micro-batch.
 
-Each stage runs the way the executor runs it: on a worker thread of its own with the same
-intra-op threads, grad mode and autocast, on detached input leaves, under the same saved-tensor
-meter, with the RNG hooks seeded, deferred BatchNorm accumulating its statistics (the recompute
-alone is timed under ``recomputing``, as the executor replays it), the loss on the last stage.
-On small stages these are no small part of the cost: the meter's Python hooks, the statistics
-and a fresh thread's cold allocator made the executor's actions 1.3-1.5x slower than the stage
-run bare (AmoebaNet-D (3,16), 32px, 16 per micro-batch, on 2 cores).
-Timed (median of ``repeats`` after a warm-up): forward with and without autograd, the recompute,
-the whole backward, and the backward split into B (input gradients) and W (weight gradients).
-Counted: the bytes of the stage input and of what autograd saves. Parameters' gradients, every
-buffer (BatchNorm running statistics) and deferred BatchNorm's accumulators are left as they
-were, and dropout draws from a fixed seed. :mod:`giantpipe.perf.predict` turns these costs into
-a forecast of a step.
+Each stage runs the way the executor runs it (its own thread, the meter, the RNG hooks, deferred
+BatchNorm), timed forward, recompute, backward and B/W, and its bytes counted; buffers and
+gradients are left as they were (docs/performance.md#forecasting-a-step-from-measured-stages).
 
 Example::
 

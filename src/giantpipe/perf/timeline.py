@@ -1,10 +1,8 @@
-"""Drawing a step, simulated or as the executor ran it: as text (docs, logs, tests) or as a
-PNG (matplotlib, lazily).
+"""Drawing a step, simulated or as the executor ran it: as text, a PNG, or a Perfetto trace.
 
-One row per worker, one box per action: F blue, B green, W orange, the recompute that opens a
-re-materialized B hatched, waiting blank. A measured step (``pipe.last_timings``, the
-executor's :class:`~giantpipe.engine.stats.ActionTiming` of every action) is drawn the same way
-by :func:`plot_measured`, so the two can be set side by side.
+One row per worker, one box per action (F blue, B green, W orange, a recompute hatched);
+:func:`plot_measured` draws ``pipe.last_timings`` the same way and :func:`write_trace` writes
+both as one Chrome / Perfetto trace.
 
 Example::
 
@@ -14,14 +12,6 @@ Example::
     >>> print(render_text(sim))
     worker 0 | F0 F1 .  B0 F2 B1 .  B2
     worker 1 | .  F0 B0 F1 B1 F2 B2 .
-
-    plot_timeline(sim, "outputs/1f1b_k2_m3.png", title="1F1B, K=2, M=3")
-    plot_measured(pipe.last_timings, pipe.step_schedule(), "outputs/1f1b_measured.png")
-
-Both steps can also be written as one Chrome / Perfetto trace (:func:`write_trace`): one track
-per stage (per rank under torchrun), the measured step beside the simulated one::
-
-    write_trace("outputs/trace-step5.json", [pipe.last_timings], sim)
 """
 
 from __future__ import annotations

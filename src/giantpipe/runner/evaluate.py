@@ -1,14 +1,8 @@
 """Evaluation: the pipeline's forward over the eval batches, no gradients, eval mode.
 
-One evaluation for both executors. Every process runs the same number of forwards (rank 0,
-which reads the data, says how many); the processes holding stage 0 feed their replica's slice
-of each batch, those holding the last stage score the outputs, and the tallies are summed over
-the world, so every process returns the figures of the whole evaluation set. The local executor
-is a world of one, where the sums and the count are its own.
-
-The data's whole-model evaluation (e.g. BLEU by decoding, :attr:`DataBundle.evaluate_model`)
-runs on every process through the pipe's stages, no process holding more than its own
-(:func:`whole_model_figures`).
+One evaluation for both executors: every process runs the same forwards and returns the figures
+of the whole evaluation set; the data's whole-model figures run through the pipe's stages
+(:func:`whole_model_figures`): docs/architecture.md#one-runner-for-both-executors.
 
 Example::
 

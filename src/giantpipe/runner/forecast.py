@@ -1,32 +1,14 @@
 """Measured vs predicted in every run: the simulator's forecast beside the engine's own figures.
 
-After the run's first optimizer step (the warm-up), the stages are profiled once on that step's
-first batch (:func:`giantpipe.perf.predict.predict` with ``repeats=1``) and the schedule is
-simulated. The profile restores gradients and BatchNorm statistics itself; the RNG streams are
-forked around it and the batch is one already trained on, so the run trains exactly as with
-``trainer.predict=false``.
-At the end the prediction is set against the mean measured engine step (``train_step`` wall
-time, optimizer update excluded) and bubble of the steps after it::
-
-    predicted step 0.123 s bubble 0.20 | measured 0.131 s bubble 0.22 (+6%)
-
-with a warning when the measured step departs from the predicted one by more than 25%, and the
-two steps are drawn side by side in the run directory: ``timeline_predicted.png`` (the
-simulation) and ``timeline_measured.png`` (the run's last engine step, as the executor timed
-each action).
-
-Under torchrun a rank holds only its own stages, so nothing can be replayed in one process: the
-forecast is made after the second step (the first opens the connections) from the executor's
-own timings of that step on every rank, gathered on rank 0, and each boundary between two ranks
-probed for the time its values take to cross (:mod:`giantpipe.perf.measured`); the measured
-steps it is set against are those after it. Only the predicted timeline is drawn (the ranks'
-clocks are not one clock).
+After the warm-up step the stages are profiled once (under torchrun: the ranks' own timings
+after the second step), and at the end the prediction is set against the measured steps, with a
+warning above a 25% gap and the timelines drawn: docs/performance.md#the-simulator-beside-every-run.
 
 Example::
 
     forecast = Forecast(world)
     forecast.after_step(parts, "fp32", batches[0], stats, step, more=True)  # every step
-    forecast.report()                                                  # logs the line above
+    forecast.report()                                           # logs predicted vs measured
     summary.update(forecast.figures())                                 # pipeline/predicted_*
 """
 

@@ -1,26 +1,9 @@
 """The run directory: where a run starts or resumes, one run at a time, nothing left half-written.
 
-Decided before anything is written:
-
-- a fresh run refuses a directory that holds a checkpoint (``last/``, or a ``last.pt`` of the
-  earlier format) or another run's record without one (``metrics.jsonl``, ``summary.json``;
-  ``trainer.overwrite=true`` moves that record aside into ``replaced-N/`` instead);
-- a resume needs a checkpoint, and one from elsewhere may not replace the run this directory
-  holds; ``trainer.resume=auto`` resumes where there is one, starts where there is none (moving
-  an unfinished run's record aside) and skips a run that completed (:func:`finished_run`), so
-  one command restarts a killed sweep;
-- a directory whose ``last/`` lost its commit record (a save folder but no ``manifest.json``) or
-  that keeps ``step_N/`` checkpoints without a ``last/`` is refused by every mode, naming the
-  newest good ``step_N/`` to resume from (:func:`lost_last`): starting over would rewrite it;
-- a resume continues the same run: :func:`check_resumed_config` refuses a changed
-  ``trainer.seed``, ``model.*`` or ``data.*`` (against the ``config.yaml`` the run saved) unless
-  ``trainer.resume_changed`` names the change;
-- one run at a time: :class:`RunLock` (``.giantpipe.lock``, the holder's PID, host and start)
-  refuses a second run naming the holder, and takes over a lock whose process is gone.
-
-Once the checkpoint to resume from has been read, :func:`clean_interrupted_saves` removes
-what killed saves left in the run's checkpoint directories, under giantpipe's own names only, and
-only beside a manifest that commits another save.
+Decided before anything is written: a fresh run, a resume or ``trainer.resume=auto`` against
+what the directory holds (:func:`resume_point`), a changed config refused
+(:func:`check_resumed_config`), one run at a time (:class:`RunLock`), and what killed saves
+left removed (:func:`clean_interrupted_saves`): docs/running.md#where-a-run-starts-or-resumes.
 
 Example::
 

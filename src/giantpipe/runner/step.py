@@ -1,14 +1,9 @@
 """One optimizer step's worth of engine steps: gradient accumulation with exact scaling.
 
-With ``A`` batches per optimizer step, each engine step's loss is weighted so the accumulated
-gradients equal those of one batch made of all ``A``: by batch size for mean losses, or by the
-combined normalizer (e.g. total non-pad tokens) for summed losses.
-
-The same code drives both executors. A process feeds the pipe only what its stages need: under
-torchrun, stage 0's ranks the inputs, the last stage's ranks the targets, the others ``None``
-batches; with R replicas each batch is split in R along dim 0, replica r taking slice r, so a
-step trains on the same samples as the local executor's. The local executor (a world of one)
-holds every stage and one replica.
+Each engine step's loss is weighted so the accumulated gradients equal those of one batch made
+of all A, and each process feeds only what its stages need, its replica's slice
+(docs/architecture.md#one-runner-for-both-executors). fp16: pass the run's scaler, unscale
+before clipping, step through it.
 
 Example::
 
@@ -16,12 +11,6 @@ Example::
                                        precision="fp32", devices=["cpu", "cpu"])
     norm = pipe.clip_grad_norm_(1.0)
     optimizer.step()
-
-fp16 scales the loss: pass the run's scaler, unscale before clipping, step through it::
-
-    loss, stats = accumulate_gradients(pipe, batches, loss_fn, None, "fp16", devices, scaler)
-    scaler.unscale_(optimizer); pipe.clip_grad_norm_(1.0)
-    scaler.step(optimizer); scaler.update()
 """
 
 from __future__ import annotations

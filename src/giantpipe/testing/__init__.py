@@ -1,15 +1,9 @@
 """Testing helpers: what tests, benchmarks and recipes use to check a pipeline and start ranks.
 
-- :mod:`.reference`: the plain reference step, the un-pipelined model taking a pipeline's step
-  (``reference_step``, ``accumulate_micro_batches``, ``plain_forward``, ``step_seed``);
-- :mod:`.world`: a world of ranks on this machine (``free_port``, ``rank_env``);
-- :mod:`.gpu`: where the GPU checks run, CUDA devices or CPU stand-ins (``GpuOptions``).
-- :mod:`.outputs`: where a script writes its report, ``outputs/`` or (``--update-results``)
-  ``results/`` (``add_output_options``, ``output_path``);
-- :mod:`.reads`: the bytes a process reads from disk, and files dropped from the page cache.
-
-It sits beside the entry points, above the engine, perf and runner: the library itself never
-imports it.
+Its modules: :mod:`.reference` (the plain reference step), :mod:`.world` (a world of ranks on
+this machine), :mod:`.gpu` (CUDA devices or CPU stand-ins), :mod:`.outputs` (where a script
+writes its report), :mod:`.held` and :mod:`.reads` (what a process holds, and reads from disk).
+It sits beside the entry points; the library itself never imports it.
 
 Example::
 

@@ -1,14 +1,10 @@
 """Where the GPU checks run: the CUDA devices of this machine, or CPU stand-ins (a dry run).
 
-The GPU tests (``tests/gpu``, marker ``gpu``) and the GPU measurements (``benchmarks/gpu_*.py``)
-read one :class:`GpuOptions` from the environment, which ``benchmarks/gpu_check.py`` sets for
-each case it runs: ``GIANTPIPE_GPU_STANDINS=1`` runs them on CPU stand-ins at tiny sizes (what
-this machine can prove of the GPU path), ``GIANTPIPE_GPU_QUICK=1`` at the short budget's sizes,
-``GIANTPIPE_GPU_INJECT`` plants a test-only fault (``hang``: a stage that never returns;
-``wrong``: a perturbed weight) to prove that the check reports it, ``GIANTPIPE_GPU_TIMEOUT``
-replaces every ceiling (:func:`ceiling`).
-
-Example:
+``tests/gpu`` and ``benchmarks/gpu_*.py`` read one :class:`GpuOptions` from the environment
+that ``benchmarks/gpu_check.py`` sets per case: ``GIANTPIPE_GPU_STANDINS=1`` (CPU stand-ins at
+tiny sizes), ``GIANTPIPE_GPU_QUICK=1`` (the short budget's sizes), ``GIANTPIPE_GPU_INJECT``
+(a planted ``hang`` or ``wrong`` weight, to prove the check reports it) and
+``GIANTPIPE_GPU_TIMEOUT`` (every ceiling, :func:`ceiling`).
 
 >>> opts = GpuOptions.from_env({"GIANTPIPE_GPU_STANDINS": "1"})
 >>> opts.dry, opts.gpus, opts.devices()

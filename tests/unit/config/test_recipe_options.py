@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,8 +19,15 @@ from giantpipe.config import SCHEMAS, OptimConfig, PipelineConfig
 CONF = Path(__file__).resolve().parents[3] / "conf"
 register_configs(CONF)
 
-TUNED = ("model", "data", "pipeline", "optim")
-"""Groups whose options a recipe may tune, each in its own file."""
+TUNED = tuple(
+    key.removeprefix("optional recipe@")
+    for entry in yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
+    if isinstance(entry, dict)
+    for key in entry
+    if key.startswith("optional recipe@")
+)
+"""Groups whose options a recipe may tune, each in its own file: those config.yaml layers a
+recipe's file over (``optional recipe@GROUP: ${recipe}/GROUP/${GROUP}``)."""
 CARRIED = {"name", "trainer", "sweep", "data.image_size", "data.batch_size", "data.num_classes"}
 """What a recipe file sets for every option alike: the README lists exactly these."""
 RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))

@@ -22,6 +22,7 @@ torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared mach
 
 VOCAB, STEPS = 41, 8
 ROWS = [[5, 17, 9, 30, 2, 11], [8, 9], [4, 4, 21, 6]]  # three lengths in one micro-batch
+PAD_ID = 0
 
 
 def lm() -> nn.Sequential:
@@ -60,6 +61,20 @@ def test_rows_left_padded_with_pad_id_decode_as_alone() -> None:
     assert generate(lm(), [tokens], [STEPS], Decoding(pad_id=0)) == [want]
     # without pad_id the zeros are tokens: the padded rows continue something else
     assert generate(lm(), [tokens], [STEPS], Decoding())[0][1] != want[1]
+
+
+def test_a_pad_id_inside_a_prompt_is_one_of_its_tokens() -> None:
+    """The pad token may also be a token of a prompt: only the padding in front of a row is
+    masked. Each row, given as a list or left-padded in a tensor, decodes as that prompt alone
+    with no pad_id at all (nothing masked); a list row may even begin with the pad token."""
+    inner = [[5, 0, 9, 30, 0, 11], [8, 0, 9], [0, 4, 21, 6]]
+    plain = [generate(lm(), [torch.tensor([row])], [STEPS], Decoding())[0][0] for row in inner]
+    assert not any(PAD_ID in out for out in plain)  # so the batched output drops nothing
+    got = generate(lm(), [inner], [STEPS], Decoding(pad_id=PAD_ID))
+    assert got == [plain]
+    padded = torch.tensor([inner[0], [PAD_ID] * 3 + inner[1]])  # a tensor: leading pads only
+    got = generate(lm(), [padded], [STEPS], Decoding(pad_id=PAD_ID))
+    assert got == [plain[:2]]
 
 
 def test_the_prompt_rows_and_the_padding_are_checked() -> None:

@@ -1,5 +1,6 @@
-"""Sinks and pictures: the TensorBoard sink holds the scalars; every run draws curves.png; a
-sweep's table lists every job (refused ones too) with its swept keys and objective."""
+"""Sinks and pictures: the TensorBoard sink holds the scalars; every run draws curves.png (its
+pixels checked); a sweep's table lists every job (refused ones too) with its swept keys and
+objective."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from giantpipe.config import LoggerConfig
@@ -66,10 +68,45 @@ def test_no_event_file_unless_asked(tmp_path: Path) -> None:
     assert not (tmp_path / "tensorboard").exists()
 
 
+def drawn_in(image: np.ndarray, colour: str) -> tuple[np.ndarray, np.ndarray]:
+    """The rows and columns of ``image``'s pixels of ``colour`` (a matplotlib colour name)."""
+    from matplotlib.colors import to_rgb
+
+    want = np.array(to_rgb(colour))
+    return np.nonzero(np.abs(image[..., :3] - want).max(axis=-1) < 0.02)
+
+
 @pytest.mark.parametrize("jsonl", [True, False])
 def test_every_run_draws_its_loss_and_evaluation_curves(tmp_path: Path, jsonl: bool) -> None:
+    """curves.png, read back as pixels, is the picture of what the run logged (the loss's window
+    means 1.5 and 0.58 at steps 2 and 4, the evaluation at 4), and that picture holds curves: a
+    loss panel where the training loss (tab:blue) falls from left to right across it and the
+    evaluation loss (tab:red) is a point at its last step, an accuracy panel with its point."""
+    from giantpipe.metrics.curves import plot_curves, pyplot
+
     run(tmp_path, jsonl=jsonl)
-    assert (tmp_path / "curves.png").read_bytes().startswith(PNG)
+    path = tmp_path / "curves.png"
+    assert path.read_bytes().startswith(PNG)
+    image = pyplot().imread(path)
+    logged = [
+        {"kind": "train", "step": 2, "loss": 1.5},
+        {"kind": "train", "step": 4, "loss": (2 / 3 + 2 / 4) / 2},
+        {"kind": "eval", "step": 4, "loss": 0.7, "accuracy": 0.5},
+    ]
+    drawn = plot_curves(logged, tmp_path / "logged.png")
+    assert drawn is not None
+    assert np.array_equal(image, pyplot().imread(drawn)), "not the picture of what was logged"
+    assert image.shape[:2] == (400, 2 * 550)  # two panels of 5.5 x 4 inches at 100 dpi
+    loss, accuracy = image[:, :550], image[:, 550:]
+    rows, columns = drawn_in(loss, "tab:blue")
+    assert columns.size > 0, "no training loss drawn"
+    first, last = columns.min(), columns.max()
+    assert last - first > 550 / 2  # a line across the panel, not only the legend's key
+    assert rows[columns == first].mean() < rows[columns == last].mean()  # falling: 1.5 to 0.58
+    _, red = drawn_in(loss, "tab:red")
+    assert red.size > 0, "no evaluation loss drawn"
+    assert abs(int(red.max()) - int(last)) < 10  # the evaluation's point at step 4
+    assert drawn_in(accuracy, "C0")[0].size > 0, "no evaluation accuracy drawn"
 
 
 def job(sweep: Path, number: int, overrides: str, summary: dict | None) -> None:

@@ -1,20 +1,9 @@
 """Image classification DataBundles for the runner: generated, random, and ImageNet-style folders.
 
-Three builders, one per ``data=`` option:
-
-- :func:`generated_images` (``data=images_generated``): learnable textured images rendered from a
-  seed, no files (the quick start);
-- :func:`random_images` (``data=images_random``): random pixels and labels, one fixed batch, for
-  throughput measurements (what torchgpipe's benchmarks call fake data);
-- :func:`image_folder` (``data=images_folder``): ImageNet laid out as ``train/<class>/*`` and
-  ``val/<class>/*`` (or parquet / arrow files through HuggingFace ``datasets``), with the paper's
-  training transforms (random-resized crop, flip, optional cutout) and evaluation transforms
-  (resize + center crop), loaded by worker processes into pinned memory when a GPU is present.
-
-Every training stream is a pure function of ``(seed, position)``, random augmentations
-included: batch ``p`` is batch ``p % per_epoch`` of epoch ``p // per_epoch``'s permutation, and
-each image's crop, flip and cutout are drawn from an RNG seeded by (seed, epoch, image index).
-So a resumed run sees exactly the batches an uninterrupted run would have seen.
+One builder per option: :func:`generated_images` (``data=images_generated``),
+:func:`random_images` (``data=images_random``) and :func:`image_folder`
+(``data=images_folder``), every training stream a pure function of ``(seed, position)``,
+augmentations included (docs/your-data.md#image-streams).
 
 Example::
 

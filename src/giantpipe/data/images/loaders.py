@@ -1,14 +1,8 @@
 """Image loaders: worker processes with a seeded order, and the resumable training stream whose
 every augmentation is drawn from (seed, epoch, image index).
 
-Batch ``p`` of the training stream is batch ``p % per_epoch`` of epoch ``p // per_epoch``'s
-permutation, and each image's crop, flip and cutout are drawn from an RNG seeded by (seed, epoch,
-image index), so a resumed run sees exactly the batches an uninterrupted run would have seen.
-
-The workers leave stop and save signals to the training process (:data:`RUN_SIGNALS`): SLURM,
-``timeout`` and a terminal's Ctrl-C signal every process of the job, and a worker that died of
-SIGTERM would fail the run (``DataLoader worker (pid N) is killed by signal``) instead of letting
-it save and stop.
+The workers leave stop and save signals to the training process (:data:`RUN_SIGNALS`), so a
+signal to the whole job lets the run save and stop (docs/your-data.md#image-streams).
 
 Example::
 

@@ -1,29 +1,9 @@
 """The ``data=text`` option: your own text as language-model batches.
 
-    python train.py recipe=llama_quickstart data=text 'data.files=[corpus/*.txt]'
-
-What :func:`text` does, in order:
-
-1. files: ``data.files``, globs (``**`` goes into folders) of ``.txt``, ``.jsonl`` (one JSON object
-   a line, its ``data.text_field``), ``.parquet`` (the ``data.text_field`` column) files, or a
-   folder a ``datasets`` dataset was saved to with ``save_to_disk`` (its ``train`` split when it
-   is a DatasetDict); a pattern that matches nothing, or a line that cannot be read, is one
-   ConfigError naming ``data.files``, the file and the line (as the translation reader does);
-2. documents: a ``.txt`` file is one document per paragraph (text between blank lines; or the
-   whole file, or each line: ``data.txt_documents``), a JSON line / parquet or dataset row is one;
-3. split: ``data.valid_fraction`` of the documents (at least one) are held out, drawn by
-   ``data.seed``, so no held-out sentence is ever trained on;
-4. tokenizer: ``data.tokenizer``, a Hugging Face tokenizer directory (read locally) or a
-   SentencePiece ``.model`` file, or else SentencePiece trained on the training documents and
-   cached beside the data (``.giantpipe_cache/`` in the first file's folder, or
-   ``data.cache_dir``), keyed by the files' content hash, the split and ``data.vocab_size``: a
-   second run, or a resumed one, reuses it;
-5. packing: each split's documents, each ended by the end-of-text token, are concatenated and cut
-   into sequences of ``data.seq_len`` + 1 tokens (input and next-token target); training batches
-   are a shuffle of these, a pure function of (seed, position), so resume sees the same batches.
-
-The evaluation loss is the held-out cross-entropy per token, so held-out perplexity is
-``exp(eval/loss)``; :func:`unigram_perplexity` is the baseline a model must beat.
+:func:`text` reads ``data.files``, cuts documents, holds out ``data.valid_fraction``, trains or
+loads the tokenizer and packs each split into ``data.seq_len`` + 1 token rows
+(docs/text-data.md#what-it-reads); the held-out perplexity is ``exp(eval/loss)``, and
+:func:`unigram_perplexity` the baseline a model must beat.
 
 Example::
 
@@ -83,7 +63,7 @@ def read_text_corpus(
     seed: int = 1234,
     run_dir: Path | None = None,
 ) -> TextCorpus:
-    """Steps 1 to 5 of the module docstring: files -> documents -> split -> tokens -> rows.
+    """What data=text reads, in order: files -> documents -> split -> tokens -> rows.
 
     Example::
 

@@ -1,19 +1,16 @@
 """Batches of multilingual translation data: language pairs sampled by temperature, token-bucketed
 batches, a resumable stream and the evaluation's fixed batches.
 
-The flow, as in the paper's multilingual setup (one model, all pairs at once)::
+One language pair per batch, drawn with p_i proportional to (n_i / N)^(1/T); the format of
+sources and targets: docs/your-data.md#translation.
 
-    corpus = load_parallel_corpus(["train.tsv"])              # giantpipe.data.translation.files
-    vocab = SharedVocabulary.train_or_load(corpus, "run/spm", vocab_size=8000)
+Example::
+
     data = encode_corpus(corpus, vocab)                       # {pair: [(src_ids, tgt_ids), ...]}
     batches = MultilingualBatches(data, max_tokens=4096, temperature=5.0, seed=0)
     batch = next(batches)                                     # TranslationBatch
     logits = model(batch.inputs())                            # (src_tokens, tgt_in_tokens)
     state = batches.state_dict()                              # save; load_state_dict(state) resumes
-
-A pair is named "src-tgt" (e.g. "en-xa"). The source starts with the target-language token
-``<2tgt>`` and ends with ``</s>``; the decoder reads ``<s> y`` and predicts ``y </s>``. Padding
-id is 0. Batches hold one language pair each, drawn with p_i proportional to (n_i / N)^(1/T).
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """The ``data=translation`` option: multilingual parallel text as a DataBundle for the runner.
 
-    python train.py recipe=transformer_quickstart     # generated corpus, written into the run dir
-    python train.py recipe=transformer_translation \\
-        data.train_files=[corpus/train.tsv] data.valid_files=[corpus/valid.tsv]
-
-What :func:`translation` does, in order:
-
-1. files: ``data.train_files`` / ``data.valid_files``, or (both null) the generated corpus of
-   ``giantpipe.data.translation.generated`` written to ``RUN_DIR/corpus``; a missing file, or a
-   line that cannot be read, is one ConfigError line naming the key, the file, the line and what
-   was expected; a held-out pair no training file holds is refused unless ``data.zero_shot``;
-2. vocabulary: ``RUN_DIR/spm.model`` (or ``data.vocab_dir``), one SentencePiece model for every
-   language with ``<2xx>`` tokens, trained on the first run and reused when it resumes;
-3. training batches: a language pair drawn by temperature, then that pair's next token-bucketed
-   batch (lengths change from step to step), a pure function of (seed, position);
-4. loss: cross-entropy summed over non-pad target tokens and divided by their count in the whole
-   mini-batch (``loss_normalizer``); tokens/s counts the same target tokens;
-5. evaluation: the loss on the held-out files, and ``evaluate_model`` decodes held-out sentences
-   for sacreBLEU per pair and averaged, next to the copy-the-source baseline and decoding tokens/s
-   (zero-shot pairs apart). Sentences longer than ``data.max_len`` never fail a run: training
-   leaves them out, the eval loss too, BLEU cuts their sources; the log counts them.
+:func:`translation` reads your files (or writes the generated corpus), trains or reuses the
+shared vocabulary, samples token-bucketed batches by temperature, normalizes the loss by target
+tokens and evaluates BLEU by decoding (docs/your-data.md#translation).
 
 Example::
 

@@ -1,14 +1,9 @@
 """Decoding a translation model: the reference greedy and beam decoders on a whole model, and the
 same searches through a pipe's stages with their key/value caches.
 
-The reference needs no engine and no import of the model's code: it reaches the model only
-through what the model object offers (:class:`Seq2Seq`: ``encode`` once per batch,
-``decode_logits`` once per generated position on the whole prefix, ``max_len``), as
-``models.transformer``'s ``EncoderDecoder`` does. No key/value cache: decoding stays exact and
-simple at O(T^2) cost; it is the reference. A pipe (``GPipe`` or ``DistributedPipe``) decodes
-through its stages with each stage's key/value caches instead (:func:`pipelined_decode`,
-:mod:`giantpipe.engine.generate`), token for token as the reference does, with no whole copy of
-the model anywhere.
+The reference reaches the model only through what it offers (:class:`Seq2Seq`) and keeps no
+cache; :func:`pipelined_decode` gives its tokens through the stages with their caches
+(docs/your-data.md#translation).
 
 Example::
 

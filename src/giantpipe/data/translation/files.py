@@ -1,12 +1,8 @@
 """Parallel corpora as files: yours read into ``{pair: [(source, target)]}``, every problem one
 error that names the file, the line and what was expected.
 
-:func:`load_parallel_corpus` reads TSV with a header line, JSON Lines or parquet files of
-(source, target, language pair) rows into ``{pair: [(source, target), ...]}``. TSV and JSON Lines
-are read line by line, so every problem is one :class:`CorpusError` naming the file, the line and
-what was expected: a line with the wrong number of fields (lost or extra tabs), a header-only or
-empty file, an empty source or target, a pair that is not ``src-tgt``, text that is not UTF-8.
-Parquet problems name the row. Blank lines are skipped; fields are taken verbatim (no quoting).
+:func:`load_parallel_corpus` reads TSV with a header, JSON Lines or parquet, line by line, so a
+bad line is one :class:`CorpusError` (docs/your-data.md#a-parallel-corpus).
 
 Example::
 
@@ -15,7 +11,6 @@ Example::
     corpus = load_parallel_corpus(["train.tsv"])                 # {"en-xa": [(src, tgt)], ...}
     load_parallel_corpus(["bad.tsv"])
     # CorpusError: bad.tsv, line 7: 2 tab-separated fields, expected 3 as in the header
-    # (source, target, pair)
 """
 
 from __future__ import annotations

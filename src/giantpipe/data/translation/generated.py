@@ -1,19 +1,8 @@
 """The generated multilingual corpus: artificial languages sharing one hidden grammar, written as
 train / valid / test files (the quick start's and the tests' parallel text).
 
-Every sentence is first drawn as a meaning from one grammar,
-
-    S  -> NP_subj V NP_obj [PP]          NP -> name | [adj] noun (singular or plural)
-    V  carries tense (present / past) and agrees with the subject's number
-    PP -> preposition NP
-
-and then rendered by each language's own rules: vocabulary (pseudo-words built from that
-language's syllables), word order (SVO / SOV / VSO ...), adjective before or after the noun,
-prepositions or postpositions, articles or none, and suffix morphology (plural, past tense,
-subject agreement on the verb, accusative case). The English-like pivot "en" is SVO with
-"the", "-s" plurals and irregular pasts. Names are shared by all languages, so copying the
-source is a weak but non-zero baseline. Pairs are en->xx and xx->en with sizes that differ per
-language (the last languages are low-resource). Everything is deterministic from the seed.
+Every sentence is drawn as a meaning from one grammar and rendered by each language's own
+rules, deterministically from the seed (docs/your-data.md#translation).
 
 Example::
 

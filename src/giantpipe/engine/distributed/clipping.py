@@ -1,19 +1,9 @@
 """The global-norm clip of a distributed pipe: every stage and every replica's shard counted once,
 equal to ``torch.nn.utils.clip_grad_norm_`` on the plain model, without a host sync.
 
-A rank holds the gradients of its stages only; under FSDP2 (R > 1, see :mod:`.replicas`) they
-are DTensors: a 1/R shard (``full``, ``grads``) or the whole gradient on every replica
-(``none``). Each rank sums ``|g|^p`` over its local tensors (a replicated gradient only on
-replica 0 of its mesh, a tied copy only where its first stage is), one all-reduce over the
-ranks that hold the rest of the model adds them up (every rank of the world with replicas,
-else the pipeline), and every local gradient is multiplied by the same clamped coefficient::
-
-    rank (stage, replica)   (0, 0)   (1, 0)   (0, 1)   (1, 1)
-    local sum of |g|^2       a0       b0       a1       b1      <- shards of stage 0, 1
-    all-reduce (world)       a0 + b0 + a1 + b1 = |g|^2 of the whole model, on every rank
-
-The norm stays on the gradients' device (all-reduced as a device tensor on a device group)
-and the coefficient is a tensor, so the host never waits for the device (no ``.item()``).
+Each rank sums its local shards' ``|g|^p``, one all-reduce adds up the model, and every local
+gradient takes the same clamped coefficient, all on the device
+(docs/engine-internals.md#the-distributed-steps-collectives).
 
 Example::
 

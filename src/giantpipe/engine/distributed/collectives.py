@@ -1,16 +1,10 @@
 """A step's collectives under the pipe's timeout: a sum in place, a sum of one number, every
 rank's row of statistics.
 
-:func:`all_reduce_sum` sums one number over the replicas (the loss, the loss normaliser),
-:func:`all_reduce_` a tensor (deferred BatchNorm statistics, fp16's inf/NaN verdict), and
-:func:`all_gather_rows` gives every rank of a pipeline the step's statistics; a wait longer than
-the pipe's timeout raises RankFailure naming what was waited for (:mod:`.faults`). (The
-replicas' gradients are FSDP2's: :mod:`.replicas`.)
-
-**Which group.** A tensor goes to a group that serves its device (see ``layout.Groups``): BatchNorm
-statistics and the verdict are device tensors, for ``groups.replica`` / ``groups.p2p`` (NCCL on
-CUDA); numbers made on the host (:func:`all_reduce_sum`, :func:`all_gather_rows`) are CPU
-tensors, for ``groups.host_replica`` / ``groups.host_pipeline`` (gloo).
+Device tensors go to device groups, numbers made on the host to gloo groups; a wait over the
+timeout raises ``RankFailure`` naming what was waited for (:mod:`.faults`); the replicas'
+gradients are FSDP2's (:mod:`.replicas`). See
+docs/engine-internals.md#the-distributed-steps-collectives.
 
 Example::
 

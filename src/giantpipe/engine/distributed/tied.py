@@ -1,16 +1,8 @@
 """Parameters tied across pipeline ranks (input and output embeddings on the first and last
 stage): one copy per rank that uses it, kept equal, their gradients summed once per step.
 
-Each rank holding the parameter keeps a copy; :class:`TiedSync` makes the copies equal at the
-start (the first stage's value) and, each step, sums their gradients over the ranks that hold
-them, once, after the backward (not a 154 MB value per micro-batch through the pipeline). Every
-copy then takes the same optimizer step. Under FSDP2 (R > 1, :mod:`.replicas`) each copy is a
-DTensor on its own replica group, sharded alike on every rank that holds it: the ranks sum
-their local shards, after the replicas' reduce::
-
-    replica r:   rank r*K (stage 0): wte shard i  --.
-                                                    +-- all-reduce over {r*K, r*K + K-1}
-                 rank r*K+K-1 (stage K-1): wte' shard i --'
+:class:`TiedSync` makes the copies equal at the start and sums their gradients (their FSDP2
+shards, with replicas) once after each backward: docs/engine-internals.md#tied-parameters.
 
 Example::
 

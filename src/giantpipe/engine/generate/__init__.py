@@ -1,43 +1,10 @@
 """Generation through the pipeline: incremental decoding, a key/value cache in every stage.
 
-Each stage keeps the caches of its own layers, per micro-batch; a decode step carries only the
-new positions from stage to stage, and the last stage's choice of the next tokens goes back to
-stage 0. The sentences are split into M micro-batches that circle the ring of stages, so that
-while stage k works on micro-batch m, stage k+1 works on m-1 (the pipeline stays full once
-M >= K)::
-
-    stage 0: prompt 0, prompt 1, ..., tokens of 0, tokens of 1, ...      (inputs: prompts, then
-    stage 1:           prompt 0,  prompt 1, ..., tokens of 0, ...         the last stage's picks)
-    last:    logits -> search -> (next tokens, which rows go on) ---> stage 0
-
-A message (:mod:`.decoding`) carries a stage's output, or the next tokens with the rows they
-continue. The search (:class:`Decoding`: greedy, beam with GNMT length penalty, or sampling with
-temperature, top-k, top-p) runs where the logits are.
-
-The model's children offer ``forward_cached(inputs, cache) -> (outputs, cache)``
-(:mod:`.caches`); the engine knows nothing else of the model.
-
-Both executors, any schedule's placement: a :class:`~giantpipe.GPipe` runs one thread per
-worker, a ``DistributedPipe`` one process per worker (the messages between ranks travel on its
-host group: the pipe gives the link, :mod:`giantpipe.engine.distributed.generation`), and a worker
-holding V stages (interleaved, zb-v) keeps the caches of each, so a token's step goes round the
-workers V times (:mod:`.ring`); no rank holds more than its stages' weights and caches (with
-replicas sharded by FSDP2's ``full``, more than one layer whole: the replicas decode in
-lockstep). A plain ``nn.Sequential`` decodes in the caller's thread.
-
-Its parts, one concept each:
-
-- :mod:`.decoding`: how the next token is chosen (:class:`Decoding`) and what travels the ring
-  (``Message``);
-- :mod:`.caches`: one stage's layers and their key/value caches per micro-batch;
-- :mod:`.search`: greedy, sampled and beam search, where the logits are;
-- :mod:`.prompts`: prompts of unequal length in one micro-batch, left-padded with a mask;
-- :mod:`.ring`: the ring of stages: a worker's stages served from one inbox, the ring between
-  threads, and the protocol of a ring between processes (a DistributedPipe gives it).
-
-This package's own code is the entry, :func:`generate` (and :func:`split_rows` to cut a batch
-into micro-batches, :func:`evaluating` for the modes it leaves as it found them); it imports no
-torch.distributed.
+:func:`generate` circles M micro-batches round the ring of stages (any executor, any
+placement; docs/generation.md#inside-the-ring-and-its-messages). Its parts: :mod:`.decoding`
+(how the next token is chosen, the ring's messages), :mod:`.caches` (a stage's layers and
+caches), :mod:`.search` (greedy, sampled, beam), :mod:`.prompts` (prompts of unequal length),
+:mod:`.ring` (the ring between threads, and what one between processes offers).
 
 Example::
 

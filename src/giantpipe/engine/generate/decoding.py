@@ -1,12 +1,6 @@
 """How the next token is chosen (:class:`Decoding`) and what travels the ring of stages
-(:class:`Message`).
-
-A message is ``(m, value, order)``: ``order`` says which rows of the previous step each row
-continues (beam search picks the parents of its new beams, finished sentences leave; None when
-every row goes on), and every stage reorders its caches with it before running the value; a
-value of None says micro-batch m is done (the stages drop its caches), unless the message is a
-``ghost``: a step of a micro-batch done here that a replica in lockstep still decodes, which
-each stage answers with the gathers of its layers and no compute (:mod:`.ring`).
+(:class:`Message`: ``(m, value, order)``, the rows each row continues; a ``ghost`` keeps a
+replica in lockstep): docs/generation.md#inside-the-ring-and-its-messages.
 
 Example::
 

@@ -1,18 +1,8 @@
 """Prompts of unequal length in one micro-batch: left-padded, with the mask of each row's tokens.
 
-A language model's micro-batch of prompts is a token tensor [B, T] (every row T tokens), a list
-of rows of unequal length (lists of ids or 1-D tensors), or a tensor left-padded with
-``Decoding.pad_id``. The last two reach stage 0 as ``(tokens, keep)``: ``tokens`` [B, T]
-left-padded, ``keep`` [B, T] bool, True at each row's own tokens. The model's children place a
-row's first token at position 0, never attend to padding, and keep the mask in their caches (the
-convention of ``models.transformer_layers``), so each row decodes as that prompt alone. The last
-position of every row is one of its tokens, so it scores the next one::
-
-    rows [[5, 6, 7], [8, 9]]  ->  tokens [[5, 6, 7],    keep [[1, 1, 1],
-                                          [0, 8, 9]]          [0, 1, 1]]
-
-A micro-batch whose rows all have the same length goes in as the plain tensor (no mask). Other
-micro-batches (a translation model's ``(source, prefix)``) go in as they are.
+Rows of unequal length, or a tensor left-padded with ``pad_id``, reach stage 0 as
+``(tokens, keep)``, so each row decodes as that prompt alone
+(docs/generation.md#inside-the-ring-and-its-messages).
 
 Example::
 
@@ -90,8 +80,9 @@ def _padded_tensor(tokens: Tensor, pad_id: int, m: int) -> Value:
 
 
 def prompt_input(prompt: Value, pad_id: int | None, m: int) -> Value:
-    """Micro-batch ``m`` of prompts as stage 0 takes it (see the module docstring): a list of
-    rows padded, a token tensor's leading ``pad_id`` tokens masked, anything else as it is."""
+    """Micro-batch ``m`` of prompts as stage 0 takes it: a list of rows padded, a token
+    tensor's leading ``pad_id`` tokens masked, anything else as it is
+    (docs/generation.md#inside-the-ring-and-its-messages)."""
     if isinstance(prompt, list):
         return padded_prompt(prompt, pad_id, m)
     if isinstance(prompt, Tensor) and prompt.dim() == 2 and pad_id is not None:

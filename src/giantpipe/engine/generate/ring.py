@@ -1,20 +1,9 @@
 """The ring of stages that generation circles: one worker's stages served from one inbox, the
 ring between the threads of one process, and what a ring between processes must offer.
 
-The ring runs over stages, not workers: stage s sends to s + 1, the last stage to stage 0.
-A worker holding V stages (interleaved: s on worker s % K; zb-v: s and 2K-1-s on one) serves
-all of them from one inbox, so a decode step goes round the workers V times per token::
-
-    interleaved K=2 V=2:  worker 0: stages 0, 2     0 -> 1 -> 2 -> 3 -> (search) -> 0
-                          worker 1: stages 1, 3     w0   w1   w0   w1               w0
-    zb-v K=2:             worker 0: stages 0, 3     0 -> 1 -> 2 -> 3 -> (search) -> 0
-                          worker 1: stages 1, 2     w0   w1   w1   w0               w0
-
-A worker serves its messages in one order (token step, stage, micro-batch), whatever order they
-arrive in; a message to a stage of the same worker never leaves it. Between threads the link is
-a :class:`LocalLink`; between processes the pipe gives its own (:class:`ProcessRing`), so that
-this module needs no process group. Replicas whose stages are sharded (FSDP2's ``full``) decode
-in lockstep: the same steps in the same order, a layer gathered at a time (docs/generation.md).
+A worker serves its messages in one order (token step, stage, micro-batch) whatever order they
+arrive in; between threads the link is a :class:`LocalLink`, between processes the pipe's
+:class:`ProcessRing` (docs/generation.md#inside-the-ring-and-its-messages).
 
 Example::
 

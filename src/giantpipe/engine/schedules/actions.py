@@ -1,26 +1,8 @@
 """Schedules as plain data: for each worker, the ordered list of actions it runs in one step.
 
-Legend (the paper's letters, plus those of the schedules that came after it)::
-
-    K  workers (devices), one thread or process each    M  micro-batches per mini-batch
-    V  virtual stages per worker (interleaved, ZB-V): the model is cut into K*V stages, stage s
-       runs on worker ``Schedule.placement[s]`` (s % K interleaved, a V shape for ZB-V);
-       V = 1 everywhere else
-    F  forward of micro-batch m on stage s              B  backward of m on stage s
-    W  weight-gradient of m on stage s: where a schedule lists W, its B computes only the
-       input gradient (sent on at once) and W accumulates the parameter gradients later
-
-GPipe's fill-drain for K=3, M=4 (time flows right; each column is one clock tick)::
-
-    stage 0 | F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0
-    stage 1 | .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .
-    stage 2 | .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .  .
-
-The executor runs any schedule that :func:`validate` accepts: an action waits only for the data
-it needs (the activation from the previous stage, the gradient from the next), so fill-drain
-(:mod:`.fill_drain`), 1F1B, interleaved or zero-bubble orders (:mod:`.one_f_one_b`) are other
-lists, not other executors; :func:`~giantpipe.engine.schedules.build_schedule` finds every
-schedule by name.
+F (forward), B (backward, or only the input gradient where a W follows) and W (weight gradient)
+of micro-batch m on stage s; :func:`validate` checks a schedule, and the executor runs any it
+accepts (legend and pictures: docs/engine-internals.md#schedules-as-data).
 
 Example::
 

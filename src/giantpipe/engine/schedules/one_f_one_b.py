@@ -1,42 +1,8 @@
 """The 1F1B family: 1F1B with flush, interleaved 1F1B and the zero-bubble ZB-H1 and ZB-V.
 
-All three keep GPipe's synchronous update (one flush per mini-batch), so they are transparent:
-only the order of the actions changes. What they change is memory and idle time.
-
-1F1B (PipeDream-flush, Narayanan et al. 2021), K=3, M=4. Stage k runs K-k-1 warm-up forwards,
-then alternates F and B, so it never holds more than K-k micro-batches (GPipe holds M)::
-
-    stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
-    stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
-    stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
-
-The bubble is GPipe's, (K-1)/(M+K-1).
-
-Interleaved 1F1B (Megatron-LM): each worker holds V stages, s, s+K, ..., so a micro-batch
-crosses every worker V times and the warm-up and drain are V times shorter: bubble
-(K-1)/(V*M+K-1). It needs M to be a multiple of K (micro-batches go round in groups of K).
-
-ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into B (input
-gradient, on the critical path: the previous stage waits for it) and W (weight gradient, which
-nobody waits for). 1F1B's order with B in place of the full backward; stage k defers its first k
-W actions, and the deferred W fill the drain's idle time. K=3, M=4, unit costs::
-
-    stage 0 | F0 F1 F2 .  .  B0 W0 F3 B1 W1 B2 W2 B3 W3
-    stage 1 | .  F0 F1 .  B0 F2 B1 W0 F3 B2 W1 B3 W2 W3
-    stage 2 | .  .  F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3
-
-Bubble (K-1)(F+B-W) per stage instead of (K-1)(F+B+W), at 1F1B's peak of K micro-batches.
-
-ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): 2K stages of half the
-size placed in a V, worker w holding stages w and 2K-1-w, so worker 0 holds the first and the
-last stage and a micro-batch turns round on worker K-1 without a hop; B and W split as in
-ZB-H1. The order is a list schedule on unit costs (each action of a half stage takes one tick):
-a worker runs a ready B first (the critical path), else a ready F (later stage first) while it
-holds fewer than 2K half-stage activations (1F1B's K whole ones), else its oldest pending W.
-K=2, M=4: 25 ticks for 24 of work, the single idle tick being worker 1's first (ZB-H1: 26)::
-
-    worker 0 | F0@0 F1@0 F2@0 F0@3 B0@3 W0@3 F1@3 B0@0 B1@3 W0@0 F3@0 B1@0 W1@3 ...
-    worker 1 | .    F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 W0@2 F2@1 B1@2 B1@1 W0@1 F2@2 ...
+All keep GPipe's synchronous update (one flush per mini-batch), so they are transparent: only
+the order of the actions changes, and with it memory and idle time (each order pictured:
+docs/engine-internals.md#the-1f1b-family).
 
 Example::
 
@@ -153,7 +119,7 @@ def _with_weight_gradients(order: tuple[Action, ...], deferred: int) -> tuple[Ac
 
 def zb_v(num_workers: int, chunks: int, virtual_stages: int = 2) -> Schedule:
     """ZB-V: 2K half stages in a V (worker w: stages w and 2K-1-w), B and W split, ordered by
-    a list schedule on unit costs (see the module's docstring).
+    a list schedule on unit costs (docs/engine-internals.md#the-1f1b-family).
 
     >>> s = zb_v(2, 2)
     >>> s.placement

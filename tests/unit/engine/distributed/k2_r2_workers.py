@@ -5,8 +5,9 @@ One :class:`DistributedPipe` (1F1B, M=4: sends and receives interleave) over the
 transport (NCCL's order, on gloo), a small MLP with dropout; each rank returns what it saw,
 the test compares across ranks:
 
-1. the warm-up: the calls the pipe made while it was built are its share of
-   ``layout.warm_up_order``;
+1. the warm-up: the calls the pipe made while it was built are what the rank must warm up,
+   derived from where it sits (:func:`must_warm`; the tied pipe of 7 too); the test replays
+   every rank's calls under NCCL's rule;
 2. two engine steps without ``zero_grad``: the loss of each and the accumulated gradients equal
    the plain model's over the whole batch (both replicas' shards);
 3. ``pipe.clip_grad_norm_``: the global norm and the clipped gradients, as
@@ -20,9 +21,16 @@ the test compares across ranks:
 6. the ordered transport's payload sends and receives of step 1, recorded: exactly the order
    ``message_order.worker_ops`` gives (the test replays every rank's under NCCL's rule);
 7. a second pipe, on the default transport, of a model whose input and output layers share a
-   weight (held by both pipeline ranks) and whose boundary value is not contiguous: a step's
-   loss and gradients, the global-norm clip and the clipped gradients equal the plain model's
-   (the tied weight counted once in the norm, the boundary value received with its values).
+   weight (held by both pipeline ranks) and whose boundary value is not contiguous: two steps'
+   losses and accumulated gradients, the global-norm clip and the clipped gradients equal the
+   plain model's (the tied weight keeps the first step's gradient and is counted once in the
+   norm, the boundary value received with its values);
+8. a pipe whose replicas each hold their whole stage (``replica_sharding="none"``): a step's
+   gradients, the global-norm clip and the clipped gradients equal the plain model's (each
+   replicated gradient counted once, not once per replica);
+9. K=4 over the world, the transport on its device path (on GPUs a receive only makes the
+   stream wait, its request asked after the step): rank 2's first receive is aborted after
+   its stream wait, as NCCL's watchdog may; the step raises on every rank, none returns a loss.
 
 Gradients and weights are read as whole tensors (``full_tensor`` of a sharded parameter) or as
 this rank's shard (``to_local``), so the checks hold however the replicas hold a stage.
@@ -30,20 +38,26 @@ this rank's shard (``to_local``), so the checks hold however the replicas hold a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from giantpipe.engine.distributed.layout import WARM_UP, Layout, warm_up_order
+from giantpipe.engine.distributed.faults import RankFailure
+from giantpipe.engine.distributed.layout import WARM_UP, Layout
 from giantpipe.engine.distributed.message_order import worker_ops
 from giantpipe.engine.distributed.meta import init_layers
 from giantpipe.engine.distributed.ordered import PAYLOADS
 from giantpipe.engine.distributed.pipe import DistributedPipe
+from giantpipe.engine.mailbox import Mailbox
 from giantpipe.runner.build import parameter_names
 from giantpipe.runner.run_state.restore import restore
 from giantpipe.runner.run_state.staging import save_run
@@ -142,6 +156,31 @@ def grads_equal(pipe: DistributedPipe, plain: nn.Module, what: str) -> int:
     return len(names)
 
 
+def warm_up_calls(log: list[dict[str, Any]]) -> list[tuple[str, Any, str]]:
+    """The recorded warm-up of a pipe being built: each device collective (``all_reduce``, its
+    group's ranks) and message (its call, the peer), with its communicator."""
+    return [
+        (e["call"], tuple(e["group"]) if e["call"] == "all_reduce" else e["peer"], e["comm"])
+        for e in log
+        if e["call"] == "all_reduce" or (e["call"] in ("isend", "irecv") and e["tag"] == WARM_UP)
+    ]
+
+
+def must_warm(rank: int, tied: bool) -> list[tuple[str, Any]]:
+    """What ``rank`` of this world (K=2 x R=2, stage s of replica q on rank 2q + s) must warm
+    up, from where it sits: the world's group, its replica's pipeline, its stage's replicas, the
+    tied weight's group (both stages of its replica hold it), then its neighbour's message (the
+    first stage sends)."""
+    replica, stage = divmod(rank, 2)
+    pipeline = (2 * replica, 2 * replica + 1)
+    want: list[tuple[str, Any]] = [("all_reduce", (0, 1, 2, 3)), ("all_reduce", pipeline)]
+    want.append(("all_reduce", (stage, stage + 2)))
+    if tied:
+        want.append(("all_reduce", pipeline))
+    want.append(("isend", rank + 1) if stage == 0 else ("irecv", rank - 1))
+    return want
+
+
 def payload_ops(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The recorded payload sends and receives (the ordered transport's device operations)."""
     kinds = {"isend": "send", "irecv": "recv"}
@@ -161,23 +200,12 @@ def check(tmp: Path) -> dict[str, Any]:
             transport="ordered",
         )  # fmt: skip
     layout = Layout(world_size, rank, 2, tuple(pipe.placement))
-    plan = [op for op in warm_up_order(layout) if rank in op.ranks]
-    warmed = [
-        (e["call"], tuple(e["group"]) if e["call"] == "all_reduce" else e["peer"])
-        for e in built
-        if e["call"] == "all_reduce" or (e["call"] in ("isend", "irecv") and e["tag"] == WARM_UP)
-    ]
-    expected_warm = [
-        ("all_reduce", op.ranks)
-        if op.group != "pair"
-        else ("isend" if rank == op.ranks[0] else "irecv", sum(op.ranks) - rank)
-        for op in plan
-    ]
-    assert warmed == expected_warm, (warmed, expected_warm)
+    warmed = warm_up_calls(built)
+    assert [c[:2] for c in warmed] == must_warm(rank, tied=False), warmed
 
     plain = model()
     init_layers(plain, INIT)
-    out: dict[str, Any] = {"rank": rank}
+    out: dict[str, Any] = {"rank": rank, "warmed": [warmed]}
 
     # 2. two engine steps, gradients accumulated; step 1's payloads recorded
     losses, log = [], []
@@ -254,26 +282,128 @@ def check(tmp: Path) -> dict[str, Any]:
         opt.zero_grad()
     out["moved"], out["scales"], out["losses"] = moved, scales, losses
     pipe.release()
-    out["tied_norm"] = tied_and_strided()
+    out["tied_norm"], tied_warmed = tied_and_strided()
+    out["warmed"].append(tied_warmed)
+    out["replicated_norm"] = replicated_clip()
+    out["failed_step"] = failed_transfer()  # last: the failure tears the pipe's groups down
     return out
 
 
-def tied_and_strided() -> float:
-    """7. one step, then the clip, of a pipe of :func:`tied_model`; returns the norm."""
+def tied_and_strided() -> tuple[float, list[tuple[str, Any, str]]]:
+    """7. two steps without ``zero_grad``, then the clip, of a pipe of :func:`tied_model`;
+    returns the norm and the pipe's warm-up calls."""
     plain = tied_model()
     init_layers(plain, INIT)
     boundary = plain[:3](shards(5, 2)[0][0][:2])  # one micro-batch's value at the cut
     assert not boundary.is_contiguous(), "the model should send a value that is not contiguous"
-    pipe = DistributedPipe(tied_model, [3, 3], chunks=CHUNKS, seed=INIT, timeout=20)
-    torch.manual_seed(SEED + 5)
-    loss = step(pipe, 5)
-    _, ref = reference(plain, shards(5, 2), CHUNKS, step_seed(SEED + 5), accumulate=True)
-    assert abs(loss - ref) <= 1e-5 * abs(ref), ("tied, strided", loss, ref)
-    grads_equal(pipe, plain, "tied, strided")
+    built: list[dict[str, Any]] = []
+    with recording(built):
+        pipe = DistributedPipe(tied_model, [3, 3], chunks=CHUNKS, seed=INIT, timeout=20)
+    warmed = warm_up_calls(built)
+    assert [c[:2] for c in warmed] == must_warm(dist.get_rank(), tied=True), warmed
+    for number in (5, 6):  # accumulated: the tied weight keeps step 5's gradient through 6's
+        torch.manual_seed(SEED + number)
+        loss = step(pipe, number)
+        seed = step_seed(SEED + number)
+        _, ref = reference(plain, shards(number, 2), CHUNKS, seed, accumulate=True)
+        assert abs(loss - ref) <= 1e-5 * abs(ref), ("tied, strided", number, loss, ref)
+    grads_equal(pipe, plain, "tied, strided, two accumulated steps")
     norm = pipe.clip_grad_norm_(MAX_NORM)
     ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
     torch.testing.assert_close(float(norm), float(ref_norm), rtol=1e-5, atol=0.0)
     assert float(norm) > MAX_NORM  # so the clip scaled every gradient
     grads_equal(pipe, plain, "tied, strided, clipped")
     pipe.release()
+    return float(norm), warmed
+
+
+def replicated_clip() -> float:
+    """8. a step of a pipe whose replicas each hold their whole stage, then the clip; returns
+    the norm."""
+    plain = model()
+    init_layers(plain, INIT)
+    pipe = DistributedPipe(
+        model, [3, 3], chunks=CHUNKS, seed=INIT, timeout=20, replica_sharding="none"
+    )
+    torch.manual_seed(SEED + 7)
+    loss = step(pipe, 7)
+    _, ref = reference(plain, shards(7, 2), CHUNKS, step_seed(SEED + 7), accumulate=True)
+    assert abs(loss - ref) <= 1e-5 * abs(ref), ("replicated", loss, ref)
+    grads_equal(pipe, plain, "replicated")
+    norm = pipe.clip_grad_norm_(MAX_NORM)
+    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
+    torch.testing.assert_close(float(norm), float(ref_norm), rtol=1e-5, atol=0.0)
+    assert float(norm) > MAX_NORM  # so the clip scaled every gradient
+    grads_equal(pipe, plain, "replicated, clipped")
+    pipe.release()
     return float(norm)
+
+
+ABORTED_RANK = 2
+
+
+class LikeNccl:
+    """A gloo receive answering as an NCCL request does: a wait without a timeout (the
+    consumer's stream's) waits for the bytes; after it, a wait with one answers at once (a gloo
+    request is waited on once), False if NCCL's watchdog aborted it meanwhile: the first
+    stream-waited one while ``aborting`` holds an item. The host, ahead of the device, never
+    finds an aborted one complete."""
+
+    def __init__(self, work: Any, aborting: list[bool]) -> None:
+        self.work, self.aborting, self.streamed, self.aborted = work, aborting, False, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is None:
+            done, self.streamed = bool(self.work.wait()), True
+            if self.aborting:
+                self.aborted = self.aborting.pop()
+            return done
+        return not self.aborted if self.streamed else bool(self.work.wait(timeout))
+
+    def is_completed(self) -> bool:
+        return not self.aborted and bool(self.work.is_completed())
+
+
+@contextlib.contextmanager
+def device_path(aborting: list[bool]) -> Iterator[None]:
+    """The transport on its device path on gloo, as on GPUs (every mailbox class that asks
+    ``_on_device``), its receives answering :class:`LikeNccl`."""
+    classes, todo = [], list(Mailbox.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "_on_device" in vars(cls):
+            classes.append(cls)
+    assert classes, "no mailbox takes a device path: point this check at the transport's"
+    real_irecv = dist.irecv
+
+    def irecv(*args: Any, **kwargs: Any) -> Any:
+        return LikeNccl(real_irecv(*args, **kwargs), aborting)
+
+    with pytest.MonkeyPatch.context() as patch:
+        for cls in classes:
+            patch.setattr(cls, "_on_device", lambda self: True)
+        patch.setattr(dist, "irecv", irecv)
+        yield
+
+
+def gpus_transport() -> dict[str, str]:
+    """What makes a pipe on CPU take the transport GPUs take: ``transport="ordered"`` while
+    the pipe has a choice (issue 38 leaves one transport)."""
+    has_choice = "transport" in inspect.signature(DistributedPipe).parameters
+    return {"transport": "ordered"} if has_choice else {}
+
+
+def failed_transfer() -> dict[str, Any]:
+    """9. a step whose first device receive on rank 2 was aborted after its stream wait;
+    returns whether this rank's was, and what the step raised here (a loss returned fails)."""
+    pipe = DistributedPipe(
+        model, [2, 1, 2, 1], chunks=CHUNKS, seed=INIT, timeout=20, **gpus_transport()
+    )
+    aborting = [True] if dist.get_rank() == ABORTED_RANK else []
+    with device_path(aborting):
+        try:
+            loss = step(pipe, 8)
+        except RankFailure as exc:
+            return {"aborted": dist.get_rank() == ABORTED_RANK, "raised": str(exc)}
+    raise AssertionError(f"a step with an aborted transfer returned a loss, {loss}")

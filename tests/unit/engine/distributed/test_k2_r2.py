@@ -6,7 +6,10 @@ Every test under tests/distributed/ is ``slow`` (tests/conftest.py marks the fol
 accumulated gradients, clipping by a local norm, RNG restored on rank 0 only, the ordered
 transport's send order and an fp16 overflow verdict taken per rank (issue 32), a weight tied
 across the pipeline ranks counted by each holder in the global norm, and a boundary value that
-is not contiguous sent by its memory (issue 40). This file lives outside that folder and carries
+is not contiguous sent by its memory (issue 40), nor did anything catch a replicated stage's
+gradient counted once per replica in the norm, a tied weight losing the gradient of earlier
+steps, a step's end skipping the check of its device transfers, or a pipe that warms no tied
+group (issue 38). This file lives outside that folder and carries
 no ``slow`` mark, so the fast lane runs it: four spawned ranks (a forkserver that imported torch
 once), about 10 s of a quiet 2-core machine. What each rank checks is
 :mod:`tests.unit.engine.distributed.k2_r2_workers`.
@@ -15,6 +18,7 @@ once), about 10 s of a quiet 2-core machine. What each rank checks is
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +26,14 @@ from tests.distributed.launch import spawn
 from tests.distributed.nccl_rules import DeviceOp, replay
 
 pytestmark = pytest.mark.distributed
+
+
+def warm_up_op(call: str, where: Any, comm: str) -> DeviceOp:
+    """A recorded warm-up call as the replay takes it: a collective over ``where`` (ranks),
+    or a message with rank ``where``."""
+    if call == "all_reduce":
+        return DeviceOp("collective", group=tuple(where), nbytes=4, comm=comm)
+    return DeviceOp("send" if call == "isend" else "recv", where, nbytes=4, comm=comm)
 
 
 def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Path) -> None:
@@ -33,6 +45,17 @@ def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Pa
     assert {tuple(r["resumed"]) for r in results} == {tuple(results[0]["resumed"])}
     # a weight tied across the pipeline ranks, a boundary value not contiguous: one norm
     assert len({r["tied_norm"] for r in results}) == 1
+    # each stage replicated whole (replica_sharding="none"): one norm, counted once
+    assert len({r["replicated_norm"] for r in results}) == 1
+    # a transfer aborted after its stream wait: the step raised on every rank, naming it there
+    (aborted,) = [r["failed_step"]["raised"] for r in results if r["failed_step"]["aborted"]]
+    assert "receiving the activation of micro-batch 0 from rank 1 (stage 1) was aborted" in aborted
+    assert all(r["failed_step"]["raised"] for r in results)
+    # each pipe's warm-up as the ranks made it replays under NCCL's rule: the world's group,
+    # two pipelines, two stages' replicas, (the tied pipe: two tied groups,) two pairs
+    for pipe, operations in ((0, 7), (1, 9)):
+        warmed = {r["rank"]: [warm_up_op(*call) for call in r["warmed"][pipe]] for r in results}
+        assert replay(warmed) == operations
     # rank 3 alone overflowed: every rank skipped and halved, then every rank stepped
     assert [r["moved"] for r in results] == [[False, True]] * 4
     assert [r["scales"] for r in results] == [[2.0**9, 2.0**9]] * 4
