@@ -1,10 +1,7 @@
 """The replica sharding ``pipeline.plan=auto`` picks: the least sharded mode that fits.
 
-With R > 1 replicas of every stage, the modes are tried least sharded first
-(:data:`SHARDING_ORDER`), and the first under which some configuration fits the memory budget
-is taken: less sharding moves fewer bytes a step, or as few in fewer collectives
-(results/replicas/speed.md). The simulator does not time the collectives, so modes are ordered
-by that rule rather than by its step times (docs/timing-and-planner.md, "Replica sharding").
+With R > 1 replicas, the first mode of :data:`SHARDING_ORDER` under which some configuration
+fits the budget is taken (why that order: docs/timing-and-planner.md, "Replica sharding").
 
 Example::
 
