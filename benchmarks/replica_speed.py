@@ -14,7 +14,8 @@ training steps as a run takes them: ``train_step``, then AdamW's step and ``zero
 step's time is the slowest rank's, after a barrier and a full garbage collection, a warm-up
 step first. A round starts every method's world in turn, the order reversed every other round
 (the shared machine's load hits all alike); a round's figure is the median of its steps, the
-table gives the median over rounds, steps/s and each method's ratio to ``gradsync``.
+table gives the median over rounds, steps/s and each method's ratio to ``gradsync``, and the
+modes' paired ratios to each other (what ``pipeline.replica_sharding``'s default rests on).
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def _worker(rank: int, port: int, src: str, method: str, setup: Setup, out: str)
     sys.path.insert(0, src)  # before giantpipe is imported: the method's own engine
     import torch.distributed as dist
 
-    from giantpipe.engine.distributed.pipe import DistributedPipe
+    try:
+        from giantpipe.engine.distributed.pipe import DistributedPipe
+    except ModuleNotFoundError:  # the baseline, from before engine/dist was renamed
+        from giantpipe.engine.dist.pipe import DistributedPipe  # type: ignore[no-redef]
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
@@ -158,6 +162,17 @@ def table(setup: Setup, rounds: list[dict[str, dict[str, float]]]) -> str:
     for i, m in enumerate(METHODS):
         cells = paired[i * len(SCHEDULES) : (i + 1) * len(SCHEDULES)]
         lines.append(f"| {m} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    lines += [
+        "",
+        "The sharding modes against each other (median over rounds of each round's ratio: how "
+        "many times faster the first runs a step than the second):",
+        "",
+        "| modes | " + " | ".join(SCHEDULES) + " |",
+        "|---" * (len(SCHEDULES) + 1) + "|",
+    ]
+    for fast, slow in (("fsdp-grads", "fsdp-full"), ("fsdp-none", "fsdp-grads")):
+        cells = [statistics.median(rd[slow][s] / rd[fast][s] for rd in rounds) for s in SCHEDULES]
+        lines.append(f"| {fast} / {slow} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     return "\n".join(lines)
 
 

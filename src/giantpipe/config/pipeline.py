@@ -90,13 +90,15 @@ class PipelineConfig:
     calls ``.item()`` in ``__init__``)."""
     replica_sharding: str = DEFAULT_REPLICA_SHARDING
     """With R > 1 replicas under torchrun, how each stage is spread over its replicas, on
-    torch's FSDP2: ``full`` (ZeRO-3, the default: each rank holds 1/R of its stage's
-    parameters, gradients and optimizer state between steps, so the model that fits grows with
-    K x R devices), ``grads`` (ZeRO-2: the same at rest; forward-only passes gather each unit
-    once rather than per micro-batch) or ``none`` (every replica holds the whole stage;
-    gradients all-reduced). Gradients are reduced once per step, after each stage's last
-    backward; on GPUs ``precision`` bf16/fp16 also gathers the parameters in that type and
-    reduces the gradients in float32."""
+    torch's FSDP2: ``grads`` (ZeRO-2, the default: each rank holds 1/R of its stage's
+    parameters, gradients and optimizer state between steps, so the state that fits grows with
+    K x R devices, and gathers each unit once a step), ``full`` (ZeRO-3: the same at rest, and
+    during the step one layer's parameters gathered at a time, for every micro-batch's forward
+    and backward: less memory, slower) or ``none`` (every replica holds the whole stage;
+    gradients all-reduced). ``plan=auto`` picks the least sharded that fits the memory budget.
+    Gradients are reduced once per step, after each stage's last backward; on GPUs
+    ``precision`` bf16/fp16 also gathers the parameters in that type and reduces the gradients
+    in float32."""
     timeout: float = DEFAULT_TIMEOUT
     """Seconds any wait for another stage (a worker thread, or another rank under torchrun) may
     take before the step fails."""

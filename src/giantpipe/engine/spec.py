@@ -66,9 +66,13 @@ REPLICA_SHARDINGS = ("full", "grads", "none")
 """How a stage is spread over its R replicas on FSDP2 (``engine/distributed/replicas.py``): ZeRO-3,
 ZeRO-2, replicated. Not the pipeline's shape, but its one owner is here, beside the shape's
 rules: the config's schema (no torch) and the distributed pipe check it alike."""
-DEFAULT_REPLICA_SHARDING = "full"
-"""ZeRO-3: what a model too big for one device needs, each rank holding 1/R of its stage's
-parameters, gradients and optimizer state (Adam: 4x the weights) between steps."""
+DEFAULT_REPLICA_SHARDING = "grads"
+"""ZeRO-2, torchtitan's rule under pipelining (no resharding after forward): between steps each
+rank holds 1/R of its stage's parameters, gradients and optimizer state, as ZeRO-3 does, and
+gathers each unit once a step rather than for every micro-batch's forward and backward, which
+measured about 2x faster (docs/running.md, "Replicas"). ``full`` is the choice for a stage whose
+whole parameters and gradients do not fit together; ``pipeline.plan=auto`` makes it where the
+memory budget says so."""
 MAX_CHUNKS = 2**20
 """More micro-batches than this is a typo, not a plan: refused before a schedule is built."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0

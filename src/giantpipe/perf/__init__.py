@@ -6,11 +6,16 @@ What lives here, one module per concept:
   per-stage limit the planner uses) and the ``balance_by_*`` policies;
 - :mod:`.costs`: the one per-layer cost record (``LayerCost``: FLOPs and bytes per sample,
   measured on the meta device) and measured seconds per layer (``LayerTimer``);
+- :mod:`.materialize`: one layer of a model (built on meta, or real) made real on a device for
+  a measurement, one at a time;
+- :mod:`.links`: the link bandwidth the planner plans with, timed on the devices a process owns;
 - :mod:`.simulate`: the simulator (any schedule against a cost per stage);
 - :mod:`.stage_profile`: each stage measured alone, as the executor runs it;
 - :mod:`.predict`: the forecast of a pipe's step, from the executor's replayed actions;
 - :mod:`.planner`: the best balance, M, re-materialization and schedule, by simulation, and
   the one rule that merges layers' costs into a stage's (``merge_costs``);
+- :mod:`.replica_state`, :mod:`.sharding_choice`: the bytes a rank holds under each replica
+  sharding, and the sharding the planner picks (the least sharded that fits);
 - :mod:`.batch_fit`: the fastest batch of M micro-batches that fits in memory (Table 2);
 - :mod:`.fit`: whether a pipeline fits its devices' memory (the pre-flight check's verdict);
 - :mod:`.memory`, :mod:`.stage_memory`, :mod:`.sizing`: memory sized without allocating it

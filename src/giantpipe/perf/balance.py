@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import bisect
-import copy
 import math
 import statistics
 import time
@@ -34,8 +33,10 @@ from functools import partial
 import torch
 from torch import nn
 
+from giantpipe.engine.meta import LayerInit
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, to_device
 from giantpipe.engine.stats import SavedTensorMeter
+from giantpipe.perf.materialize import layer_on
 from giantpipe.perf.stage_profile import MAX_SPREAD, NEGLIGIBLE, Clock, TimingNoise, spread
 
 Fits = Callable[[int, int, int], bool]
@@ -180,43 +181,69 @@ FALLBACKS = ("flops", "params", "time")
 """What :func:`balance_by_time` balances by when the timings are too noisy to trust."""
 
 
+WINDOW_BYTES = 2**30
+"""On a CPU, :func:`time_layers` goes round the layers of a window of consecutive layers whose
+parameters take at most this many bytes (one layer at least): only one window's copies are
+held at a time, however large the model."""
+
+
 def time_layers(
     module: nn.Sequential,
     sample: TensorOrTensors,
     device: torch.device,
     repeats: int = 5,
     clock: Clock = time.perf_counter,
+    init: LayerInit | None = None,
+    window_bytes: int = WINDOW_BYTES,
 ) -> list[list[float]]:
     """``repeats`` timings (seconds) of forward + backward of each layer, the sample flowing
     layer to layer; each after a warm-up run. The backward is inside the timed window: a layer
     may cost little forward and much backward.
 
-    Each layer is profiled on a copy, so parameters, gradients and BatchNorm statistics of
-    ``module`` are left untouched. On a CPU the repeats go round the layers (layer 0, 1, ...,
-    then again), so a burst of load from elsewhere lands on one run of many layers, which the
-    median drops, not on every run of one layer; on a GPU only one layer's copy at a time
-    occupies ``device``, its runs back to back.
+    Each layer is profiled on a copy made real on ``device``
+    (:func:`~giantpipe.perf.materialize.layer_on`; ``init`` fills a model built on meta), so
+    parameters, gradients and BatchNorm statistics of ``module`` are left untouched. On a CPU
+    the repeats go round the layers of a window (:data:`WINDOW_BYTES`: layer 0, 1, ..., then
+    again), so a burst of load from elsewhere lands on one run of many layers, which the median
+    drops, not on every run of one layer; on a GPU only one layer's copy at a time occupies
+    ``device``, its runs back to back.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1 (got {repeats})")
     device = torch.device(device)
     x = to_device(sample, device)
     samples: list[list[float]] = []
-    kept: list[tuple[nn.Module, TensorOrTensors]] = []
     with _rng_untouched(device):
-        for index, layer in enumerate(module):
-            probe = copy.deepcopy(layer).to(device)
-            with _naming(index, layer):
-                y = _timed(probe, x, device, clock)[0]  # the warm-up: caches, kernels
-            if device.type == "cpu":
-                kept.append((probe, x))
-            else:
-                samples.append([_timed(probe, x, device, clock)[1] for _ in range(repeats)])
-            x = y
-        if kept:
-            rounds = [[_timed(p, inp, device, clock)[1] for p, inp in kept] for _ in range(repeats)]
-            samples = [list(runs) for runs in zip(*rounds)]
+        for window in _windows(module, window_bytes if device.type == "cpu" else 0):
+            kept: list[tuple[nn.Module, TensorOrTensors]] = []
+            for index in window:
+                probe = layer_on(module, index, device, init)
+                with _naming(index, module[index]):
+                    y = _timed(probe, x, device, clock)[0]  # the warm-up: caches, kernels
+                if device.type == "cpu":
+                    kept.append((probe, x))
+                else:
+                    samples.append([_timed(probe, x, device, clock)[1] for _ in range(repeats)])
+                del probe
+                x = y
+            if kept:
+                rounds = [[_timed(p, i, device, clock)[1] for p, i in kept] for _ in range(repeats)]
+                samples += [list(runs) for runs in zip(*rounds)]
     return samples
+
+
+def _windows(module: nn.Sequential, limit: int) -> list[list[int]]:
+    # consecutive layers whose parameters fit ``limit`` bytes together, one layer at least
+    windows: list[list[int]] = [[]]
+    held = 0
+    for index, layer in enumerate(module):
+        size = sum(p.numel() * p.element_size() for p in layer.parameters())
+        if windows[-1] and held + size > limit:
+            windows.append([])
+            held = 0
+        windows[-1].append(index)
+        held += size
+    return windows
 
 
 def _timed(
@@ -278,9 +305,11 @@ def balance_by_time(
     max_spread: float = MAX_SPREAD,
     fallback: str = "flops",
     clock: Clock = time.perf_counter,
+    init: LayerInit | None = None,
 ) -> list[int]:
     """Balances by measured forward + backward time of each layer on ``sample``: the median of
-    ``repeats`` timings per layer.
+    ``repeats`` timings per layer, each layer made real on ``device`` one at a time (a model
+    built on meta: ``init`` fills each copy, :func:`time_layers`).
 
     ``sample`` should be one micro-batch, the size each stage really processes. When a layer's
     timings spread more than ``max_spread`` (:func:`untrusted_layers`), or the runs' own
@@ -296,7 +325,7 @@ def balance_by_time(
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS} (got {fallback!r})")
-    samples = time_layers(module, sample, torch.device(device), repeats, clock)
+    samples = time_layers(module, sample, torch.device(device), repeats, clock, init)
     noisy = untrusted_layers(samples, max_spread)
     balance = solve_balance([statistics.median(runs) for runs in samples], partitions)
     agree = agreement(samples, partitions, balance)
@@ -383,20 +412,24 @@ def profile_sizes(
     sample: TensorOrTensors,
     param_scale: float,
     device: torch.device,
+    init: LayerInit | None = None,
 ) -> list[float]:
-    """Bytes per layer: parameter bytes x ``param_scale`` + activation bytes saved for backward."""
+    """Bytes per layer: parameter bytes x ``param_scale`` + activation bytes saved for backward,
+    each layer run on a copy made real on ``device``, one at a time (``init``: see
+    :func:`time_layers`)."""
     device = torch.device(device)
     x = to_device(sample, device)
     sizes = []
     with _rng_untouched(device):
-        for layer in module:
-            probe = copy.deepcopy(layer).to(device)
+        for index in range(len(module)):
+            probe = layer_on(module, index, device, init)
             meter = SavedTensorMeter(exclude=probe.parameters())
             with meter:
                 y = _forward(probe, x)
             param_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
             sizes.append(param_bytes * param_scale + meter.bytes)
             x = _detach(y)
+            del probe, y  # the copy and its graph, before the next layer is made
     return sizes
 
 
@@ -406,13 +439,15 @@ def balance_by_size(
     sample: TensorOrTensors,
     param_scale: float = 2.0,
     device: torch.device | str = "cpu",
+    init: LayerInit | None = None,
 ) -> list[int]:
     """Balances by memory: parameters x ``param_scale`` + measured activation bytes.
 
     ``param_scale`` counts the copies each parameter costs: 2 for weight + gradient (SGD
     without momentum), 3 with momentum or RMSProp, 4 for Adam. ``sample`` is one micro-batch.
+    A model built on meta: ``init`` fills each layer's copy (:func:`time_layers`).
     """
-    sizes = profile_sizes(module, sample, param_scale, torch.device(device))
+    sizes = profile_sizes(module, sample, param_scale, torch.device(device), init)
     return solve_balance(sizes, partitions)
 
 

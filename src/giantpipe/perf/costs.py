@@ -31,11 +31,13 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from giantpipe.engine.meta import LayerInit
 from giantpipe.engine.microbatch import TensorOrTensors, as_tuple, nbytes
 from giantpipe.engine.recompute import recomputing
 from giantpipe.engine.rng import rng_context
 from giantpipe.engine.stats import SavedTensorMeter
 from giantpipe.engine.step_config import LossFn
+from giantpipe.perf.materialize import has_meta_parameters, layer_on
 from giantpipe.perf.simulate import StageCost
 from giantpipe.perf.stage_profile import profile_stages
 
@@ -213,8 +215,10 @@ def meta_sample(inputs: TensorOrTensors, n: int = 1) -> TensorOrTensors:
 class LayerTimer:
     """Seconds per layer on ``device`` for a micro-batch of n samples: measured at a few sizes
     (:meth:`calibrate`), linear in n between and beyond them. Each layer runs as the executor
-    runs a stage (:func:`~giantpipe.perf.stage_profile.profile_stages`); a layer not on
-    ``device`` is profiled on a copy. The loss runs after the last layer.
+    runs a stage (:func:`~giantpipe.perf.stage_profile.profile_stages`), one layer at a time,
+    on a copy made real on ``device`` (:func:`~giantpipe.perf.materialize.layer_on`: a model
+    built on meta needs ``init``) unless it is real there already: its input is the previous
+    layer's output, and only that boundary is kept. The loss runs after the last layer.
 
     Example::
 
@@ -232,40 +236,52 @@ class LayerTimer:
         loss_fn: LossFn,
         threads: int | None,
         repeats: int = 3,  # the median of 3: one disturbed run does not move it
+        init: LayerInit | None = None,
     ) -> None:
-        self.model, self.device = model, torch.device(device)
+        self.model, self.device, self.init = model, torch.device(device), init
         self.inputs, self.targets, self.loss_fn = inputs, targets, loss_fn
         self.threads, self.repeats = threads, repeats
         self.points: dict[int, list[StageCost]] = {}
 
     def calibrate(self, sizes: Sequence[int]) -> None:
-        for n in sorted(set(sizes)):
-            self.points[n] = self.profile(n)
-
-    def profile(self, n: int) -> list[StageCost]:
-        """Every layer's measured cost on the first ``n`` samples."""
-        x: Any = _to(_head(self.inputs, n), self.device)
-        target = _head(self.targets, n)
-        costs = []
-        for i, layer in enumerate(self.model):
-            on_device = all(p.device == self.device for p in layer.parameters())
-            stage = nn.Sequential(layer if on_device else copy.deepcopy(layer).to(self.device))
+        """Every layer's measured cost on the first n samples, for each n of ``sizes``: one
+        pass over the layers, each made real once and dropped before the next."""
+        sizes = sorted(set(sizes))
+        x: dict[int, Any] = {n: _to(_head(self.inputs, n), self.device) for n in sizes}
+        found: dict[int, list[StageCost]] = {n: [] for n in sizes}
+        for i in range(len(self.model)):
+            stage = nn.Sequential(self._layer(i))
             last = i == len(self.model) - 1
-            stage_in = x if i == 0 else _leaves(x, first=False)  # wants its input gradient
-            costs += profile_stages(
-                [stage],
-                [self.device],
-                stage_in,
-                target if last else None,
-                self.loss_fn if last else None,
-                repeats=self.repeats,
-                threads=self.threads,
-                names=[f"layer {i} ({type(layer).__name__})"],
-            )
-            if not last:
-                with torch.no_grad(), recomputing(stage), rng_context(0, 0, self.device):
-                    x = stage(x)
-        return costs
+            for n in sizes:
+                found[n] += self._profile(stage, i, x[n], n, last)
+                if not last:
+                    with torch.no_grad(), recomputing(stage), rng_context(0, 0, self.device):
+                        x[n] = stage(x[n])
+            del stage  # before the next layer is made
+        self.points.update(found)
+
+    def _layer(self, i: int) -> nn.Module:
+        # a real layer on the device runs as it is (a profile leaves its state as it was): a
+        # copy would hold it twice
+        layer = self.model[i]
+        here = all(t.device == self.device for t in [*layer.parameters(), *layer.buffers()])
+        return (
+            layer
+            if here and not has_meta_parameters(layer)
+            else layer_on(self.model, i, self.device, self.init)
+        )
+
+    def _profile(self, stage: nn.Sequential, i: int, x: Any, n: int, last: bool) -> list[StageCost]:
+        return profile_stages(
+            [stage],
+            [self.device],
+            x if i == 0 else _leaves(x, first=False),  # wants its input gradient
+            _head(self.targets, n) if last else None,
+            self.loss_fn if last else None,
+            repeats=self.repeats,
+            threads=self.threads,
+            names=[f"layer {i} ({type(stage[0]).__name__})"],
+        )
 
     def __call__(self, n: int) -> list[tuple[float, float, float]]:
         sizes = sorted(self.points)

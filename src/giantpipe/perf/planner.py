@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -173,6 +174,8 @@ def plan(
     found.sort(key=lambda f: (f[0], f[1]))
     ranked = Ranked(c for _, _, c in found[:top])
     ranked.fitting = len(fitting)
+    if not fitting:
+        ranked.leanest = search.leanest(grid, num_devices)
     return ranked
 
 
@@ -183,11 +186,24 @@ def _cannot_rank(bound: float, found: list, top: int) -> bool:
     return bound * (1 - 1e-9) > slowest_kept
 
 
+@dataclass(frozen=True)
+class Leanest:
+    """The configuration that needs the least memory, each with its fastest balance."""
+
+    schedule: str
+    virtual_stages: int
+    chunks: int
+    recompute: str
+    peak_bytes: int  # on its fullest device
+
+
 class Ranked(list[Candidate]):
     """:func:`plan`'s answer: the candidates, fastest first, and ``fitting``, how many
-    configurations fit (more than the list holds when ``plan`` was asked for its ``top``)."""
+    configurations fit (more than the list holds when ``plan`` was asked for its ``top``);
+    when none fits, ``leanest``: the one that comes closest (None: no configuration at all)."""
 
     fitting: int = 0
+    leanest: Leanest | None = None
 
 
 Progress = Callable[[int, int], None]
@@ -268,6 +284,19 @@ class _Search:
                 costs = self.measured.apply(costs, micro)
             self._per_layer[key] = costs
         return self._per_layer[key]
+
+    def leanest(self, grid: list[tuple[str, int, int, str]], k: int) -> Leanest | None:
+        """Of ``grid``'s configurations, with no memory limit, the one whose fullest device
+        holds the least at its peak."""
+        found = None
+        for name, m, v, mode in grid:
+            fitted = self.fit(self.schedule(name, k, m, v), mode, math.inf)
+            if fitted is None:  # no limit rules nothing out; kept for the type
+                continue
+            peak = max(fitted.peak_memory())
+            if found is None or peak < found.peak_bytes:
+                found = Leanest(name, v, m, mode, peak)
+        return found
 
     def fit(self, schedule: Schedule, mode: str, budget: float) -> _Fitted | None:
         """The balance and peak memory of one configuration; None if it does not fit."""

@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Sequence
@@ -23,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from giantpipe.config import ConfigError, ExperimentConfig, PipelineConfig
 from giantpipe.config.pipeline import as_config_error
@@ -31,13 +29,13 @@ from giantpipe.data.bundle import DataBundle, Tensors, batch_size
 from giantpipe.engine import GPipe
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import mixed_precision_policy
-from giantpipe.engine.meta import UnsetError, allocate_layers
+from giantpipe.engine.meta import UnsetError
 from giantpipe.engine.pipe import Pipe
 from giantpipe.engine.spec import PipelineSpec, virtual_stages_of
 from giantpipe.perf.balance import balance_by_params, balance_by_size, balance_by_time
 from giantpipe.runner.losses import LossFn
 from giantpipe.runner.model import Model
-from giantpipe.runner.planning import plan_pipeline
+from giantpipe.runner.planning import as_run, plan_pipeline
 from giantpipe.runner.world import World
 
 
@@ -61,12 +59,7 @@ def build_pipeline(
     devices, own = worker_devices(cfg.pipeline, world)
     replicas = 1 if world.size == 1 else world.size // len(devices)
 
-    def decide() -> Any:  # rank 0's (spec, plan choice); None elsewhere
-        if world.rank != 0:
-            return None
-        return plan_and_spec(cfg, model, bundle, devices, loss_fn, replicas)
-
-    spec, plan_choice = world.from_rank0(world.agree(decide))
+    spec, plan_choice = plan_and_spec(cfg, model, bundle, devices, loss_fn, replicas, world, own)
     try:
         if world.size == 1:
             local = GPipe(model.layers, spec=spec, init=model.init)
@@ -76,7 +69,7 @@ def build_pipeline(
             spec=spec,
             device=torch.device(own),
             init=model.init,
-            replica_sharding=cfg.pipeline.replica_sharding,
+            replica_sharding=as_run(cfg, spec, plan_choice).pipeline.replica_sharding,
             mixed_precision=mixed_precision_policy(cfg.pipeline.precision, own),
         )
     except UnsetError as err:
@@ -205,17 +198,30 @@ def plan_and_spec(
     devices: list[str],
     loss_fn: LossFn,
     replicas: int = 1,
+    world: World | None = None,
+    own: str | None = None,
 ) -> tuple[PipelineSpec, dict[str, Any] | None]:
     """The pipeline's spec and, under plan=auto, the planner's choice (else None): the
     planner's spec, else the config's with its balance (profiled on the first device by the
-    ``time`` and ``memory`` policies), checked against the model and the devices."""
+    ``time`` and ``memory`` policies), checked against the model and the devices.
+
+    Collective under torchrun (``world``; ``own``: this rank's device): every rank calls it and
+    gets the same answer; rank 0 profiles, each rank measures only its own device; a model built
+    on meta is made real one layer at a time, never whole."""
+    world = world or World()
     sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
     if cfg.pipeline.plan == "auto":
-        layers = runnable(model)
-        return plan_pipeline(cfg, layers, devices, sample_inputs, sample_targets, loss_fn, replicas)
-    sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
-    balance = resolve_balance(cfg.pipeline, model, devices, sample)
-    return pipeline_spec(cfg.pipeline, balance, devices, len(model.layers)), None
+        return plan_pipeline(
+            cfg, model.layers, devices, sample_inputs, sample_targets, loss_fn, replicas,
+            world=world, own=own, init=model.init,
+        )  # fmt: skip
+
+    def decide() -> tuple[PipelineSpec, dict[str, Any] | None]:
+        sample = micro_batch_sample(sample_inputs, cfg.pipeline.chunks)
+        balance = resolve_balance(cfg.pipeline, model, devices, sample)
+        return pipeline_spec(cfg.pipeline, balance, devices, len(model.layers)), None
+
+    return world.decide(decide)  # on rank 0 (devices[0] is its own); the others receive it
 
 
 def resolve_balance(
@@ -224,7 +230,8 @@ def resolve_balance(
     """A list of layers per stage: the configured list, or the engine's policy over all devices.
 
     ``sample`` is one micro-batch of inputs (used by the ``time`` and ``memory`` policies, which
-    run the layers: :func:`runnable`).
+    run each layer on ``devices[0]``, one at a time: a model built on meta is made real a layer
+    at a time by its init).
     """
     if isinstance(cfg.balance, list):
         return list(cfg.balance)
@@ -237,18 +244,7 @@ def resolve_balance(
     if cfg.balance == "params":
         return balance_by_params(stages, layers)  # counts elements: on meta too
     policy = balance_by_time if cfg.balance == "time" else balance_by_size
-    return policy(stages, runnable(model), sample, device=devices[0])
-
-
-def runnable(model: Model) -> nn.Sequential:
-    """The layers as the ``time`` and ``memory`` balance policies and the planner run them:
-    real, on the host (for a model built on meta, a copy made real one layer at a time with its
-    init, held by rank 0 only while it plans)."""
-    if model.init is None:
-        return model.layers
-    layers = copy.deepcopy(model.layers)  # on meta: nothing is copied but the buffers
-    allocate_layers(layers, range(len(layers)), torch.device("cpu"), model.init)
-    return layers
+    return policy(stages, layers, sample, device=devices[0], init=model.init)
 
 
 def micro_batch_sample(inputs: Tensors, chunks: int) -> Tensors:

@@ -58,13 +58,15 @@ def open_record(
     log: logging.Logger,
     where: tuple[str, tuple[Any, ...]] = ("", ()),
     window: dict[str, Any] | None = None,
+    plan_choice: dict[str, Any] | None = None,
 ) -> MetricsLogger:
     """Starts writing into ``run_dir`` (everything is checked by now); returns the sinks.
 
     ``spec`` is the pipeline as run (its devices, balance and M); ``log`` the runner's own
     logger; ``where`` a format and its arguments that the start line carries before the devices
     (the distributed runner's ranks); ``window`` the logging window the resumed checkpoint
-    carries, whose partial line the resumed run replaces by the whole window's.
+    carries, whose partial line the resumed run replaces by the whole window's; ``plan_choice``
+    the planner's, under plan=auto.
     """
     if resumed:
         cut = truncate_after_step(run_dir / "metrics.jsonl", step, partial_too=window is not None)
@@ -89,7 +91,7 @@ def open_record(
         step,
         cfg.trainer.log_every,
         cfg.name,
-        asdict(as_run(cfg, spec)),
+        asdict(as_run(cfg, spec, plan_choice)),
         window=window,
     )
 

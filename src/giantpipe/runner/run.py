@@ -259,4 +259,5 @@ def _open(
         log,
         where,
         progress.window if resumed else None,
+        parts.plan_choice,
     )

@@ -7,6 +7,8 @@ the local executor is a world of one, where every collective is the identity, an
 
     world.agree(body)      run body on every rank; a failure anywhere fails every rank at once
     world.from_rank0(x)    rank 0's value everywhere (a balance, a plan, a checkpoint token)
+    world.decide(body)     body run on rank 0 alone, its value everywhere (agreed: a failure
+                           there fails every rank)
     world.gather(x)        every rank's value, in rank order (world.collect(x): on rank 0 only)
     world.sum(values)      element-wise sums over the ranks (evaluation tallies)
 
@@ -37,7 +39,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,12 @@ class World:
     def from_rank0(self, value: _T) -> _T:
         """Rank 0's ``value`` on every rank (a small picklable object)."""
         return value
+
+    def decide(self, body: Callable[[], _T]) -> _T:
+        """``body()`` run on rank 0 alone (a plan, a measured balance), its value on every rank;
+        if it fails, every rank raises at once."""
+        decided = self.agree(lambda: body() if self.rank == 0 else None)
+        return cast(_T, self.from_rank0(decided))
 
     def gather(self, value: _T) -> list[_T]:
         """Every rank's ``value``, in rank order."""

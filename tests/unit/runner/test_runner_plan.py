@@ -17,8 +17,9 @@ from giantpipe.config import (
     TrainerConfig,
 )
 from giantpipe.data.options import SyntheticDataConfig
+from giantpipe.engine.spec import PipelineSpec
 from giantpipe.runner import train
-from giantpipe.runner.planning import chunk_options, optimizer_slots, plan_pipeline
+from giantpipe.runner.planning import as_run, chunk_options, optimizer_slots, plan_pipeline
 from models.options import MlpModelConfig
 
 
@@ -51,6 +52,21 @@ def test_plan_auto_runs_the_planned_balance_chunks_recompute_and_schedule(tmp_pa
     assert choice["predicted_samples_per_s"] > 0 and 0 <= choice["predicted_bubble"] < 1
     assert choice["memory_budget_bytes"] == 2**30
     assert max(choice["predicted_peak_memory_bytes"]) <= 0.9 * 2**30
+    assert choice["link_bandwidth_bytes_per_s"] is None  # two CPU stand-ins: nothing crosses
+    assert choice["replicas"] == 1 and choice["replica_sharding"] is None  # the config's stands
+    assert choice["replica_sharding_why"] == "one replica: nothing to shard"
+
+
+def test_the_config_as_run_takes_the_planned_replica_sharding():
+    spec = PipelineSpec((1, 3), chunks=3, schedule="1f1b")
+    planned = tiny(plan="auto", replica_sharding="full")
+    run = as_run(planned, spec, {"replica_sharding": "grads"}).pipeline
+    assert (run.replica_sharding, run.balance, run.chunks, run.schedule) == (
+        "grads", [1, 3], 3, "1f1b"
+    )  # fmt: skip
+    assert as_run(planned, spec, {"replica_sharding": None}).pipeline.replica_sharding == "full"
+    fixed = tiny(replica_sharding="full")  # no plan: the config is the run's
+    assert as_run(fixed, spec, {"replica_sharding": "grads"}) is fixed
 
 
 def test_a_budget_nothing_fits_in_is_one_line_naming_the_key(tmp_path: Path):

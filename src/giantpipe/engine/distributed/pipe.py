@@ -110,9 +110,10 @@ class DistributedPipe(Pipe):
         deferred_batch_norm: BatchNorm running statistics once per mini-batch, as GPipe's.
         timeout: seconds any wait for another rank may take before the run fails.
         replica_sharding: how each stage is spread over its R replicas, on FSDP2
-            (:mod:`giantpipe.engine.distributed.replicas`): ``'full'`` (ZeRO-3, the default: 1/R
-            of the parameters, gradients and optimizer state per rank between steps),
-            ``'grads'`` (ZeRO-2) or ``'none'`` (replicated, torch's ``replicate``).
+            (:mod:`giantpipe.engine.distributed.replicas`): ``'grads'`` (ZeRO-2, the default:
+            1/R of the parameters, gradients and optimizer state per rank between steps, each
+            unit gathered once a step), ``'full'`` (ZeRO-3: gathered per micro-batch, one layer
+            at a time) or ``'none'`` (replicated, torch's ``replicate``).
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` of the units (parameters gathered
             and gradients reduced in its types; see ``replicas.mixed_precision_policy``).
         spec: balance, chunks, recompute, schedule, virtual_stages, timeout and
