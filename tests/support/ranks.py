@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import datetime
 import importlib
 import json
 import os
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from giantpipe.engine.distributed.layout import init_distributed
 from giantpipe.testing import free_port, rank_env
 from tests.timeouts import scaled, timed_out
 
@@ -42,19 +42,19 @@ REPO = Path(__file__).resolve().parents[2]
 PRELOAD = ["torch", "torch.distributed", "tests.support.ranks", "giantpipe.engine.distributed.pipe"]
 
 RENDEZVOUS_S = 30.0
-"""How long a rank waits for the others to join the world (scaled)."""
+"""The world's timeout (scaled): how long a rank waits for the others to join it, or in a
+collective."""
 
 
 def run_rank(target: str, tmp: Path, kwargs: dict[str, Any], backend: str = "gloo") -> None:
-    """In a rank whose torchrun environment is set: joins the world, runs ``target(tmp,
-    **kwargs)`` and writes its result, or its traceback and when it failed, to
-    ``tmp/result-<rank>.pt``; a failure exits at once (peers may be stuck)."""
+    """In a rank whose torchrun environment is set: joins the world (as the runner does: on a
+    GPU machine this rank's GPU made current first), runs ``target(tmp, **kwargs)`` and writes
+    its result, or its traceback and when it failed, to ``tmp/result-<rank>.pt``; a failure
+    exits at once (peers may be stuck)."""
     torch.set_num_threads(1)
     out = tmp / f"result-{os.environ['RANK']}.pt"
     try:
-        if not dist.is_initialized():
-            timeout = datetime.timedelta(seconds=scaled(RENDEZVOUS_S))
-            dist.init_process_group(backend, timeout=timeout)
+        init_distributed(backend, timeout=scaled(RENDEZVOUS_S))
         module, name = target.split(":")
         result = getattr(importlib.import_module(module), name)(tmp, **kwargs)
         torch.save({"ok": True, "result": result}, out)
