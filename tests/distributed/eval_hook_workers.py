@@ -18,8 +18,8 @@ from giantpipe.data.bundle import DataBundle
 from giantpipe.data.lm_tokens import lm_tokens
 from giantpipe.engine.inference import PipedModel
 from giantpipe.testing.held import storage_bytes
-from tests.distributed.launch import REPO
 from tests.distributed.replica_generation_workers import GatherWatch
+from tests.support.ranks import REPO
 
 SEEN: dict[str, Any] = {}
 """This process's notes from inside the hook (each process its own)."""

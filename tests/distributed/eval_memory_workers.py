@@ -64,7 +64,7 @@ def run(tmp: Path, run_dir: str, executor: str, overrides: list[str]) -> dict[st
     from giantpipe.runner import loop
     from giantpipe.runner.run import _train
     from giantpipe.runner.world import TorchrunWorld, World
-    from tests.distributed.launch import REPO
+    from tests.support.ranks import REPO
 
     every = [*TRANSLATION, *WIDER, "trainer.max_steps=2", "trainer.eval_every=0"]
     every += [

@@ -103,7 +103,7 @@ def runner_fp16(tmp: Path, steps: int) -> dict[str, Any]:
     from giantpipe.checkpoint.unpickling import safe_load
     from giantpipe.config import PipelineConfig
     from giantpipe.runner import train
-    from tests.unit.runner.test_runner_loop import tiny
+    from tests.support.runs import tiny
 
     cfg = tiny(max_steps=steps, eval_every=0, grad_clip=1.0, predict=False)
     cfg.pipeline = PipelineConfig(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from giantpipe.config import PipelineConfig
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 
 def resume_with_replicas(tmp: Path, stages: int, steps: int, resume_at: int) -> dict[str, Any]:

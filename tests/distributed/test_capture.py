@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import spawn
+from tests.support.ranks import spawn
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed

@@ -28,7 +28,8 @@ from giantpipe.testing.reads import (
     pipeline_shares,
     read_ahead_bytes,
 )
-from tests.distributed.launch import REPO, finish, spawn, train_under_torchrun
+from tests.support.ranks import REPO, finish, spawn
+from tests.support.train import train_under_torchrun
 from tests.unit.checkpoint.saves import save
 
 pytestmark = pytest.mark.distributed

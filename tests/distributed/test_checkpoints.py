@@ -15,8 +15,8 @@ from giantpipe.checkpoint.earlier import SHARDS_V1
 from giantpipe.checkpoint.errors import MissingTensors
 from giantpipe.checkpoint.load import load
 from giantpipe.consolidate import main as consolidate_main
-from tests.distributed.launch import REPO, spawn
 from tests.distributed.workers import plain_model
+from tests.support.ranks import REPO, spawn
 
 pytestmark = pytest.mark.distributed
 

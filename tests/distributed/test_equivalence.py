@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import spawn
 from tests.distributed.workers import registered_schedules
+from tests.support.ranks import spawn
 
 pytestmark = pytest.mark.distributed
 

@@ -13,20 +13,11 @@ import pytest
 import torch
 
 from giantpipe.checkpoint.export import consolidate
-from tests.distributed.launch import REPO, finish, start_processes, torchrun
+from tests.support.ranks import finish, rank_records, rank_script, start_ranks, torchrun
 
 pytestmark = pytest.mark.distributed
 
 TIMEOUT = 5.0  # the pipeline's timeout in these tests (default 60 s)
-
-
-def results(tmp: Path, world: int) -> dict[int, dict]:
-    out = {}
-    for r in range(world):
-        path = tmp / f"result-{r}.pt"
-        if path.exists():
-            out[r] = torch.load(path, weights_only=False)
-    return out
 
 
 def assert_checkpoint_intact(tmp: Path, workers: int) -> None:
@@ -64,9 +55,9 @@ SILENT = r"timed out after 5s waiting for the \w+ of micro-batch \d+ from rank 1
 def test_a_failing_killed_or_silent_rank_is_named_by_every_rank(
     tmp_path: Path, how: str, world: int, workers: int, expected: str
 ):
-    procs = start_processes(
-        world,
+    procs = start_ranks(
         "tests.distributed.workers:faulty",
+        world,
         tmp_path,
         workers=workers,
         fail_rank=1,
@@ -79,14 +70,16 @@ def test_a_failing_killed_or_silent_rank_is_named_by_every_rank(
         for r in survivors:
             procs[r].join(max(0.0, deadline - time.monotonic()))
         running = [r for r in survivors if procs[r].is_alive()]
-        assert not running, f"ranks {running} still running; results: {results(tmp_path, world)}"
+        assert not running, (
+            f"ranks {running} still running; results: {rank_records(tmp_path, world)}"
+        )
         procs[1].join(30 if how == "raise" else 0)
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join(5)
-    got = results(tmp_path, world)
+    got = rank_records(tmp_path, world)
     for r in survivors + ([1] if how == "raise" else []):
         assert got[r]["ok"], got[r].get("error")
         failure = got[r]["result"]["failure"]
@@ -102,7 +95,7 @@ def test_a_transfer_aborted_after_its_stream_wait_fails_the_step_on_every_rank(
     """NCCL's watchdog aborting a payload receive before the step's device wait ends (issue
     32, item 6): train_step returns nothing on either rank, and both name the aborted transfer
     and its peer (tests/distributed/aborted_workers.py stands NCCL's answers in on gloo)."""
-    from tests.distributed.launch import spawn
+    from tests.support.ranks import spawn
 
     got = spawn("tests.distributed.aborted_workers:aborted_receive", world=2, tmp=tmp_path)
     first = (
@@ -129,17 +122,14 @@ def _processes_with(marker: str) -> list[int]:
 
 def test_sigkill_under_torchrun_stops_all_and_leaves_no_process(tmp_path: Path) -> None:
     marker = f"GIANTPIPE_TEST_RUN={uuid.uuid4().hex}"
-    kwargs = f'{{"workers": 3, "fail_rank": 1, "how": "kill", "timeout": {TIMEOUT}}}'
+    kwargs = {"workers": 3, "fail_rank": 1, "how": "kill", "timeout": TIMEOUT}
     start = time.monotonic()
     proc = torchrun(
         [
             "--standalone",
             "--nproc_per_node=3",
             "--max_restarts=0",
-            str(REPO / "tests/distributed/torchrun_worker.py"),
-            "faulty",
-            str(tmp_path),
-            kwargs,
+            *rank_script("tests.distributed.workers:faulty", tmp_path, **kwargs),
         ],
         env=dict([marker.split("=")]),
     )
@@ -147,7 +137,7 @@ def test_sigkill_under_torchrun_stops_all_and_leaves_no_process(tmp_path: Path) 
     elapsed = time.monotonic() - start
     assert code != 0, output
     # Each survivor either returned the failure or was stopped by torchrun and said why.
-    returned = results(tmp_path, 3)
+    returned = rank_records(tmp_path, 3)
     for r in (0, 2):
         if r in returned and returned[r].get("ok"):
             assert re.search(FIRST_KILLED, returned[r]["result"]["failure"]), returned[r]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-from tests.distributed.launch import spawn  # noqa: E402
+from tests.support.ranks import spawn  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

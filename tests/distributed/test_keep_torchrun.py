@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import finish, train_under_torchrun
-from tests.distributed.test_runner_torchrun import OVERRIDES
-from tests.unit.runner.test_runner_keeping import kept_steps, whole
+from tests.support.ranks import finish
+from tests.support.runs import TORCHRUN_MLP, kept_steps, whole
+from tests.support.train import train_under_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -41,7 +41,7 @@ def test_ranks_keep_stop_and_call_back_together(tmp_path: Path) -> None:
         f"trainer.callbacks=[{{_target_: {HOOKS}.Recorder, name: every}},"
         f"{{_target_: {HOOKS}.RankZeroRecorder, name: zero}}]"
     )
-    code, output = finish(train_under_torchrun(tmp_path, *OVERRIDES, *KEEPING, callbacks), 240)
+    code, output = finish(train_under_torchrun(tmp_path, *TORCHRUN_MLP, *KEEPING, callbacks), 240)
     assert code == 0, output
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6
@@ -67,7 +67,7 @@ def test_ranks_keep_stop_and_call_back_together(tmp_path: Path) -> None:
 
 def test_a_callback_failing_on_rank_1_stops_every_rank_in_one_line(tmp_path: Path) -> None:
     callbacks = f"trainer.callbacks=[{{_target_: {HOOKS}.Failing, rank: 1}}]"
-    code, output = finish(train_under_torchrun(tmp_path, *OVERRIDES, *KEEPING, callbacks), 240)
+    code, output = finish(train_under_torchrun(tmp_path, *TORCHRUN_MLP, *KEEPING, callbacks), 240)
     assert code != 0, output
     line = (
         f"CallbackError: trainer.callbacks[0] ({HOOKS}.Failing) failed in after_step at step 3 "

@@ -18,8 +18,8 @@ import torch
 from giantpipe.checkpoint.export import merged
 from giantpipe.checkpoint.manifest import read_manifest
 from giantpipe.checkpoint.storage import read_metadata
-from tests.distributed.launch import spawn
 from tests.distributed.workers import registered_schedules
+from tests.support.ranks import spawn
 
 pytestmark = pytest.mark.distributed
 

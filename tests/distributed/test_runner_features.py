@@ -4,10 +4,7 @@ lists, the simulator's forecast, and checkpoints shared with the local executor 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +12,8 @@ import pytest
 
 from giantpipe.metrics.jsonl import read_jsonl
 from tests import tiny
-from tests.distributed.launch import REPO, finish, train_under_torchrun
+from tests.support.ranks import REPO, finish
+from tests.support.train import train, train_under_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -46,14 +44,8 @@ def launch(run_dir: Path, *overrides: str) -> str:
 
 def local(run_dir: Path, *overrides: str) -> None:
     """The same job with the local executor, as a new user runs it."""
-    env = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}:{REPO}", OMP_WAIT_POLICY="PASSIVE")
-    result = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    result = train(*overrides, f"hydra.run.dir={run_dir}", cwd=REPO, env=passive, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.metrics.jsonl import read_jsonl
-from tests.distributed.launch import finish, train_under_torchrun
+from tests.support.ranks import finish
+from tests.support.train import train_under_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import finish, train_under_torchrun
+from tests.support.ranks import finish
+from tests.support.train import train_under_torchrun
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from giantpipe.config import ExperimentConfig
 from giantpipe.runner import ledger, train
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 POINTS = ("recorded", "set aside", "half erased")
 

@@ -4,9 +4,7 @@ generated) data, fine-tuning to another class count, and the quick start as a ne
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,8 @@ from giantpipe.cli.checks import to_experiment
 from giantpipe.cli.registration import register_configs
 from giantpipe.config import ExperimentConfig
 from giantpipe.data.images.generated import write_image_folder
+from tests.support.train import REPO, train
 
-REPO = Path(__file__).resolve().parents[2]
 register_configs(REPO / "conf")
 
 # The ImageNet recipe scaled down to seconds: everything else (RMSProp TF-style, EMA, label
@@ -43,19 +41,6 @@ TINY_IMAGENET = [
 def composed(*overrides: str) -> ExperimentConfig:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return to_experiment(compose("config", overrides=list(overrides)))
-
-
-def train(*args: str, cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_train_cli import ok, one_error_line, train
+from tests.support.train import ok, one_error_line, train
 
 pytest.importorskip("torchvision")
 

@@ -1,37 +1,16 @@
 """``python train.py`` answers at once: a config error exits 2 before torch is imported, ``--help``
 names the recipes, and runs started together get their own directories."""
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from giantpipe.cli.usage import NO_SUMMARY
-from tests.timeouts import run, scaled
+from tests.support.train import HEAVY, REPO, error_lines, imported, start_train, train
+from tests.timeouts import scaled
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml"))
-HEAVY = ("torch", "torchvision", "transformers")
-
-
-def train(*args: str, cwd: Path, importtime: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    flags = ["-X", "importtime"] if importtime else []
-    command = [sys.executable, *flags, str(REPO / "train.py"), *args]
-    return run(command, 120, cwd=cwd, env=env, capture_output=True, text=True)
-
-
-def imported(result: subprocess.CompletedProcess) -> set[str]:
-    """Top-level packages ``-X importtime`` saw imported (its lines end with the module name)."""
-    rows = [line.rpartition("|")[2] for line in result.stderr.splitlines()]
-    return {row.strip().split(".")[0] for row in rows if row.startswith(" ")}
-
-
-def error_lines(result: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
 @pytest.mark.parametrize(
@@ -101,10 +80,7 @@ def test_help_lists_every_recipe_with_a_line_and_the_groups_a_user_chooses(tmp_p
 
 
 def run_dir(tmp_path: Path) -> subprocess.Popen:
-    paths = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    command = [sys.executable, str(REPO / "train.py"), "--cfg", "hydra", "--resolve"]
-    return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    return start_train("--cfg", "hydra", "--resolve", cwd=tmp_path, stderr=None)
 
 
 def started_together(tmp_path: Path) -> tuple[str, str]:

@@ -4,7 +4,6 @@
 has its values checked before torch is imported."""
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -13,22 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.timeouts import scaled
+from tests.support.train import HEAVY, REPO, environment, imported, train
+from tests.timeouts import run
 
-REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "torchvision", "transformers")
 SCHEMA_MODULES = ["giantpipe.config", "models.options", "giantpipe.data.options", "giantpipe.cli"]
 """Where the schemas live (the core groups', the models', the data sets'), and the command line
 that imports them; a module not (yet) there is left out."""
 
 
 def python(code: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-c", textwrap.dedent(code)]
-    return subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=scaled(120)
-    )
+    return run(command, 120, cwd=cwd, env=environment(), capture_output=True, text=True)
 
 
 def test_importing_every_option_schema_module_imports_no_torch(tmp_path: Path):
@@ -143,25 +137,15 @@ def user_checkout(request, tmp_path: Path) -> Path:
     return tmp_path
 
 
-def train(checkout: Path, *args: str, importtime: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    flags = ["-X", "importtime"] if importtime else []
-    command = [sys.executable, *flags, str(checkout / "train.py"), *args]
-    return subprocess.run(
-        command, cwd=checkout, env=env, capture_output=True, text=True, timeout=scaled(300)
-    )
-
-
-def imported(result: subprocess.CompletedProcess) -> set[str]:
-    """Top-level packages ``-X importtime`` saw imported (its lines end with the module name)."""
-    rows = [line.rpartition("|")[2] for line in result.stderr.splitlines()]
-    return {row.strip().split(".")[0] for row in rows if row.startswith(" ")}
+def train_in(checkout: Path, *args: str, importtime: bool = False) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` of the user's ``checkout``, run there."""
+    script = checkout / "train.py"
+    return train(*args, cwd=checkout, script=script, importtime=importtime, timeout=300)
 
 
 @pytest.mark.slow  # trains one step (imports torch)
 def test_a_users_own_option_package_runs_with_a_valid_override(user_checkout: Path):
-    result = train(
+    result = train_in(
         user_checkout, "recipe=mlp_quickstart", "model=wide", "model.width=16", "model.depth=3",
         "trainer.max_steps=1",
     )  # fmt: skip
@@ -182,7 +166,7 @@ def test_a_users_own_option_package_runs_with_a_valid_override(user_checkout: Pa
 def test_a_users_own_option_refuses_a_bad_value_before_torch_is_imported(
     user_checkout: Path, args: list[str], expected: str
 ):
-    result = train(user_checkout, "recipe=mlp_quickstart", "model=wide", *args, importtime=True)
+    result = train_in(user_checkout, "recipe=mlp_quickstart", "model=wide", *args, importtime=True)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert [line[: len(expected)] for line in lines] == [expected]

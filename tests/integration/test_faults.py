@@ -10,7 +10,6 @@ metrics line, and a checkpoint that would run code when loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -28,82 +27,16 @@ import torch
 from giantpipe.checkpoint.errors import CheckpointError
 from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.checkpoint.unpickling import safe_load
+from tests.integration.fault_runs import fingerprint, losses, run, start, summary, wait_for_step
+from tests.support.train import environment, error_lines, train
 from tests.timeouts import scaled
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = [
-    "recipe=mlp_quickstart",
-    "data.train_size=512",
-    "data.eval_size=64",
-    "model.depth=3",
-    "model.hidden=16",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-    "trainer.predict=false",
-    "logger.progress=none",
-]
 STEPS = 12
 LONG = 120
 """The SIGTERM run's length: the signal, sent at step 5, always lands in the loop however loaded
 the machine (at 12 steps a loaded run could be past its last step and exit 0, completed)."""
 
 pytestmark = pytest.mark.slow
-
-
-def env() -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    base["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), base.get("PYTHONPATH", "")])
-    return base
-
-
-def start(run_dir: Path, *args: str) -> subprocess.Popen:
-    command = [sys.executable, str(REPO / "train.py"), *TINY, f"hydra.run.dir={run_dir}", *args]
-    return subprocess.Popen(
-        command,
-        cwd=next(folder for folder in run_dir.parents if folder.exists()),
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def run(run_dir: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    proc = start(run_dir, *args)
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def errors(result: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
-
-
-def losses(run_dir: Path) -> list[tuple[int, float]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.exists() and sum(1 for _ in path.open()) >= step:
-            return
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} within {timeout} s")
-
-
-def fingerprint(directory: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != "train.log"
-    }
 
 
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, steps: int) -> list[tuple[int, float]]:
@@ -214,7 +147,7 @@ def test_two_runs_into_one_directory_and_a_dead_runs_lock(tmp_path: Path) -> Non
     second = run(run_dir, "trainer.max_steps=5", "trainer.resume=true")
     first.send_signal(signal.SIGINT)
     first.communicate(timeout=scaled(60))
-    (line,) = errors(second)
+    (line,) = error_lines(second)
     assert line.startswith(f"error: hydra.run.dir: {run_dir} is in use by PID {first.pid}")
     # the first run was not disturbed: one trajectory, each step once
     steps = [step for step, _ in losses(run_dir)]
@@ -238,7 +171,7 @@ def test_nan_in_training_or_evaluation_is_never_saved_as_good(tmp_path: Path) ->
     result = run(
         run_dir, "optim.lr=1e30", "optim.name=sgd", "model.norm=none", "trainer.max_steps=3"
     )
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert result.returncode == 1 and "NonFiniteLossError" in line
     assert summary(run_dir)["status"] == "failed"
     assert not (run_dir / "last" / "manifest.json").exists()
@@ -247,7 +180,7 @@ def test_nan_in_training_or_evaluation_is_never_saved_as_good(tmp_path: Path) ->
     result = run(
         run_dir, "optim.lr=1e30", "optim.name=sgd", "model.norm=none", "trainer.max_steps=1"
     )
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert "is nan; stopped without saving (no checkpoint was written)" in line
     assert summary(run_dir)["status"] == "failed"
     assert not (run_dir / "last" / "manifest.json").exists()
@@ -265,14 +198,14 @@ def test_a_run_directory_is_never_mixed_or_silently_rewritten(tmp_path: Path) ->
 
     # A bad override on resume is one line, and the completed run stays as it was.
     result = run(run_dir, "trainer.max_steps=8", "trainer.resume=true", "model.hidden=32")
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert line.startswith("error: trainer.resume:") and "does not fit" in line
     assert fingerprint(run_dir) == before and summary(run_dir)["status"] == "completed"
 
     # A fresh run into a directory holding a record but no checkpoint is refused ...
     shutil.rmtree(run_dir / "last")
     result = run(run_dir, "trainer.max_steps=4")
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert "holds another run's record (metrics.jsonl, summary.json)" in line
     # ... or, asked to, moves that record aside and starts over.
     result = run(run_dir, "trainer.max_steps=4", "trainer.overwrite=true")
@@ -283,11 +216,11 @@ def test_a_run_directory_is_never_mixed_or_silently_rewritten(tmp_path: Path) ->
 
 def test_a_refused_fresh_config_leaves_no_run_directory(tmp_path: Path) -> None:
     result = run(tmp_path / "outputs" / "x" / "run", "pipeline.chunks=0")
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert line == "error: pipeline.chunks: must be >= 1, got 0"
     assert not (tmp_path / "outputs").exists()
     result = run(tmp_path / "run2", "sweep.objective=eval/acc")
-    assert errors(result)[0].startswith("error: sweep.objective: 'eval/acc' is not a figure")
+    assert error_lines(result)[0].startswith("error: sweep.objective: 'eval/acc' is not a figure")
     assert not (tmp_path / "run2").exists()
 
 
@@ -322,7 +255,7 @@ def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_survives(tmp_path:
         result = run(
             run_dir, "trainer.max_steps=400", "trainer.checkpoint_every=1", "model.hidden=384"
         )
-        (line,) = errors(result)
+        (line,) = error_lines(result)
         assert "cannot save the checkpoint of step" in line and "No space left" in line
         assert "last good checkpoint" in line and "Traceback" not in result.stderr
         good = read_checkpoint(run_dir / "last")["step"]
@@ -340,7 +273,7 @@ def test_an_injected_write_failure_keeps_the_last_good_checkpoint(tmp_path, monk
     from giantpipe.runner import train
     from giantpipe.runner.loop import CheckpointWriteError
     from giantpipe.runner.run_state import staging
-    from tests.unit.runner.test_runner_loop import tiny
+    from tests.support.runs import tiny
 
     saves = {"n": 0}
     real, real_save = torch.save, staging.save_collective
@@ -381,7 +314,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_nothing_runs(tmp_path: 
     with pytest.raises(CheckpointError, match=r"holds posix.system, which giantpipe never saves"):
         safe_load(tmp_path / "evil.pt")
     result = run(tmp_path / "run", f"trainer.init_from={tmp_path / 'evil.pt'}")
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert line.startswith("error: trainer.init_from:") and "never saves" in line
     assert not marker.exists()
 
@@ -393,15 +326,14 @@ QUICKSTART = ["recipe=mlp_quickstart"]
 
 def quickstart(cwd: Path, run_dir: str, *args: str) -> subprocess.CompletedProcess:
     """``python train.py recipe=mlp_quickstart hydra.run.dir=RUN_DIR ARGS``, as a user types it."""
-    command = [sys.executable, str(REPO / "train.py"), *QUICKSTART, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(
-        [*command, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=scaled(300)
-    )
+    return train(*QUICKSTART, f"hydra.run.dir={run_dir}", *args, cwd=cwd, timeout=300)
 
 
 def consolidate(directory: Path, out: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "giantpipe.consolidate", str(directory), str(out)]
-    return subprocess.run(command, env=env(), capture_output=True, text=True, timeout=scaled(120))
+    return subprocess.run(
+        command, env=environment(), capture_output=True, text=True, timeout=scaled(120)
+    )
 
 
 def test_a_damaged_manifest_is_refused_and_nothing_is_removed(tmp_path: Path) -> None:
@@ -414,7 +346,7 @@ def test_a_damaged_manifest_is_refused_and_nothing_is_removed(tmp_path: Path) ->
     manifest.write_text("x" + manifest.read_text()[1:])  # one character damaged
     before = fingerprint(run_dir)
     result = quickstart(tmp_path, str(run_dir), "trainer.resume=true")
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert line.startswith(f"error: trainer.resume: {manifest} is damaged"), line
     assert "nothing was removed" in line
     assert fingerprint(run_dir) == before  # the weights are all there: one character to repair
@@ -463,14 +395,14 @@ def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(tmp_pat
         data[i] ^= 0x5A
     path.write_bytes(bytes(data))
     result = run(run_dir, "trainer.max_steps=6", "trainer.resume=true")
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     kept = run_dir / "step_4"
     assert line == (
         f"error: trainer.resume: {path} is damaged (content hash differs from the commit "
         f"record); resume from {kept} with trainer.resume={kept}"
     )
     # Fine-tuning from it is refused too, naming the setting that asked for it.
-    (line,) = errors(run(tmp_path / "tuned", f"trainer.init_from={run_dir / 'last'}"))
+    (line,) = error_lines(run(tmp_path / "tuned", f"trainer.init_from={run_dir / 'last'}"))
     assert line == (
         f"error: trainer.init_from: {path} is damaged (content hash differs from the commit "
         f"record); start from {kept} with trainer.init_from={kept}"
@@ -496,7 +428,7 @@ def test_a_truncated_shard_is_one_line_naming_it(tmp_path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     result = run(run_dir, "trainer.max_steps=4", "trainer.resume=true")
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert line.startswith(f"error: trainer.resume: {path} is damaged (truncated: ")
     assert "Traceback" not in result.stderr
     merged = consolidate(run_dir / "last", tmp_path / "model.pt")

@@ -15,7 +15,6 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import termios
 import time
 from pathlib import Path
@@ -24,16 +23,8 @@ import pytest
 import torch
 
 from giantpipe.checkpoint.run import read_checkpoint
-from tests.integration.test_faults import (
-    REPO,
-    TINY,
-    env,
-    errors,
-    fingerprint,
-    losses,
-    run,
-    summary,
-)
+from tests.integration.fault_runs import TINY, fingerprint, losses, run, summary
+from tests.support.train import error_lines, start_train, train
 from tests.timeouts import scaled
 
 pytestmark = pytest.mark.slow
@@ -42,7 +33,7 @@ pytestmark = pytest.mark.slow
 def test_a_local_timeout_past_a_week_is_one_line_and_no_run(tmp_path: Path) -> None:
     """It used to pass the checks and kill step 1 (OverflowError, blamed on stage 1)."""
     result = run(tmp_path / "run", "trainer.max_steps=2", "pipeline.timeout=1e10")
-    assert errors(result) == [
+    assert error_lines(result) == [
         "error: pipeline.timeout: must be at most 604800 s (a week), how long a stage may wait "
         "for another before the step fails; got 10000000000.0"
     ]
@@ -60,16 +51,9 @@ def test_a_data_file_that_would_run_code_is_refused_and_leaves_no_run(tmp_path: 
     torch.save((torch.randn(64, 16), torch.randint(0, 8, (64,)), Payload()), root / "train.pt")
     torch.save((torch.randn(64, 16), torch.randint(0, 8, (64,))), root / "eval.pt")
     data = ["data=tensors", f"data.root={root}", "data.features=16", "data.classes=8"]
-    command = [sys.executable, str(REPO / "train.py"), "recipe=mlp_quickstart", *data]
-    result = subprocess.run(
-        [*command, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=scaled(180),
-    )
-    (line,) = errors(result)
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    result = train("recipe=mlp_quickstart", *data, run_dir, cwd=tmp_path, timeout=180)
+    (line,) = error_lines(result)
     assert line.startswith(
         f"error: data.root: {root / 'train.pt'} holds posix.system, which a data file of "
         "tensors never needs; refused without running it"
@@ -91,14 +75,15 @@ def on_a_terminal(run_dir: Path, *args: str) -> tuple[subprocess.Popen, int]:
     """The run in a session of its own whose controlling terminal is a pty, as over SSH; closing
     the returned master end is the session dropping (the kernel sends SIGHUP)."""
     master, slave = pty.openpty()
-    command = [sys.executable, str(REPO / "train.py"), *TINY, f"hydra.run.dir={run_dir}", *args]
-    proc = subprocess.Popen(
-        [*command, "logger.progress=tqdm"],  # a bar on the terminal at every step
+    proc = start_train(
+        *TINY,
+        f"hydra.run.dir={run_dir}",
+        *args,
+        "logger.progress=tqdm",  # a bar on the terminal at every step
+        cwd=run_dir.parent,
         stdin=slave,
         stdout=slave,
         stderr=slave,
-        cwd=run_dir.parent,
-        env=env(),
         start_new_session=True,
         preexec_fn=as_over_ssh,
     )
@@ -132,7 +117,7 @@ def test_a_resume_with_another_seed_is_refused_unless_meant(tmp_path: Path) -> N
     assert run(run_dir, "trainer.max_steps=3").returncode == 0
     before = fingerprint(run_dir)
     result = run(run_dir, "trainer.max_steps=5", "trainer.resume=true", "trainer.seed=1")
-    assert errors(result) == [
+    assert error_lines(result) == [
         f"error: trainer.seed: changed from the run being resumed ({run_dir / 'config.yaml'}: "
         "trainer.seed 0 -> 1); a resume continues that run: set it back, or pass "
         "trainer.resume_changed=[trainer.seed] if the change is meant"
@@ -146,25 +131,9 @@ def test_a_resume_with_another_seed_is_refused_unless_meant(tmp_path: Path) -> N
 
 
 def sweep(sweep_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        str(REPO / "train.py"),
-        "-m",
-        *TINY,
-        "trainer.max_steps=4",
-        "trainer.checkpoint_every=2",
-        "pipeline.chunks=1,2,4",
-        f"hydra.sweep.dir={sweep_dir}",
-        *args,
-    ]
-    return subprocess.run(
-        command,
-        cwd=sweep_dir.parent,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-    )
+    steps = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "pipeline.chunks=1,2,4"]
+    where = f"hydra.sweep.dir={sweep_dir}"
+    return train("-m", *TINY, *steps, where, *args, cwd=sweep_dir.parent, timeout=300)
 
 
 def test_resume_auto_restarts_a_killed_sweep_with_one_command(tmp_path: Path) -> None:

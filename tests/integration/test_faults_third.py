@@ -13,24 +13,14 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from giantpipe.checkpoint.run import read_checkpoint
-from tests.integration.test_faults import (
-    REPO,
-    env,
-    errors,
-    fingerprint,
-    losses,
-    run,
-    start,
-    summary,
-    wait_for_step,
-)
+from tests.integration.fault_runs import fingerprint, losses, run, start, summary, wait_for_step
+from tests.support.train import error_lines, start_train
 from tests.timeouts import scaled
 
 pytestmark = pytest.mark.slow
@@ -52,16 +42,8 @@ ON_IMAGES = [
 
 def on_images(run_dir: Path, photos: Path, *args: str) -> subprocess.Popen:
     """The run in a process group of its own, so the test can signal the whole job."""
-    command = [sys.executable, str(REPO / "train.py"), *ON_IMAGES, f"data.root={photos}"]
-    return subprocess.Popen(
-        [*command, f"hydra.run.dir={run_dir}", *args],
-        cwd=run_dir.parent,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    command = [*ON_IMAGES, f"data.root={photos}", f"hydra.run.dir={run_dir}", *args]
+    return start_train(*command, cwd=run_dir.parent, start_new_session=True)
 
 
 def test_sigterm_to_the_whole_job_with_loader_workers_saves_and_resumes(tmp_path: Path) -> None:
@@ -131,7 +113,7 @@ def test_a_missing_last_manifest_is_refused_naming_the_newest_step_and_nothing_c
     for resume in ("auto", "true", "false"):
         result = run(run_dir, "trainer.max_steps=10", f"trainer.resume={resume}")
         assert result.returncode == 2, (resume, result.stderr[-2000:])
-        assert errors(result) == [
+        assert error_lines(result) == [
             f"error: trainer.resume: {run_dir / 'last' / 'manifest.json'} is missing "
             f"({run_dir / 'last'} holds a save without its commit record); nothing was "
             f"changed: resume from {kept} with trainer.resume={kept}, or choose another "
@@ -151,13 +133,13 @@ def test_step_copies_without_a_last_are_never_started_over(tmp_path: Path) -> No
     before = fingerprint(run_dir)
     kept = run_dir / "step_8"
     result = run(run_dir, "trainer.max_steps=10", "trainer.resume=auto")
-    assert errors(result) == [
+    assert error_lines(result) == [
         f"error: trainer.resume: no checkpoint at {run_dir / 'last'}, but {run_dir} keeps "
         f"step_8/; nothing was changed: resume from {kept} with trainer.resume={kept}, or "
         "choose another hydra.run.dir"
     ]
     result = run(run_dir, "trainer.max_steps=10", "trainer.overwrite=true")
-    (line,) = errors(result)
+    (line,) = error_lines(result)
     assert line.startswith(f"error: trainer.resume: {run_dir} already holds a run (step_8/")
     assert fingerprint(run_dir) == before
 
@@ -166,7 +148,7 @@ def test_a_trace_past_the_runs_end_is_refused_at_the_start(tmp_path: Path) -> No
     """`trainer.trace_steps=[50]` in a 5-step run wrote nothing and said nothing."""
     result = run(tmp_path / "run", "trainer.max_steps=5", "trainer.trace_steps=[2,50]")
     assert result.returncode == 2
-    assert errors(result) == [
+    assert error_lines(result) == [
         "error: trainer.trace_steps: [50] is past the run's end (it trains 5 optimizer steps), "
         "so nothing would be traced; choose steps from 1 to 5"
     ]
@@ -198,7 +180,7 @@ def test_a_permission_error_names_its_cause_and_the_newest_good_checkpoint(
     checkpoint" it named was last/ of step 2, not the newer step_4/ written just before."""
     from giantpipe.runner import train
     from giantpipe.runner.loop import CheckpointWriteError
-    from tests.unit.runner.test_runner_loop import tiny
+    from tests.support.runs import tiny
 
     denied = PermissionError(13, "Permission denied", str(tmp_path / "last" / "x"))
     saves_of(monkeypatch, fail=("last", 4, denied))
@@ -219,7 +201,7 @@ def test_a_step_that_evaluates_and_checkpoints_writes_last_once(
     """A step that both evaluated and kept a step_N/ wrote last/ twice (and the run's end a
     third time); a stop or save signal at such a step would have too."""
     from giantpipe.runner import train
-    from tests.unit.runner.test_runner_loop import tiny
+    from tests.support.runs import tiny
 
     saves = saves_of(monkeypatch)
     train(tiny(max_steps=6, eval_every=3, checkpoint_every=3), tmp_path, "")

@@ -4,14 +4,14 @@ naming the file (and the stage it lacks), exit status 2, and nothing of a run wr
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.train import train
+
 TINY = [
     "recipe=mlp_quickstart",
     "data.train_size=64",
@@ -26,22 +26,15 @@ TINY = [
 pytestmark = pytest.mark.slow  # train.py in a subprocess
 
 
-def train(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *TINY, f"hydra.run.dir={run_dir}", *args],
-        cwd=run_dir.parent,
-        env={"PYTHONPATH": f"{REPO / 'src'}:{REPO}", "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def train_tiny(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return train(*TINY, f"hydra.run.dir={run_dir}", *args, cwd=run_dir.parent, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The tiny run's own weights, as a finished run leaves them."""
     run_dir = tmp_path_factory.mktemp("init") / "run"
-    done = train(run_dir)
+    done = train_tiny(run_dir)
     assert done.returncode == 0, done.stderr[-2000:]
     from giantpipe.checkpoint.run import read_checkpoint
 
@@ -50,7 +43,7 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]
 
 def refused(run_dir: Path, path: Path) -> str:
     """The one line a refused init_from prints; nothing of a run is left in ``run_dir``."""
-    result = train(run_dir, f"trainer.init_from={path}")
+    result = train_tiny(run_dir, f"trainer.init_from={path}")
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     left = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from giantpipe.config import TrainerConfig
-from tests.integration.test_cli import HEAVY, error_lines, imported, train
+from tests.support.train import HEAVY, error_lines, imported, train
 
 
 # Every bad value has its exact line in tests/unit/config/test_config_keeping.py; here, one of

@@ -16,7 +16,7 @@ import pytest
 from giantpipe.runner import train
 from giantpipe.runner.ledger import LEDGER
 from tests.integration.prune_killer import POINTS, config
-from tests.unit.runner.test_runner_keeping import kept_steps, whole
+from tests.support.runs import kept_steps, whole
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.integration.test_train_cli import TINY, ok, train
+from tests.support.runs import QUICK_MLP
+from tests.support.train import ok, train
 
 
 def test_a_two_job_multirun_writes_the_sweep_table_with_both_jobs(tmp_path: Path) -> None:
-    result = ok(train("-m", *TINY, "trainer.max_steps=2", "pipeline.chunks=1,2", cwd=tmp_path))
+    result = ok(train("-m", *QUICK_MLP, "trainer.max_steps=2", "pipeline.chunks=1,2", cwd=tmp_path))
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
     rows = (sweep_dir / "sweep.csv").read_text().splitlines()
     assert rows[0] == "job,pipeline.chunks,status,eval/loss"

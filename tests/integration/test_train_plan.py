@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_train_cli import TINY, ok, train
+from tests.support.runs import QUICK_MLP
+from tests.support.train import ok, train
 
 pytestmark = pytest.mark.slow  # python train.py with the planner: measures, simulates, trains
 
@@ -16,7 +17,7 @@ def test_plan_auto_runs_the_planned_settings_and_reports_them(tmp_path: Path):
     run_dir = tmp_path / "run"
     result = ok(
         train(
-            *TINY,
+            *QUICK_MLP,
             "trainer.max_steps=4",
             "pipeline.plan=auto",
             "pipeline.memory_budget_gib=2",

@@ -1,27 +1,6 @@
-"""Import a recipe or benchmark script (they are files, not package modules) for its tests.
+"""Moved to tests/support/scripts.py; this name stays until tests/recipes/test_gpu_check.py (being
+edited by another lane) imports it from there."""
 
-Example::
+from tests.support.scripts import load_script
 
-    recipe = load_script("recipes/table2_throughput.py")
-    recipe.MODELS
-"""
-
-from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_script(relative: str) -> ModuleType:
-    """The script at ``ROOT / relative``, imported under its file stem."""
-    path = ROOT / relative
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+__all__ = ["load_script"]

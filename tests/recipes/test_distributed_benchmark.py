@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from giantpipe.engine.schedules import schedule_builders
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 BEST = re.compile(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ import yaml
 
 from giantpipe.engine.generate import Decoding, generate
 from models.transformer import transformer_lm
+from tests.support.train import REPO, train
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = {
     "_target_": "models.transformer_lm.transformer_lm",
     "num_layers": 2,
@@ -30,14 +29,13 @@ MODEL = {
 }
 
 
-ENV = {"PYTHONPATH": f"{REPO / 'src'}:{REPO}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def launch(*args: str) -> subprocess.CompletedProcess:
-    script = str(REPO / "recipes" / "generate.py")
-    return subprocess.run(
-        [sys.executable, script, *args], capture_output=True, text=True, timeout=240, env=ENV
-    )
+    """``python recipes/generate.py ARGS``."""
+    script = REPO / "recipes" / "generate.py"
+    return train(*args, cwd=REPO, script=script, env=ONE_THREAD, timeout=240)
 
 
 def run(*args: str) -> list[str]:
@@ -137,9 +135,8 @@ def text_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small ``data=text`` run trained two steps by train.py (a tokenizer trained on a
     generated corpus, kept in the run directory; a 2-layer transformer_lm), saved in last/."""
     work = tmp_path_factory.mktemp("text_run")
-    python = [sys.executable]
-    subprocess.run([*python, str(REPO / "recipes" / "text_lm.py"), "--generate", "corpus"],
-                   cwd=work, env=ENV, check=True, capture_output=True, timeout=120)  # fmt: skip
+    corpus = train("--generate", "corpus", cwd=work, script=REPO / "recipes" / "text_lm.py")
+    assert corpus.returncode == 0, corpus.stderr[-2000:]
     overrides = [
         "model=transformer_lm", "data=text", "data.files=[corpus/*.txt]", "data.seq_len=32",
         "data.batch_size=8", "data.vocab_size=200", "model.num_layers=2", "model.d_model=32",
@@ -147,8 +144,7 @@ def text_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "trainer.eval_every=0", "trainer.predict=false", "logger.progress=none",
         "pipeline.chunks=2", "hydra.run.dir=run",
     ]  # fmt: skip
-    done = subprocess.run([*python, str(REPO / "train.py"), *overrides], cwd=work, env=ENV,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = train(*overrides, cwd=work, env=ONE_THREAD, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (work / "run" / "last" / "manifest.json").is_file()
     return work / "run"

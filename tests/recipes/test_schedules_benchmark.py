@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 CELL = re.compile(
     r"\| (gpipe|1f1b|interleaved|zb-h1|zb-v) \| (\d) \| (\d+) \| (\d+) \| [+-]\d+\.\d% "

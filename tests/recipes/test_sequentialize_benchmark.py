@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from giantpipe.perf.memory import LiveBytesTracker, StageLoss, TensorSpec
 from giantpipe.perf.stage_memory import measure_stage, profile_layer_memory
 from models.amoebanet import amoebanetd
 from recipes.model_sizes import AmoebaNetD, TransformerL
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 
 def _mlp() -> nn.Sequential:

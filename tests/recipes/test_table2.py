@@ -15,7 +15,7 @@ from torch import nn
 from giantpipe.cli.registration import register_configs
 from giantpipe.perf.costs import measure_layers
 from giantpipe.perf.simulate import StageCost
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from giantpipe.data.bundle import DataBundle
 from giantpipe.engine import GPipe
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")

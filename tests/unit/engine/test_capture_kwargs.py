@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from giantpipe import GPipe, sequentialize
 from giantpipe.testing import reference_step
-from tests.unit.engine.test_capture_models import VOCAB, assert_same_grads, token_loss, tokens
+from tests.unit.engine.token_batches import VOCAB, assert_same_grads, token_loss, tokens
 
 D, HEADS, BATCH, T = 16, 2, 8, 6
 

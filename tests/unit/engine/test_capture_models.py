@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from giantpipe import GPipe, sequentialize
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import reference_step, step_seed
+from tests.unit.engine.token_batches import BATCH, VOCAB, assert_same_grads, token_loss, tokens
 
 MODES = ["always", "except_last", "never"]
 # (schedule, K, V, M, recompute): every schedule and every mode, K = 2, 3, 4
@@ -30,11 +31,6 @@ CASES = [
     ("interleaved", 2, 2, 4, "always"),
     ("gpipe", 4, 1, 8, "never"),
 ]
-VOCAB, BATCH, T = 97, 8, 12
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 def gpt2(dropout: float = 0.0) -> nn.Module:
@@ -58,27 +54,12 @@ def llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def tokens() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (BATCH, T), generator=g)
-    mask = torch.ones(BATCH, T, dtype=torch.long)
-    mask[::3, -4:] = 0  # right padding on some rows: the attention mask matters
-    return ids, mask, torch.randint(0, VOCAB, (BATCH, T), generator=g)
-
-
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def language_model(request: Any) -> tuple[nn.Module, nn.Sequential]:
     model = {"gpt2": gpt2, "llama": llama}[request.param]()
     ids, mask, _ = tokens()
     seq = sequentialize(model, input_ids=ids, attention_mask=mask, output="logits")
     return model, seq
-
-
-def assert_same_grads(pipe: nn.Module, plain: nn.Module, rtol: float = 1e-4) -> None:
-    mine = dict(pipe.state_dict(keep_vars=True))
-    for name, p in plain.named_parameters():
-        assert mine[name].grad is not None, name
-        torch.testing.assert_close(mine[name].grad, p.grad, rtol=rtol, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

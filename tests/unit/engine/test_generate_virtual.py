@@ -8,6 +8,7 @@ rerun over the whole prefix at every step (:class:`Uncached`)."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -18,14 +19,16 @@ from giantpipe.engine.generate import Decoding, generate, split_rows
 from giantpipe.engine.generate.ring import held_stages
 from models.transformer import transformer_lm
 from tests.timeouts import scaled
-from tests.unit.engine import test_generate
-from tests.unit.engine.test_generate import seq2seq
+from tests.unit.engine.seq2seq import BOS, EOS, PAD, seq2seq, translation_reference
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
 
-translation = test_generate.translation  # the same fixture: the model, sources and references
 
-BOS, EOS, PAD = 2, 3, 0
+@pytest.fixture(scope="module")
+def translation() -> dict[str, Any]:
+    return translation_reference()
+
+
 SCHEDULES = ["interleaved", "zb-v"]
 CASES = list(itertools.product(SCHEDULES, [1, 2, 3], [1, 3]))  # schedule, M, beam
 

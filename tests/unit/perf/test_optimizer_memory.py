@@ -18,7 +18,7 @@ from torch import nn
 from giantpipe.perf.memory import StageLoss, TensorSpec
 from giantpipe.perf.sizing import Setting, measure_size, size_model
 from giantpipe.perf.stage_memory import measure_stage, profile_layer_memory
-from tests.unit.perf.test_sizing import TinyFamily
+from tests.unit.perf.tiny_family import TinyFamily
 
 MICRO = 8
 INPUT = TensorSpec((MICRO, 4), torch.float32)

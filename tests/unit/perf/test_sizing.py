@@ -5,40 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from giantpipe.engine.spec import PipelineSpec
-from giantpipe.perf.memory import Spec, StageLoss, TensorSpec
 from giantpipe.perf.sizing import Setting, measure_size, micro_batch, size_model
-
-
-class TinyFamily:
-    """An MLP of L hidden layers, width D: [in, L x hidden, out] (a ModelFamily)."""
-
-    name = "tiny"
-    batch = 8
-
-    def build(self, layers: int, width: int) -> nn.Sequential:
-        with torch.device("meta"):
-            hidden = [nn.Linear(width, width) for _ in range(layers)]
-            return nn.Sequential(nn.Linear(4, width), *hidden, nn.Linear(width, 3))
-
-    def template(self, width: int) -> nn.Sequential:
-        return self.build(1, width)
-
-    def expand(self, layers: int) -> list[int]:
-        return [0, *[1] * layers, 2]
-
-    def input(self, micro: int) -> Spec:
-        return TensorSpec((micro, 4), torch.float32)
-
-    def loss(self, micro: int) -> StageLoss:
-        return StageLoss(F.cross_entropy, TensorSpec((micro,), torch.long))
-
-    def describe(self, layers: int, width: int) -> str:
-        return f"({layers},{width})"
+from tests.unit.perf.tiny_family import TinyFamily
 
 
 def test_a_setting_is_a_label_beside_a_pipeline_spec() -> None:

@@ -11,7 +11,7 @@ from giantpipe.config import ConfigError
 from giantpipe.runner import train
 from giantpipe.runner.callbacks import Callback, RunInfo, build_callbacks
 from giantpipe.runner.world import World
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 
 class EveryRank(Callback):

@@ -15,7 +15,7 @@ from giantpipe.runner import train
 from giantpipe.runner.ledger import LEDGER, Ledger, not_ours
 from giantpipe.runner.monitor import Monitor
 from giantpipe.runner.retention import Retention
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 
 @pytest.fixture(scope="module")

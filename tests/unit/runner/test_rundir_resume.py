@@ -12,7 +12,7 @@ from giantpipe.config import ConfigError
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.rundir import check_resumed_config, resume_point
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 SAVED = {
     "name": "run",

@@ -33,7 +33,7 @@ from giantpipe.runner.run_state.state import (
 from giantpipe.runner.run_state.writer import CheckpointWriter
 from giantpipe.runner.seeding import rng_state, seed_everything
 from giantpipe.runner.world import World
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 
 def model() -> nn.Sequential:

@@ -21,7 +21,7 @@ from giantpipe.runner.run_state.staging import save_run
 from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 
 def fp16(**trainer: object) -> ExperimentConfig:

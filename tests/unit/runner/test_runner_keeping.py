@@ -9,25 +9,12 @@ from typing import Any
 
 import pytest
 
-from giantpipe.checkpoint.manifest import committed_files, read_manifest, verify
-from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.runner.callbacks import Callback, CallbackError, RunInfo
 from giantpipe.runner.ledger import LEDGER
 from giantpipe.runner.rundir import finished_run
-from tests.unit.runner.test_runner_loop import tiny
-
-
-def kept_steps(run: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in run.glob("step_*"))
-
-
-def whole(folder: Path) -> int:
-    """The step of a checkpoint whose every committed file matches its manifest, read whole."""
-    manifest = read_manifest(folder)
-    verify(folder, manifest, committed_files(manifest))
-    return read_checkpoint(folder)["step"]
+from tests.support.runs import kept_steps, tiny, whole
 
 
 def evaluations(run: Path) -> dict[int, float]:

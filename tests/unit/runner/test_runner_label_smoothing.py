@@ -14,7 +14,7 @@ from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from giantpipe.testing import reference_step
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 SMOOTHING = 0.3
 

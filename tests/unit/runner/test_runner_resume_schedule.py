@@ -11,7 +11,7 @@ from pathlib import Path
 from giantpipe.config import ExperimentConfig, LRScheduleConfig, OptimConfig
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 STEPS, STOP = 4, 2  # the run, and where it is interrupted
 

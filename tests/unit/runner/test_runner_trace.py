@@ -11,7 +11,7 @@ import pytest
 from giantpipe.config import ConfigError, TrainerConfig
 from giantpipe.runner import train
 from giantpipe.runner.rundir import move_record_aside
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 
 def test_the_steps_asked_for_are_written_as_traces(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 torch.set_num_threads(1)
 write_corpus = load_script("recipes/text_lm.py").write_corpus

@@ -9,7 +9,7 @@ import pytest
 
 from giantpipe.config import ConfigError
 from giantpipe.data.text.bundle import read_text_corpus
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 write_corpus = load_script("recipes/text_lm.py").write_corpus
 

@@ -1,0 +1,116 @@
+"""``train.py`` (or another script of a checkout) in a subprocess, as a user runs it, and its
+output read: one process, or two ranks under torchrun.
+
+Every command gets the checkout on ``PYTHONPATH``, W&B offline and ``HYDRA_FULL_ERROR`` unset (the
+one-line errors a user sees); a timeout is lengthened by tests/timeouts.py's knob and, run out,
+says so.
+
+Example::
+
+    done = ok(train("recipe=mlp_quickstart", "trainer.max_steps=2", cwd=tmp_path))
+    line = one_error_line(train("trainer.foo=1", cwd=tmp_path))
+    code, out = finish(train_under_torchrun(tmp_path / "run", "recipe=mlp_quickstart"), 240)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.timeouts import run, scaled
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "train.py"
+HEAVY = ("torch", "torchvision", "transformers")
+"""Packages a command that only reads its config must not import."""
+
+
+def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment as a command of the checkout needs it, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    env.setdefault("WANDB_MODE", "offline")
+    env.update(extra or {})
+    return env
+
+
+def command(*args: str, script: Path = TRAIN, importtime: bool = False) -> list[str]:
+    """``python [-X importtime] SCRIPT ARGS``."""
+    flags = ["-X", "importtime"] if importtime else []
+    return [sys.executable, *flags, str(script), *args]
+
+
+def train(
+    *args: str,
+    cwd: Path,
+    timeout: float = 120,
+    importtime: bool = False,
+    script: Path = TRAIN,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` in ``cwd`` to its end, its output captured; fails, saying so,
+    after ``scaled(timeout)`` s. ``importtime``: ``-X importtime`` (read by :func:`imported`)."""
+    full = command(*args, script=script, importtime=importtime)
+    return run(full, timeout, cwd=cwd, env=environment(env), capture_output=True, text=True)
+
+
+def start_train(
+    *args: str,
+    cwd: Path,
+    script: Path = TRAIN,
+    env: dict[str, str] | None = None,
+    **popen: Any,
+) -> subprocess.Popen[str]:
+    """``python SCRIPT ARGS`` started in ``cwd`` (a test that signals or kills it), stdout and
+    stderr piped unless ``popen`` says otherwise (e.g. a pty, a session of its own)."""
+    streams: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    full = command(*args, script=script)
+    return subprocess.Popen(full, cwd=cwd, env=environment(env), text=True, **streams)
+
+
+def train_under_torchrun(
+    run_dir: Path, *overrides: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``torchrun --nproc_per_node=2 train.py OVERRIDES pipeline.executor=distributed`` into
+    ``run_dir`` on a free loopback port, ``pipeline.timeout`` the scaled ``timeout`` (wait for
+    it with :func:`tests.support.ranks.finish`)."""
+    from giantpipe.testing import free_port
+    from tests.support.ranks import torchrun  # torch: only the tests that launch ranks import it
+
+    rendezvous = [
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--max_restarts=0",
+    ]
+    pipeline = ["pipeline.executor=distributed", f"pipeline.timeout={scaled(timeout):g}"]
+    job = [str(TRAIN), *overrides, *pipeline, f"hydra.run.dir={run_dir}"]
+    return torchrun([*rendezvous, *job], env=env)
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """``result``, which must have succeeded (else its stderr's end is the failure)."""
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """The ``error:`` lines of a command's stderr."""
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failed command printed, which must be all it printed."""
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def imported(result: subprocess.CompletedProcess[str]) -> set[str]:
+    """Top-level packages ``-X importtime`` saw imported (its lines end with the module name)."""
+    rows = [line.rpartition("|")[2] for line in result.stderr.splitlines()]
+    return {row.strip().split(".")[0] for row in rows if row.startswith(" ")}
