@@ -17,7 +17,7 @@ from giantpipe.runner import build as runner_build
 from giantpipe.runner import train
 from giantpipe.runner.planning import plan_pipeline
 from giantpipe.runner.world import TorchrunWorld
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 
 def plan_by_share(tmp: Path) -> dict[str, Any]:

@@ -236,7 +236,7 @@ def resume_across_layouts(tmp: Path, steps: int = 4, resume_at: int = 2) -> dict
     from giantpipe.metrics.jsonl import read_jsonl
     from giantpipe.runner import build as runner_build
     from giantpipe.runner import train
-    from tests.unit.runner.test_runner_loop import tiny
+    from tests.support.runs import tiny
 
     cfg = tiny(
         max_steps=steps,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.eval_batch_workers import CHUNKS, SIZES
-from tests.distributed.launch import spawn
+from tests.support.ranks import spawn
 
 pytestmark = pytest.mark.distributed
 

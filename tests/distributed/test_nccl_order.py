@@ -7,7 +7,7 @@ steps: the first learns every layout (descriptions on the host), the second is t
 state (bytes alone), the third has inputs of another layout and changes some shapes, the
 fourth has the first's inputs again (bytes alone). A value with no tensor bytes crosses in
 every step but the third. Every value must arrive equal, and the transfers each rank issued
-must replay under NCCL's rule (:func:`tests.distributed.nccl_rules.replay`) and be exactly the
+must replay under NCCL's rule (:func:`tests.support.nccl_rules.replay`) and be exactly the
 order the schedule implies.
 
 The replay is shown to catch the fault it guards: ranks that issue their transfers in the
@@ -29,8 +29,8 @@ from giantpipe.engine.distributed.p2p import DESCRIPTIONS, PAYLOADS, P2PMailbox
 from giantpipe.engine.distributed.wire import Layouts
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.engine.schedules.actions import Action
-from tests.distributed.nccl_rules import Deadlock, DeviceOp, FakeNetwork, replay
 from tests.distributed.workers import registered_schedules, virtual_stages_for
+from tests.support.nccl_rules import Deadlock, DeviceOp, FakeNetwork, replay
 
 STEPS = 4
 CHANGED = 2  # the step whose inputs (and so some shapes) differ from the others'
@@ -238,7 +238,7 @@ def test_real_steps_replay_under_nccls_rule(tmp_path) -> None:
     all-gathers and reduce-scatters among the sends), every call to torch.distributed comes
     from the rank's main thread, and the device operations and collectives of all ranks
     replay under NCCL's rule."""
-    from tests.distributed.launch import spawn
+    from tests.support.ranks import spawn
 
     results = spawn(
         "tests.distributed.order_workers:recorded_steps",

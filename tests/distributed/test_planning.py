@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import spawn
+from tests.support.ranks import spawn
 
 pytestmark = pytest.mark.distributed
 

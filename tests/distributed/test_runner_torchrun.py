@@ -24,7 +24,8 @@ from giantpipe.config import ExperimentConfig
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.testing.reference import plain_model
-from tests.distributed.launch import REPO, finish, train_under_torchrun
+from tests.support.ranks import REPO, finish
+from tests.support.train import train_under_torchrun
 
 pytestmark = pytest.mark.distributed
 

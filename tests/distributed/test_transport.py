@@ -25,7 +25,7 @@ from giantpipe.engine.distributed.p2p import (
 )
 from giantpipe.engine.distributed.wire import Layouts
 from giantpipe.engine.schedules import build_schedule
-from tests.distributed.launch import spawn, start_processes
+from tests.support.ranks import spawn, start_ranks
 
 # The steps of a round trip, and the layout of their inputs (what stage 0's rank names).
 FIRST, STEADY, SMALLER, LONGER, LONG, BACK = range(6)
@@ -238,9 +238,7 @@ def mailbox_failure(tmp: Path, how: str) -> dict[str, Any]:
 def test_a_peer_lost_mid_step_is_named_within_the_timeout(
     tmp_path: Path, how: str, expected: str
 ) -> None:
-    procs = start_processes(
-        2, "tests.distributed.test_transport:mailbox_failure", tmp_path, how=how
-    )
+    procs = start_ranks("tests.distributed.test_transport:mailbox_failure", 2, tmp_path, how=how)
     try:
         procs[0].join(60)
         assert not procs[0].is_alive(), "rank 0 did not stop"

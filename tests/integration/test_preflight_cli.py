@@ -3,7 +3,6 @@ line (exit 2, the keys named, nothing written, its model never allocated), and
 ``trainer.dry_run=true`` prints the plan, the memory per device and the step time, then exits 0
 without training or saving."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from giantpipe.runner.preflight import GIB, host_available
+from tests.support.train import command, environment
 from tests.timeouts import run
 
 pytestmark = pytest.mark.slow  # python train.py end to end (torch, a 2.5B model sized on meta)
@@ -28,10 +28,8 @@ MEASURED = (
 
 def train(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, int, float]:
     """The run, its peak resident bytes and its CPU seconds."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-c", MEASURED, sys.executable, str(REPO / "train.py"), *args]
-    result = run(command, 240, cwd=cwd, env=env, capture_output=True, text=True)
+    measured = [sys.executable, "-c", MEASURED, *command(*args)]
+    result = run(measured, 240, cwd=cwd, env=environment(), capture_output=True, text=True)
     _, rss, cpu = result.stdout.splitlines()[-1].split()
     return result, int(rss) * 1024, float(cpu)
 

@@ -26,7 +26,7 @@ from giantpipe.testing import accumulate_micro_batches, step_seed
 from giantpipe.testing.reference import plain_model
 from models.transformer import count_parameters, label_smoothed_cross_entropy
 from tests import tiny
-from tests.integration.test_train_cli import REPO, ok
+from tests.support.train import REPO, ok
 
 CONF = REPO / "conf"
 register_configs(CONF)

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.recipes.scripts import ROOT, load_script
+from tests.support.scripts import ROOT, load_script
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes.scripts import load_script
+from tests.support.scripts import load_script
 
 
 def test_planning_a_model_on_meta_holds_far_less_than_the_model() -> None:

@@ -15,8 +15,8 @@ from typing import Any
 from giantpipe.checkpoint.manifest import committed_files, read_manifest, verify
 from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.config import ExperimentConfig, LoggerConfig, PipelineConfig, TrainerConfig
-from giantpipe.data.options import SyntheticDataConfig
-from models.options import MlpModelConfig
+from giantpipe.data.options import LMTokensDataConfig, SyntheticDataConfig
+from models.options import HfCausalLmModelConfig, MlpModelConfig
 
 
 def tiny(**trainer: Any) -> ExperimentConfig:
@@ -30,6 +30,19 @@ def tiny(**trainer: Any) -> ExperimentConfig:
         ),
         pipeline=PipelineConfig(devices="cpu", num_devices=2, chunks=2),
         trainer=TrainerConfig(**{"max_steps": 6, "eval_every": 3, "log_every": 2, **trainer}),
+        logger=LoggerConfig(progress="none"),
+    )
+
+
+def llama_config(**pipeline: Any) -> ExperimentConfig:
+    """A two-layer Hugging Face Llama (built from its config, nothing downloaded) on generated
+    tokens, two CPU stages, two steps (``pipeline`` keys override)."""
+    return ExperimentConfig(
+        name="llama",
+        model=HfCausalLmModelConfig(layers=2, width=32, heads=4, kv_heads=2, vocab_size=64),
+        data=LMTokensDataConfig(vocab_size=64, seq_len=16, batch_size=8, batches_per_epoch=10),
+        pipeline=PipelineConfig(devices="cpu", num_devices=2, chunks=2, **pipeline),
+        trainer=TrainerConfig(max_steps=2, eval_every=2, log_every=1, checkpoint_every=2),
         logger=LoggerConfig(progress="none"),
     )
 

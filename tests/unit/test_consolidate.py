@@ -15,7 +15,7 @@ from giantpipe.runner.build import build_experiment
 from giantpipe.runner.run_state.restore import restore
 from giantpipe.runner.world import World
 from giantpipe.testing.reference import plain_model
-from tests.unit.runner.test_runner_loop import tiny
+from tests.support.runs import tiny
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_a_hugging_face_llama_exports_as_a_directory_from_pretrained_loads(tmp_p
     file, and cut into shards with an index), gives the pipelined model's logits through
     AutoModelForCausalLM.from_pretrained."""
     transformers = pytest.importorskip("transformers")
-    from tests.unit.runner.test_runner_capture import llama_config
+    from tests.support.runs import llama_config
 
     cfg = llama_config()
     train(cfg, tmp_path / "run", "")

@@ -13,37 +13,21 @@ import torch
 from torch import nn
 
 from giantpipe import GPipe
-from giantpipe.data.translation.decoding import _max_steps, beam_search, greedy_decode
 from giantpipe.engine.generate import Decoding, generate, split_rows
 from giantpipe.engine.generate.caches import StageCaches
-from models.transformer import transformer_lm, transformer_t
+from models.transformer import transformer_lm
 from tests.timeouts import scaled
+from tests.unit.engine.seq2seq import BOS, EOS, PAD, seq2seq, translation_reference
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
 
-BOS, EOS, PAD = 2, 3, 0
 BALANCES = {1: [6], 2: [3, 3], 3: [2, 2, 2], 4: [1, 2, 2, 1]}  # 2 + 2L children, L = 2
 CASES = list(itertools.product([1, 2, 3, 4], [1, 2, 3, 4]))
 
 
-def seq2seq() -> nn.Sequential:
-    torch.manual_seed(1)
-    model = transformer_t(2, 48, 4, d_model=32, head_dim=8, vocab_size=37, max_len=48, dropout=0.0)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def translation() -> dict[str, Any]:
-    model = seq2seq()
-    torch.manual_seed(7)
-    src = torch.randint(4, 37, (7, 6))
-    src[3, 4:] = PAD
-    return {
-        "src": src,
-        "steps": _max_steps(model, src, None),  # type: ignore[arg-type]
-        "greedy": greedy_decode(model, src),
-        "beam": beam_search(model, src, beam_size=3, length_penalty=0.6),
-    }
+    return translation_reference()
 
 
 def pipelined(k: int, m: int, src: torch.Tensor, steps: int, beam: int) -> list[list[int]]:

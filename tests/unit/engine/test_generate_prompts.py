@@ -16,7 +16,7 @@ from giantpipe.data.translation.decoding import beam_search, greedy_decode
 from giantpipe.engine.generate import Decoding, generate, padded_prompt
 from models.transformer import transformer_lm
 from tests.timeouts import scaled
-from tests.unit.engine.test_generate import BOS, PAD, seq2seq
+from tests.unit.engine.seq2seq import BOS, PAD, seq2seq
 
 torch.set_num_threads(1)  # tiny ops: more threads only contend on a shared machine
 

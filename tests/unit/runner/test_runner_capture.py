@@ -15,9 +15,8 @@ from giantpipe.config import (
     ExperimentConfig,
     LoggerConfig,
     PipelineConfig,
-    TrainerConfig,
 )
-from giantpipe.data.options import LMTokensDataConfig, RandomImagesDataConfig, SyntheticDataConfig
+from giantpipe.data.options import RandomImagesDataConfig, SyntheticDataConfig
 from giantpipe.engine.capture import Sequentialized
 from giantpipe.runner import train
 from giantpipe.runner.build import build_bundle, build_experiment
@@ -26,20 +25,9 @@ from models.options import MlpModelConfig, TorchvisionModelConfig
 
 pytest.importorskip("transformers")
 from models.hf import hf_causal_lm  # noqa: E402
-from models.options import HfCausalLmModelConfig  # noqa: E402
+from tests.support.runs import llama_config  # noqa: E402
 
 pytestmark = pytest.mark.slow  # trains Hugging Face and torchvision models through the runner
-
-
-def llama_config(**pipeline) -> ExperimentConfig:
-    return ExperimentConfig(
-        name="llama",
-        model=HfCausalLmModelConfig(layers=2, width=32, heads=4, kv_heads=2, vocab_size=64),
-        data=LMTokensDataConfig(vocab_size=64, seq_len=16, batch_size=8, batches_per_epoch=10),
-        pipeline=PipelineConfig(devices="cpu", num_devices=2, chunks=2, **pipeline),
-        trainer=TrainerConfig(max_steps=2, eval_every=2, log_every=1, checkpoint_every=2),
-        logger=LoggerConfig(progress="none"),
-    )
 
 
 def layers_of(cfg: ExperimentConfig) -> torch.nn.Sequential:

@@ -13,12 +13,9 @@ from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.config import (
     ConfigError,
     ExperimentConfig,
-    LoggerConfig,
     PipelineConfig,
-    TrainerConfig,
 )
 from giantpipe.data.bundle import DataBundle, EvaluationError
-from giantpipe.data.options import SyntheticDataConfig
 from giantpipe.data.synthetic import classification
 from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
@@ -28,6 +25,7 @@ from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.seeding import seed_everything
 from giantpipe.runner.world import World
 from models.options import MlpModelConfig
+from tests.support.runs import tiny
 
 NAN_FROM = 3  # the training batch from which nan_data returns NaN inputs
 
@@ -54,19 +52,6 @@ def failing_eval_data(features: int, classes: int) -> DataBundle:
         raise RuntimeError("The size of tensor a (163) must match the size of tensor b (128)")
 
     return replace(clean, eval_batches=eval_batches, eval_set="held_out.tsv")
-
-
-def tiny(**trainer) -> ExperimentConfig:
-    return ExperimentConfig(
-        name="tiny",
-        model=MlpModelConfig(in_features=8, hidden=16, depth=3, classes=4),
-        data=SyntheticDataConfig(
-            features=8, classes=4, train_size=256, eval_size=64, batch_size=16
-        ),
-        pipeline=PipelineConfig(devices="cpu", num_devices=2, chunks=2),
-        trainer=TrainerConfig(**{"max_steps": 6, "eval_every": 3, "log_every": 2, **trainer}),
-        logger=LoggerConfig(progress="none"),
-    )
 
 
 def test_run_writes_metrics_summary_config_and_checkpoint(tmp_path: Path, capsys):

@@ -25,7 +25,7 @@ from giantpipe.engine.distributed.faults import FailureBoard, RankFailure, wait_
 from giantpipe.engine.distributed.layout import Layout
 from giantpipe.engine.distributed.p2p import PAYLOADS, P2PMailbox
 from giantpipe.engine.schedules import build_schedule
-from tests.distributed.nccl_rules import FakeNetwork
+from tests.support.nccl_rules import FakeNetwork
 
 
 class NeverDone:
@@ -136,7 +136,7 @@ class AbortedAfterStreamWait:
 
 
 def test_a_payload_aborted_after_its_stream_wait_fails_the_step_naming_the_peer() -> None:
-    """K=2, GPipe, M=2 through the transport on threads (tests/distributed/nccl_rules.py),
+    """K=2, GPipe, M=2 through the transport on threads (tests/support/nccl_rules.py),
     rank 1's transfers treated as device operations: one activation receive is aborted after
     its stream wait; rank 1 raises naming rank 0 (at its next operation, once the request is
     complete, or at the check after the step; rank 0, left waiting, times out here, where a

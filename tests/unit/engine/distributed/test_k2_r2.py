@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.launch import spawn
-from tests.distributed.nccl_rules import DeviceOp, replay
+from tests.support.nccl_rules import DeviceOp, replay
+from tests.support.ranks import spawn
 
 pytestmark = pytest.mark.distributed
 

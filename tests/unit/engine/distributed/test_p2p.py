@@ -1,5 +1,5 @@
 """The transport (engine/distributed/p2p.py) on threads that stand in for ranks
-(tests/distributed/nccl_rules.py's FakeNetwork): one host message starts each step, values are
+(tests/support/nccl_rules.py's FakeNetwork): one host message starts each step, values are
 described on the host only in the first step of a layout of the step's inputs, then cross as
 their bytes alone; a value whose layout changes while the inputs keep theirs, and a rank in
 another step, fail with a line that names them. Real gloo ranks: tests/distributed/
@@ -20,7 +20,7 @@ from giantpipe.engine.distributed.layout import Layout
 from giantpipe.engine.distributed.p2p import DESCRIPTIONS, PAYLOADS, STARTS, P2PMailbox
 from giantpipe.engine.distributed.wire import Layouts
 from giantpipe.engine.schedules import build_schedule
-from tests.distributed.nccl_rules import FakeNetwork
+from tests.support.nccl_rules import FakeNetwork
 
 # The steps of a round trip, and the layout of their inputs (what stage 0's rank names).
 FIRST, STEADY, SMALLER, LONG, BACK = range(5)

@@ -8,7 +8,7 @@ and every pair of pipeline ranks that exchange values, before step 1. Here every
 shape runs the real ``warm_up`` (its calls recorded); each rank's calls are compared with what
 that rank must warm up, derived from where it sits (its groups, the tied weights it holds, the
 ranks the schedule's messages join it to), and all ranks' calls are replayed together under
-NCCL's rule (``tests/distributed/nccl_rules.py``, every group its own communicator). The real
+NCCL's rule (``tests/support/nccl_rules.py``, every group its own communicator). The real
 pipe on gloo: ``tests/unit/engine/distributed/test_k2_r2.py`` (its recorded calls).
 """
 
@@ -25,7 +25,7 @@ from giantpipe.engine.distributed.layout import Groups, Layout, WarmUp, tied_wor
 from giantpipe.engine.distributed.message_order import message_order
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.engine.schedules.actions import Schedule
-from tests.distributed.nccl_rules import Deadlock, DeviceOp, replay
+from tests.support.nccl_rules import Deadlock, DeviceOp, replay
 
 SHAPES = [  # workers, replicas, schedule, V, tied workers
     (2, 1, "gpipe", 1, []),
