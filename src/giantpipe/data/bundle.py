@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -63,6 +63,24 @@ class DataBundle:
     eval_set: str = "the evaluation batches"
     """What the evaluation batches are read from (e.g. ``valid.tsv``, ``DIR/val``), for messages
     such as an evaluation error's."""
+
+    _first: dict[int, Batch] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def first_batch(self, seed: int) -> Batch:
+        """The first training batch of ``seed``: what capture, sizing and planning sample.
+
+        Read once, and its iterator closed at once: a DataLoader's workers are forked once and
+        shut down here, not by the garbage collector while later loaders fork theirs (a fork
+        while another thread exits can leave a worker waiting on a lock forever)."""
+        if seed not in self._first:
+            batches = self.train_batches(seed, 0)
+            try:
+                self._first[seed] = next(batches)
+            finally:
+                close = getattr(batches, "close", None)
+                if callable(close):
+                    close()
+        return self._first[seed]
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

@@ -112,7 +112,7 @@ def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -
 
         seq = capture_model(hf_causal_lm("llama", layers=4), cfg, bundle)   # 6 pieces
     """
-    inputs, _ = next(bundle.train_batches(cfg.trainer.seed, 0))
+    inputs, _ = bundle.first_batch(cfg.trainer.seed)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     sample = tuple(t[:2].to(device) if isinstance(t, torch.Tensor) else t for t in as_tuple(inputs))
     return capture(model, sample, cfg.pipeline.split_points, cfg.pipeline.output)

@@ -209,7 +209,7 @@ def plan_and_spec(
     gets the same answer; rank 0 profiles, each rank measures only its own device; a model built
     on meta is made real one layer at a time, never whole."""
     world = world or World()
-    sample_inputs, sample_targets = next(bundle.train_batches(cfg.trainer.seed, 0))
+    sample_inputs, sample_targets = bundle.first_batch(cfg.trainer.seed)
     if cfg.pipeline.plan == "auto":
         return plan_pipeline(
             cfg, model.layers, devices, sample_inputs, sample_targets, loss_fn, replicas,

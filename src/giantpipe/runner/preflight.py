@@ -116,7 +116,7 @@ def size_model(
     """``build()`` on the meta device, measured on one meta sample of the first training batch
     (bytes; FLOPs too with ``flops``); every random stream is left as it was (the real build
     comes next)."""
-    inputs, _ = next(bundle.train_batches(cfg.trainer.seed, 0))
+    inputs, _ = bundle.first_batch(cfg.trainer.seed)
     state = random.getstate()
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
