@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "src")]  # run from a checkout without installing
 
 
 def timed(overrides: list[str], cwd: Path) -> tuple[float, float]:

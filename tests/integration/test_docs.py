@@ -200,6 +200,6 @@ def test_block_runs_as_printed(block: Block, workdir: Path) -> None:
     # What a block writes goes under outputs/ (or a temporary folder), never beside a user's
     # checkout's own files (a generated photos/ or corpus/ in the repository's root); a user's
     # own package of models, or module of callbacks, must sit beside train.py to be imported.
-    own = {"block.py", "mymodels", "my_callbacks.py"}
+    own = {"block.py", "mymodels", "my_callbacks.py", "scoring"}
     written = {p.name for p in workdir.iterdir()} - {*COPIED, "outputs", *own}
     assert not written, f"{block.name} wrote {sorted(written)} outside outputs/"
