@@ -25,21 +25,12 @@ from giantpipe.metrics.jsonl import read_jsonl
 from giantpipe.runner import train
 from giantpipe.testing.reference import plain_model
 from tests.support.ranks import REPO, finish
+from tests.support.runs import TORCHRUN_MLP
 from tests.support.train import train_under_torchrun
 
 pytestmark = pytest.mark.distributed
 
-OVERRIDES = [
-    "recipe=mlp_quickstart",
-    "trainer.max_steps=6",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-    "trainer.checkpoint_every=3",
-    "model.dropout=0.1",  # masks come from the step seeds: a resume must restore the RNG
-    "data.train_size=512",
-    "data.eval_size=128",
-    "logger.progress=none",
-]
+OVERRIDES = TORCHRUN_MLP
 
 
 def local_config() -> ExperimentConfig:
