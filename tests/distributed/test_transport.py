@@ -26,6 +26,7 @@ from giantpipe.engine.distributed.p2p import (
 from giantpipe.engine.distributed.wire import Layouts
 from giantpipe.engine.schedules import build_schedule
 from tests.support.ranks import spawn, start_ranks
+from tests.support.values import assert_same
 
 # The steps of a round trip, and the layout of their inputs (what stage 0's rank names).
 FIRST, STEADY, SMALLER, LONGER, LONG, BACK = range(6)
@@ -56,18 +57,6 @@ def value_of(step: int, kind: str, m: int) -> Any:
             rows,
         )
     return (torch.randn(rows, cols, generator=g), None, torch.tensor([m, step]))
-
-
-def assert_same(sent: Any, got: Any) -> None:
-    if isinstance(sent, torch.Tensor):
-        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
-        return
-    assert isinstance(got, tuple) and len(got) == len(sent)
-    for a, b in zip(sent, got):
-        if isinstance(a, torch.Tensor):
-            assert_same(a, b)
-        else:
-            assert a == b and type(a) is type(b)
 
 
 def play(box: P2PMailbox, actions: Any, step: int, stop: Any = None) -> None:

@@ -11,20 +11,13 @@ from pathlib import Path
 import pytest
 
 from giantpipe.checkpoint.run import read_checkpoint
+from tests.support.runs import QUICK_MLP
 from tests.timeouts import run
 
 pytestmark = pytest.mark.slow  # every test runs python train.py end to end (torch, training)
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = [
-    "recipe=mlp_quickstart",  # the default job is the AmoebaNet quick start; these runs use the MLP
-    "data.train_size=512",
-    "data.eval_size=64",
-    "model.depth=3",
-    "model.hidden=16",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-]
+TINY = QUICK_MLP
 
 
 def train(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:

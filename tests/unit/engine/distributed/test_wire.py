@@ -23,6 +23,7 @@ from giantpipe.engine.distributed.wire import (
     words_left,
     words_of,
 )
+from tests.support.values import assert_same
 
 
 def mixed_value() -> tuple[Any, ...]:
@@ -38,18 +39,6 @@ def mixed_value() -> tuple[Any, ...]:
         False,
         torch.randn(2, dtype=torch.complex128),
     )
-
-
-def assert_same(sent: Any, got: Any) -> None:
-    if isinstance(sent, torch.Tensor):
-        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
-        return
-    assert isinstance(got, tuple) and len(got) == len(sent)
-    for a, b in zip(sent, got):
-        if isinstance(a, torch.Tensor):
-            assert_same(a, b)
-        else:
-            assert a == b and type(a) is type(b)
 
 
 def test_a_message_carries_any_value_as_views_of_one_buffer() -> None:
