@@ -63,6 +63,9 @@ class DataBundle:
     eval_set: str = "the evaluation batches"
     """What the evaluation batches are read from (e.g. ``valid.tsv``, ``DIR/val``), for messages
     such as an evaluation error's."""
+    fixed_shape: bool = False
+    """Every input has one shape but for the batch size (images, feature vectors): a captured
+    model then keeps only the batch dimension symbolic (``sequentialize(dynamic="batch")``)."""
 
     _first: dict[int, Batch] = field(default_factory=dict, init=False, repr=False, compare=False)
 

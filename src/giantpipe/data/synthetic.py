@@ -61,6 +61,7 @@ def classification(
     eval_x, eval_y = make_classification(eval_size, features, classes, noise, seed, split=1)
     eval_set = sequential_batches(eval_x, eval_y, batch_size)
     return DataBundle(
+        fixed_shape=True,
         train_batches=lambda order_seed, position: shuffled_batches(
             train_x, train_y, batch_size, order_seed, position
         ),

@@ -85,6 +85,7 @@ def tensor_files(
         raise ConfigError("data.batch_size", f"{batch_size} exceeds the {len(train_x)} samples")
     eval_set = sequential_batches(eval_x, eval_y, batch_size)
     return DataBundle(
+        fixed_shape=True,
         train_batches=lambda seed, position: shuffled_batches(
             train_x, train_y, batch_size, seed, position
         ),

@@ -115,11 +115,16 @@ def capture_model(model: nn.Module, cfg: ExperimentConfig, bundle: DataBundle) -
     inputs, _ = bundle.first_batch(cfg.trainer.seed)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     sample = tuple(t[:2].to(device) if isinstance(t, torch.Tensor) else t for t in as_tuple(inputs))
-    return capture(model, sample, cfg.pipeline.split_points, cfg.pipeline.output)
+    dynamic = "batch" if bundle.fixed_shape else "all"
+    return capture(model, sample, cfg.pipeline.split_points, cfg.pipeline.output, dynamic)
 
 
 def capture(
-    model: nn.Module, sample: tuple[Any, ...], split_points: Any, output: str | None
+    model: nn.Module,
+    sample: tuple[Any, ...],
+    split_points: Any,
+    output: str | None,
+    dynamic: str = "all",
 ) -> nn.Sequential:
     """:func:`giantpipe.sequentialize` of ``model`` on ``sample`` (its positional inputs), with
     its pieces' key/value caches when the model offers them and its own init per piece as the
@@ -133,7 +138,9 @@ def capture(
                       None, "logits")                                    # 4 pieces
     """
     try:
-        seq = sequentialize(model, *sample, split_points=split_points, output=output)
+        seq = sequentialize(
+            model, *sample, split_points=split_points, output=output, dynamic=dynamic
+        )
     except CaptureError as err:
         key = {"split_points": "pipeline.split_points", "output": "pipeline.output"}
         raise ConfigError(key.get(err.about, "model._target_"), str(err)) from err

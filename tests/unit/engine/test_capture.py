@@ -291,3 +291,36 @@ def test_a_batch_of_one_is_refused() -> None:
     ids, mask, _ = batch(1)
     with pytest.raises(CaptureError, match="at least 2 samples"):
         sequentialize(TiedLM(), ids, mask)
+
+
+class Pairs(nn.Module):
+    """Folds a sequence into pairs of positions: its shape arithmetic reads the length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * D, D)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc(h.reshape(h.shape[0], h.shape[1] // 2, 2 * h.shape[2]))
+
+
+@pytest.mark.parametrize(("dynamic", "other_length_runs"), [("all", True), ("batch", False)])
+def test_dynamic_says_which_dimensions_may_differ_from_the_example(
+    dynamic: str, other_length_runs: bool
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Pairs(), Pairs())
+    seq = sequentialize(model, torch.randn(3, 8, D), dynamic=dynamic)
+    x = torch.randn(5, 8, D)  # another batch size: always
+    torch.testing.assert_close(seq(seq.flatten(x)), model(x))
+    longer = torch.randn(2, 12, D)
+    if other_length_runs:
+        torch.testing.assert_close(seq(seq.flatten(longer)), model(longer))
+    else:  # the length was captured as the example's 8
+        with pytest.raises(RuntimeError):
+            seq(seq.flatten(longer))
+
+
+def test_an_unknown_dynamic_is_refused() -> None:
+    with pytest.raises(ValueError, match="dynamic must be 'all' or 'batch', got 'seq'"):
+        sequentialize(nn.Sequential(Pairs()), torch.randn(3, 8, D), dynamic="seq")

@@ -18,6 +18,7 @@ from giantpipe.config import (
 )
 from giantpipe.data.options import RandomImagesDataConfig, SyntheticDataConfig
 from giantpipe.engine.capture import Sequentialized
+from giantpipe.runner import model as runner_model
 from giantpipe.runner import train
 from giantpipe.runner.build import build_bundle, build_experiment
 from giantpipe.runner.model import build_model
@@ -91,3 +92,25 @@ def test_split_points_of_a_flat_sequential_are_refused():
 def test_split_points_must_be_a_list_of_names():
     with pytest.raises(ConfigError, match="pipeline.split_points: must be null or a list"):
         PipelineConfig(split_points="model.layers.1")
+
+
+@pytest.mark.parametrize(("data", "dynamic"), [("images", "batch"), ("tokens", "all")])
+def test_data_of_one_shape_captures_only_the_batch_dimension(data, dynamic, monkeypatch):
+    """Images are captured with fixed sizes (Swin-T: 5 CPU s instead of 122); token data keeps
+    its length symbolic (generation grows it)."""
+    seen = []
+    real = runner_model.sequentialize
+    monkeypatch.setattr(
+        runner_model, "sequentialize", lambda *a, **k: seen.append(k["dynamic"]) or real(*a, **k)
+    )
+    if data == "images":
+        cfg = ExperimentConfig(
+            name="resnet",
+            model=TorchvisionModelConfig(name="resnet18", num_classes=10, image_size=32),
+            data=RandomImagesDataConfig(image_size=32, num_classes=10, batch_size=8, epoch_size=8),
+            pipeline=PipelineConfig(devices="cpu", num_devices=2, chunks=2),
+        )
+    else:
+        cfg = llama_config()
+    layers_of(cfg)
+    assert seen == [dynamic]

@@ -85,6 +85,7 @@ def generated_images(
     eval_x, eval_y = render_all(held_out)
     eval_set = sequential_batches(eval_x, eval_y, batch_size)
     return DataBundle(
+        fixed_shape=True,
         train_batches=lambda order_seed, position: shuffled_batches(
             train_x, train_y, batch_size, order_seed, position
         ),
@@ -122,6 +123,7 @@ def random_images(
         torch.randint(num_classes, (batch_size,), generator=generator),
     )
     return DataBundle(
+        fixed_shape=True,
         train_batches=lambda _seed, _position: itertools.repeat(batch),
         eval_batches=lambda: [held_out],
         batches_per_epoch=max(1, epoch_size // batch_size),
@@ -191,6 +193,7 @@ def image_folder(
         **loader_options(num_workers, 0),
     )
     return DataBundle(
+        fixed_shape=True,
         train_batches=lambda seed, position: train_stream(
             train, batch_size, seed, position, num_workers, files
         ),

@@ -49,7 +49,14 @@ from typing import Any
 from torch import nn
 
 from giantpipe.engine.capture.cuts import _check_split_point, _cut_positions, _spans
-from giantpipe.engine.capture.graph import CaptureError, RandomOp, _export, _Graph, _with_defaults
+from giantpipe.engine.capture.graph import (
+    DYNAMIC,
+    CaptureError,
+    RandomOp,
+    _export,
+    _Graph,
+    _with_defaults,
+)
 from giantpipe.engine.capture.pieces import _partition
 from giantpipe.engine.capture.result import OriginalNames, Sequentialized
 
@@ -62,6 +69,7 @@ def sequentialize(
     split_points: Sequence[str] | None = None,
     output: str | int | None = None,
     tied: str = "share",
+    dynamic: str = "all",
     **example_kwargs: Any,
 ) -> Sequentialized:
     """``model`` as a flat Sequential whose forward equals ``model(*args, **kwargs)``.
@@ -79,6 +87,9 @@ def sequentialize(
         tied: a parameter used on both sides of a cut: ``"share"`` it between the pieces that
             use it (the engine keeps the stages' copies equal), ``"carry"`` it along the
             pipeline as a value, or ``"error"`` to refuse such a cut.
+        dynamic: which input dimensions may differ from the example's in later calls:
+            ``"all"`` (a sequence's length too), or ``"batch"`` alone, for inputs of one shape
+            (images), which captures much faster.
 
     Example::
 
@@ -88,10 +99,12 @@ def sequentialize(
     """
     if tied not in ("share", "carry", "error"):
         raise ValueError(f"tied must be 'share', 'carry' or 'error', got {tied!r}")
+    if dynamic not in DYNAMIC:
+        raise ValueError(f"dynamic must be 'all' or 'batch', got {dynamic!r}")
     for name in split_points or ():  # before the export: a wrong name fails at once
         _check_split_point(model, name)
     kwargs = _with_defaults(model, example_kwargs)
-    program = _export(model, example_args, kwargs)
+    program = _export(model, example_args, kwargs, dynamic)
     graph = _Graph(program, model)
     graph.keep_layers()
     graph.out_of_place()
