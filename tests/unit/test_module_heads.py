@@ -12,33 +12,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "giantpipe"
 MAX_LINES = 15
-
-# Heads still over MAX_LINES, in modules that other work in progress is rewriting; each is
-# shortened when that work lands. This list only shrinks: a module on it whose head is already
-# short fails the test, so that it comes off the list, and no module may join it.
-STILL_LONG = {
-    "src/giantpipe/config/pipeline.py",
-    "src/giantpipe/engine/__init__.py",
-    "src/giantpipe/engine/capture/__init__.py",
-    "src/giantpipe/engine/distributed/__init__.py",
-    "src/giantpipe/engine/distributed/faults.py",
-    "src/giantpipe/engine/distributed/generation.py",
-    "src/giantpipe/engine/distributed/layout.py",
-    "src/giantpipe/engine/distributed/p2p.py",
-    "src/giantpipe/engine/distributed/replicas.py",
-    "src/giantpipe/engine/distributed/wire.py",
-    "src/giantpipe/engine/gpipe.py",
-    "src/giantpipe/engine/spec.py",
-    "src/giantpipe/perf/__init__.py",
-    "src/giantpipe/perf/balance.py",
-    "src/giantpipe/perf/costs.py",
-    "src/giantpipe/perf/measured.py",
-    "src/giantpipe/perf/planner.py",
-    "src/giantpipe/runner/planning.py",
-    "src/giantpipe/runner/record.py",
-    "src/giantpipe/runner/world.py",
-    "src/giantpipe/testing/reference.py",
-}
 DOCS_LINK = re.compile(r"docs/([\w\-]+\.md)(?:#([\w\-]+))?")
 
 
@@ -71,13 +44,10 @@ def test_every_module_says_first_what_it_is() -> None:
 def test_module_heads_are_short() -> None:
     lengths = {m: len(doc.splitlines()) for m, doc in heads().items() if doc}
     long = sorted(f"{m} ({n} lines)" for m, n in lengths.items() if n > MAX_LINES)
-    offenders = [entry for entry in long if entry.split(" ")[0] not in STILL_LONG]
-    assert offenders == [], (
+    assert long == [], (
         f"module heads over {MAX_LINES} lines: move the design notes to a docs/ section "
-        f"and link it: {offenders}"
+        f"and link it: {long}"
     )
-    shortened = sorted(m for m in STILL_LONG if lengths.get(m, 0) <= MAX_LINES)
-    assert shortened == [], f"short (or gone) now: take them off STILL_LONG: {shortened}"
 
 
 def test_links_from_src_to_docs_lead_somewhere() -> None:

@@ -2,21 +2,16 @@
 
 The keys of the pipeline's shape (``balance`` when listed, ``chunks``, ``schedule``,
 ``virtual_stages``, ``recompute``, ``timeout``, ``deferred_batch_norm``) take their defaults and
-their checks from :class:`~giantpipe.engine.spec.PipelineSpec` (the spec's field checks, called
-here; their :class:`~giantpipe.engine.spec.SpecError` becomes the key's :class:`ConfigError`,
-in the config's words). The rest is the runner's: the executor, the devices as named on the
-command line, a balance policy, precision, the planner, capture.
+checks from :class:`~giantpipe.engine.spec.PipelineSpec`, whose ``SpecError`` becomes the key's
+:class:`ConfigError` (docs/pipeline-spec.md#who-checks-what). The rest is the runner's: the
+executor, the build, the replicas' sharding, the devices as named on the command line, a balance
+policy, precision, the planner, capture.
 
-Example::
-
-    from giantpipe.config import PipelineConfig, ConfigError
-
-    PipelineConfig(chunks=8, balance=[2, 3])          # fine
-    PipelineConfig(schedule="interleaved")            # fine: V is the schedule's (2)
-    try:
-        PipelineConfig(chunks=0)
-    except ConfigError as err:
-        print(err)                                    # pipeline.chunks: must be >= 1, got 0
+    >>> try:
+    ...     PipelineConfig(chunks=0)
+    ... except ConfigError as err:
+    ...     print(err)
+    pipeline.chunks: must be >= 1, got 0
 """
 
 from __future__ import annotations

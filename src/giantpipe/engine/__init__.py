@@ -1,37 +1,10 @@
 """The pipeline engine: runs one step of a partitioned ``nn.Sequential``. Imports torch only.
 
-What lives here, one concept per module:
-
-- :mod:`.spec`: a pipeline's shape, :class:`PipelineSpec`, checked once (imports no torch);
-- :mod:`.schedules`: schedules as data (Action, Schedule, validation), fill-drain, the 1F1B
-  family, and every schedule by name (:func:`build_schedule`);
-- :mod:`.partition`: cutting a flat Sequential into stages on devices, tied parameters;
-- :mod:`.meta`: a model built on meta, its layers made real one at a time by their own init;
-- :mod:`.microbatch`: cutting a batch into micro-batches and gathering it back;
-- :mod:`.recompute`: exact re-materialization (the modes, the recompute stop);
-- :mod:`.rng`: dropout replayed in re-materialization, a seed per step and micro-batch;
-- :mod:`.batchnorm`: deferred BatchNorm, statistics committed once per mini-batch;
-- :mod:`.autograd`: where one stage's autograd graph meets the next;
-- :mod:`.split_backward`: the backward split in B (input gradient) and W (weight gradient);
-- :mod:`.fp16`: fp16 loss scaling, the scale in each micro-batch's gradient, agreed verdicts;
-- :mod:`.step_config`: what a step is given (:class:`~.step_config.StepConfig`, the loss);
-- :mod:`.executor`: the local executor, a step's actions run by its workers (``StepRun``);
-- :mod:`.failures`: where a stage's exception was raised, the engine's own errors;
-- :mod:`.mailbox`: how the workers hand each other activations and gradients;
-- :mod:`.workers`: the worker threads kept from step to step;
-- :mod:`.streams`: each worker's CUDA device and stream;
-- :mod:`.profiling`: the executor as torch.profiler sees it;
-- :mod:`.stats`: what a step measures (:class:`StepStats`);
-- :mod:`.pipe`: the base both pipes share (``Pipe``);
-- :mod:`.gpipe`: :class:`GPipe`, a worker thread per device, torchgpipe's door and the step's;
-- :mod:`.capture`: any model as a flat Sequential (:func:`sequentialize`, torch.export);
-- :mod:`.generate`: generation through either pipe, each stage keeping its key/value caches;
-- :mod:`.inference`: a pipe used as its whole model for inference (:class:`~.inference.PipedModel`);
-- :mod:`.dist`: ``DistributedPipe``, a process per device (imported only by who needs it).
-
-Nothing here imports Hydra, the runner, ``models`` or the cost model (:mod:`giantpipe.perf`,
-which takes a pipe: ``giantpipe.perf.predict.predict(pipe, x, y, loss_fn)``). Anything may
-import this package; :mod:`.dist` is imported only by who needs torch.distributed.
+Its public names (``GPipe``, ``PipelineSpec``, ``sequentialize``, ...) are each imported from the
+module that defines it on first use, so :mod:`.spec` loads without torch. Its modules, a line
+each: docs/architecture.md#module-map; how a step runs inside: docs/engine-internals.md. Nothing
+here imports Hydra, the runner, ``models`` or the cost model (:mod:`giantpipe.perf` takes a
+pipe); :mod:`.distributed` is imported only by who needs ``torch.distributed``.
 
 Example::
 

@@ -1,19 +1,9 @@
-"""GPipe: the engine's module, with two front doors to the same executor.
+"""GPipe: the local pipe, a worker thread per device, with two front doors to one executor.
 
-One concept, one class: :class:`GPipe` (its section dividers group its members by door;
-:class:`PipelineFunction` is door 1's autograd bridge).
-
-1. torchgpipe's door: ``y = model(x); loss = f(y); loss.backward()``. ``forward`` runs the
-   forward half of fill-drain, autograd calls back into the pipeline for the backward half.
-2. The step door: ``loss = model.train_step(x, target, loss_fn)``. The engine owns the loss,
-   so any schedule runs: ``schedule="gpipe"`` (fill-drain), ``"1f1b"``, ``"interleaved"``
-   (with ``virtual_stages``), ``"zb-h1"`` or ``"zb-v"`` (zero bubble); see
-   :mod:`giantpipe.engine.schedules`.
-
-Interleaved schedules cut the model into K*V stages: ``balance`` then lists K*V layer counts
-(e.g. ``solve_balance(costs, K * V)``), ``devices`` the K workers, and stage s runs on worker
-``schedule.placement[s]`` (s % K; ZB-V: s and 2K-1-s on one worker). A K-entry balance cannot
-be refined for you: worker w's layers would not be contiguous.
+torchgpipe's door, ``y = pipe(x); loss.backward()``, runs fill-drain through one autograd node
+(:class:`PipelineFunction`); the step door, ``pipe.train_step(x, target, loss_fn)``, owns the
+loss and so runs any schedule. Its arguments, interleaved balances and parameter names:
+docs/engine.md#gpipe; what it shares with ``DistributedPipe``: :class:`~.pipe.Pipe`.
 
 Example::
 
@@ -23,19 +13,6 @@ Example::
     >>> loss = pipe.train_step(x, target, nn.functional.cross_entropy)  # grads in p.grad
     >>> pipe.last_stats.expected_bubble
     0.2
-
-Door 1's autograd bridge is :class:`PipelineFunction`, one autograd node for the whole pipeline::
-
-    forward():   F phase  ->  outputs gathered
-    backward():  output grads scattered -> B phase -> input grads gathered
-
-What GPipe shares with the distributed executor (defaults, checks, loss scaling, the step's
-configuration) is :class:`giantpipe.engine.pipe.Pipe`.
-
-Parameters keep the names they have in the plain module (``"0.weight"``, ``"2.bias"``), so a
-state dict saved from one partitioning loads into any other, or into the plain model; one saved by
-torchgpipe (``"partitions.0.0.weight"``) loads too. An empty ``nn.Sequential`` (``balance=[]``)
-pipes as the identity, as torchgpipe's does.
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
 """PipelineSpec: a pipeline's shape as one frozen value, checked once.
 
-Balance, M, V, the schedule, the re-materialization mode, the devices and the timeout have one
-owner, from the config or the planner to the pipes and the cost model:
-
-    PipelineConfig --pipeline_spec()--> PipelineSpec --spec=--> GPipe / DistributedPipe
-    planner's best candidate --.spec()--^                  pipe.spec --> perf (predict, ...)
-    GPipe / DistributedPipe / sizing keywords --PipelineSpec.from_keywords()--^
-
-Every rule of the shape is written here once. A spec checks everything it can without the model
-when it is made (``__post_init__``) and builds and validates its schedule there, once; what needs
-the model (the balance's sum) and the devices is :meth:`PipelineSpec.check_against`, which the
-pipes and the runner call. The field checks (``check_chunks``, ``check_virtual_stages``, ...) are
-also the config's ``pipeline`` group's, and its defaults are the ones here.
-
-A :class:`SpecError` says what is wrong twice: ``message`` keeps torchgpipe's wording (what its
-users match on: ``number of chunks must be positive integer``), ``problem`` the config's
-(``must be >= 1, got 0``, what the command line prints); both follow the config key a runner
-user would change, e.g. ``pipeline.chunks: ...``.
-
-Imports no torch (the schedules are plain data): the config's schema imports this module.
-
-Example::
+Balance, M, V, the schedule, the re-materialization mode, the devices and the timeout have this
+one owner, from the config or the planner to the pipes and the cost model; what needs the model
+is :meth:`PipelineSpec.check_against`. Imports no torch: the config's schema imports it. Who
+checks what, where a spec comes from: docs/pipeline-spec.md#who-checks-what.
 
     >>> spec = PipelineSpec(balance=(2, 2), chunks=4, schedule="1f1b")
     >>> spec.num_workers, spec.virtual_stages, spec.recompute
     (2, 1, 'except_last')
-    >>> [str(a) for a in spec.step_schedule().actions[1]][:3]
-    ['F0@1', 'B0@1', 'F1@1']
     >>> try:
     ...     PipelineSpec(balance=(2, 2), chunks=0)
     ... except SpecError as err:
     ...     print(err)
     pipeline.chunks: number of chunks must be positive integer (chunks: 0)
-
-A pipe takes one (``GPipe(model, spec=spec)``) or makes one from its keyword arguments with
-:meth:`PipelineSpec.from_keywords`.
 """
 
 from __future__ import annotations

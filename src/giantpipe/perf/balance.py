@@ -1,19 +1,9 @@
 """Balance: how many consecutive layers each stage gets.
 
-A pipeline runs at the pace of its slowest stage, so the cut should minimise the largest stage
-cost. For contiguous stages that problem has an exact, cheap solution (:func:`solve_balance`);
-the policies below only differ in what a layer's cost is:
-
-- :func:`balance_by_params`: parameter count (no sample needed);
-- :func:`balance_by_time`: measured forward + backward time of each layer on a sample batch
-  (the median of repeated runs; when they spread too far to trust, a warning names the layers
-  and the balance falls back to forward FLOPs);
-- :func:`balance_by_size`: parameter bytes x ``param_scale`` (weights, grads, optimizer slots)
-  plus the activation bytes each layer really saves for backward on the sample;
-- :func:`even_balance`: as many layers in each stage as can be (no costs: the tests' and
-  recipes' cut of a uniform stack).
-
-Example::
+The cut minimises the largest stage cost, exactly (:func:`solve_balance`); the policies
+(:func:`balance_by_params`, :func:`balance_by_time`, :func:`balance_by_size`,
+:func:`even_balance`) differ only in what a layer's cost is:
+docs/performance.md#balance-the-exact-min-max-cut.
 
     >>> solve_balance([1, 1, 1, 5, 1, 1], partitions=3)
     [3, 1, 2]

@@ -1,16 +1,9 @@
 """What each layer of a model costs: FLOPs and bytes per sample, and measured seconds.
 
-Bytes and FLOPs are measured, not guessed: the model runs one sample, layer by layer, on the
-meta device (no memory, no arithmetic: shapes only) under ``torch.utils.flop_counter``'s
-``FlopCounterMode`` for the FLOPs and the engine's saved-bytes meter for what autograd would keep
-(:func:`measure_layers`). Everything scales linearly with the micro-batch size. Uneven layers
-come out as they are: an embedding with many parameters and no FLOPs, a vocabulary head heavier
-than a Transformer layer, AmoebaNet's reduction cells and its wide, low-resolution last cells.
-Seconds come from running each layer on the real device (:class:`LayerTimer`), or from a
-device's FLOP-and-byte model (:class:`DeviceModel`). The planner (:mod:`giantpipe.perf.planner`)
-takes either.
-
-Example::
+:func:`measure_layers` runs one sample layer by layer on the meta device (shapes only) under
+torch's FLOP counter and the engine's saved-bytes meter; :class:`LayerTimer` times each layer on
+the real device, :class:`DeviceModel` gives seconds from FLOPs and bytes. How, and what uneven
+layers look like: docs/performance.md#what-a-layer-costs.
 
     >>> with torch.device("meta"):
     ...     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

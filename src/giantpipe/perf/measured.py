@@ -1,23 +1,9 @@
 """The forecast of a distributed step, from the executor's own timings of one real step.
 
-The local forecast (:mod:`giantpipe.perf.predict`) replays each worker's actions in one process.
-A torchrun rank holds only its own stages, so the distributed forecast takes its action costs
-from a real step instead: every rank's executor timed each of its actions
-(:class:`~giantpipe.engine.stats.ActionTiming`: the work, waits left out; the recompute inside a
-B; the bytes it received from a neighbour and kept for backward), the ranks send those timings
-to rank 0, and each boundary between two ranks is probed for the time a value of its size takes
-to cross (:func:`probe_link`, one message of its bytes, as the transport sends a value once
-its layout is known). The simulator
-then runs the schedule on these costs: what it adds is the waiting, which is exactly what the
-measured step time contains and the action costs do not::
-
-    per stage s:  forward, forward_no_grad  median work of F(s, m), kept / re-materialized m
-                  backward(_input), weight   median work of B(s, m) (recompute left out), W(s, m)
-                  recompute                  median recompute inside B(s, m)
-                  input_bytes                bytes F(s, m) received (stage 0: kept, re-mat. m)
-                  activation_bytes           what F(s, m) kept beyond its input, or a recompute
-                  send                       probed crossing time of stage s's output
-                  static_bytes               parameters x (2 + optimizer slots)
+A torchrun rank holds only its own stages, so instead of replaying a step (:mod:`.predict`) the
+forecast takes every rank's timed actions (:func:`stage_costs`) and each boundary's probed
+crossing time (:func:`probe_link`), and the simulator adds the waiting. Which timing gives which
+cost: docs/performance.md#forecasting-a-distributed-step.
 
 Example (rank 0, after a step on every rank)::
 
@@ -48,7 +34,8 @@ def _median(values: Sequence[float]) -> float | None:
 def stage_cost(
     timings: Sequence[ActionTiming], stop: int, send: float, static_bytes: int, first: bool
 ) -> StageCost:
-    """One stage's cost from the timings of its actions in one step (see the module's table).
+    """One stage's cost from the timings of its actions in one step (which timing gives which
+    cost: docs/performance.md#forecasting-a-distributed-step).
 
     Example::
 

@@ -1,26 +1,9 @@
-"""The planner: the best balance, micro-batch count, re-materialization mode and schedule for a
-model on K devices, chosen by simulation.
+"""The planner: the best balance, micro-batch count, re-materialization and schedule, by simulation.
 
-For each (schedule, V, M, re-materialization mode):
-
-1. balance: the contiguous cut into K*V stages that minimises the slowest stage's time while
-   every stage fits in memory (:func:`~giantpipe.perf.balance.solve_balance` with a memory
-   limit). A stage's memory is its parameters x (2 + optimizer slots) plus, at the worst
-   moment of the schedule, n_in micro-batches' stage inputs and n_act micro-batches'
-   activations, (n_in, n_act) read off the schedule itself (:func:`pressure`): GPipe holds M,
-   1F1B K-s, re-materialization only inputs plus the one being recomputed;
-2. simulate: step time, bubble and exact peak memory per device;
-3. keep it if every device fits in ``memory_bytes x (1 - reserve)``.
-
-What goes in: per-layer FLOPs and bytes measured on the meta device
-(:func:`~giantpipe.perf.costs.measure_layers`), a device model (:class:`DeviceSpec`: peak
-FLOP/s x efficiency + a per-layer overhead, memory, link), the optimizer's state per parameter,
-and each schedule's in-flight activations. Given ``layer_times`` (what ``pipeline.plan=auto``
-in the runner passes, :class:`~giantpipe.perf.costs.LayerTimer`), measured seconds replace
-the device model's, and ``overhead`` adds the executor's measured cost to every action. What
-is left out: the backward's transient workspace and allocator fragmentation
-(``DeviceSpec.reserve`` keeps 10% of memory for them), and kernel efficiency that varies with
-shape. The command line: ``python recipes/plan_pipeline.py``.
+For each (schedule, V, M, re-materialization mode) on K devices: the min-max balance whose
+stages fit in memory, simulated, kept if every device fits; ranked fastest first. What goes in
+(:class:`DeviceSpec`, per-layer costs or measured times) and what is left out:
+docs/performance.md#the-planners-search. The command line: ``python recipes/plan_pipeline.py``.
 
 Example::
 

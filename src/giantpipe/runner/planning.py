@@ -1,13 +1,10 @@
-"""``pipeline.plan=auto``: the planner (:mod:`giantpipe.perf.planner`) on the run's own model and
-devices, with no rank holding the whole model or touching another rank's device.
+"""``pipeline.plan=auto``: the planner (:mod:`giantpipe.perf.planner`) on the run's own model.
 
-What goes in, measured on this run (docs/timing-and-planner.md, "Planning without the whole
-model"): bytes per layer on the meta device (:func:`giantpipe.perf.costs.measure_layers`);
-seconds per layer on rank 0's own device, each layer made real there one at a time
-(:class:`~giantpipe.perf.costs.LayerTimer`; a model built on meta takes ``init``); each rank's
-memory and its link to the next pipeline rank, agreed (the least memory, the slowest link); the
-optimizer's state, the batch (M over its divisors), ``pipeline.memory_budget_gib``; with R > 1
-replicas, the least sharded ``replica_sharding`` that fits (:mod:`giantpipe.perf.sharding_choice`).
+It plans on the run's own devices, no rank holding the whole model or touching another rank's
+device: bytes per layer come from the meta device, seconds per layer from rank 0's own device
+one layer at a time, the ranks' memory and links are agreed (the least, the slowest), and with
+R > 1 replicas the least sharded ``replica_sharding`` that fits is taken. What goes in, and how
+it is measured: docs/timing-and-planner.md#planning-without-the-whole-model.
 
 Example::
 

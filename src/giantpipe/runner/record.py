@@ -1,19 +1,17 @@
 """The run's record in its directory, one rule for every executor.
 
-Opening cuts ``metrics.jsonl`` back to the resumed step (a torn last line goes too), saves
-``config.yaml`` and writes one start line in the log; closing writes the summary (the figures on
-success; the error and the steps done on failure, which is re-raised; ``interrupted`` on a second
-Ctrl-C) to ``summary.json`` and the sinks, and on success prints the table. Under torchrun only
-rank 0 holds a record (``metrics`` is None elsewhere). Where the record goes, and when a run may
-write there, is :mod:`giantpipe.runner.rundir`.
+Opening a record cuts ``metrics.jsonl`` back to the resumed step, saves the config and writes
+the start line; closing it writes ``summary.json`` and the sinks (the figures; or the error and
+the steps done, the error re-raised) and, on success, prints the table. Under torchrun only rank
+0 holds one. What each file holds: docs/running.md#outputs; where the record goes and when a run
+may write there: :mod:`giantpipe.runner.rundir`.
 
 Example::
 
     metrics = open_record(cfg, run_dir, config_yaml, progress.step, resumed, parts.total_steps,
                           parts.spec, log)
-    summary = run_to_summary(
-        cfg.name, run_dir, metrics, loop.run, lambda: summarize(loop), lambda: loop.progress.step
-    )
+    summary = run_to_summary(cfg.name, run_dir, metrics, loop.run, lambda: summarize(loop),
+                             lambda: loop.progress.step)
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
 """Who runs the experiment: a world of one process (the local executor) or torchrun's processes.
 
-The runner has one training loop for both executors; what differs is only how its processes
-agree. A :class:`World` answers that, the way fairseq2's gang or torchtitan's parallel dims do:
-the local executor is a world of one, where every collective is the identity, and
-``pipeline.executor=distributed`` is a :class:`TorchrunWorld` over ``torch.distributed``::
+The runner has one training loop for both executors; what differs is only how their processes
+agree. :class:`World` is the local executor's world of one, where every collective is the
+identity, and :class:`TorchrunWorld` the same calls over ``torch.distributed``; :class:`StopSignals`
+catches the signals that stop or save a run, which the ranks then agree on. The calls, the
+groups they run on, and agreed stopping: docs/architecture.md#how-the-processes-agree.
 
-    world.agree(body)      run body on every rank; a failure anywhere fails every rank at once
-    world.from_rank0(x)    rank 0's value everywhere (a balance, a plan, a checkpoint token)
-    world.decide(body)     body run on rank 0 alone, its value everywhere (agreed: a failure
-                           there fails every rank)
-    world.gather(x)        every rank's value, in rank order (world.collect(x): on rank 0 only)
-    world.sum(values)      element-wise sums over the ranks (evaluation tallies)
-
-Before the pipeline exists, collectives run on a gloo group of the whole world with a long
-timeout (rank 0 may prepare data or profile layers for minutes); :meth:`World.bind` then moves
-them onto the pipe's own host group (``groups.control``) and timeout, which a failing rank tears
-down, so no rank is left waiting on a dead one. Both are gloo groups: the runner's values are
-Python objects and CPU tensors, which an NCCL group does not take.
-
-Stopping is agreed too. :class:`StopSignals` catches SIGTERM (a cluster preempting the job),
-SIGHUP (the terminal or SSH session went away), Ctrl-C and ``trainer.save_signal`` between steps;
-:meth:`World.agree_stop` makes every rank see what any rank caught, so all stop (or save) after
-the same step. A second Ctrl-C stops at once.
-
-Example::
-
-    world = open_world(cfg.pipeline)        # LocalWorld() or TorchrunWorld(), from the config
-    balance = world.from_rank0(plan_balance() if world.rank == 0 else None)
-    world.close()
+    >>> world = open_world(PipelineConfig())        # the local executor: World()
+    >>> world.rank, world.size, world.from_rank0([4, 4]), world.sum([1.0, 2.0])
+    (0, 1, [4, 4], [1.0, 2.0])
+    >>> world.decide(lambda: "a plan")              # run on rank 0, its value everywhere
+    'a plan'
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """The plain reference step: the un-pipelined model taking the step a pipeline takes.
 
-A pipeline's step must equal the plain model's, run micro-batch by micro-batch (gradient
-accumulation) on the engine's micro-batches, each micro-batch's loss weighted as the engine
-weighs it (mean losses by the micro-batch's share of the batch, summed losses by one over the
-batch's normalizer), and dropout seeded as the engine seeds it (one seed per step, each RNG
-layer and micro-batch its own stream: :mod:`giantpipe.engine.rng`). Every test, benchmark and
-recipe that compares a pipeline with the plain model takes its reference from here:
+Micro-batch by micro-batch, losses weighted and dropout seeded as the engine does; every test,
+benchmark and recipe takes its plain reference here: docs/engine-internals.md#the-plain-reference.
 
-- :func:`reference_step`: on a copy of the model, the usual test;
-- :func:`accumulate_micro_batches`: the same on the model itself, whose RNG hooks are installed
-  (a run of several steps, a replica's shard, runs of layers on their own devices, autocast, a
-  gradient scaler, backwards in fill-drain order);
-- :func:`plain_forward`: one micro-batch's forward, as the step runs it;
-- :func:`plain_model`: the whole model of an experiment as its run starts it (every layer
-  filled by its own init under (trainer.seed, layer), as each pipe fills the layers it holds).
-
-Example:
-
->>> import copy
->>> import torch
->>> from torch import nn
 >>> from giantpipe.engine import GPipe
->>> _ = torch.manual_seed(0)
 >>> model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))
 >>> x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
 >>> plain, loss = reference_step(model, x, y, chunks=3, seed=step_seed(1))
@@ -31,7 +13,6 @@ Example:
 True
 >>> torch.allclose(pipe.partitions[0][0].weight.grad, plain[0].weight.grad)
 True
->>> pipe.close()
 """
 
 from __future__ import annotations

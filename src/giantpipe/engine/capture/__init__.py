@@ -1,44 +1,15 @@
 """Bring your own model: any ``nn.Module`` captured as the flat ``nn.Sequential`` the engine cuts.
 
-:func:`sequentialize` captures ``model``'s forward on example inputs with ``torch.export``
-(non-strict: real Python runs, shapes stay symbolic, so batch and sequence sizes may change),
-then cuts the graph into pieces at named submodules. Each piece is one child of the returned
-Sequential; whatever crosses a cut (hidden states, attention masks, position ids, residual
-branches, integer and bool tensors, sizes) travels as the tuple between children::
-
-    model.forward                      Sequentialized
-      embed -> h.0 -> h.1 -> head        [0: embed] -> [1: h.0] -> [2: h.1] -> [3: head]
-      (input_ids, mask)                  (input_ids, mask) -> (hidden, mask, ...) -> logits
-
-Exactness: a piece runs the captured aten ops in the original order, on the original parameter
-objects, so outputs and every gradient equal the model's. What a graph cannot hold is kept as a
-layer: BatchNorm and dropout-like modules stay modules (``.eval()`` switches them; the engine
-seeds them, so re-materialization replays their masks), and any other random op (functional
-dropout, attention dropout) becomes a :class:`RandomOp` layer.
-
-Names: ``state_dict()`` of the Sequential, and of a pipe built on it, uses the model's own
-parameter names (:class:`OriginalNames`), so checkpoints load into the plain model with
-``strict=True`` and back. A parameter used on both sides of a cut (tied input and output
-embeddings) is, by default, held by every piece that uses it (``tied="share"``): one object,
-which the engine keeps tied across stages (a copy per device whose gradients it sums once a
-step). ``tied="carry"`` instead holds it in its first piece and carries it along the pipeline
-as a value (one tensor, but it crosses every cut each micro-batch, forward and backward);
-``tied="error"`` refuses such a cut.
-
-Example::
-
-    seq = sequentialize(gpt2, input_ids=ids, split_points=["transformer.h.4", "transformer.h.8"])
-    pipe = GPipe(seq, balance=[1, 1, 1], devices=["cpu"] * 3, chunks=4)
-    out = seq.unflatten(pipe(seq.flatten(input_ids=ids)))     # CausalLMOutput, as gpt2's
+:func:`sequentialize` captures the forward with ``torch.export`` on example inputs and cuts the
+graph at named submodules (or at every repeated block); whatever crosses a cut travels as the
+tuple between pieces, and outputs, gradients and parameter names stay the model's. How the
+pieces stay exact: docs/engine-internals.md#capture-pieces-that-stay-exact.
 
 Its parts, one concept each (this package's own code is the door, :func:`sequentialize`):
-
-- :mod:`.result`: the captured model (:class:`Sequentialized`) and its original names;
-- :mod:`.graph`: the export graph, captured and prepared for cutting (RandomOp layers,
-  :class:`CaptureError`);
-- :mod:`.cuts`: where to cut (split points, repeated blocks);
-- :mod:`.pieces`: cutting the graph into pieces, and what crosses each cut;
-- :mod:`.init`: a piece filled by its model's own initialisation (a model built on meta).
+:mod:`.graph`, the export graph prepared for cutting (:class:`CaptureError`); :mod:`.cuts`, where
+to cut; :mod:`.pieces`, the cut and what crosses it; :mod:`.result`, the captured model
+(:class:`Sequentialized`) and its original names; :mod:`.init`, a piece filled by its model's own
+initialisation (a model built on meta). Example: :func:`sequentialize`'s.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """The distributed executor: one process per pipeline rank under torchrun, R replicas of it.
 
-What lives here, one concept per module:
+Its modules: :mod:`.pipe` (``DistributedPipe``, a rank's share of the pipeline), :mod:`.layout`
+(ranks, stages, replicas and their process groups), :mod:`.p2p` (the transport: the executor's
+mailbox across processes), :mod:`.message_order` (the one order of a step's transfers),
+:mod:`.wire` (values as bytes, their layouts learned once), :mod:`.replicas` (each stage on FSDP2
+over its replicas), :mod:`.clipping` (the global-norm clip), :mod:`.tied` (parameters tied across
+ranks), :mod:`.collectives` (a step's collectives under the timeout), :mod:`.faults` (failures
+that stop every rank), :mod:`.share` (a rank's share of a model built on meta),
+:mod:`.generation` (the generation ring between ranks). How a step runs across ranks:
+docs/engine.md#beyond-one-process-distributedpipe; an example: :mod:`.pipe`'s head.
 
-- :mod:`.pipe`: :class:`~giantpipe.engine.distributed.pipe.DistributedPipe`, a rank's share of the
-  pipeline (sharing :class:`giantpipe.engine.pipe.Pipe` with GPipe);
-- :mod:`.layout`: who is who in the world (ranks, stages, replicas) and the process groups;
-- :mod:`.p2p`: the transport: the executor's mailbox across processes (gloo and NCCL alike);
-- :mod:`.message_order`: the one order of a step's transfers, every rank's from the schedule;
-- :mod:`.wire`: values as bytes, their layouts learned once per layout of a step's inputs;
-- :mod:`.replicas`: each stage spread over its replicas on FSDP2, gathered and reduced per step;
-- :mod:`.clipping`: the global-norm clip over every stage and replica's shard;
-- :mod:`.tied`: parameters tied across pipeline ranks, their gradients summed once per step;
-- :mod:`.collectives`: a step's collectives under the pipe's timeout;
-- :mod:`.faults`: failures that stop every rank, named;
-- :mod:`.share`: a rank's share of a model built on meta: its stages, or its FSDP2 shards;
-- :mod:`.generation`: the generation ring between ranks (a DistributedPipe's link).
-
-It imports torch (``torch.distributed``), the rest of :mod:`giantpipe.engine` and, for
+It imports ``torch.distributed``, the rest of :mod:`giantpipe.engine` and, for
 ``DistributedPipe.save_checkpoint``, the checkpoint format beside it (:mod:`giantpipe.checkpoint`);
 nothing in the engine outside this package imports it. The runner and scripts may.
-
-Example (``torchrun --nproc_per_node=2 train.py``)::
-
-    from giantpipe.engine.distributed.pipe import DistributedPipe, init_distributed
-
-    init_distributed()
-    pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)
-    loss = pipe.train_step(x if pipe.needs_inputs else None,
-                           y if pipe.needs_targets else None, nn.functional.cross_entropy)
 """

@@ -1,31 +1,17 @@
 """Failures across processes: the first one is written down once, every rank reads it.
 
-A rank that fails (an exception in its stage, a peer whose connection closed, a wait that timed
-out) reports a one-line message on the *failure board*, a key in the process group's store
-(torchrun's agent store, which outlives the workers). The first report wins; later ones (the
-ranks that fell over because of it) are told the root cause::
+A failing rank reports one line on the failure board (:class:`FailureBoard`, a key in torchrun's
+store); the first report wins, later ones are told the root cause, and every rank raises
+:class:`RankFailure` with it. How the failure ripples through the ranks, and how a rank that died
+without a word is named: docs/engine-internals.md#failures-across-ranks.
 
-    rank 1 (stage 1) failed on micro-batch 2: ValueError: boom          <- first report
-    rank 0 (stage 0): rank 1 (stage 1) is gone (connection closed) ...   <- seen by a neighbour
-
-A failing rank also tears down its process groups (see ``DistributedPipe``), which closes its
-connections: every rank waiting on it wakes at once with "connection closed", fails in turn, and
-the failure ripples through the pipeline and the replicas in milliseconds. A peer that is alive
-but silent is caught by the timeout. Each rank raises :class:`RankFailure` with the first report.
-
-A rank that dies (SIGKILL, a crash, an exception outside a step) reports nothing, so what its
-peers see (a closed or reset connection, a timeout) is only its consequence. Every rank writes
-its host and pid on the board when its pipe is built, and a rank whose failure is such a
-consequence first looks for a peer whose process ended (on its host), waiting up to
-``GRACE_S`` for one, or for a report, to show: the board then leads with the rank that died::
-
-    rank 1 (stage 1) is gone (process 4242 ended); then rank 3 (stage 1): a peer is gone ...
-
-Example::
-
-    board = FailureBoard(dist.distributed_c10d._get_default_store(), label="rank 0 (stage 0)")
-    root = board.report("rank 0 (stage 0) failed on micro-batch 3: ValueError: boom")
-    board.read()   # the first report, from any rank
+    >>> board = FailureBoard(dist.HashStore(), label="rank 0 (stage 0)")
+    >>> board.report("rank 1 (stage 1) failed on micro-batch 2: ValueError: boom")
+    'rank 1 (stage 1) failed on micro-batch 2: ValueError: boom'
+    >>> board.report("rank 0 (stage 0): rank 1 (stage 1) is gone (connection closed)")
+    'rank 1 (stage 1) failed on micro-batch 2: ValueError: boom'
+    >>> board.read()   # the first report, from any rank
+    'rank 1 (stage 1) failed on micro-batch 2: ValueError: boom'
 """
 
 from __future__ import annotations

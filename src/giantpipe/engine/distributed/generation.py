@@ -1,20 +1,11 @@
-"""The generation ring between ranks: a DistributedPipe's link for
-:mod:`giantpipe.engine.generate`, its messages in the wire format of :mod:`.wire`, and the last
-stage's values (the ring's results, a forward's outputs) handed to every rank of the pipeline
-(:func:`from_last_stage`).
+"""The generation ring between ranks: a DistributedPipe's link for :mod:`giantpipe.engine.generate`.
 
-A message of the ring (:class:`~giantpipe.engine.generate.decoding.Message`) travels as the
-description (:func:`~.wire.description`) of its fields (m, ghost, steps, stage) and of the value
-``(kind, *tensors of the value, order)``, then the tensors' bytes as one message, on a host
-(gloo) group under a tag of its own. Unlike a training step's transfers it does not follow an
-order derived in advance (docs/engine.md, "Beyond one process", says why). Sends are
-asynchronous (no cycle of blocked sends can form around the ring); receives wait at most
-``timeout``.
-
-With R > 1 and FSDP2's ``full`` the replicas decode in lockstep (:class:`Lockstep`): each layer
-is gathered over its replicas around its use and freed after it, so every replica takes the same
-steps in the same order (the most micro-batches of any, each going on while any replica's
-does); with ``grads`` or ``none`` each replica decodes on its own.
+:func:`generation_link` gives a pipe's ends of the ring (:class:`RankLink`: each message a
+description in :mod:`.wire`'s words and then its bytes, on the host group; with R > 1 and
+``full`` sharding the replicas decode in :class:`Lockstep`); :func:`from_last_stage` hands the
+last stage's values (the ring's results, a forward's outputs) to every rank of the pipeline. The
+messages, why they keep out of the transport's order, the lockstep:
+docs/generation.md#between-ranks.
 
 Example::
 

@@ -1,18 +1,7 @@
 """Who is who in a pipeline x data-parallel world: ranks, stages, replicas and their groups.
 
-World size = W workers (pipeline ranks) x R replicas. Ranks of one pipeline are neighbours, so
-a node holds whole pipelines (or whole slices of one) and the chatty point-to-point traffic
-stays on the fastest links; the gradient all-reduce of a stage runs across replicas::
-
-    W=2, R=2        worker 0 (stage 0)   worker 1 (stage 1)
-    replica 0       rank 0               rank 1             <- pipeline group
-    replica 1       rank 2               rank 3
-                      ^ replica group of stage 0 (all-reduce of its gradients)
-
-With V virtual stages per worker (interleaved schedules) worker w holds stages w, w+W, ...
-(``Schedule.placement``). Data: stage 0's ranks read inputs, the last stage's ranks read
-targets, sharded by ``replica`` over ``replicas`` (e.g. ``DistributedSampler(data,
-num_replicas=layout.replicas, rank=layout.replica)``); the other ranks read nothing.
+World size = W workers (pipeline ranks) x R replicas, the ranks of one pipeline neighbours; who
+reads which data, and the world drawn: docs/engine-internals.md#ranks-stages-and-replicas.
 
 Example::
 

@@ -1,14 +1,10 @@
 """The executor's mailbox across processes: boundary values as bare bytes, in one agreed order.
 
-:class:`P2PMailbox` keeps the local :class:`~giantpipe.engine.mailbox.Mailbox`'s interface, so
-the very same ``StepRun`` drives one rank of a distributed pipeline, on gloo (CPU) and NCCL
-(GPUs) alike. A step starts with one host message from the rank holding stage 0 to the others
-of its pipeline (the step's number, its dropout seed, the slot of its inputs' layout in
-:class:`~.wire.Layouts`); then every send and receive of boundary bytes is issued in the order
-:func:`~.message_order.worker_ops` derives from the schedule, the first step of an input layout
-sending each value's description on the host before its bytes. A receive waits on the host
-under the timeout (gloo) or makes the consumer's stream wait (NCCL), its request checked after
-the step's device wait (:meth:`P2PMailbox.check`). Why: docs/engine.md ("Beyond one process").
+:class:`P2PMailbox` keeps the local :class:`~giantpipe.engine.mailbox.Mailbox`'s interface, so the
+very same ``StepRun`` drives one rank of a distributed pipeline, on gloo (CPU) and NCCL (GPUs)
+alike: the one transport. A step starts with one host message from stage 0's rank; then every
+transfer is issued in :func:`~.message_order.worker_ops`'s order, descriptions only in the first
+step of an input layout. A step's messages, and what NCCL asks: docs/engine.md#the-transport.
 
 Example (on each rank; ``layouts`` lives as long as the pipe)::
 
@@ -16,8 +12,7 @@ Example (on each rank; ``layouts`` lives as long as the pipe)::
     seed = box.start(schedule.actions, seed, inputs)   # stage 0's rank; others pass None
     run = StepRun(config, micro_batches if layout.needs_inputs else [], mailbox=box)
     run.run(my_schedule)
-    box.finish()
-    box.check()          # after the step's device wait: every transfer succeeded
+    box.finish(); box.check()    # check after the step's device wait: every transfer succeeded
 """
 
 from __future__ import annotations

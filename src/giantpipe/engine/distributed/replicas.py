@@ -1,52 +1,10 @@
-"""Each stage spread over its R replicas on torch's FSDP2: the sharding modes, the units, and
-when a step gathers and reduces them.
+"""A stage spread over its R replicas on torch's FSDP2: sharding modes, units, gathers, reduces.
 
-A rank holds its stages (one, or V of them); the R ranks holding the same stages in the R
-replicas form its replica group (``layout.Groups.replica``), the mesh of its FSDP2 units.
-``replica_sharding`` chooses how a stage lives on that mesh, always on torch's one engine::
-
-    mode   torch's call                               per rank between steps: params,
-                                                      grads, optimizer state
-    full   fully_shard(reshard_after_forward=True)    1/R of each (ZeRO-3)
-    grads  fully_shard(reshard_after_forward=False)   1/R of each (ZeRO-2)
-    none   replicate (FSDP2's DDP)                    all of each
-
-A unit (what FSDP2 gathers and reduces in one collective) is, with ``full``, one layer of the
-stage holding parameters (a block, the unit the model is cut in): ZeRO-3 holds one whole at a
-time; with ``grads`` and ``none``, whose layers all stay gathered through the step, the stage
-itself (one collective rather than one per layer; V stages a rank: V units). Pieces of this
-rank sharing a parameter (tied embeddings) form one unit. One FSDP2 root, a holder of every
-stage of the rank, makes the units share one state (and one set of streams).
-
-**Gradients** accumulate unsharded over the step's micro-batches and are reduced once per unit
-(reduce-scatter, or all-reduce with ``none``; a sum, ``gradient_divide_factor=1`` with
-sum-only collectives, which gloo also runs: the engine divides each micro-batch's loss by the
-global batch already), right after its stage's last backward: its last B (gpipe, 1f1b,
-interleaved) or, with the split backward of zb-h1 and zb-v, its last W.
-
-**Parameters**, per schedule and mode::
-
-    grads (every schedule),       each unit gathered once per step, at its start, and kept
-    full with zb-h1 / zb-v        until its reduce: 1 all-gather per unit and step. A W
-                                  computes weight gradients from the graph its B kept, which
-                                  holds the gathered parameters, so zero bubble keeps them.
-    full with gpipe / 1f1b /      FSDP2's ZeRO-3: each unit gathered for each forward, each
-    interleaved                   recompute and each backward of each micro-batch and freed
-                                  right after, one unit whole at a time: 2M all-gathers per
-                                  unit and step (plus one per recomputed micro-batch)
-    none                          nothing to gather (every replica holds the whole stage)
-
-    rank of stage 1, 1f1b, M=4, grads:  gather | F0 F1 B0 F2 B1 F3 B2 B3 | reduce + reshard
-    the same, full:                     each F and B gathers its units and frees them | reduce
-
-So a stage holds during a step, besides its activations: ``grads``, its whole parameters and
-its whole gradients (2 x its parameter bytes) plus its 1/R shards; ``full`` (not zero bubble)
-its whole gradients, one unit's parameters and its shards. Where memory allows, ``grads``
-moves M times fewer bytes; ``full`` is for a stage whose whole parameters and gradients do not
-fit together. A forward-only pass (evaluation) gathers each unit per micro-batch with ``full``,
-once with ``grads``; generation likewise, with ``full`` each layer around its use, the replicas
-in lockstep (``layer_gathered``; ``generation.py``). Between steps every unit is sharded
-(``full``, ``grads``): the optimizer steps on its 1/R shard.
+The R ranks holding the same stages form their replica group, the mesh of the stages' FSDP2
+units, and ``replica_sharding`` chooses how a stage lives there: ``full`` (``fully_shard``
+resharded after forward: ZeRO-3), ``grads`` (``fully_shard`` kept gathered through the step:
+ZeRO-2, the default) or ``none`` (torch's ``replicate``). The units, when each mode gathers and
+reduces, and what a stage holds: docs/engine-internals.md#replicas-on-fsdp2.
 
 Example (every rank of a K=2 x R=2 world)::
 

@@ -1,13 +1,10 @@
 """Boundary values on the wire: each value's description learned once, then its bytes alone.
 
-A value crossing a stage boundary is a tensor or a tuple of tensors and plain items (``None``,
-``int``, ``float``, ``bool``). Its description (:func:`encode`: structure, dtypes, shapes, plain
-items) gives its :class:`Frame`, where each tensor's bytes lie in one message: a lone tensor
-travels as itself, a tuple packed into one message (:func:`pack`) and taken apart as views of
-the buffer it arrived in (:func:`unpack`). :class:`Layouts` is what both ends of every boundary
-remember across steps, per layout of the step's inputs (docs/engine.md, "Beyond one process").
-
-Example::
+A value crossing a stage boundary (a tensor, or a tuple of tensors and ``None``, ``int``,
+``float``, ``bool`` items) is described (:func:`encode`) into its :class:`Frame`: a lone tensor
+travels as itself, a tuple packed into one message (:func:`pack`) and taken apart as views of the
+buffer it arrived in (:func:`unpack`). :class:`Layouts` is what both ends of every boundary
+remember across steps, per layout of the step's inputs (docs/engine.md#the-transport).
 
     >>> value = (torch.ones(2, 3), torch.tensor([1, 0]), None)
     >>> words, tensors = encode(value)
