@@ -33,8 +33,6 @@ TARGET = re.compile(r"^(tests(?:\.\w+)+):\w+$")
 NOT_YET_PORTED = {
     ("gpu/nccl_world.py", "launches", "torch.multiprocessing"),
     ("gpu/test_replicas.py", "launches", "torch.multiprocessing"),
-    ("integration/test_train_cli.py", "runs train.py", "python train.py"),
-    ("integration/test_transformer_recipes.py", "runs train.py", "python train.py"),
     ("recipes/test_gpu_check.py", "test module", "gpu/test_nccl.py"),
     ("unit/engine/distributed/k2_r2_workers.py", "slow folder", "distributed/order_workers.py"),
     ("unit/engine/distributed/k2_r2_workers.py", "slow folder", "distributed/workers.py"),
