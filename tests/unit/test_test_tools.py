@@ -34,8 +34,6 @@ NOT_YET_PORTED = {
     ("gpu/nccl_world.py", "launches", "torch.multiprocessing"),
     ("gpu/test_replicas.py", "launches", "torch.multiprocessing"),
     ("recipes/test_gpu_check.py", "test module", "gpu/test_nccl.py"),
-    ("unit/engine/distributed/k2_r2_workers.py", "slow folder", "distributed/order_workers.py"),
-    ("unit/engine/distributed/k2_r2_workers.py", "slow folder", "distributed/workers.py"),
 }  # fmt: skip
 """What is still to port (the list only shrinks): k2_r2's workers take the equivalence helpers of
 tests/distributed/workers.py, which then move to tests/support/; the GPU worlds start their ranks
