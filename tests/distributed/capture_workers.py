@@ -17,7 +17,8 @@ from giantpipe import sequentialize
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import step_seed
-from tests.distributed.workers import SEED, reference, virtual_stages_for
+from tests.distributed.workers import SEED, virtual_stages_for
+from tests.support.shards import reference
 from tests.timeouts import scaled
 
 VOCAB, BATCH, T = 97, 8, 12

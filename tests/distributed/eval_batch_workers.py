@@ -15,7 +15,8 @@ from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.microbatch import forward_chunks
 from giantpipe.perf.balance import solve_balance
 from giantpipe.testing import step_seed
-from tests.distributed.workers import INIT, SEED, assert_matches, model_fn, plain_model, reference
+from tests.distributed.workers import INIT, SEED, assert_matches, model_fn, plain_model
+from tests.support.shards import reference
 from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import tuple_batch
 

@@ -24,7 +24,8 @@ from giantpipe.engine.distributed.replicas import local_tensor
 from giantpipe.engine.meta import init_layers
 from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
-from tests.distributed.workers import INIT, SEED, mine, reference, shard, toy_data
+from tests.distributed.workers import INIT, SEED, mine, toy_data
+from tests.support.shards import reference, shard
 from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import Block
 

@@ -17,7 +17,7 @@ from torch import nn
 from giantpipe.engine import pipeline_grad_scaler
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import local_tensor, whole_tensor
-from tests.distributed.workers import shard
+from tests.support.shards import shard
 from tests.timeouts import scaled
 
 mse = nn.functional.mse_loss

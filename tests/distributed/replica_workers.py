@@ -31,11 +31,10 @@ from tests.distributed.workers import (
     assert_matches,
     model_fn,
     plain_model,
-    reference,
     registered_schedules,
-    shard,
     virtual_stages_for,
 )
+from tests.support.shards import reference, shard
 from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import tuple_batch
 

@@ -23,11 +23,10 @@ from giantpipe.engine.distributed.clipping import clip_grad_norm_
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import local_tensor, whole_tensor
 from giantpipe.engine.meta import init_layers
-from giantpipe.engine.microbatch import batch_size
-from giantpipe.engine.rng import install_rng_hooks, mix
 from giantpipe.engine.schedules import build_schedule
 from giantpipe.perf.balance import solve_balance
-from giantpipe.testing import accumulate_micro_batches, step_seed
+from giantpipe.testing import step_seed
+from tests.support.shards import reference, shard
 from tests.timeouts import scaled
 from tests.unit.engine.engine_helpers import tuple_batch, tuple_model
 
@@ -61,45 +60,6 @@ def plain_model(blocks: int) -> nn.Sequential:
     model = tuple_model(num_blocks=blocks)
     init_layers(model, INIT)
     return model
-
-
-def reference(
-    model: nn.Sequential,
-    shards: list[tuple[Any, Any]],
-    chunks: int,
-    seed: int,
-    loss_fn: Callable = nn.functional.cross_entropy,
-    normalizer: Callable | None = None,
-    accumulate: bool = False,
-) -> tuple[nn.Sequential, float]:
-    """The plain model over every replica's shard, micro-batch by micro-batch (on a copy, or
-    on ``model`` itself with ``accumulate``), each replica under its own dropout seed as
-    DistributedPipe seeds it, the losses weighted by the whole batch."""
-    plain = model if accumulate else copy.deepcopy(model)
-    handles = install_rng_hooks(plain)
-    if normalizer is None:
-        total = float(sum(batch_size(y) for _, y in shards))
-    else:
-        total = float(sum(normalizer(y) for _, y in shards))
-    loss_sum = 0.0
-    for r, (x, y) in enumerate(shards):
-        replica_seed = seed if r == 0 else mix(seed, r)
-        losses = accumulate_micro_batches(
-            plain, x, y, chunks, replica_seed, loss_fn, normalizer, total=total
-        )
-        for loss in losses:
-            loss_sum += loss.item()
-    for h in handles:
-        h.remove()
-    return plain, loss_sum
-
-
-def shard(batch: Any, replica: int, replicas: int) -> Any:
-    n = batch_size(batch)
-    lo, hi = n * replica // replicas, n * (replica + 1) // replicas
-    if isinstance(batch, torch.Tensor):
-        return batch[lo:hi]
-    return tuple(t[lo:hi] if isinstance(t, torch.Tensor) else t for t in batch)
 
 
 def mine(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -14,5 +14,6 @@ they stay in ``benchmarks/gpu_perf.py`` and ``gpu_speed.py``.
 - ``case``: their marks (``gpu``, a timeout) and the row each reports; ``conftest``: the run's
   devices (``opts``) and the rows file;
 - ``mask_model``, ``steps``, ``errors``: the model, the pipelined and plain steps, the
-  tolerances; ``sync``: the host-synchronisation recorders; ``nccl_world``: the ranks' world.
+  tolerances; ``sync``: the host-synchronisation recorders; ``nccl_world``: the ranks' worlds
+  (started by tests/support/ranks.py) and test_nccl's rows.
 """

@@ -1,41 +1,40 @@
-"""A world of DistributedPipe ranks over NCCL, one rank per GPU, each checking its share of a
-step against the plain model (what tests/gpu/test_nccl.py judges).
+"""Worlds of DistributedPipe ranks over NCCL, one rank per GPU, each rank checking its share
+of a step against the plain model, and the rows tests/gpu/test_nccl.py reports from one.
 
-Two GPUs or more run K=2, one rank each (NCCL refuses two ranks on one GPU), with the one
-transport, whose sends and receives every rank issues in one order. A dry run runs the world
-on gloo ranks of this machine instead (the stand-in for NCCL the engine's tests use).
+The ranks start through tests/support/ranks.py (NCCL for GPU tensors, each rank on its GPU); a
+dry run runs the world on gloo ranks of this machine instead (the stand-in for NCCL the engine's
+tests use). Two GPUs or more run K=2, one rank each (NCCL refuses two ranks on one GPU), with
+the one transport, whose sends and receives every rank issues in one order.
 
 Example::
 
-    rows = run_world(GpuOptions(dry=True, quick=True, gpus=0), 2, timeout=120.0)
+    opts = GpuOptions(dry=True, quick=True, gpus=0)
+    rows = run_world("tests.gpu.nccl_world:world_checks", 2, opts, timeout=120.0)
     rows[0]   # ('gpipe (rank 0)', 'pass', '3.0e-08 (grad:1.fc.weight)', 'every tensor ...')
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
-import time
-import traceback
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from giantpipe.engine.distributed.layout import init_distributed
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.meta import init_layers
 from giantpipe.perf.balance import even_balance
-from giantpipe.testing import free_port, rank_env
-from giantpipe.testing.gpu import CUDA_ONLY, GpuOptions
+from giantpipe.testing.gpu import CUDA_ONLY, TWO_GPUS, GpuOptions
+from tests.gpu.case import Record, not_here, report
 from tests.gpu.errors import FP32_CRITERION, FP32_TOL, errors, worst
 from tests.gpu.mask_model import Sizes, mask_batch, mask_model, to
 from tests.gpu.steps import SEED, Outcome, plain_step, schedules, virtual_stages
 from tests.gpu.sync import cuda_syncs, host_reads, summarise
+from tests.support.ranks import rank_records, start_ranks, stop_ranks
 
 INIT = 3  # DistributedPipe's layer initialisation seed; the reference is initialised alike
 RANK_TIMEOUT = 60.0  # DistributedPipe(timeout=): a peer silent this long fails the step
@@ -64,10 +63,12 @@ def world_schedules(k: int) -> list[str]:
     return out
 
 
-def world_checks(opts: GpuOptions, k: int) -> list[Row]:
-    """On this rank: one step per schedule that runs on K=``k`` ranks, its loss (every rank)
-    and its gradients and buffers (this rank's share) against the plain model; after the first,
-    the global-norm clip watched for host synchronisation."""
+def world_checks(tmp: Path, opts: GpuOptions) -> list[Row]:
+    """On this rank of a world of K ranks (:func:`run_world`'s target; ``tmp`` unused): one
+    step per schedule that runs on K ranks, its loss (every rank) and its gradients and buffers
+    (this rank's share) against the plain model; after the first, the global-norm clip watched
+    for host synchronisation."""
+    k = dist.get_world_size()
     sizes = Sizes.of(opts)
     inputs, target = mask_batch(sizes)
     chunks = chunks_of(k)
@@ -118,46 +119,59 @@ def _clip_syncs(opts: GpuOptions, pipe: DistributedPipe) -> Row:
     return (check, FAIL if seen else PASS, summarise(seen), SYNC_CRITERION)
 
 
-def rank_main(rank: int, world: int, port: int, opts: GpuOptions, out: str) -> None:
-    """One rank of a K=``world`` pipeline: joins the world, checks, writes its results."""
-    os.environ.update(rank_env(rank, world, port))
-    torch.set_num_threads(1)
-    init_distributed()  # NCCL for device tensors on CUDA, gloo on CPU
-    try:
-        results: Any = world_checks(opts, world)
-    except Exception as exc:  # noqa: BLE001 - reported by the parent
-        traceback.print_exc()  # into the case's log
-        results = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-def run_world(opts: GpuOptions, world: int, timeout: float) -> list[Row]:
-    """Every rank's results for a world of ``world`` ranks, each a process of its own."""
+def run_world(target: str, world: int, opts: GpuOptions, timeout: float) -> list[Row]:
+    """Every rank's rows of ``target(tmp, opts=opts)`` run on ``world`` ranks, each check named
+    with its rank; a rank that failed, or left nothing within ``timeout`` s for the world, is
+    one FAIL row."""
     with tempfile.TemporaryDirectory() as out:
-        # Fresh interpreters on GPUs (a forked CUDA runtime is unusable); a dry run forks,
-        # before this process has computed anything (no OpenMP pool to inherit).
-        ctx: Any = mp.get_context("fork" if opts.dry else "spawn")
-        port = free_port()
-        ranks = [
-            ctx.Process(target=rank_main, args=(r, world, port, opts, out)) for r in range(world)
-        ]
-        for p in ranks:
-            p.start()
-        deadline = time.monotonic() + timeout  # for the world, not for each rank in turn
-        for p in ranks:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in ranks:
-            if p.is_alive():
-                p.kill()
-        return [result for r in range(world) for result in _read(Path(out, f"rank{r}.json"), r)]
+        # backend None: NCCL for GPU tensors and this rank's GPU made current, as the runner
+        procs = start_ranks(target, world, Path(out), backend=None, opts=opts)
+        stop_ranks(procs, timeout)
+        records = rank_records(Path(out), world)
+    return [row for r in range(world) for row in _rows(records.get(r), r)]
 
 
-def _read(path: Path, rank: int) -> list[Row]:
-    if not path.exists():
+def _rows(record: dict[str, Any] | None, rank: int) -> list[Row]:
+    if record is None:
         return [(f"rank {rank}", FAIL, "no result (crashed or timed out)", FP32_CRITERION)]
-    data = json.loads(path.read_text())
-    if isinstance(data, dict):
-        return [(f"rank {rank}", FAIL, data["error"], FP32_CRITERION)]
+    if not record["ok"]:  # its traceback is in the case's log
+        return [(f"rank {rank}", FAIL, record["what"][:200], FP32_CRITERION)]
     return [(f"{check} (rank {rank})", verdict, measured, criterion)
-            for check, verdict, measured, criterion in data]  # fmt: skip
+            for check, verdict, measured, criterion in record["result"]]  # fmt: skip
+
+
+# -- tests/gpu/test_nccl.py's rows ------------------------------------------------------------
+
+WORLD = 2  # ranks, one per GPU: the smallest world whose steps cross ranks over NCCL
+ROWS = [
+    (WORLD, rank, check)
+    for rank in range(WORLD)
+    for check in [*world_schedules(WORLD)[:1], CLIP, *world_schedules(WORLD)[1:]]
+]
+"""test_nccl's tests: (world, rank, check), the checks in the order a rank makes them."""
+
+
+@cache
+def world_rows(opts: GpuOptions, world: int) -> dict[str, Row]:
+    """Every rank's rows of one run of a world of ``world`` ranks, by check."""
+    rows = run_world("tests.gpu.nccl_world:world_checks", world, opts, RANK_TIMEOUT * world)
+    return {row[0]: row for row in rows}
+
+
+def nccl_row(world: int, rank: int, check: str, opts: GpuOptions, record: Record) -> None:
+    """test_nccl's test of one row: ``check`` on ``rank`` of a world of ``world`` ranks, judged
+    from the world's one run; skipped as "needs 2 GPUs" where there are fewer GPUs than ranks
+    (NCCL refuses two ranks on one GPU, and a world of one sends nothing over NCCL)."""
+    backend = "gloo stand-in" if opts.dry else "NCCL"
+    record("note", "DistributedPipe's one transport (the same on the gloo stand-in).")
+    label = f"K={world} {backend}: {check} (rank {rank})"
+    if not opts.dry and opts.gpus < world:
+        why = "NCCL refuses two ranks on one GPU; a world of one sends nothing over NCCL"
+        not_here(record, TWO_GPUS, label, "-", why)
+    rows = world_rows(opts, world)
+    _, verdict, measured, criterion = rows.get(
+        f"{check} (rank {rank})", rows.get(f"rank {rank}", (label, FAIL, "no row", ""))
+    )
+    if verdict not in (PASS, FAIL):
+        not_here(record, verdict, label, measured, criterion)
+    report(record, label, verdict == PASS, measured, criterion)

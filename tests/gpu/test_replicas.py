@@ -14,33 +14,27 @@ gradients reduced in fp32) against the fp32 reference, within bf16's tolerance.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-import time
-import traceback
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from giantpipe.engine.batchnorm import convert_deferred_batch_norm
-from giantpipe.engine.distributed.layout import init_distributed
 from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.engine.distributed.replicas import mixed_precision_policy, whole_tensor
 from giantpipe.engine.meta import init_layers
 from giantpipe.engine.rng import install_rng_hooks, mix
 from giantpipe.perf.balance import even_balance
-from giantpipe.testing import accumulate_micro_batches, free_port, rank_env, step_seed
+from giantpipe.testing import accumulate_micro_batches, step_seed
 from giantpipe.testing.gpu import CUDA_ONLY, GpuOptions
 from tests.gpu.case import Record, marks, not_here, report
-from tests.gpu.errors import FP32_CRITERION, FP32_TOL, relative
+from tests.gpu.errors import FP32_TOL, relative
 from tests.gpu.mask_model import Sizes, mask_batch, mask_model, to
+from tests.gpu.nccl_world import Row, run_world
 from tests.gpu.steps import SEED
 
 pytestmark = marks(300.0)
@@ -77,9 +71,10 @@ def _reference(sizes: Sizes, device: torch.device) -> tuple[float, dict[str, tor
     return loss, {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
-def _checks(opts: GpuOptions) -> list[tuple[str, str, str, str]]:
+def replica_checks(tmp: Path, opts: GpuOptions) -> list[Row]:
+    """On this rank of the K=2 x R=2 world (:func:`run_world`'s target; ``tmp`` unused): one
+    step per case against the plain model."""
     sizes = Sizes.of(opts)
-    rank = dist.get_rank()
     device = (
         torch.device("cpu") if opts.dry else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     )
@@ -87,7 +82,7 @@ def _checks(opts: GpuOptions) -> list[tuple[str, str, str, str]]:
     inputs, target = mask_batch(sizes)
     rows = []
     for mode, schedule in CASES:
-        label = f"{mode} {schedule} (rank {rank})"
+        label = f"{mode} {schedule}"  # run_world adds the rank
         if mode == "bf16" and opts.dry:
             rows.append((label, CUDA_ONLY, "-", "MixedPrecisionPolicy on GPUs"))
             continue
@@ -115,42 +110,11 @@ def _checks(opts: GpuOptions) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def _rank(rank: int, port: int, opts: GpuOptions, out: str) -> None:
-    os.environ.update(rank_env(rank, WORLD, port))
-    torch.set_num_threads(1)
-    init_distributed()
-    try:
-        rows: Any = _checks(opts)
-    except Exception as exc:  # noqa: BLE001 - reported by the parent
-        traceback.print_exc()
-        rows = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
-    dist.destroy_process_group()
-
-
 @cache
-def world_rows(opts: GpuOptions) -> dict[str, tuple[str, str, str, str]]:
+def world_rows(opts: GpuOptions) -> dict[str, Row]:
     """Every rank's rows of one run of the K=2 x R=2 world, by check."""
-    with tempfile.TemporaryDirectory() as out:
-        ctx: Any = mp.get_context("fork" if opts.dry else "spawn")
-        port = free_port()
-        ranks = [ctx.Process(target=_rank, args=(r, port, opts, out)) for r in range(WORLD)]
-        for p in ranks:
-            p.start()
-        deadline = time.monotonic() + 240.0
-        for p in ranks:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-        rows: dict[str, tuple[str, str, str, str]] = {}
-        for r in range(WORLD):
-            path = Path(out, f"rank{r}.json")
-            data = json.loads(path.read_text()) if path.exists() else {"error": "no result"}
-            if isinstance(data, dict):
-                rows[f"rank {r}"] = (f"rank {r}", "FAIL", data["error"], FP32_CRITERION)
-                continue
-            rows.update({row[0]: tuple(row) for row in data})  # type: ignore[misc]
-        return rows
+    rows = run_world("tests.gpu.test_replicas:replica_checks", WORLD, opts, timeout=240.0)
+    return {row[0]: row for row in rows}
 
 
 ROWS = [(m, s, r) for m, s in CASES for r in range(WORLD)]

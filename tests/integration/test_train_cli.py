@@ -2,35 +2,19 @@
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from giantpipe.checkpoint.run import read_checkpoint
 from tests.support.runs import QUICK_MLP
+from tests.support.train import command, environment, ok, one_error_line, train
 from tests.timeouts import run
 
 pytestmark = pytest.mark.slow  # every test runs python train.py end to end (torch, training)
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = QUICK_MLP
-
-
-def train(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    env["WANDB_MODE"] = "offline"
-    command = [sys.executable, str(REPO / "train.py"), *args]
-    return run(command, timeout, cwd=cwd, env=env, capture_output=True, text=True)
-
-
-def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -72,18 +56,15 @@ def test_five_step_run_writes_metrics_checkpoint_and_summary(tmp_path: Path):
 def test_a_log_that_is_no_terminal_gets_progress_lines(tmp_path: Path):
     # stdout to a file, as under nohup or a cluster job: no bar, but a progress line at every
     # trainer.log_every step, and between them at least one every logger.progress_every_s
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
     said = {}
     for name, knobs in {
         "by_step": ["trainer.log_every=4", "logger.progress_every_s=3600"],
         "by_time": ["trainer.log_every=1000", "logger.progress_every_s=1e-9"],
     }.items():
         run_dir, out = tmp_path / name, tmp_path / f"{name}.out"
-        command = [sys.executable, str(REPO / "train.py"), *TINY, *knobs, "trainer.max_steps=8",
-                   f"hydra.run.dir={run_dir}"]  # fmt: skip
+        args = [*TINY, *knobs, "trainer.max_steps=8", f"hydra.run.dir={run_dir}"]
         with out.open("w") as stdout:
-            run(command, 120, cwd=tmp_path, env=env, stdout=stdout, check=True)
+            run(command(*args), 120, cwd=tmp_path, env=environment(), stdout=stdout, check=True)
         lines = [line for line in out.read_text().splitlines() if "samples/s, ETA" in line]
         assert lines == [
             line for line in (run_dir / "train.log").read_text().splitlines() if "ETA" in line
@@ -150,13 +131,6 @@ def test_multirun_runs_every_job_even_when_one_fails(tmp_path: Path):
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
     assert json.loads((sweep_dir / "1" / "summary.json").read_text())["status"] == "completed"
     assert not (sweep_dir / "0" / "last").exists()
-
-
-def one_error_line(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize(

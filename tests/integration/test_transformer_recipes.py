@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from giantpipe.testing.reference import plain_model
 from models.transformer import count_parameters, label_smoothed_cross_entropy
 from tests import tiny
 from tests.support.train import REPO, ok
+from tests.support.train import train as run_train
 
 CONF = REPO / "conf"
 register_configs(CONF)
@@ -34,17 +33,11 @@ register_configs(CONF)
 TINY = [*tiny.TRANSLATION, "trainer.log_every=1"]
 
 
-def train(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python train.py ARGS`` as test_train_cli runs it, with OpenMP threads that sleep while
+def train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python train.py ARGS`` (tests/support/train.py) with OpenMP threads that sleep while
     they wait: on a shared, oversubscribed 2-core machine spinning threads make each tiny op of
     a T(1, 32, 2) take milliseconds (measured: greedy decoding 6.4 s -> 0.04 s)."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    env.update(WANDB_MODE="offline", OMP_WAIT_POLICY="PASSIVE")
-    command = [sys.executable, str(REPO / "train.py"), *args]
-    return subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_train(*args, cwd=cwd, timeout=300, env={"OMP_WAIT_POLICY": "PASSIVE"})
 
 
 def composed(*overrides: str) -> ExperimentConfig:

@@ -105,15 +105,15 @@ def test_the_nccl_case_on_one_gpu_is_not_run_rather_than_passed(check: ModuleTyp
     over NCCL, and reported a pass. Now every row of a one-GPU run skips as "needs 2 GPUs" (no
     world of one is left), and a case none of whose rows could be judged says so."""
     from giantpipe.testing.gpu import TWO_GPUS, GpuOptions
-    from tests.gpu import test_nccl
+    from tests.gpu.nccl_world import ROWS, nccl_row  # each of test_nccl's tests is one call
 
-    assert {world for world, _, _ in test_nccl.ROWS} == {2}
+    assert {world for world, _, _ in ROWS} == {2}
     one_gpu = GpuOptions(dry=False, quick=True, gpus=1)
     records = []
-    for world, rank, name in test_nccl.ROWS:
+    for world, rank, name in ROWS:
         props: list[tuple[str, object]] = []
         with pytest.raises(pytest.skip.Exception, match=TWO_GPUS):
-            test_nccl.test_each_rank_equals_the_plain_model(
+            nccl_row(
                 world, rank, name, one_gpu, lambda key, value, into=props: into.append((key, value))
             )
         node = f"tests/gpu/test_nccl.py::test_each_rank_equals_the_plain_model[{rank}-{name}]"

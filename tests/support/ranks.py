@@ -1,5 +1,5 @@
-"""The one rank launcher of the tests: a world of gloo ranks on loopback, spawned here or
-started by torchrun.
+"""The one rank launcher of the tests: a world of ranks on loopback, spawned here or started
+by torchrun; gloo, or NCCL on GPUs for the GPU tests (one GPU a rank).
 
 Each rank gets its torchrun environment on a free port (:mod:`giantpipe.testing.world`), runs
 ``module:function(tmp, **kwargs)`` and leaves ``tmp/result-<rank>.pt``; a launch that outlives
@@ -46,11 +46,12 @@ RENDEZVOUS_S = 30.0
 collective."""
 
 
-def run_rank(target: str, tmp: Path, kwargs: dict[str, Any], backend: str = "gloo") -> None:
+def run_rank(target: str, tmp: Path, kwargs: dict[str, Any], backend: str | None = "gloo") -> None:
     """In a rank whose torchrun environment is set: joins the world (as the runner does: on a
-    GPU machine this rank's GPU made current first), runs ``target(tmp, **kwargs)`` and writes
-    its result, or its traceback and when it failed, to ``tmp/result-<rank>.pt``; a failure
-    exits at once (peers may be stuck)."""
+    GPU machine this rank's GPU, ``cuda:LOCAL_RANK``, made current first; ``backend`` None:
+    the runner's choice, NCCL for GPU tensors), runs ``target(tmp, **kwargs)`` and writes its
+    result, or its traceback, exception and when it failed, to ``tmp/result-<rank>.pt``; a
+    failure exits at once (peers may be stuck)."""
     torch.set_num_threads(1)
     out = tmp / f"result-{os.environ['RANK']}.pt"
     try:
@@ -59,8 +60,11 @@ def run_rank(target: str, tmp: Path, kwargs: dict[str, Any], backend: str = "glo
         result = getattr(importlib.import_module(module), name)(tmp, **kwargs)
         torch.save({"ok": True, "result": result}, out)
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the test
-        torch.save({"ok": False, "error": traceback.format_exc(), "at": time.time()}, out)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        what = f"{type(exc).__name__}: {exc}"
+        torch.save(
+            {"ok": False, "error": traceback.format_exc(), "what": what, "at": time.time()}, out
+        )
         sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)
@@ -68,7 +72,7 @@ def run_rank(target: str, tmp: Path, kwargs: dict[str, Any], backend: str = "glo
 
 def _spawned(
     target: str, rank: int, world: int, port: int, tmp: str, kwargs: dict, env: dict, cwd: str,
-    backend: str,
+    backend: str | None,
 ) -> None:  # fmt: skip
     os.environ.clear()
     os.environ.update(env)
@@ -78,11 +82,12 @@ def _spawned(
 
 
 def start_ranks(
-    target: str, world: int, tmp: Path, backend: str = "gloo", **kwargs: Any
+    target: str, world: int, tmp: Path, backend: str | None = "gloo", **kwargs: Any
 ) -> list[BaseProcess]:
     """Starts ``world`` ranks running ``target(tmp, **kwargs)`` without waiting for them (a
     fault test watches them exit); returns the processes, rank by rank. ``backend`` is the
-    world's, e.g. ``"cuda:gloo"`` for one that takes no CPU tensor, as an NCCL world would not."""
+    world's, e.g. ``"cuda:gloo"`` for one that takes no CPU tensor, as an NCCL world would not,
+    or None for the runner's (:func:`run_rank`): an NCCL world on GPUs, one GPU a rank."""
     tmp.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -99,7 +104,7 @@ def start_ranks(
 
 def rank_records(tmp: Path, world: int) -> dict[int, dict[str, Any]]:
     """What each rank that wrote one left in ``tmp``: ``{"ok": True, "result": ...}`` or
-    ``{"ok": False, "error": traceback, "at": when}``."""
+    ``{"ok": False, "error": traceback, "what": "Type: message", "at": when}``."""
     paths = {r: tmp / f"result-{r}.pt" for r in range(world)}
     return {r: torch.load(p, weights_only=False) for r, p in paths.items() if p.exists()}
 
@@ -127,28 +132,34 @@ def results_of(tmp: Path, world: int, exits: list[int | None] | None = None) -> 
     return [records[r]["result"] for r in range(world)]
 
 
-def spawn(
-    target: str, world: int, tmp: Path, timeout: float = 90.0, backend: str = "gloo",
-    **kwargs: Any,
-) -> list[Any]:  # fmt: skip
-    """Runs ``target(tmp, **kwargs)`` on ``world`` ranks (:func:`start_ranks`) and returns each
-    rank's result; ranks still running after ``scaled(timeout)`` are killed and named."""
-    procs = start_ranks(target, world, tmp, backend, **kwargs)
-    limit = scaled(timeout)
-    deadline = time.monotonic() + limit
+def stop_ranks(procs: list[BaseProcess], timeout: float) -> list[int]:
+    """Waits for the ranks of :func:`start_ranks` until ``scaled(timeout)`` s from now (for the
+    world, not for each rank in turn); kills those still running then and returns their
+    ranks."""
+    deadline = time.monotonic() + scaled(timeout)
     try:
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        if alive:
-            said = timed_out(f"ranks {alive} of {target}", limit)
-            failure = first_failure(rank_records(tmp, world))
-            raise TimeoutError(said if failure is None else f"{said}\n{failure}")
+        return [r for r, p in enumerate(procs) if p.is_alive()]
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def spawn(
+    target: str, world: int, tmp: Path, timeout: float = 90.0, backend: str | None = "gloo",
+    **kwargs: Any,
+) -> list[Any]:  # fmt: skip
+    """Runs ``target(tmp, **kwargs)`` on ``world`` ranks (:func:`start_ranks`) and returns each
+    rank's result; ranks still running after ``scaled(timeout)`` are killed and named."""
+    procs = start_ranks(target, world, tmp, backend, **kwargs)
+    late = stop_ranks(procs, timeout)
+    if late:
+        said = timed_out(f"ranks {late} of {target}", scaled(timeout))
+        failure = first_failure(rank_records(tmp, world))
+        raise TimeoutError(said if failure is None else f"{said}\n{failure}")
     return results_of(tmp, world, [p.exitcode for p in procs])
 
 

@@ -3,8 +3,7 @@ everyday lane imports nothing from the slow folders, ranks are started by one la
 (tests/support/ranks.py) and ``python train.py`` run by one helper (tests/support/train.py).
 
 Imports are read from the source (``ast``), lazy ones and spawn targets (``"module:function"``)
-included. :data:`NOT_YET_PORTED` names the files other lanes were editing when the tools moved;
-it may only shrink (an entry that no longer breaks its rule fails too).
+included.
 """
 
 from __future__ import annotations
@@ -29,20 +28,6 @@ LAUNCHING_WORDS = ("torchrun", "torch.distributed.run")
 
 TARGET = re.compile(r"^(tests(?:\.\w+)+):\w+$")
 """A spawn target, ``"tests.distributed.workers:equivalence"``: imported by each rank."""
-
-NOT_YET_PORTED = {
-    ("gpu/nccl_world.py", "launches", "torch.multiprocessing"),
-    ("gpu/test_replicas.py", "launches", "torch.multiprocessing"),
-    ("integration/test_train_cli.py", "runs train.py", "python train.py"),
-    ("integration/test_transformer_recipes.py", "runs train.py", "python train.py"),
-    ("recipes/test_gpu_check.py", "test module", "gpu/test_nccl.py"),
-    ("unit/engine/distributed/k2_r2_workers.py", "slow folder", "distributed/order_workers.py"),
-    ("unit/engine/distributed/k2_r2_workers.py", "slow folder", "distributed/workers.py"),
-}  # fmt: skip
-"""What is still to port (the list only shrinks): k2_r2's workers take the equivalence helpers of
-tests/distributed/workers.py, which then move to tests/support/; the GPU worlds start their ranks
-themselves (to port with a GPU to try them on); two integration files run train.py with their own
-helpers."""
 
 Finding = tuple[str, str, str]  # file, the rule it breaks, what
 
@@ -126,14 +111,11 @@ def all_findings() -> set[Finding]:
 
 
 def test_the_tests_share_their_tools() -> None:
-    found = all_findings()
-    broken = sorted(found - NOT_YET_PORTED)
+    broken = sorted(all_findings())
     assert not broken, (
         "move the shared tool to tests/support/ and import it from there:\n"
         + "\n".join(map(str, broken))
     )
-    ported = sorted(NOT_YET_PORTED - found)
-    assert not ported, "\n".join(["ported: take them off NOT_YET_PORTED:", *map(str, ported)])
 
 
 @pytest.mark.parametrize(

@@ -66,8 +66,8 @@ from giantpipe.runner.run_state.staging import save_run
 from giantpipe.runner.run_state.state import Progress
 from giantpipe.runner.world import TorchrunWorld
 from giantpipe.testing import step_seed
-from tests.distributed.order_workers import recording
-from tests.distributed.workers import reference, shard
+from tests.support.recording import recording
+from tests.support.shards import reference, shard
 from tests.timeouts import scaled
 from tests.unit.engine.distributed.share_workers import check_share
 
