@@ -298,8 +298,9 @@ def _dist_steps(name: str, setup: Setup, rank: int, m: int, balance: list[int]
     return steps
 
 
-def _dist_worker(rank: int, port: int, name: str, setup: Setup, balances: dict[int, list[int]],
-                 memory: bool, out: str) -> None:  # fmt: skip
+def _dist_worker(rank: int, port: int, names: tuple[str, ...], setup: Setup,
+                 balances: dict[str, dict[int, list[int]]], memory: bool, out: str
+                 ) -> None:  # fmt: skip
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -307,30 +308,35 @@ def _dist_worker(rank: int, port: int, name: str, setup: Setup, balances: dict[i
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
     rows = []
-    for m in setup.chunks:
-        for method, step in _dist_steps(name, setup, rank, m, balances[m]).items():
-            dist.barrier()
-            seconds, peak = measure(step, setup.steps, memory)
-            rows.append((method, m, seconds, peak))
+    for name in names:
+        for m in setup.chunks:
+            for method, step in _dist_steps(name, setup, rank, m, balances[name][m]).items():
+                dist.barrier()
+                seconds, peak = measure(step, setup.steps, memory)
+                rows.append((name, method, m, seconds, peak))
     torch.save(rows, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-def dist_round(name: str, setup: Setup, balances: dict[int, list[int]], memory: bool
-               ) -> tuple[dict[Key, float], dict[Key, int]]:  # fmt: skip
+def dist_round(names: tuple[str, ...], setup: Setup, balances: dict[str, dict[int, list[int]]],
+               memory: bool) -> dict[str, tuple[dict[Key, float], dict[Key, int]]]:  # fmt: skip
+    """Every model's distributed methods, in one pair of gloo processes (one start-up of two
+    processes per round, not per model); per model: (seconds, peaks)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows")
-        args = (free_port(), name, setup, balances, memory, out)
+        args = (free_port(), names, setup, balances, memory, out)
         mp.start_processes(_dist_worker, args=args, nprocs=2, start_method="spawn")
         ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    found: dict[str, tuple[dict[Key, float], dict[Key, int]]] = {n: ({}, {}) for n in names}
     # the step ends on the last rank (it computes the loss); memory: both processes together
-    seconds = {(method, m): sec for method, m, sec, _ in ranks[1]}
-    peaks: dict[Key, int] = {}
+    for name, method, m, sec, _ in ranks[1]:
+        found[name][0][(method, m)] = sec
     for rows in ranks:
-        for method, m, _, peak in rows:
+        for name, method, m, _, peak in rows:
             if peak is not None:
+                peaks = found[name][1]
                 peaks[(method, m)] = peaks.get((method, m), 0) + peak
-    return seconds, peaks
+    return found
 
 
 # ---- the rounds, the tables, the plot --------------------------------------------------------
@@ -344,19 +350,22 @@ class Result:
     batch: int
 
 
-def benchmark(name: str, setup: Setup, balances: dict[int, list[int]]) -> Result:
-    """Interleaved timed rounds (no memory sampling), medians of samples/s."""
-    rounds: list[dict[Key, float]] = []
+def benchmark(setup: Setup, balances: dict[str, dict[int, list[int]]]) -> dict[str, Result]:
+    """Interleaved timed rounds (no memory sampling), medians of samples/s; in each round every
+    model's local methods, then every model's distributed ones."""
+    rounds: dict[str, list[dict[Key, float]]] = {name: [] for name in setup.models}
     for r in range(setup.rounds):
-        print(f"{name}: round {r + 1}/{setup.rounds}", file=sys.stderr, flush=True)
-        seconds: dict[Key, float] = {}
-        for run in (local_round, dist_round):
-            seconds.update(run(name, setup, balances, False)[0])
-        rounds.append(seconds)
-    batch = SIZES[name][setup.quick]["batch"]
-    keys = {k for rd in rounds for k in rd}
-    rate = {k: batch / statistics.median(rd[k] for rd in rounds if k in rd) for k in keys}
-    return Result(rate, {}, balances, batch)
+        print(f"round {r + 1}/{setup.rounds}", file=sys.stderr, flush=True)
+        local = {name: local_round(name, setup, balances[name], False)[0] for name in setup.models}
+        for name, (seconds, _) in dist_round(setup.models, setup, balances, False).items():
+            rounds[name].append({**local[name], **seconds})
+    results = {}
+    for name, per_round in rounds.items():
+        batch = SIZES[name][setup.quick]["batch"]
+        keys = {k for rd in per_round for k in rd}
+        rate = {k: batch / statistics.median(rd[k] for rd in per_round if k in rd) for k in keys}
+        results[name] = Result(rate, {}, balances[name], batch)
+    return results
 
 
 def memory_pass(setup: Setup, path: Path) -> None:
@@ -365,14 +374,15 @@ def memory_pass(setup: Setup, path: Path) -> None:
     balances = {
         n: {int(m): b for m, b in per.items()} for n, per in json.loads(path.read_text()).items()
     }
-    peaks = {}
-    for name in setup.models:
-        print(f"{name}: memory pass", file=sys.stderr, flush=True)
-        found: dict[Key, int] = {}
-        for run in (local_round, dist_round):
-            found.update(run(name, replace(setup, steps=0), balances[name], True)[1])
-        peaks[name] = [[method, m, peak] for (method, m), peak in found.items()]
-    path.write_text(json.dumps(peaks))
+    once = replace(setup, steps=0)
+    print("memory pass", file=sys.stderr, flush=True)
+    found = {name: local_round(name, once, balances[name], True)[1] for name in setup.models}
+    for name, (_, peaks) in dist_round(setup.models, once, balances, True).items():
+        found[name].update(peaks)
+    path.write_text(json.dumps({
+        name: [[method, m, peak] for (method, m), peak in per.items()]
+        for name, per in found.items()
+    }))  # fmt: skip
 
 
 def run_memory_pass(setup: Setup, results: dict[str, Result], argv: Sequence[str]) -> None:
@@ -473,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     started, load = datetime.datetime.now(), os.getloadavg()[0]
     balances = {n: {m: balance_of(n, setup.quick, m) for m in setup.chunks} for n in setup.models}
-    results = {name: benchmark(name, setup, balances[name]) for name in setup.models}
+    results = benchmark(setup, balances)
     run_memory_pass(setup, results, sys.argv[1:] if argv is None else argv)
     parts = [
         f"# Peers on CPU, K=2{' (--quick)' if setup.quick else ''}\n\n"
