@@ -15,10 +15,11 @@ Models, K=2 stages of equal halves, checkpoint 'never', MSE against a fixed rand
           d 256, batch 16 x 64 tokens (as many FLOPs per step as the MLP)
 
 M in {1, 2, 4, 8, 16}; one process per stage with ``torch.set_num_threads(1)``. Every round
-starts a fresh pair of processes which, for each M, builds every method and times them one step
-at a time in turn, giantpipe's and pippy's alternating (the order reversed every other turn and
-every other round), so that the load of this shared machine hits both alike; a round's figure
-is the median of its steps (the slower rank's), and the tables give medians over rounds:
+starts a fresh pair of processes which, for each model and M, builds every method and times
+them one step at a time in turn, giantpipe's and pippy's alternating (the order reversed every
+other turn and every other round), so that the load of this shared machine hits both alike; a
+round's figure is the median of its steps (the slower rank's), and the tables give medians over
+rounds:
 
     plain-mb           the un-pipelined model micro-batch by micro-batch on one core (the base)
     gp-dist-<name>     giantpipe's DistributedPipe under every registered schedule that runs on
@@ -244,45 +245,49 @@ def round_robin(methods: list[tuple[str, Step]], steps: int) -> dict[str, float]
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _worker(rank: int, port: int, setup: Setup, flip: bool, out_path: str) -> None:
+def _worker(rank: int, port: int, setups: list[Setup], flip: bool, out_path: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(rank_env(rank, 2, port))
     timeout = datetime.timedelta(seconds=300)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
-    x, y = setup.data()
     results = []
-    for chunks in setup.chunks:
-        # The in-run bound: plain-mb on one core of this very process, right before the
-        # pipelines (rank 1 idles at the barrier), so that load drifts hit both alike.
-        if rank == 0:
-            plain = timed(plain_step(setup.build(), x, y, chunks), setup.steps)
-            results.append(("plain-mb-inrun", chunks, plain))
-        dist.barrier()
-        ours, theirs = giantpipe_steps(setup, chunks, x, y), pippy_steps(setup, chunks, rank, x, y)
-        medians = round_robin(alternate(ours, theirs, flip), setup.steps)
-        results += [(name, chunks, seconds) for name, seconds in medians.items()]
-        del ours, theirs
+    for i, setup in enumerate(setups):
+        x, y = setup.data()
+        for chunks in setup.chunks:
+            # The in-run bound: plain-mb on one core of this very process, right before the
+            # pipelines (rank 1 idles at the barrier), so that load drifts hit both alike.
+            if rank == 0:
+                plain = timed(plain_step(setup.build(), x, y, chunks), setup.steps)
+                results.append((i, "plain-mb-inrun", chunks, plain))
+            dist.barrier()
+            ours = giantpipe_steps(setup, chunks, x, y)
+            theirs = pippy_steps(setup, chunks, rank, x, y)
+            medians = round_robin(alternate(ours, theirs, flip), setup.steps)
+            results += [(i, name, chunks, seconds) for name, seconds in medians.items()]
+            del ours, theirs
     torch.save(results, f"{out_path}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def one_round(setup: Setup, flip: bool) -> dict[Key, float]:
-    """Seconds per step of every method at every M (the slower rank's), and plain-mb."""
-    x, y = setup.data()
+def one_round(setups: list[Setup], flip: bool) -> list[dict[Key, float]]:
+    """Per model, seconds per step of every method at every M (the slower rank's), and
+    plain-mb; every model's pipelines in one pair of gloo processes (one start-up a round)."""
     torch.set_num_threads(1)
-    seconds: dict[Key, float] = {}
-    for m in setup.chunks:
-        seconds[("plain-mb", m)] = timed(plain_step(setup.build(), x, y, m), setup.steps)
+    seconds: list[dict[Key, float]] = [{} for _ in setups]
+    for setup, found in zip(setups, seconds):
+        x, y = setup.data()
+        for m in setup.chunks:
+            found[("plain-mb", m)] = timed(plain_step(setup.build(), x, y, m), setup.steps)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
-        args = (free_port(), setup, flip, out)
+        args = (free_port(), setups, flip, out)
         mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn")
         for rank in (0, 1):
-            for name, m, sec in torch.load(f"{out}.{rank}"):
-                seconds[(name, m)] = max(sec, seconds.get((name, m), 0.0))
+            for i, name, m, sec in torch.load(f"{out}.{rank}"):
+                seconds[i][(name, m)] = max(sec, seconds[i].get((name, m), 0.0))
     return seconds
 
 
@@ -483,14 +488,16 @@ def main() -> None:
         setups = [replace(s, chunks=tuple(args.chunks)) for s in setups]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
-    printed = []
-    for setup in setups:
-        rounds = []
-        for r in range(setup.rounds):
-            print(f"{setup.model} round {r + 1}/{setup.rounds} ...", file=sys.stderr, flush=True)
-            rounds.append(one_round(setup, flip=r % 2 == 1))
-        printed.append(tables(setup, rounds))
-        print(f"\n{printed[-1]}\n\nload average now {os.getloadavg()[0]:.2f}", flush=True)
+    rounds: list[list[dict[Key, float]]] = [[] for _ in setups]
+    for r in range(max(s.rounds for s in setups)):
+        print(f"round {r + 1} ...", file=sys.stderr, flush=True)
+        now = [i for i, s in enumerate(setups) if r < s.rounds]
+        for i, seconds in zip(now, one_round([setups[i] for i in now], flip=r % 2 == 1)):
+            rounds[i].append(seconds)
+    printed = [tables(setup, per_round) for setup, per_round in zip(setups, rounds)]
+    for text in printed:
+        print(f"\n{text}", flush=True)
+    print(f"\nload average now {os.getloadavg()[0]:.2f}", flush=True)
     if args.plot is not None:
         plot([panel for text in printed for panel in parse_fractions(text)], args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
