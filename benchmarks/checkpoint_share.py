@@ -14,9 +14,9 @@ with the kernel's read-ahead) and through read() (``rchar``: DCP checks each blo
 reads it), and whether every tensor equals a whole load's; then one process reading the whole.
 
 Export (``python -m giantpipe.consolidate``'s own ``main``): checkpoints of N tensors of one
-size, N and 4N, exported in a fresh process each (forked from one that imported its modules);
-the peak of its memory (VmHWM, reset before the export) above what it held before. ``whole`` is
-the export as it was before it streamed: every weight loaded, then saved.
+size, N and 4N, exported in a fresh process each (its modules imported first); the peak of its
+memory (VmHWM, reset before the export) above what it held before. ``whole`` is the export as
+it was before it streamed: every weight loaded, then saved.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,8 +161,27 @@ EXPORTS = {
 tensors (0: one file)."""
 
 
-def export_peak(directory: Path, out: Path, kind: str, shard_bytes: int) -> float:
-    """In a fresh process: the export, and its peak memory above the start, in MiB."""
+def peak_of_export(directory: Path, out: Path, kind: str, shard_bytes: int) -> float:
+    """MiB above its start that a fresh process's memory peaks at, exporting ``directory``."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--export-one",
+            str(directory),
+            str(out),
+            kind,
+            str(shard_bytes),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def export_one(directory: Path, out: Path, kind: str, shard_bytes: int) -> None:
+    """In this process: the export, and its peak memory above the start, printed in MiB."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     FakeTensorMode()  # the modules it brings (about 150 MiB) are the process's, not the model's
@@ -174,16 +193,13 @@ def export_peak(directory: Path, out: Path, kind: str, shard_bytes: int) -> floa
     args = [str(directory), str(out), "--format", kind]
     args += ["--max-shard-size", str(shard_bytes)] if shard_bytes else []
     _, peak = peak_above_start(whole if kind == "whole" else lambda: consolidate(args))
-    return peak / MiB
+    print(f"{peak / MiB:.1f}")
 
 
 def export_rows(setup: Setup, folder: Path) -> list[str]:
-    """Per export and checkpoint size: the export's peak memory above its start, each export
-    in a fresh process (forked from a server that imported this script's modules once)."""
+    """Per export and checkpoint size: the export's peak memory above its start."""
     rows = []
     tensor = setup.tensor_mib * MiB
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", "torch._subclasses.fake_tensor"])
     for count in (setup.tensors, 4 * setup.tensors):
         torch.manual_seed(count)
         state = {f"{i}.weight": torch.randn(tensor // 4) for i in range(count)}
@@ -192,8 +208,7 @@ def export_rows(setup: Setup, folder: Path) -> list[str]:
         del state
         for name, (kind, suffix, shard) in EXPORTS.items():
             out = folder / f"out-{count}{suffix}"
-            with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as fresh:
-                peak = fresh.submit(export_peak, directory, out, kind, shard * tensor).result()
+            peak = peak_of_export(directory, out, kind, shard * tensor)
             rows.append(
                 f"| {name} | {count * setup.tensor_mib} | {setup.tensor_mib} | {peak:.1f} "
                 f"| {peak / setup.tensor_mib:.2f} |"
@@ -237,8 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--export-one", nargs=4, help=argparse.SUPPRESS)
     add_output_options(parser, "checkpoints/share.md")
     args = parser.parse_args(argv)
+    if args.export_one:
+        directory, out, kind, shard_bytes = args.export_one
+        export_one(Path(directory), Path(out), kind, int(shard_bytes))
+        return 0
     folder = Path(tempfile.mkdtemp(prefix="giantpipe-share-bench-", dir=args.dir))
     try:
         lines = report(QUICK if args.quick else FULL, folder)
