@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -43,6 +44,22 @@ def start(run_dir: Path, *args: str) -> subprocess.Popen[str]:
 def run(run_dir: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """The tiny run into ``run_dir`` (``ARGS`` added), to its end."""
     return train(*TINY, f"hydra.run.dir={run_dir}", *args, cwd=_existing(run_dir), timeout=timeout)
+
+
+FINISHED = ("trainer.max_steps=4", "trainer.checkpoint_every=2")
+"""The shared finished run: four steps, ``last/`` at step 4, ``step_2/`` and ``step_4/`` kept."""
+
+
+def finish(run_dir: Path) -> Path:
+    """The tiny run of :data:`FINISHED` into ``run_dir``, to its end (made once, then copied)."""
+    done = run(run_dir, *FINISHED)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run_dir
+
+
+def copy_of(finished: Path, where: Path) -> Path:
+    """A copy of the finished run at ``where/run``, a test's own to damage."""
+    return Path(shutil.copytree(finished, where / "run"))
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

@@ -186,9 +186,10 @@ def test_nan_in_training_or_evaluation_is_never_saved_as_good(tmp_path: Path) ->
     assert not (run_dir / "last" / "manifest.json").exists()
 
 
-def test_a_run_directory_is_never_mixed_or_silently_rewritten(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    assert run(run_dir, "trainer.max_steps=4").returncode == 0
+def test_a_run_directory_is_never_mixed_or_silently_rewritten(finished_run: Path) -> None:
+    run_dir = finished_run
+    for kept in run_dir.glob("step_*"):  # a run that kept no step_N/ copies
+        shutil.rmtree(kept)
     before = fingerprint(run_dir)
 
     # Resuming a finished run says so and changes nothing.
@@ -224,9 +225,8 @@ def test_a_refused_fresh_config_leaves_no_run_directory(tmp_path: Path) -> None:
     assert not (tmp_path / "run2").exists()
 
 
-def test_a_torn_metrics_line_never_blocks_a_resume(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    assert run(run_dir, "trainer.max_steps=4", "trainer.checkpoint_every=2").returncode == 0
+def test_a_torn_metrics_line_never_blocks_a_resume(finished_run: Path) -> None:
+    run_dir = finished_run
     shutil.rmtree(run_dir / "last")
     shutil.copytree(run_dir / "step_2", run_dir / "last")
     with (run_dir / "metrics.jsonl").open("a") as handle:
@@ -385,10 +385,11 @@ def weight_file(last: Path) -> tuple[Path, int]:
     raise AssertionError(f"no file of {last} holds {name}")
 
 
-def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(tmp_path) -> None:
+def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(
+    tmp_path: Path, finished_run: Path
+) -> None:
     """Found item 2: four bytes XORed in a weight were trained on (rc 0) and consolidated."""
-    run_dir = tmp_path / "run"
-    assert run(run_dir, "trainer.max_steps=4", "trainer.checkpoint_every=2").returncode == 0
+    run_dir = finished_run  # four steps, step_2/ and step_4/ kept
     path, at = weight_file(run_dir / "last")
     data = bytearray(path.read_bytes())
     for i in range(at + 8, at + 12):
@@ -419,15 +420,14 @@ def test_flipped_bytes_in_a_weight_are_refused_by_resume_and_consolidate(tmp_pat
     assert [step for step, _ in losses(run_dir)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_truncated_shard_is_one_line_naming_it(tmp_path: Path) -> None:
+def test_a_truncated_shard_is_one_line_naming_it(tmp_path: Path, finished_run: Path) -> None:
     """Found item 4: a truncated shard gave `OSError: [Errno 22] Invalid argument`, naming
     nothing, on resume and in consolidate."""
-    run_dir = tmp_path / "run"
-    assert run(run_dir, "trainer.max_steps=2").returncode == 0
+    run_dir = finished_run
     path, _ = weight_file(run_dir / "last")
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    result = run(run_dir, "trainer.max_steps=4", "trainer.resume=true")
+    result = run(run_dir, "trainer.max_steps=6", "trainer.resume=true")
     (line,) = error_lines(result)
     assert line.startswith(f"error: trainer.resume: {path} is damaged (truncated: ")
     assert "Traceback" not in result.stderr

@@ -112,11 +112,10 @@ def test_a_dropped_ssh_session_saves_exits_129_and_resumes(tmp_path: Path) -> No
     assert [step for step, _ in losses(run_dir)] == list(range(1, more + 1))
 
 
-def test_a_resume_with_another_seed_is_refused_unless_meant(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    assert run(run_dir, "trainer.max_steps=3").returncode == 0
+def test_a_resume_with_another_seed_is_refused_unless_meant(finished_run: Path) -> None:
+    run_dir = finished_run  # four steps, seed 0
     before = fingerprint(run_dir)
-    result = run(run_dir, "trainer.max_steps=5", "trainer.resume=true", "trainer.seed=1")
+    result = run(run_dir, "trainer.max_steps=6", "trainer.resume=true", "trainer.seed=1")
     assert error_lines(result) == [
         f"error: trainer.seed: changed from the run being resumed ({run_dir / 'config.yaml'}: "
         "trainer.seed 0 -> 1); a resume continues that run: set it back, or pass "
@@ -125,9 +124,9 @@ def test_a_resume_with_another_seed_is_refused_unless_meant(tmp_path: Path) -> N
     assert result.returncode != 0 and fingerprint(run_dir) == before
     # Meant, and with another pipeline shape (always free): the run goes on.
     meant = ["trainer.resume_changed=[trainer.seed]", "pipeline.chunks=2"]
-    result = run(run_dir, "trainer.max_steps=5", "trainer.resume=true", "trainer.seed=1", *meant)
+    result = run(run_dir, "trainer.max_steps=6", "trainer.resume=true", "trainer.seed=1", *meant)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert [step for step, _ in losses(run_dir)] == [1, 2, 3, 4, 5]
+    assert [step for step, _ in losses(run_dir)] == [1, 2, 3, 4, 5, 6]
 
 
 def sweep(sweep_dir: Path, *args: str) -> subprocess.CompletedProcess:

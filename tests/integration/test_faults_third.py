@@ -90,28 +90,25 @@ def test_a_save_signal_at_any_moment_of_the_run_never_kills_it(tmp_path: Path) -
     assert read_checkpoint(run_dir / "last")["step"] == 8
 
 
-def kept_run(tmp_path: Path) -> Path:
-    """A run killed after its step-8 save (no summary), saving step_2 .. step_8."""
-    run_dir = tmp_path / "run"
-    done = run(run_dir, "trainer.max_steps=8", "trainer.checkpoint_every=2")
-    assert done.returncode == 0, done.stderr[-2000:]
-    (run_dir / "summary.json").unlink()  # what a kill -9 leaves
-    return run_dir
+def kept_run(finished_run: Path) -> Path:
+    """A run killed after its step-4 save (no summary), saving step_2 and step_4."""
+    (finished_run / "summary.json").unlink()  # what a kill -9 leaves
+    return finished_run
 
 
 def test_a_missing_last_manifest_is_refused_naming_the_newest_step_and_nothing_changes(
-    tmp_path: Path,
+    finished_run: Path,
 ) -> None:
     """`trainer.resume=auto` with `last/manifest.json` missing but good step_N/ started from
     step 0 (exit 0), moved the record aside, deleted last/'s save folder as a leftover and
-    rewrote every step_N/. Every mode now refuses in one line naming step_8; what it names
-    works."""
-    run_dir = kept_run(tmp_path)
+    rewrote every step_N/. Every mode now refuses in one line naming the newest step_N/ (step_4,
+    not step_2); what it names works."""
+    run_dir = kept_run(finished_run)
     (run_dir / "last" / "manifest.json").unlink()
     before = fingerprint(run_dir)
-    kept = run_dir / "step_8"
+    kept = run_dir / "step_4"
     for resume in ("auto", "true", "false"):
-        result = run(run_dir, "trainer.max_steps=10", f"trainer.resume={resume}")
+        result = run(run_dir, "trainer.max_steps=6", f"trainer.resume={resume}")
         assert result.returncode == 2, (resume, result.stderr[-2000:])
         assert error_lines(result) == [
             f"error: trainer.resume: {run_dir / 'last' / 'manifest.json'} is missing "
@@ -120,27 +117,27 @@ def test_a_missing_last_manifest_is_refused_naming_the_newest_step_and_nothing_c
             "hydra.run.dir"
         ], resume
         assert fingerprint(run_dir) == before, resume
-    result = run(run_dir, "trainer.max_steps=10", f"trainer.resume={kept}")
+    result = run(run_dir, "trainer.max_steps=6", f"trainer.resume={kept}")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert [step for step, _ in losses(run_dir)] == list(range(1, 11))
+    assert [step for step, _ in losses(run_dir)] == list(range(1, 7))
 
 
-def test_step_copies_without_a_last_are_never_started_over(tmp_path: Path) -> None:
+def test_step_copies_without_a_last_are_never_started_over(finished_run: Path) -> None:
     """With last/ gone entirely, a fresh start (auto, or trainer.overwrite=true) rewrote every
     kept step_N/."""
-    run_dir = kept_run(tmp_path)
+    run_dir = kept_run(finished_run)
     shutil.rmtree(run_dir / "last")
     before = fingerprint(run_dir)
-    kept = run_dir / "step_8"
-    result = run(run_dir, "trainer.max_steps=10", "trainer.resume=auto")
+    kept = run_dir / "step_4"
+    result = run(run_dir, "trainer.max_steps=6", "trainer.resume=auto")
     assert error_lines(result) == [
         f"error: trainer.resume: no checkpoint at {run_dir / 'last'}, but {run_dir} keeps "
-        f"step_8/; nothing was changed: resume from {kept} with trainer.resume={kept}, or "
+        f"step_4/; nothing was changed: resume from {kept} with trainer.resume={kept}, or "
         "choose another hydra.run.dir"
     ]
-    result = run(run_dir, "trainer.max_steps=10", "trainer.overwrite=true")
+    result = run(run_dir, "trainer.max_steps=6", "trainer.overwrite=true")
     (line,) = error_lines(result)
-    assert line.startswith(f"error: trainer.resume: {run_dir} already holds a run (step_8/")
+    assert line.startswith(f"error: trainer.resume: {run_dir} already holds a run (step_4/")
     assert fingerprint(run_dir) == before
 
 
