@@ -77,3 +77,8 @@ def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Pa
         assert share["held"] == share["share"]
         assert share["peak"] <= share["share"] + 2 * share["layer"] + BUILD_SLACK, share
         assert share["stage"] > 2 * share["layer"] + BUILD_SLACK  # a whole stage would show
+    # full (ZeRO-3): one unit's gradients and parameters whole at a time, each micro-batch's
+    # gradients reduced as its backward ends; a stage's gradients accumulated whole would show
+    for held in (r["zero3"] for r in results):
+        assert held["landings"] > 0 and held["stage"] > held["unit"], held
+        assert 0 < held["grads"] <= held["unit"] and 0 < held["params"] <= held["unit"], held
