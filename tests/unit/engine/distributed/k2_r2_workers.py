@@ -34,11 +34,11 @@ the test compares across ranks:
    its stream wait, as NCCL's watchdog may; the step raises on every rank, none returns a loss.
 10. building by share, a deeper model from meta: the shards hold the plain model's initial
     weights, and no rank holds more than its share and one layer (:mod:`.share_workers`);
-11. ``replica_sharding="full"`` (ZeRO-3), two layers with parameters per stage: a step's
-    gradients equal the plain model's, and whenever a gradient lands on a gathered parameter
-    the rank holds at most one unit (layer) of unsharded gradients and of gathered
-    parameters: each micro-batch's gradients are reduce-scattered as its backward of a unit
-    ends, not accumulated whole over the step (:class:`UnshardedWatch`).
+11. ``replica_sharding="full"`` (ZeRO-3), two layers with parameters per stage: two steps'
+    accumulated gradients equal the plain model's, and whenever a gradient lands on a
+    gathered parameter the rank holds at most one unit (layer) of unsharded gradients and of
+    gathered parameters: each micro-batch's gradients are reduce-scattered as its backward of
+    a unit ends, not accumulated whole over the step (:class:`UnshardedWatch`).
 
 Gradients and weights are read as whole tensors (``full_tensor`` of a sharded parameter) or as
 this rank's shard (``to_local``), so the checks hold however the replicas hold a stage.
@@ -393,8 +393,8 @@ class UnshardedWatch:
 
 
 def zero3_holds_one_unit() -> dict[str, int]:
-    """11. a step of a ``full`` pipe, watched; returns the largest unit's bytes, the stage's
-    and what the watch saw."""
+    """11. two steps of a ``full`` pipe without ``zero_grad``, watched; returns the largest
+    unit's bytes, the stage's and what the watch saw."""
     plain = two_units_a_stage()
     init_layers(plain, INIT)
     pipe = DistributedPipe(
@@ -404,12 +404,14 @@ def zero3_holds_one_unit() -> dict[str, int]:
     units = [cast(nn.Module, u) for u in pipe.shards.units]
     unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in units]
     watch = UnshardedWatch(units)
-    torch.manual_seed(SEED + 9)
-    loss = step(pipe, 9)
+    for number in (9, 10):  # accumulated: each micro-batch's shard adds to the steps' before
+        torch.manual_seed(SEED + number)
+        loss = step(pipe, number)
+        seed = step_seed(SEED + number)
+        _, ref = reference(plain, shards(number, 2), CHUNKS, seed, accumulate=True)
+        assert abs(loss - ref) <= 1e-5 * abs(ref), ("full", number, loss, ref)
     watch.remove()
-    _, ref = reference(plain, shards(9, 2), CHUNKS, step_seed(SEED + 9), accumulate=True)
-    assert abs(loss - ref) <= 1e-5 * abs(ref), ("full", loss, ref)
-    grads_equal(pipe, plain, "full, reduced each micro-batch")
+    grads_equal(pipe, plain, "full, reduced each micro-batch, two accumulated steps")
     pipe.release()
     return {
         "unit": max(unit_bytes),

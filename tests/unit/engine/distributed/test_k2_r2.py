@@ -9,7 +9,8 @@ across the pipeline ranks counted by each holder in the global norm, and a bound
 is not contiguous sent by its memory (issue 40), nor did anything catch a replicated stage's
 gradient counted once per replica in the norm, a tied weight losing the gradient of earlier
 steps, a step's end skipping the check of its device transfers, or a pipe that warms no tied
-group (issue 38). This file lives outside that folder and carries
+group (issue 38), or ``full`` sharding holding a stage's gradients whole through the step
+(issue 37). This file lives outside that folder and carries
 no ``slow`` mark, so the fast lane runs it: four spawned ranks (a forkserver that imported torch
 once), about 10 s of a quiet 2-core machine. What each rank checks is
 :mod:`tests.unit.engine.distributed.k2_r2_workers`.
