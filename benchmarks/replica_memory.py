@@ -16,7 +16,9 @@ as much) measures:
                                collector's list, as the evaluation-memory test does)
     live in the step           the same walk at the end of the second step's actions, before
                                its reduce (gradients still unsharded), the most of the step's
-                               parts (with V = 1, one part)
+                               parts (with V = 1, one part). Since full reduces each
+                               micro-batch (gpipe, 1f1b), its peak is mid-step, not there:
+                               results/build_memory.md measures it
 
 and the table divides each state by the un-sharded one (R = 1). What stays unsharded, and why:
 the buffers and each AdamW ``step`` counter (a scalar per parameter), FSDP2's padding of dim 0

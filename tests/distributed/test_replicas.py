@@ -2,10 +2,10 @@
 mini-batch, for every schedule and sharding mode, at K=2 x R=2 and K=1 x R=4.
 
 Loss, every rank's shard of every gradient, deferred BatchNorm's running statistics and the
-dropout masks (each replica's own, as the engine seeds them) against the plain model; one
-all-gather and one reduce per FSDP2 unit per step (none per micro-batch); a weight tied across
-the first and last stage, clipped by the global norm. One set of processes per world runs every
-case (start-up is the expensive part).
+dropout masks (each replica's own, as the engine seeds them) against the plain model; the
+all-gathers and reduces per FSDP2 unit and step each mode makes (replica_workers.py); a weight
+tied across the first and last stage, clipped by the global norm. One set of processes per
+world runs every case (start-up is the expensive part).
 """
 
 from __future__ import annotations

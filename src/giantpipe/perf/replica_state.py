@@ -7,7 +7,7 @@ Example::
 
     >>> full = ReplicaSharding(replicas=4, mode="full")
     >>> full.layer_bytes(1000, slots=2), full.gathered_bytes(500), full.rest_bytes(1000, slots=2)
-    (2000.0, 500, 1000.0)
+    (1000.0, 1500, 1000.0)
     >>> ReplicaSharding(replicas=4, mode="grads").layer_bytes(1000, slots=2)
     3000.0
     >>> ReplicaSharding().layer_bytes(1000, slots=2)       # one replica: nothing spread
@@ -58,14 +58,18 @@ class ReplicaSharding:
             return float((2 + slots) * weights)
         if self.mode == "none":
             return float((3 + slots) * weights)
-        whole = 2 if self.mode == "grads" or self.split else 1
+        # full (not zero bubble) reduces each micro-batch's gradients as its backward of a
+        # layer ends: no layer is whole but the one gathered_bytes counts
+        whole = 2 if self.mode == "grads" or self.split else 0
         return whole * weights + (2 + slots) * weights / self.replicas
 
     def gathered_bytes(self, largest: int) -> int:
         """What a stage holds besides its layers' :meth:`layer_bytes` at the peak: with
-        ``full`` (not zero bubble) one unit gathered, ``largest`` bytes (its largest layer's
-        parameters); else nothing."""
-        return largest if self.sharded and self.mode == "full" and not self.split else 0
+        ``full`` (not zero bubble) one unit gathered in its backward, its unsharded gradients
+        and FSDP2's reduce-scatter input of the unit before (kept until this one reduces),
+        each up to ``largest`` bytes (its largest layer's parameters); else nothing."""
+        whole = self.sharded and self.mode == "full" and not self.split
+        return 3 * largest if whole else 0
 
     def rest_bytes(self, weights: float, slots: int) -> float:
         """A layer's state between steps (after the optimizer's step, gradients kept)."""

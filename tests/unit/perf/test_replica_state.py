@@ -16,8 +16,8 @@ from giantpipe.perf.replica_state import ReplicaSharding
     [
         (1, "full", False, 4000, 0, 4000),  # one replica: nothing to spread
         (2, "none", False, 5000, 0, 4000),  # replicate's unsharded parameters beside its own
-        (2, "full", False, 1000 + 2000, 300, 2000),  # unsharded grads + shards + one unit
-        (4, "full", False, 1000 + 1000, 300, 1000),
+        (2, "full", False, 2000, 900, 2000),  # shards; one unit's params, grads, reduce input
+        (4, "full", False, 1000, 900, 1000),
         (4, "full", True, 2000 + 1000, 0, 1000),  # zero bubble keeps the units gathered
         (4, "grads", False, 2000 + 1000, 0, 1000),
     ],
@@ -48,7 +48,7 @@ def test_full_sharding_fits_what_k_devices_alone_do_not() -> None:
     kwargs = dict(optimizer_slots=2, schedules=["1f1b"], recompute=["always"], chunks=[4])
     assert not plan(_layers(8), 2, 8, device, **kwargs)
     full = plan(_layers(8), 2, 8, device, replicas=ReplicaSharding(4, "full"), **kwargs)
-    assert full and max(full[0].peak_memory_bytes) <= 40 * 2**20  # 16 + 16 + 4 MB, activations
+    assert full and max(full[0].peak_memory_bytes) <= 40 * 2**20  # 16 + 3 x 4 MB, activations
     # grads keeps the stage's parameters gathered through the step (48 MB): it does not fit
     assert not plan(_layers(8), 2, 8, device, replicas=ReplicaSharding(4, "grads"), **kwargs)
 
@@ -65,5 +65,5 @@ def test_table_1s_stage_peaks_with_replicas() -> None:
     layer = LayerMemory(250, 3 * 1000 + 50, 10, 20, 5, spec, weights=1000, slots=1)
     alone = stage_peaks([layer] * 4, [2, 2], 4, "always")
     spread = stage_peaks([layer] * 4, [2, 2], 4, "always", ReplicaSharding(4, "full"))
-    # per layer 3000 -> 1000 + 3000 / 4; one unit (1000) gathered per stage
-    assert [a - s for a, s in zip(alone, spread, strict=True)] == [2 * (3000 - 1750) - 1000] * 2
+    # per layer 3000 -> 3000 / 4; one unit (1000) gathered, its gradients and a reduce's input
+    assert [a - s for a, s in zip(alone, spread, strict=True)] == [2 * (3000 - 750) - 3000] * 2

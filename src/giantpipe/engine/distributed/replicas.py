@@ -11,7 +11,7 @@ Example (every rank of a K=2 x R=2 world)::
     shards = ReplicaShards(held_stages, groups.replica, torch.device("cpu"), "grads")
     shards.begin(grad=True, split=False)   # the one all-gather per unit (grads)
     ...                                    # the stage's actions, up to its last B (or W)
-    shards.reduce([stage])                 # its units' one reduce-scatter, then resharded
+    shards.reduce([stage])                 # its units' reduce-scatter, then resharded
     shards.finish(grad=True)               # waits for the reduces; every unit sharded
 """
 
@@ -237,9 +237,9 @@ class ReplicaShards:
 
     def run(self, run: StepRun, local: Schedule, worker: int, grad: bool) -> None:
         """Runs ``worker``'s actions of ``local`` (this rank's) as one step: :meth:`begin`, the
-        actions in parts cut after each stage's last B (or W), where that stage is reduced
-        (:meth:`reduce`, in the middle of the actions when the rank holds several stages),
-        then :meth:`finish`."""
+        actions (where the step keeps its units gathered, in parts cut after each stage's last B
+        or W, where that stage is reduced: :meth:`reduce`, in the middle of the actions when
+        the rank holds several stages), then :meth:`finish`."""
         actions = list(local.actions[worker])
         split = any(a.kind == "W" for a in actions)
         # The whole step's split backwards, known before its actions run in parts.
@@ -249,11 +249,11 @@ class ReplicaShards:
             for b, after in zip(actions, actions[1:])
             if b.kind == "B" and after == Action("W", b.stage, b.microbatch)
         }
+        self.begin(grad, split)
         cuts: dict[int, list[int]] = {}
-        if grad:
+        if grad and self._keep:  # else FSDP2 reduced each unit after each of its backwards
             for stage, index in last_backwards(actions).items():
                 cuts.setdefault(index, []).append(stage)
-        self.begin(grad, split)
         start = 0
         for end in sorted({*cuts, len(actions) - 1}):
             part = [acts[start : end + 1] for acts in local.actions]
@@ -264,16 +264,18 @@ class ReplicaShards:
         self.finish(grad)
 
     def begin(self, grad: bool, split: bool = False) -> None:
-        """Before a step's actions (every replica, collective): the gradients accumulate
-        unsharded, with no reduce until :meth:`reduce`. With ``grads``, and with ``full``
-        under a split backward (``split``: the step has W actions), every unit is gathered
-        now and stays so until its reduce; ``full`` otherwise gathers and frees each unit
-        around each forward and backward (see the module docstring)."""
+        """Before a step's actions (every replica, collective). With ``full`` (no split
+        backward) FSDP2 runs its ZeRO-3 step: each unit gathered for each forward and backward
+        and freed after it, its gradients reduce-scattered into the sharded ``p.grad`` as each
+        micro-batch's backward of it ends, so at most one unit is whole at a time. With
+        ``grads``, ``none``, and ``full`` under a split backward (``split``: the step has W
+        actions, whose graphs hold the gathered parameters), every unit is gathered now and
+        stays so, its gradients accumulating unsharded until :meth:`reduce`."""
         self.release()  # whatever a pass left gathered is stale after an optimizer step
         self._reduced.clear()
         self._done.clear()
         self._keep = self.mode != "full" or (grad and split)
-        self.root.set_requires_gradient_sync(False)
+        self.root.set_requires_gradient_sync(not self._keep)
         self.root.set_is_last_backward(False)
         self.root.set_reshard_after_backward(not self._keep)
         if self._keep:
@@ -286,7 +288,10 @@ class ReplicaShards:
         """After the last B (or W) of each of ``stages``: their units' gradients are reduced
         over the replicas (reduce-scatter; all-reduce with ``none``), accumulated into the
         sharded ``p.grad``, and their parameters resharded. A unit shared with a stage whose
-        backward is not over yet waits for that one."""
+        backward is not over yet waits for that one. Nothing is left to reduce where FSDP2
+        reduced each micro-batch's gradients itself (``full``, see :meth:`begin`)."""
+        if not self._keep:
+            return
         self._reduced.update(stages)
         units = [
             u

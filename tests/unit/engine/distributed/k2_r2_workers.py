@@ -33,7 +33,12 @@ the test compares across ranks:
    stream wait, its request asked after the step): rank 2's first receive is aborted after
    its stream wait, as NCCL's watchdog may; the step raises on every rank, none returns a loss.
 10. building by share, a deeper model from meta: the shards hold the plain model's initial
-    weights, and no rank holds more than its share and one layer (:mod:`.share_workers`).
+    weights, and no rank holds more than its share and one layer (:mod:`.share_workers`);
+11. ``replica_sharding="full"`` (ZeRO-3), two layers with parameters per stage: two steps'
+    accumulated gradients equal the plain model's, and whenever a gradient lands on a
+    gathered parameter the rank holds at most one unit (layer) of unsharded gradients and of
+    gathered parameters: each micro-batch's gradients are reduce-scattered as its backward of
+    a unit ends, not accumulated whole over the step (:class:`UnshardedWatch`).
 
 Gradients and weights are read as whole tensors (``full_tensor`` of a sharded parameter) or as
 this rank's shard (``to_local``), so the checks hold however the replicas hold a stage.
@@ -43,15 +48,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from giantpipe.engine.distributed.faults import RankFailure
 from giantpipe.engine.distributed.layout import WARM_UP, Layout
@@ -289,6 +296,7 @@ def check(tmp: Path) -> dict[str, Any]:
     out["warmed"].append(tied_warmed)
     out["replicated_norm"] = replicated_clip()
     out["share"] = check_share()  # 10. building by share (share_workers.py)
+    out["zero3"] = zero3_holds_one_unit()
     out["failed_step"] = failed_transfer()  # last: the failure tears the pipe's groups down
     return out
 
@@ -341,6 +349,77 @@ def replicated_clip() -> float:
     grads_equal(pipe, plain, "replicated, clipped")
     pipe.release()
     return float(norm)
+
+
+def two_units_a_stage() -> nn.Sequential:
+    """Cut [4, 3]: two layers with parameters in each stage (so two FSDP2 units with ``full``)."""
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+        nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+class UnshardedWatch:
+    """Whenever a gradient lands on a gathered (unsharded) parameter of ``layers``: the bytes
+    of unsharded gradients still alive (whoever holds them: ``.grad``, FSDP2's accumulation, a
+    reduce's input list), and of gathered parameters whose storage is allocated; the largest
+    of each. No allocator statistics on the CPU: the landings are when these bytes grow."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.gathered: dict[int, torch.Tensor] = {}  # the unsharded parameters, by id
+        self.grads: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.landings = self.peak_grads = self.peak_params = 0
+        self.handles: list[Any] = [layer.register_forward_pre_hook(self._seen) for layer in layers]
+
+    def _seen(self, layer: nn.Module, args: Any) -> None:
+        # After FSDP2's own pre-hook (prepended): the layer holds its gathered parameters.
+        for p in layer.parameters():
+            if not isinstance(p, DTensor) and id(p) not in self.gathered:
+                self.gathered[id(p)] = p
+                self.handles.append(p.register_post_accumulate_grad_hook(self._landed))
+
+    def _landed(self, p: torch.Tensor) -> None:
+        assert p.grad is not None
+        self.landings += 1
+        self.grads[id(p.grad)] = weakref.ref(p.grad)
+        alive = [g for g in (ref() for ref in self.grads.values()) if g is not None]
+        self.peak_grads = max(self.peak_grads, sum(g.nbytes for g in alive))
+        whole = [q for q in self.gathered.values() if q.untyped_storage().nbytes() > 0]
+        self.peak_params = max(self.peak_params, sum(q.nbytes for q in whole))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def zero3_holds_one_unit() -> dict[str, int]:
+    """11. two steps of a ``full`` pipe without ``zero_grad``, watched; returns the largest
+    unit's bytes, the stage's and what the watch saw."""
+    plain = two_units_a_stage()
+    init_layers(plain, INIT)
+    pipe = DistributedPipe(
+        two_units_a_stage, [4, 3], chunks=CHUNKS, seed=INIT, timeout=20, replica_sharding="full"
+    )
+    assert pipe.shards is not None
+    units = [cast(nn.Module, u) for u in pipe.shards.units]
+    unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in units]
+    watch = UnshardedWatch(units)
+    for number in (9, 10):  # accumulated: each micro-batch's shard adds to the steps' before
+        torch.manual_seed(SEED + number)
+        loss = step(pipe, number)
+        seed = step_seed(SEED + number)
+        _, ref = reference(plain, shards(number, 2), CHUNKS, seed, accumulate=True)
+        assert abs(loss - ref) <= 1e-5 * abs(ref), ("full", number, loss, ref)
+    watch.remove()
+    grads_equal(pipe, plain, "full, reduced each micro-batch, two accumulated steps")
+    pipe.release()
+    return {
+        "unit": max(unit_bytes),
+        "stage": sum(unit_bytes),
+        "landings": watch.landings,
+        "grads": watch.peak_grads,
+        "params": watch.peak_params,
+    }
 
 
 ABORTED_RANK = 2

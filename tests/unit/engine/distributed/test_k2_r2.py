@@ -9,7 +9,8 @@ across the pipeline ranks counted by each holder in the global norm, and a bound
 is not contiguous sent by its memory (issue 40), nor did anything catch a replicated stage's
 gradient counted once per replica in the norm, a tied weight losing the gradient of earlier
 steps, a step's end skipping the check of its device transfers, or a pipe that warms no tied
-group (issue 38). This file lives outside that folder and carries
+group (issue 38), or ``full`` sharding holding a stage's gradients whole through the step
+(issue 37). This file lives outside that folder and carries
 no ``slow`` mark, so the fast lane runs it: four spawned ranks (a forkserver that imported torch
 once), about 10 s of a quiet 2-core machine. What each rank checks is
 :mod:`tests.unit.engine.distributed.k2_r2_workers`.
@@ -77,3 +78,8 @@ def test_k2_r2_steps_clip_resume_and_overflow_equal_the_plain_model(tmp_path: Pa
         assert share["held"] == share["share"]
         assert share["peak"] <= share["share"] + 2 * share["layer"] + BUILD_SLACK, share
         assert share["stage"] > 2 * share["layer"] + BUILD_SLACK  # a whole stage would show
+    # full (ZeRO-3): one unit's gradients and parameters whole at a time, each micro-batch's
+    # gradients reduced as its backward ends; a stage's gradients accumulated whole would show
+    for held in (r["zero3"] for r in results):
+        assert held["landings"] > 0 and held["stage"] > held["unit"], held
+        assert 0 < held["grads"] <= held["unit"] and 0 < held["params"] <= held["unit"], held
