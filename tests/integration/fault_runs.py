@@ -16,19 +16,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.support.runs import QUICK_MLP
 from tests.support.train import start_train, train
 
-TINY = [
-    "recipe=mlp_quickstart",
-    "data.train_size=512",
-    "data.eval_size=64",
-    "model.depth=3",
-    "model.hidden=16",
-    "trainer.log_every=1",
-    "trainer.eval_every=0",
-    "trainer.predict=false",
-    "logger.progress=none",
-]
+TINY = [*QUICK_MLP, "trainer.predict=false", "logger.progress=none"]
 
 
 def _existing(run_dir: Path) -> Path:
