@@ -31,7 +31,7 @@ import contextlib
 import datetime
 import threading
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,6 +204,19 @@ class FakeNetwork:
             else:
                 self._recvs[channel].append((tensor, work))
         return work
+
+    def run(
+        self, rank_main: Callable[[int], None], ranks: int = 2, timeout: float = 30
+    ) -> list[int]:
+        """``rank_main(rank)`` on a thread per rank with this network installed; the ranks
+        still running after ``timeout`` s (hung)."""
+        with self.installed():
+            threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(ranks)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout)
+        return [r for r, t in enumerate(threads) if t.is_alive()]
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[FakeNetwork]:

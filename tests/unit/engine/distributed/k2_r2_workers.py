@@ -237,9 +237,7 @@ def check(tmp: Path) -> dict[str, Any]:
     assert [(o["kind"], o["peer"]) for o in out["payloads"]] == want, (out["payloads"], want)
 
     # 3. the global-norm clip
-    norm = pipe.clip_grad_norm_(MAX_NORM)
-    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
-    torch.testing.assert_close(float(norm), float(ref_norm), rtol=1e-5, atol=0.0)
+    clip_equal(pipe, plain)
     grads_equal(pipe, plain, "clipped")
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
@@ -320,13 +318,19 @@ def tied_and_strided() -> tuple[float, list[tuple[str, Any, str]]]:
         _, ref = reference(plain, shards(number, 2), CHUNKS, seed, accumulate=True)
         assert abs(loss - ref) <= 1e-5 * abs(ref), ("tied, strided", number, loss, ref)
     grads_equal(pipe, plain, "tied, strided, two accumulated steps")
-    norm = pipe.clip_grad_norm_(MAX_NORM)
-    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
-    torch.testing.assert_close(float(norm), float(ref_norm), rtol=1e-5, atol=0.0)
+    norm = clip_equal(pipe, plain)
     assert float(norm) > MAX_NORM  # so the clip scaled every gradient
     grads_equal(pipe, plain, "tied, strided, clipped")
     pipe.release()
     return float(norm), warmed
+
+
+def clip_equal(pipe: DistributedPipe, plain: torch.nn.Module) -> float:
+    """The pipe's global-norm clip and the plain model's: the same norm."""
+    norm = pipe.clip_grad_norm_(MAX_NORM)
+    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
+    torch.testing.assert_close(float(norm), float(ref_norm), rtol=1e-5, atol=0.0)
+    return float(norm)
 
 
 def replicated_clip() -> float:
@@ -342,9 +346,7 @@ def replicated_clip() -> float:
     _, ref = reference(plain, shards(7, 2), CHUNKS, step_seed(SEED + 7), accumulate=True)
     assert abs(loss - ref) <= 1e-5 * abs(ref), ("replicated", loss, ref)
     grads_equal(pipe, plain, "replicated")
-    norm = pipe.clip_grad_norm_(MAX_NORM)
-    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
-    torch.testing.assert_close(float(norm), float(ref_norm), rtol=1e-5, atol=0.0)
+    norm = clip_equal(pipe, plain)
     assert float(norm) > MAX_NORM  # so the clip scaled every gradient
     grads_equal(pipe, plain, "replicated, clipped")
     pipe.release()

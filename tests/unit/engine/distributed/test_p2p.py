@@ -7,7 +7,6 @@ test_transport.py; NCCL's order: tests/distributed/test_nccl_order.py."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -99,13 +98,7 @@ def run(
             out[(rank, "failed")] = f"{type(exc).__name__}: {exc}"
         marks[rank].append(len(net.log[rank]))
 
-    with net.installed():
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert net.run(rank_main) == [], "a rank hung"
     logs = {r: [net.log[r][a:b] for a, b in zip(marks[r], marks[r][1:])] for r in (0, 1)}
     return logs, out
 
@@ -216,13 +209,7 @@ def test_on_the_device_the_host_never_waits_for_bytes_inside_a_step() -> None:
                 box.check()
 
     net.irecv = irecv  # type: ignore[method-assign]
-    with net.installed():
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert net.run(rank_main) == [], "a rank hung"
     inside = [(where, stream, ready) for where, stream, ready in waits if where != "check"]
     assert all(stream or ready for _, stream, ready in inside), inside  # the host never waited
     # the steady step's activations, their receives issued ahead: the stream waited for both
@@ -246,12 +233,7 @@ def test_a_rank_in_another_step_is_told_so() -> None:
         except RankFailure as exc:
             failure.append(str(exc))
 
-    with net.installed():
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+    net.run(rank_main)
     assert failure == [
         "rank 1 (stage 1) got the start of step 1 from rank 0 (stage 0), in its step 2: are "
         "all ranks running the same steps?"
