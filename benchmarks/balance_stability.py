@@ -28,11 +28,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--load", type=float, default=8.0, help="1-minute load to bring the machine to")
+    p.add_argument("--quick", action="store_true", help="2 runs at a load of 2")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+from torch import nn
 
 from giantpipe.perf.balance import balance_by_time, solve_balance, time_layers  # noqa: E402
 from giantpipe.perf.stage_profile import TimingNoise  # noqa: E402
@@ -86,11 +98,7 @@ def now(net: nn.Sequential, x: torch.Tensor, parts: int) -> tuple[list[int], boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--load", type=float, default=8.0, help="1-minute load to bring the machine to")
-    p.add_argument("--quick", action="store_true", help="2 runs at a load of 2")
-    args = p.parse_args(argv)
+    args = parse(argv)
     runs, load = (2, 2.0) if args.quick else (args.runs, args.load)
     net, x = model(), torch.randn(16, 64)
     torch.set_num_threads(1)  # as each of K=2 CPU stand-ins on 2 cores

@@ -38,6 +38,17 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small model, seconds")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -221,10 +232,7 @@ def report(setup: Setup, folder: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small model, seconds")
-    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    args = parser.parse_args(argv)
+    args = parse(argv)
     setup = QUICK if args.quick else FULL
     torch.set_num_threads(2)
     warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")

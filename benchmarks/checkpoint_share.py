@@ -34,6 +34,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, seconds")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--export-one", nargs=4, help=argparse.SUPPRESS)
+    add_output_options(parser, "checkpoints/share.md")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -46,7 +61,6 @@ from giantpipe.checkpoint.weights import open_weights  # noqa: E402
 from giantpipe.consolidate import main as consolidate  # noqa: E402
 from giantpipe.testing import free_port, rank_env  # noqa: E402
 from giantpipe.testing.held import peak_above_start  # noqa: E402
-from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 from giantpipe.testing.reads import (  # noqa: E402
     Layouts,
     digest,
@@ -249,12 +263,7 @@ def report(setup: Setup, folder: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, seconds")
-    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--export-one", nargs=4, help=argparse.SUPPRESS)
-    add_output_options(parser, "checkpoints/share.md")
-    args = parser.parse_args(argv)
+    args = parse(argv)
     if args.export_one:
         directory, out, kind, shard_bytes = args.export_one
         export_one(Path(directory), Path(out), kind, int(shard_bytes))

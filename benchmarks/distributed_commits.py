@@ -30,9 +30,26 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from commits import REPO, checkout  # torch-free; puts the checkout's src/ and models/ on sys.path
+
+MODELS = ("ffn", "mlp")  # the keys of distributed_cpu.FULL and QUICK (that module imports torch)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--chunks", type=int, nargs="+", help="the Ms to run (default 4 8)")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["mlp"])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
 import torch
 import torch.multiprocessing as mp
-from commits import REPO, checkout
 from distributed_cpu import FULL, QUICK, Setup, giantpipe_steps, pippy_steps, round_robin
 
 Seconds = dict[tuple[str, int], float]  # (method, M) -> seconds per step, the slower rank's
@@ -100,13 +117,7 @@ def ratios(seconds: Seconds, m: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base", required=True, help="git revision to compare against")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--chunks", type=int, nargs="+", help="the Ms to run (default 4 8)")
-    parser.add_argument("--models", nargs="+", choices=sorted(FULL), default=["mlp"])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
-    args = parser.parse_args()
+    args = parse()
     setups = [(QUICK if args.quick else FULL)[name] for name in args.models]
     setups = [replace(s, rounds=1 if args.quick else args.rounds) for s in setups]
     if args.chunks or not args.quick:

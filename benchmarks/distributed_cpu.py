@@ -52,31 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-import torch.multiprocessing as mp
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(ROOT / "src")]  # run from a checkout
-from engine_cpu import mlp, plain_step, timed  # noqa: E402
-
-from giantpipe.engine.distributed.pipe import DistributedPipe  # noqa: E402
-from giantpipe.engine.schedules import build_schedule, schedule_builders  # noqa: E402
-from giantpipe.testing import free_port, rank_env  # noqa: E402
-
-Key = tuple[str, int]  # (method, M)
-Step = Callable[[], None]
-
-
-class FFNBlock(nn.Module):
-    """A Transformer's feed-forward sublayer, pre-norm with its residual: one partition unit."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
 @dataclass(frozen=True)
@@ -121,6 +98,98 @@ QUICK = {
     "mlp": Setup("mlp", 64, 4, 32, 0, (1, 4), rounds=1, steps=1),
     "ffn": Setup("ffn", 16, 4, 8, 4, (1, 4), rounds=1, steps=1),
 }
+
+
+Fractions = dict[str, dict[int, float]]  # method -> M -> fraction of the bound
+
+
+def parse_fractions(text: str) -> list[tuple[str, Fractions]]:
+    """Each model's first table of a printed run: ``(model label, method -> M -> fraction)``.
+
+    Example::
+
+        >>> text = "\\n".join([
+        ...     "MLP 8 x Linear(1024) + ReLU, batch 512, K=2 gloo processes",
+        ...     "",
+        ...     "| M | plain-mb 1 core | bound | gp-dist-1f1b | pippy-1f1b |",
+        ...     "|---|---|---|---|---|",
+        ...     "| 1 | 670 | 670 | 670 (1.00) | - |",
+        ...     "| 4 | 620 | 992 | 933 (0.94) | 931 (0.94) |",
+        ... ])
+        >>> label, fractions = parse_fractions(text)[0]
+        >>> label
+        'MLP 8 x Linear(1024) + ReLU'
+        >>> fractions
+        {'gp-dist-1f1b': {1: 1.0, 4: 0.94}, 'pippy-1f1b': {4: 0.94}}
+    """
+    panels: list[tuple[str, Fractions]] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("| M | plain-mb 1 core | bound |"):
+            continue
+        label = next(lines[j] for j in range(i - 1, -1, -1) if lines[j].strip())
+        methods = [c.strip() for c in line.strip("|").split("|")[3:]]
+        fractions: Fractions = {name: {} for name in methods}
+        for row in lines[i + 2 :]:
+            if not row.startswith("| "):
+                break
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            for name, cell in zip(methods, cells[3:]):
+                found = re.search(r"\(([\d.]+)\)", cell)
+                if found:
+                    fractions[name][int(cells[0])] = float(found.group(1))
+        rounds = re.search(r"median of (\d+) rounds", label)
+        name = label.split(", batch")[0] + (f", {rounds.group(1)} rounds" if rounds else "")
+        panels.append((name, fractions))
+    return panels
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
+    parser.add_argument("--models", nargs="+", choices=sorted(FULL), default=sorted(FULL))
+    parser.add_argument("--rounds", type=int, help="rounds per model (default 5; --quick 1)")
+    parser.add_argument("--chunks", type=int, nargs="+", help="the Ms to run (default 1-16)")
+    parser.add_argument("--plot", type=Path, help="also draw the run as a figure (PNG) here")
+    parser.add_argument("--replot", type=Path, nargs="+", help="draw runs printed before (no run)")
+    args = parser.parse_args(argv)
+    if args.replot:
+        if args.plot is None:
+            parser.error("--replot needs --plot PATH")
+        for path in args.replot:
+            if not path.is_file():
+                parser.error(f"--replot: no such file: {path}")
+        args.panels = [panel for path in args.replot for panel in parse_fractions(path.read_text())]
+        if not args.panels:
+            parser.error(f"--replot: no table of a run in {', '.join(map(str, args.replot))}")
+    return args
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+import torch.multiprocessing as mp
+from engine_cpu import mlp, plain_step, timed  # noqa: E402
+from torch import nn
+
+from giantpipe.engine.distributed.pipe import DistributedPipe  # noqa: E402
+from giantpipe.engine.schedules import build_schedule, schedule_builders  # noqa: E402
+from giantpipe.testing import free_port, rank_env  # noqa: E402
+
+Key = tuple[str, int]  # (method, M)
+Step = Callable[[], None]
+
+
+class FFNBlock(nn.Module):
+    """A Transformer's feed-forward sublayer, pre-norm with its residual: one partition unit."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
 def schedules_for_two_workers(chunks: int) -> list[tuple[str, int]]:
@@ -382,49 +451,6 @@ def best_table(setup: Setup, rounds: list[dict[Key, float]], rate: dict[Key, flo
 
 # ---- the figure ----------------------------------------------------------------------------
 
-Fractions = dict[str, dict[int, float]]  # method -> M -> fraction of the bound
-
-
-def parse_fractions(text: str) -> list[tuple[str, Fractions]]:
-    """Each model's first table of a printed run: ``(model label, method -> M -> fraction)``.
-
-    Example::
-
-        >>> text = "\\n".join([
-        ...     "MLP 8 x Linear(1024) + ReLU, batch 512, K=2 gloo processes",
-        ...     "",
-        ...     "| M | plain-mb 1 core | bound | gp-dist-1f1b | pippy-1f1b |",
-        ...     "|---|---|---|---|---|",
-        ...     "| 1 | 670 | 670 | 670 (1.00) | - |",
-        ...     "| 4 | 620 | 992 | 933 (0.94) | 931 (0.94) |",
-        ... ])
-        >>> label, fractions = parse_fractions(text)[0]
-        >>> label
-        'MLP 8 x Linear(1024) + ReLU'
-        >>> fractions
-        {'gp-dist-1f1b': {1: 1.0, 4: 0.94}, 'pippy-1f1b': {4: 0.94}}
-    """
-    panels: list[tuple[str, Fractions]] = []
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if not line.startswith("| M | plain-mb 1 core | bound |"):
-            continue
-        label = next(lines[j] for j in range(i - 1, -1, -1) if lines[j].strip())
-        methods = [c.strip() for c in line.strip("|").split("|")[3:]]
-        fractions: Fractions = {name: {} for name in methods}
-        for row in lines[i + 2 :]:
-            if not row.startswith("| "):
-                break
-            cells = [c.strip() for c in row.strip("|").split("|")]
-            for name, cell in zip(methods, cells[3:]):
-                found = re.search(r"\(([\d.]+)\)", cell)
-                if found:
-                    fractions[name][int(cells[0])] = float(found.group(1))
-        rounds = re.search(r"median of (\d+) rounds", label)
-        name = label.split(", batch")[0] + (f", {rounds.group(1)} rounds" if rounds else "")
-        panels.append((name, fractions))
-    return panels
-
 
 def plot(panels: list[tuple[str, Fractions]], path: Path) -> None:
     """One panel per model: every method's fraction of the bound at each M (giantpipe's
@@ -461,24 +487,9 @@ def plot(panels: list[tuple[str, Fractions]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
-    parser.add_argument("--models", nargs="+", choices=sorted(FULL), default=sorted(FULL))
-    parser.add_argument("--rounds", type=int, help="rounds per model (default 5; --quick 1)")
-    parser.add_argument("--chunks", type=int, nargs="+", help="the Ms to run (default 1-16)")
-    parser.add_argument("--plot", type=Path, help="also draw the run as a figure (PNG) here")
-    parser.add_argument("--replot", type=Path, nargs="+", help="draw runs printed before (no run)")
-    args = parser.parse_args()
+    args = parse()
     if args.replot:
-        if args.plot is None:
-            parser.error("--replot needs --plot PATH")
-        for path in args.replot:
-            if not path.is_file():
-                parser.error(f"--replot: no such file: {path}")
-        panels = [panel for path in args.replot for panel in parse_fractions(path.read_text())]
-        if not panels:
-            parser.error(f"--replot: no table of a run in {', '.join(map(str, args.replot))}")
-        plot(panels, args.plot)
+        plot(args.panels, args.plot)
         print(f"wrote {args.plot}")
         return
     setups = [(QUICK if args.quick else FULL)[name] for name in args.models]

@@ -37,6 +37,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (for tests)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5)")
+    parser.add_argument("--chunks", type=int, nargs="+", help="values of M (default 1 2 4 8 16)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
 import torch
 import torch.multiprocessing as mp
 from torch import nn
@@ -268,11 +280,7 @@ def memory_table(setup: Setup) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (for tests)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5)")
-    parser.add_argument("--chunks", type=int, nargs="+", help="values of M (default 1 2 4 8 16)")
-    args = parser.parse_args()
+    args = parse()
     setup = QUICK if args.quick else FULL
     if args.rounds or args.chunks:
         setup = replace(

@@ -48,19 +48,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
+
+LAYERS, D_MODEL, HEADS, VOCAB, ROWS, PROMPT = 12, 64, 4, 1000, 8, 8
+ROUNDS = 5
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="lengths 32 and 128, fewer pipes")
+    add_output_options(parser, "generation_cpu")  # OUT.md and OUT.png
+    parser.add_argument("--no-hf", action="store_true", help="leave out the Hugging Face peer")
+    parser.add_argument("--lengths", type=int, nargs="+", help="output lengths (overrides)")
+    parser.add_argument("--pipes", nargs="+", help="K,M pairs, e.g. 2,1 2,2 (overrides)")
+    parser.add_argument("--d-model", type=int, default=D_MODEL, help="model width (FFN 4x)")
+    parser.add_argument("--rows", type=int, default=ROWS, help="prompts decoded at once")
+    parser.add_argument("--skip-uncached", action="store_true", help="cached cases only")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed calls per case")
+    parser.add_argument("--note", default="", help="a line for OUT.md (what the run replaces)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    return args
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+from torch import nn
 
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.engine.generate import Decoding, generate, split_rows  # noqa: E402
 from giantpipe.perf.balance import even_balance  # noqa: E402
-from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 from models.transformer import transformer_lm  # noqa: E402
 
-LAYERS, D_MODEL, HEADS, VOCAB, ROWS, PROMPT = 12, 64, 4, 1000, 8, 8
 HF_PIPE = "hf gp K=2 M=1"
 
 
@@ -80,7 +105,6 @@ def prompts() -> torch.Tensor:
 Decode = Callable[[int], list[list[int]]]
 """A case, built: ``decode(n)`` makes n new tokens per row (what is timed)."""
 HF_CASE = "hf generate"
-ROUNDS = 5
 WARM_UP = 16  # tokens of the untimed first call: kernels, thread pools and caches warmed
 
 
@@ -249,20 +273,7 @@ def load() -> str:
 
 def main() -> None:
     global D_MODEL, ROWS  # set from the options, read by the forked cases
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="lengths 32 and 128, fewer pipes")
-    add_output_options(parser, "generation_cpu")  # OUT.md and OUT.png
-    parser.add_argument("--no-hf", action="store_true", help="leave out the Hugging Face peer")
-    parser.add_argument("--lengths", type=int, nargs="+", help="output lengths (overrides)")
-    parser.add_argument("--pipes", nargs="+", help="K,M pairs, e.g. 2,1 2,2 (overrides)")
-    parser.add_argument("--d-model", type=int, default=D_MODEL, help="model width (FFN 4x)")
-    parser.add_argument("--rows", type=int, default=ROWS, help="prompts decoded at once")
-    parser.add_argument("--skip-uncached", action="store_true", help="cached cases only")
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed calls per case")
-    parser.add_argument("--note", default="", help="a line for OUT.md (what the run replaces)")
-    args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    args = parse()
     D_MODEL, ROWS = args.d_model, args.rows
     lengths = args.lengths or ([32, 128] if args.quick else [32, 128, 512])
     pipes = [(2, 1), (2, 2), (4, 1), (4, 4)] if args.quick else [

@@ -59,11 +59,34 @@ for _path in (ROOT, ROOT / "src", ROOT / "benchmarks"):  # run from a checkout
         sys.path.insert(0, str(_path))
 
 import gpu_bands  # noqa: E402
+
+from giantpipe.testing.gpu import INJECTIONS, ROWS, TIMEOUT, GpuOptions, ceiling  # noqa: E402
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--cpu-dry-run", action="store_true", help="CPU stand-ins, tiny sizes")
+    parser.add_argument("--quick", action="store_true", help="the short budget (< 3 minutes)")
+    parser.add_argument("--only", action="append", metavar="CASE", help="run only CASE")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument(
+        "--timeout", type=float, help="seconds per test or measurement (default: its own)"
+    )
+    parser.add_argument("--out", type=Path, help="also write the report into this directory")
+    parser.add_argument(
+        "--bands", type=Path, default=gpu_bands.BANDS, help="the bands measured rows are judged by"
+    )
+    # test-only: proves that a hang and a wrong result are reported as failures
+    parser.add_argument("--inject", choices=INJECTIONS, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
 import torch  # noqa: E402
 from gpu_common import FAIL, CaseResult  # noqa: E402
 from gpu_measure import MEASUREMENTS, kill_group, run_measurement  # noqa: E402
-
-from giantpipe.testing.gpu import INJECTIONS, ROWS, TIMEOUT, GpuOptions, ceiling  # noqa: E402
 
 BUDGET_S = {"full": 480.0, "quick": 180.0}  # the whole run on one H200
 BACKSTOP_S = 900.0  # a pytest that its own timeouts did not end: killed after this long
@@ -223,24 +246,6 @@ def summary(cases: list[CaseResult], elapsed: float, budget: float | None) -> st
 
 
 # ---- the command -------------------------------------------------------------------------------
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--cpu-dry-run", action="store_true", help="CPU stand-ins, tiny sizes")
-    parser.add_argument("--quick", action="store_true", help="the short budget (< 3 minutes)")
-    parser.add_argument("--only", action="append", metavar="CASE", help="run only CASE")
-    parser.add_argument("--list", action="store_true", help="list the cases and exit")
-    parser.add_argument(
-        "--timeout", type=float, help="seconds per test or measurement (default: its own)"
-    )
-    parser.add_argument("--out", type=Path, help="also write the report into this directory")
-    parser.add_argument(
-        "--bands", type=Path, default=gpu_bands.BANDS, help="the bands measured rows are judged by"
-    )
-    # test-only: proves that a hang and a wrong result are reported as failures
-    parser.add_argument("--inject", choices=INJECTIONS, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

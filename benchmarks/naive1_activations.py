@@ -33,14 +33,25 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
-from giantpipe.perf.sizing import template_memory  # noqa: E402
 from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    add_output_options(parser, "table1")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+from torch import nn
+
+from giantpipe.perf.sizing import template_memory  # noqa: E402
 from models.amoebanet import amoebanetd  # noqa: E402
 from recipes.model_sizes import AmoebaNetD  # noqa: E402
 
@@ -142,9 +153,7 @@ def hand_normal_cell(hw: int, channels: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    add_output_options(parser, "table1")
-    args = parser.parse_args(argv)
+    args = parse(argv)
     args.out = output_path(args, ROOT, "table1")
     torch.manual_seed(0)
     load = os.getloadavg()[0]

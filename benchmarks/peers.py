@@ -57,23 +57,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-import torch.multiprocessing as mp
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(ROOT / "src")]
-from engine_cpu import mlp, plain_step, timed  # noqa: E402
 
-from giantpipe import GPipe  # noqa: E402
-from giantpipe.perf.balance import balance_by_time  # noqa: E402
-from giantpipe.testing import free_port, rank_env  # noqa: E402
 from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
-
-ENV = {"OMP_NUM_THREADS": "1"}
-MEMORY_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": "4096"}  # the memory pass: RSS = live memory
-MIB = 2**20
-Key = tuple[str, int]  # (method, M)
 
 
 @dataclass(frozen=True)
@@ -89,6 +76,33 @@ class Setup:
 
 FULL = Setup(("mlp", "amoebanet", "transformer"), chunks=(1, 4, 8), rounds=3, steps=2, quick=False)
 QUICK = Setup(("mlp", "amoebanet", "transformer"), chunks=(1, 2), rounds=1, steps=1, quick=True)
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one round (for tests)")
+    add_output_options(p, "peers")
+    p.add_argument("--models", nargs="+", choices=FULL.models)
+    p.add_argument("--memory-pass", type=Path, help=argparse.SUPPRESS)  # the child process
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+import torch.multiprocessing as mp
+from engine_cpu import mlp, plain_step, timed  # noqa: E402
+from torch import nn
+
+from giantpipe import GPipe  # noqa: E402
+from giantpipe.perf.balance import balance_by_time  # noqa: E402
+from giantpipe.testing import free_port, rank_env  # noqa: E402
+
+ENV = {"OMP_NUM_THREADS": "1"}
+MEMORY_ENV = {**ENV, "MALLOC_MMAP_THRESHOLD_": "4096"}  # the memory pass: RSS = live memory
+MIB = 2**20
+Key = tuple[str, int]  # (method, M)
 LOCAL = ("gp-local-gpipe", "gp-local-1f1b", "torchgpipe")
 REMOTE = ("gp-dist-gpipe", "gp-dist-1f1b", "pippy-gpipe", "pippy-1f1b")
 METHODS = (*LOCAL, *REMOTE)
@@ -468,12 +482,7 @@ def reexec_with_env() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, one round (for tests)")
-    add_output_options(p, "peers")
-    p.add_argument("--models", nargs="+", choices=FULL.models)
-    p.add_argument("--memory-pass", type=Path, help=argparse.SUPPRESS)  # the child process
-    args = p.parse_args(argv)
+    args = parse(argv)
     args.out = output_path(args, ROOT, "peers")
     setup = QUICK if args.quick else FULL
     if args.models:

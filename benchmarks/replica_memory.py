@@ -37,12 +37,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small model, R = 1, 2")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
 from giantpipe.testing import free_port, rank_env  # noqa: E402
 
@@ -160,9 +170,7 @@ def table(setup: Setup, rows: list[tuple[int, str, dict[str, int]]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small model, R = 1, 2")
-    args = parser.parse_args()
+    args = parse()
     setup = QUICK if args.quick else FULL
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip

@@ -33,14 +33,36 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.multiprocessing as mp
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 # The checkout's models/ (as every script); giantpipe comes from each method's src, put first
 # by its worker before the import.
 sys.path[:0] = [str(ROOT)]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        required=True,
+        help="the src/ of a checkout with GradientSync (e.g. git archive 1393856 src)",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
+    parser.add_argument("--rounds", type=int, help="rounds (default 5; --quick 1)")
+    args = parser.parse_args(argv)
+    found = args.baseline / "giantpipe" / "engine" / "dist" / "gradsync.py"
+    if not found.is_file():
+        parser.error(f"--baseline: {args.baseline} holds no giantpipe with GradientSync ({found})")
+    return args
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
 METHODS = ("gradsync", "fsdp-none", "fsdp-grads", "fsdp-full")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
@@ -177,19 +199,7 @@ def table(setup: Setup, rounds: list[dict[str, dict[str, float]]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--baseline",
-        type=Path,
-        required=True,
-        help="the src/ of a checkout with GradientSync (e.g. git archive 1393856 src)",
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
-    parser.add_argument("--rounds", type=int, help="rounds (default 5; --quick 1)")
-    args = parser.parse_args()
-    found = args.baseline / "giantpipe" / "engine" / "dist" / "gradsync.py"
-    if not found.is_file():
-        parser.error(f"--baseline: {args.baseline} holds no giantpipe with GradientSync ({found})")
+    args = parse()
     setup = QUICK if args.quick else FULL
     if args.rounds:
         setup = replace(setup, rounds=args.rounds)

@@ -37,11 +37,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
+    parser.add_argument(
+        "--recompute", "--checkpoint", default="never", choices=["always", "except_last", "never"]
+    )
+    parser.add_argument("--rounds", type=int, help="override the number of rounds")
+    parser.add_argument("--out", type=Path, default=Path("outputs/schedules_cpu"))
+    parser.add_argument("--no-models", action="store_true",
+                        help="leave out the paper's models (AmoebaNet-D, Transformer)")  # fmt: skip
+    parser.add_argument("--models-only", action="store_true",
+                        help="only the paper's models, not the MLP's schedules")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+from torch import nn
 
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.perf.predict import predict  # noqa: E402
@@ -205,18 +224,7 @@ def table(setup: Setup, results: dict[tuple[str, int], Samples], first: str = "s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
-    parser.add_argument(
-        "--recompute", "--checkpoint", default="never", choices=["always", "except_last", "never"]
-    )
-    parser.add_argument("--rounds", type=int, help="override the number of rounds")
-    parser.add_argument("--out", type=Path, default=Path("outputs/schedules_cpu"))
-    parser.add_argument("--no-models", action="store_true",
-                        help="leave out the paper's models (AmoebaNet-D, Transformer)")  # fmt: skip
-    parser.add_argument("--models-only", action="store_true",
-                        help="only the paper's models, not the MLP's schedules")  # fmt: skip
-    args = parser.parse_args()
+    args = parse()
     setup = QUICK if args.quick else FULL
     if args.rounds:
         setup = Setup(**{**setup.__dict__, "rounds": args.rounds})

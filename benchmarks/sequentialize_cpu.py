@@ -48,6 +48,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 2-layer GPT-2, one round")
+    parser.add_argument("--untied", action="store_true", help="tie_word_embeddings=False")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="e.g. gpipe")
+    parser.add_argument("--rounds", type=int, help="rounds to take the median of")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,7 +74,6 @@ from giantpipe.engine.distributed.pipe import DistributedPipe
 from giantpipe.perf.balance import balance_by_time
 from giantpipe.testing import free_port
 
-SCHEDULES = ("gpipe", "1f1b")
 TIED = ("wte.weight", "lm_head.weight")  # GPT-2's input and output embeddings: one parameter
 
 
@@ -414,12 +428,7 @@ def _peers(name: str) -> tuple[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 2-layer GPT-2, one round")
-    parser.add_argument("--untied", action="store_true", help="tie_word_embeddings=False")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="e.g. gpipe")
-    parser.add_argument("--rounds", type=int, help="rounds to take the median of")
-    args = parser.parse_args()
+    args = parse()
     setup = replace(
         QUICK if args.quick else FULL,
         tied=not args.untied,

@@ -34,12 +34,36 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "src"), str(REPO)]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=18, help="L, normal cells")
+    parser.add_argument("--filters", type=int, default=256, help="D, base filters")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=8, help="mini-batch size N")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4], help="values of M")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
+    parser.add_argument(
+        "--recompute", "--checkpoint", default="except_last", help="re-materialization mode"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads of the process (K stand-ins share them); default: torch's",
+    )
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "src"), str(REPO)]
 
 from giantpipe.engine import GPipe  # noqa: E402
 from giantpipe.engine.stats import SavedTensorMeter  # noqa: E402
@@ -158,26 +182,6 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     lines.append(f"\nprocess peak RSS: {rss:.0f} MiB")
     return "\n".join(lines)
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=18, help="L, normal cells")
-    parser.add_argument("--filters", type=int, default=256, help="D, base filters")
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--batch", type=int, default=8, help="mini-batch size N")
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4], help="values of M")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
-    parser.add_argument(
-        "--recompute", "--checkpoint", default="except_last", help="re-materialization mode"
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        help="intra-op threads of the process (K stand-ins share them); default: torch's",
-    )
-    parser.add_argument("--json", type=Path, help="also write the rows here")
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

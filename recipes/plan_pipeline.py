@@ -24,18 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
-from giantpipe.engine.recompute import MODES  # noqa: E402
 from giantpipe.engine.schedules import SCHEDULE_NAMES  # noqa: E402
-from giantpipe.perf.costs import measure_layers  # noqa: E402
-from giantpipe.perf.planner import DeviceSpec, format_table, plan, progress_bar  # noqa: E402
-from recipes.model_sizes import NAMES, build  # noqa: E402
+from giantpipe.engine.spec import RECOMPUTE_MODES  # noqa: E402
 
-GIB = 2**30
+MODELS = ("amoebanet-d", "transformer-l")  # recipes.model_sizes.build's names
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--model", choices=NAMES, required=True)
+    p.add_argument("--model", choices=MODELS, required=True)
     p.add_argument(
         "--layers", type=int, help="L: AmoebaNet normal cells (18) / Transformer layers (48)"
     )
@@ -61,12 +58,22 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="optimizer state per parameter: 1 RMSProp/momentum (12 B/param), 2 Adam",
     )
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES), choices=SCHEDULE_NAMES)
-    p.add_argument("--recompute", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--recompute", nargs="+", default=list(RECOMPUTE_MODES), choices=RECOMPUTE_MODES)
     p.add_argument("--chunks", nargs="+", type=int, help="M to try (default: powers of two)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (the fastest)")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.add_argument("--plot", help="write the best candidate's simulated timeline (PNG) here")
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+from giantpipe.perf.costs import measure_layers  # noqa: E402
+from giantpipe.perf.planner import DeviceSpec, format_table, plan, progress_bar  # noqa: E402
+from recipes.model_sizes import build  # noqa: E402
+
+GIB = 2**30
 
 
 def device_spec(args: argparse.Namespace) -> DeviceSpec:

@@ -38,10 +38,55 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
+
+# Fake tensors count what autograd and the optimizer allocate, not the CUDA context, cuDNN
+# workspaces or the caching allocator's rounding and fragmentation: on the paper's AmoebaNet-D
+# models our fake-tensor sizes came out at 0.88-0.96 of torchgpipe's measured GPU memory
+# (issue 25), so up to 12% of a device is spent on what this count does not see. The planner
+# keeps the same share (giantpipe.perf.planner.DeviceSpec.reserve = 0.1).
+RESERVE = 0.10
+RESERVE_SOURCE = (
+    "fake-tensor sizes of the paper's AmoebaNet-D models are 0.88-0.96 of torchgpipe's "
+    "measured GPU memory (issue 25); the planner's DeviceSpec.reserve is 0.1 too"
+)
+# The paper does not state M for Table 1; one M for every pipeline column, stated.
+CHUNKS = {"amoebanet": 32, "transformer": 32}
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small search space (seconds)")
+    add_output_options(parser, "table1")
+    parser.add_argument("--optimizer", default="rmsprop", choices=["rmsprop", "sgd", "adam"])
+    parser.add_argument("--amoebanet-gib", type=float, default=8.0)
+    parser.add_argument("--transformer-gib", type=float, default=16.0)
+    parser.add_argument("--only", choices=["amoebanet", "transformer"])
+    parser.add_argument("--chunks", type=int, help="M of the paper's pipeline columns "
+                        f"(default {CHUNKS})")  # fmt: skip
+    parser.add_argument("--recompute", default="always", choices=["always", "except_last"],
+                        help="re-materialization of the paper's pipeline columns")  # fmt: skip
+    parser.add_argument("--reserve", type=float, default=RESERVE,
+                        help=f"share of each device kept back (default {RESERVE}: "
+                             f"{RESERVE_SOURCE})")  # fmt: skip
+    parser.add_argument("--skip-search", action="store_true",
+                        help="only the paper's settings, not our own search")  # fmt: skip
+    parser.add_argument("--no-measure", action="store_true",
+                        help="paper's columns: predicted peaks only, no engine step")  # fmt: skip
+    parser.add_argument("--replicas", type=int, default=4,
+                        help="R of the K x R column, full sharding (1: none)")  # fmt: skip
+    args = parser.parse_args(argv)
+    args.out = output_path(args, ROOT, "table1")
+    return args
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
 
 from giantpipe.perf.replica_state import ReplicaSharding  # noqa: E402
 from giantpipe.perf.sizing import (  # noqa: E402
@@ -56,7 +101,6 @@ from giantpipe.perf.sizing import (  # noqa: E402
     search,
     size_model,
 )
-from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 from recipes.model_sizes import AmoebaNetD, TransformerL  # noqa: E402
 
 GIB = 2**30
@@ -235,18 +279,6 @@ def _fmt_balance(size: ModelSize) -> str:
 
 # ---- the paper's settings ------------------------------------------------------------------
 
-# Fake tensors count what autograd and the optimizer allocate, not the CUDA context, cuDNN
-# workspaces or the caching allocator's rounding and fragmentation: on the paper's AmoebaNet-D
-# models our fake-tensor sizes came out at 0.88-0.96 of torchgpipe's measured GPU memory
-# (issue 25), so up to 12% of a device is spent on what this count does not see. The planner
-# keeps the same share (giantpipe.perf.planner.DeviceSpec.reserve = 0.1).
-RESERVE = 0.10
-RESERVE_SOURCE = (
-    "fake-tensor sizes of the paper's AmoebaNet-D models are 0.88-0.96 of torchgpipe's "
-    "measured GPU memory (issue 25); the planner's DeviceSpec.reserve is 0.1 too"
-)
-# The paper does not state M for Table 1; one M for every pipeline column, stated.
-CHUNKS = {"amoebanet": 32, "transformer": 32}
 DEPTHS = {"amoebanet": range(6, 1201, 6), "transformer": range(1, 4001)}
 DEPTH_FROM = {"AmoebaNet-D": "(6, D)", "Transformer-L": "1 layer"}
 
@@ -509,32 +541,6 @@ def plot(results: dict[str, tuple[list[Column], dict]], path: Path, how: str) ->
     plt.close(fig)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small search space (seconds)")
-    add_output_options(parser, "table1")
-    parser.add_argument("--optimizer", default="rmsprop", choices=["rmsprop", "sgd", "adam"])
-    parser.add_argument("--amoebanet-gib", type=float, default=8.0)
-    parser.add_argument("--transformer-gib", type=float, default=16.0)
-    parser.add_argument("--only", choices=["amoebanet", "transformer"])
-    parser.add_argument("--chunks", type=int, help="M of the paper's pipeline columns "
-                        f"(default {CHUNKS})")  # fmt: skip
-    parser.add_argument("--recompute", default="always", choices=["always", "except_last"],
-                        help="re-materialization of the paper's pipeline columns")  # fmt: skip
-    parser.add_argument("--reserve", type=float, default=RESERVE,
-                        help=f"share of each device kept back (default {RESERVE}: "
-                             f"{RESERVE_SOURCE})")  # fmt: skip
-    parser.add_argument("--skip-search", action="store_true",
-                        help="only the paper's settings, not our own search")  # fmt: skip
-    parser.add_argument("--no-measure", action="store_true",
-                        help="paper's columns: predicted peaks only, no engine step")  # fmt: skip
-    parser.add_argument("--replicas", type=int, default=4,
-                        help="R of the K x R column, full sharding (1: none)")  # fmt: skip
-    args = parser.parse_args(argv)
-    args.out = output_path(args, ROOT, "table1")
-    return args
-
-
 @dataclass
 class Results:
     """Both parts of the table, per family name."""
@@ -662,7 +668,7 @@ def plot_paper(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    run(parse_args(argv))
+    run(parse(argv))
     return 0
 
 

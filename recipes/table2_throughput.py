@@ -57,25 +57,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
 
-from giantpipe.engine.microbatch import scatter  # noqa: E402
-from giantpipe.engine.schedules.fill_drain import fill_drain  # noqa: E402
-from giantpipe.perf.balance import solve_balance  # noqa: E402
-from giantpipe.perf.batch_fit import Fit, fastest_batch  # noqa: E402
-from giantpipe.perf.costs import DeviceModel, LayerCost, measure_layers  # noqa: E402
-from giantpipe.perf.planner import DeviceSpec, combine, merge_costs  # noqa: E402
-from giantpipe.perf.simulate import StageCost, simulate  # noqa: E402
-from giantpipe.perf.stage_profile import profile_stages  # noqa: E402
 from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
-from recipes.model_sizes import build as build_full_size  # noqa: E402
 
 GIB = 2**30
-Cell = tuple[int, int]  # (K, M)
 
 
 @dataclass(frozen=True)
@@ -155,6 +142,57 @@ PRESETS = {
     ),
 }  # fmt: skip
 DEFAULT_PRESET = {"paper": "tpu-like", "torchgpipe": "p40", "table3": "p100"}
+
+
+FLAGS = {  # flag -> (Preset field, unit): every constant of the device model
+    "peak_tflops": ("peak_flops", 1e12), "memory_gib": ("memory_gib", 1),
+    "memory_gbps": ("memory_bandwidth", 1e9), "link_gbps": ("link_bandwidth", 1e9),
+    "efficiency": ("efficiency", 1), "half_batch": ("half_batch", 1),
+    "layer_overhead_us": ("layer_overhead", 1e-6), "action_overhead_us": ("action_overhead", 1e-6),
+    "reserve": ("reserve", 1),
+}  # fmt: skip
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny stand-ins, seconds (for tests)")
+    p.add_argument("--device-only", action="store_true",
+                   help="only the full-size models on the device model (no CPU runs)")  # fmt: skip
+    add_output_options(p, "table2")
+    p.add_argument("--steps", type=int, help="optimizer steps per measured run (default 6)")
+    p.add_argument("--only", nargs="+", help="model keys to run (default: all four)")
+    p.add_argument("--device", choices=sorted(PRESETS),
+                   help="preset for the paper's cells (default: tpu-like for Table 2, p100 for "
+                        "Table 3; torchgpipe's cells always run on p40)")  # fmt: skip
+    p.add_argument("--balance", choices=("flops", "time"), default="flops",
+                   help="how the paper's cells are cut (default: by FLOPs, as the paper's "
+                        "partitioner estimates cost)")  # fmt: skip
+    for flag, (name, unit) in FLAGS.items():
+        p.add_argument(f"--{flag.replace('_', '-')}", type=float,
+                       help=f"override the preset's {name} (in units of {unit:g})")  # fmt: skip
+    args = p.parse_args(argv)
+    args.out = output_path(args, ROOT, "table2")
+    return args
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+from torch import nn
+
+from giantpipe.engine.microbatch import scatter  # noqa: E402
+from giantpipe.engine.schedules.fill_drain import fill_drain  # noqa: E402
+from giantpipe.perf.balance import solve_balance  # noqa: E402
+from giantpipe.perf.batch_fit import Fit, fastest_batch  # noqa: E402
+from giantpipe.perf.costs import DeviceModel, LayerCost, measure_layers  # noqa: E402
+from giantpipe.perf.planner import DeviceSpec, combine, merge_costs  # noqa: E402
+from giantpipe.perf.simulate import StageCost, simulate  # noqa: E402
+from giantpipe.perf.stage_profile import profile_stages  # noqa: E402
+from recipes.model_sizes import build as build_full_size  # noqa: E402
+
+Cell = tuple[int, int]  # (K, M)
+
 
 # Quoted from the paper (Tables 2 and 3) and torchgpipe's benchmarks (8x P40).
 PAPER = {
@@ -728,37 +766,6 @@ def quick_models() -> tuple[Model, ...]:
     return tuple(out)
 
 
-FLAGS = {  # flag -> (Preset field, unit): every constant of the device model
-    "peak_tflops": ("peak_flops", 1e12), "memory_gib": ("memory_gib", 1),
-    "memory_gbps": ("memory_bandwidth", 1e9), "link_gbps": ("link_bandwidth", 1e9),
-    "efficiency": ("efficiency", 1), "half_batch": ("half_batch", 1),
-    "layer_overhead_us": ("layer_overhead", 1e-6), "action_overhead_us": ("action_overhead", 1e-6),
-    "reserve": ("reserve", 1),
-}  # fmt: skip
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny stand-ins, seconds (for tests)")
-    p.add_argument("--device-only", action="store_true",
-                   help="only the full-size models on the device model (no CPU runs)")  # fmt: skip
-    add_output_options(p, "table2")
-    p.add_argument("--steps", type=int, help="optimizer steps per measured run (default 6)")
-    p.add_argument("--only", nargs="+", help="model keys to run (default: all four)")
-    p.add_argument("--device", choices=sorted(PRESETS),
-                   help="preset for the paper's cells (default: tpu-like for Table 2, p100 for "
-                        "Table 3; torchgpipe's cells always run on p40)")  # fmt: skip
-    p.add_argument("--balance", choices=("flops", "time"), default="flops",
-                   help="how the paper's cells are cut (default: by FLOPs, as the paper's "
-                        "partitioner estimates cost)")  # fmt: skip
-    for flag, (name, unit) in FLAGS.items():
-        p.add_argument(f"--{flag.replace('_', '-')}", type=float,
-                       help=f"override the preset's {name} (in units of {unit:g})")  # fmt: skip
-    args = p.parse_args(argv)
-    args.out = output_path(args, ROOT, "table2")
-    return args
-
-
 def presets_from(args: argparse.Namespace) -> dict[str, Preset]:
     """The presets with the command line's constants applied to the ``--device`` one (or, with
     no ``--device``, to every preset), each such constant's source then 'command line'."""
@@ -772,7 +779,7 @@ def presets_from(args: argparse.Namespace) -> dict[str, Preset]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse(argv)
     presets = presets_from(args)
     models = quick_models() if args.quick else MODELS
     models = tuple(m for m in models if not args.only or m.key in args.only)

@@ -32,11 +32,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
+    parser.add_argument("--rounds", type=int, help="override the number of rounds")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+from torch import nn
 
 from giantpipe import GPipe  # noqa: E402
 from giantpipe.data.bundle import Batch  # noqa: E402
@@ -168,10 +179,7 @@ def table(results: dict[str, list[float]], setup: Setup) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round")
-    parser.add_argument("--rounds", type=int, help="override the number of rounds")
-    args = parser.parse_args()
+    args = parse()
     setup = QUICK if args.quick else FULL
     if args.rounds:
         setup = Setup(**{**setup.__dict__, "rounds": args.rounds})

@@ -41,11 +41,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run from a checkout without installing
+
+from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, a few steps (for tests)")
+    add_output_options(p, "transparency")
+    p.add_argument("--only", nargs="+", choices=["amoebanet", "transformer"])
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse()  # --help, a bad argument: answered before the imports below load torch
+
+import torch
+from torch import nn
 
 from giantpipe.data.bundle import DataBundle  # noqa: E402
 from giantpipe.engine import GPipe, convert_deferred_batch_norm  # noqa: E402
@@ -61,7 +75,6 @@ from giantpipe.runner.registry import build_from_target  # noqa: E402
 from giantpipe.runner.seeding import seed_everything  # noqa: E402
 from giantpipe.runner.step import accumulate_gradients  # noqa: E402
 from giantpipe.testing import accumulate_micro_batches  # noqa: E402
-from giantpipe.testing.outputs import add_output_options, output_path  # noqa: E402
 from giantpipe.testing.reference import plain_model  # noqa: E402
 
 StepFn = Callable[[Any, Any], float]
@@ -344,11 +357,7 @@ def run_setup(setup: Setup) -> list[Run]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, a few steps (for tests)")
-    add_output_options(p, "transparency")
-    p.add_argument("--only", nargs="+", choices=["amoebanet", "transformer"])
-    args = p.parse_args(argv)
+    args = parse(argv)
     args.out = output_path(args, ROOT, "transparency")
     torch.set_num_threads(1)  # the plain runs on one core, each stage on one core
     started, load = datetime.datetime.now(), os.getloadavg()[0]

@@ -34,15 +34,21 @@ def as_typed() -> dict[str, str]:
 
 def test_every_script_answers_help_as_typed() -> None:
     """`python recipes/generate.py ...` stopped with `No module named 'models'` unless
-    PYTHONPATH=. was set: every script puts its checkout's models/ (and src/) on sys.path."""
+    PYTHONPATH=. was set: every script puts its checkout's models/ (and src/) on sys.path. And
+    each answers `--help` and refuses a bad argument before it imports torch (1.5 s of CPU each;
+    the scripts' tests took 50 s of CI for it)."""
     assert len(SCRIPTS) >= 20
-    with ThreadPoolExecutor(max_workers=4) as pool:  # four torch imports at a time
-        done = dict(zip(SCRIPTS, pool.map(help_of, SCRIPTS), strict=True))
+    runs = [(script, flag) for script in SCRIPTS for flag in ("--help", "--no-such-option")]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        done = dict(zip(runs, pool.map(lambda run: probe(*run), runs), strict=True))
     models = f"models/ from {REPO / 'models'}"
     failed = {
-        script: out[-600:]
-        for script, (code, out) in done.items()
-        if code or "usage:" not in out or models not in out
+        f"{script} {flag}": out[-600:]
+        for (script, flag), (code, out) in done.items()
+        if code != (0 if flag == "--help" else 2)
+        or "usage:" not in out
+        or "torch imported: False" not in out
+        or models not in out
     }
     assert failed == {}
 
@@ -55,17 +61,18 @@ sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python SCRIPT` p
 try:
     runpy.run_path(script, run_name="__main__")
 finally:  # --help exits; by then the script must have found its checkout's models/ itself
+    print("torch imported:", "torch" in sys.modules)
     import models
     print("models/ from", os.path.dirname(models.__file__))
 """
-"""``python SCRIPT --help``, then ``import models`` in the same interpreter: --help alone
-imports no model in most scripts, and the configs' ``_target_`` reach models/ later."""
+"""``python SCRIPT FLAG``; then whether torch was imported, and ``import models``, in the same
+interpreter: --help alone imports no model, and the configs' ``_target_`` reach models/ later."""
 
 
-def help_of(script: str) -> tuple[int, str]:
+def probe(script: str, flag: str) -> tuple[int, str]:
     """:data:`PROBE` on ``script`` from the repository's root: exit status and output."""
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, script, "--help"],
+        [sys.executable, "-c", PROBE, script, flag],
         cwd=REPO,
         env={**as_typed(), "OMP_NUM_THREADS": "1"},  # benchmarks/peers.py restarts without it
         stdout=subprocess.PIPE,

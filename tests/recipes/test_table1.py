@@ -160,7 +160,7 @@ def recipe() -> ModuleType:
 def quick_run(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     recipe = _recipe()
     out = tmp_path_factory.mktemp("table1")
-    return recipe, out, recipe.run(recipe.parse_args(["--quick", "--out", str(out)]))
+    return recipe, out, recipe.run(recipe.parse(["--quick", "--out", str(out)]))
 
 
 def test_paper_settings_are_the_papers_columns(recipe: ModuleType) -> None:

@@ -97,7 +97,7 @@ def test_every_constant_is_a_flag_and_says_where_it_comes_from(recipe: ModuleTyp
     fields = {name for name, _ in recipe.FLAGS.values()}
     for name, preset in recipe.PRESETS.items():
         assert set(preset.sources) == fields, name  # a source for every constant
-    args = recipe.parse_args(["--device", "p40", "--link-gbps", "12", "--half-batch", "8"])
+    args = recipe.parse(["--device", "p40", "--link-gbps", "12", "--half-batch", "8"])
     presets = recipe.presets_from(args)
     p40 = presets["p40"]
     assert p40.link_bandwidth == 12e9 and p40.half_batch == 8

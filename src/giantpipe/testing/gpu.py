@@ -18,8 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 STANDINS, QUICK, INJECT = "GIANTPIPE_GPU_STANDINS", "GIANTPIPE_GPU_QUICK", "GIANTPIPE_GPU_INJECT"
 TIMEOUT = "GIANTPIPE_GPU_TIMEOUT"  # seconds per test or measurement, overriding its own
@@ -64,7 +66,12 @@ class GpuOptions:
         inject = env.get(INJECT) or None
         if inject is not None and inject not in INJECTIONS:
             raise ValueError(f"{INJECT}={inject!r}: expected one of {INJECTIONS}")
-        gpus = 0 if dry else torch.cuda.device_count()
+        if dry:
+            gpus = 0
+        else:
+            import torch  # here, not above: gpu_check.py reads INJECTIONS before torch loads
+
+            gpus = torch.cuda.device_count()
         return cls(dry=dry, quick=env.get(QUICK, "") == "1", gpus=gpus, inject=inject)
 
     def env(self) -> dict[str, str]:
@@ -79,6 +86,8 @@ class GpuOptions:
 
     def devices(self, k: int | None = None) -> list[torch.device]:
         """One device per worker: CPU stand-ins, or the GPUs in turn (shared when too few)."""
+        import torch
+
         k = self.workers if k is None else k
         if self.dry:
             return [torch.device("cpu")] * k
