@@ -1,9 +1,9 @@
 """The one order of a step's transfers: every rank derives it from the schedule (NCCL's rule).
 
 The step's schedule is simulated with unit costs and every message between two workers gets its
-place in one global order, the time its producer ends; each rank issues its sends and receives
-in that order (:class:`~.p2p.P2PMailbox`). Why, and why such an order always exists:
-docs/engine.md ("The transport").
+place in one global order, the time its producer ends (of two at once, the one needed sooner);
+each rank issues its sends and receives in that order (:class:`~.p2p.P2PMailbox`). Why, and why
+such an order always exists: docs/engine.md ("The transport").
 
 Example::
 
@@ -93,21 +93,26 @@ def message_order(
     are not messages. Cached: a pipe runs the same schedule step after step.
     """
     ends = simulate_ends(actions, len(placement))
+    cost = _costs(actions)
     last = len(placement) - 1
-    timed: list[tuple[int, int, int, Message]] = []
+    timed: list[tuple[int, int, int, int, Message]] = []
     for action, end in ends.items():
         kind, stage, m = action
         if kind == "F" and stage < last:
-            key, consumer = ("act", stage + 1, m), stage + 1
+            key, consumer = ("act", stage + 1, m), Action("F", stage + 1, m)
         elif kind == "B" and stage > 0:
-            key, consumer = ("grad", stage - 1, m), stage - 1
+            key, consumer = ("grad", stage - 1, m), Action("B", stage - 1, m)
         else:
             continue
-        src, dst = placement[stage], placement[consumer]
+        src, dst = placement[stage], placement[consumer.stage]
         if src != dst:
-            timed.append((end, stage, m, Message(key, src, dst)))
-    # Ties: two producers ending at once are on two workers; any fixed rule does.
-    timed.sort(key=lambda t: (t[0], t[1], t[2], t[3].key[0]))
+            needed = ends[consumer] - cost[consumer]
+            timed.append((end, needed, stage, m, Message(key, src, dst)))
+    # Ties: two producers ending at once are on two workers, and any fixed rule is a valid
+    # order; the value needed first goes first. Each rank issues a receive only once the sends
+    # before it are computed, and gloo moves a message at once only when its receive was issued
+    # before the send: the other value of the tie has time to spare (docs/engine.md).
+    timed.sort(key=lambda t: (t[0], t[1], t[2], t[3], t[4].key[0]))
     return tuple(message for *_, message in timed)
 
 
