@@ -9,8 +9,9 @@ the share of the model it owns (issue 37: no rank ever holds the whole model).
     python benchmarks/build_memory.py --set optim.weight_decay=0   # a Hydra override, every run
 
 Each row is real runs of ``train.py recipe=mlp_quickstart model.hidden=H model.depth=16
-optim=sgd trainer.max_steps=2`` (no evaluation, no final save), with the local executor (one
-process, K CPU stand-ins) or under torchrun (gloo, K x R processes, ``replica_sharding=full``).
+optim=sgd trainer.max_steps=2`` (no evaluation between steps, the runner's final one over the
+eval set, no save), with the local executor (one process, K CPU stand-ins) or under torchrun
+(gloo, K x R processes, ``replica_sharding=full``).
 Every process runs ``train.py`` inside this script's worker, which reads from the process itself:
 
     build s     the wall time of ``build_experiment`` (data, model, spec, pipe, optimizer)
