@@ -6,10 +6,12 @@ the share of the model it owns (issue 37: no rank ever holds the whole model).
     python benchmarks/build_memory.py --giant 26  # a 7 GB model at K=4: 2 steps, a resume (~17 GB)
     python benchmarks/build_memory.py --giant 8 --hidden 1024   # the same at 34 MB, as a check
     python benchmarks/build_memory.py --root DIR  # another checkout (the code before), same worker
+    python benchmarks/build_memory.py --set optim.weight_decay=0   # a Hydra override, every run
 
 Each row is real runs of ``train.py recipe=mlp_quickstart model.hidden=H model.depth=16
-optim=sgd trainer.max_steps=2`` (no evaluation, no final save), with the local executor (one
-process, K CPU stand-ins) or under torchrun (gloo, K x R processes, ``replica_sharding=full``).
+optim=sgd trainer.max_steps=2`` (no evaluation between steps, the runner's final one over the
+eval set, no save), with the local executor (one process, K CPU stand-ins) or under torchrun
+(gloo, K x R processes, ``replica_sharding=full``).
 Every process runs ``train.py`` inside this script's worker, which reads from the process itself:
 
     build s     the wall time of ``build_experiment`` (data, model, spec, pipe, optimizer)
@@ -160,10 +162,13 @@ def worker(out: Path, root: Path, argv: list[str]) -> None:
     (out / f"rank{figures['rank']}.json").write_text(json.dumps(figures))
 
 
-def measure(root: Path, layout: Layout, hidden: int, depth: int) -> list[dict[str, Any]]:
+def measure(
+    root: Path, layout: Layout, hidden: int, depth: int, extra: list[str]
+) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        return launch(root, layout, run_args(hidden, depth, out / "run", layout.overrides()), out)
+        args = run_args(hidden, depth, out / "run", [*layout.overrides(), *extra])
+        return launch(root, layout, args, out)
 
 
 def row(layout: Layout, hidden: int, ranks: list[dict], tiny: list[dict]) -> str:
@@ -187,14 +192,16 @@ HEADER = (
 )
 
 
-def table(root: Path, layouts: list[Layout], sizes: list[int], depth: int) -> str:
+def table(root: Path, layouts: list[Layout], sizes: list[int], depth: int, extra: list[str]) -> str:
+    """The table's rows; ``extra``: Hydra overrides for every run, the tiny ones included."""
     lines = [HEADER]
     for layout in layouts:
         print(f"{layout.label()}: tiny ...", file=sys.stderr, flush=True)
-        tiny = measure(root, layout, TINY, depth)
+        tiny = measure(root, layout, TINY, depth, extra)
         for hidden in sizes:
             print(f"{layout.label()}: hidden {hidden} ...", file=sys.stderr, flush=True)
-            lines.append(row(layout, hidden, measure(root, layout, hidden, depth), tiny))
+            ranks = measure(root, layout, hidden, depth, extra)
+            lines.append(row(layout, hidden, ranks, tiny))
             print(lines[-1], file=sys.stderr, flush=True)
     return "\n".join(lines)
 
@@ -264,6 +271,13 @@ def main() -> None:
     parser.add_argument(
         "--layouts", help="only these, in this order, e.g. 'torchrun K=4 x R=1,local K=2'"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Hydra override for every run of the table (repeatable), e.g. optim.nesterov=false",
+    )
     args = parser.parse_args()
     global MMAP_THRESHOLD
     MMAP_THRESHOLD = args.mmap_threshold
@@ -274,6 +288,7 @@ def main() -> None:
     ).stdout.strip()
     print(f"{root} at {commit}, {os.cpu_count()} CPUs, load average at start {load:.2f}")
     print(f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD or 'glibc default'}")
+    print(f"overrides: {' '.join(args.set) or 'none'}")
     layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
     if args.layouts:  # in the order given (e.g. the torchrun rows, which the bound is about, first)
         named = {lay.label(): lay for lay in LAYOUTS}
@@ -281,10 +296,10 @@ def main() -> None:
     if args.giant:
         report = giant(root, args.giant, args.hidden)
     elif args.quick:
-        report = table(root, layouts, [256, 512], 4)
+        report = table(root, layouts, [256, 512], 4, args.set)
     else:
         sizes = [int(size) for size in (args.sizes or "2048,4096").split(",")]
-        report = table(root, layouts, sizes, args.depth)
+        report = table(root, layouts, sizes, args.depth, args.set)
     print(f"\n{report}\n\nload average now {os.getloadavg()[0]:.2f}", flush=True)
 
 

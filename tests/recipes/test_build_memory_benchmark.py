@@ -1,6 +1,7 @@
 """benchmarks/build_memory.py end to end: a small table (a local and a torchrun row, each
-rank's share measured from what it owns, half the model's at K = 2, its ratio and verdict) and
---giant at a small width (K = 4: two steps saved, then resumed to step 3)."""
+rank's share measured from what it owns, half the model's at K = 2, its ratio and verdict, with
+--set's overrides in every run) and --giant at a small width (K = 4: two steps saved, then
+resumed to step 3)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def table_rows(stdout: str) -> list[list[str]]:
 
 def test_quick_run_prints_each_layouts_peak_beside_its_share(tmp_path: Path) -> None:
     layouts = "local K=2,torchrun K=2 x R=1"  # width 1024: a share of whole MiB to compare
-    done = bench(tmp_path, "--sizes", "1024", "--depth", "4", "--layouts", layouts)
+    plain_sgd = ["--set", "optim.momentum=0", "--set", "optim.nesterov=false"]
+    done = bench(tmp_path, "--sizes", "1024", "--depth", "4", "--layouts", layouts, *plain_sgd)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = table_rows(done.stdout)
     assert [(r[0], r[1]) for r in rows] == [("1024", "local K=2"), ("1024", "torchrun K=2 x R=1")]
@@ -47,6 +49,10 @@ def test_quick_run_prints_each_layouts_peak_beside_its_share(tmp_path: Path) -> 
     # the two holds 2 of the model's 3 layers of width 1024 (a whole copy would be 1)
     ratio = share["1024", "torchrun K=2 x R=1"] / share["1024", "local K=2"]
     assert 0.3 <= ratio <= 0.7, rows
+    # --set reached every run: SGD without momentum keeps no state, so the share is parameters
+    # and gradients (with the recipe's momentum it would be 3 x the parameters)
+    for r in rows:
+        assert 1.9 <= float(r[7]) / float(r[4]) <= 2.1, r
     for r in rows:
         figure, _, verdict = r[9].partition(" ")
         float(figure)  # at these sizes the peak over tiny is noise: no bound asserted here
