@@ -14,20 +14,23 @@ with the kernel's read-ahead) and through read() (``rchar``: DCP checks each blo
 reads it), and whether every tensor equals a whole load's; then one process reading the whole.
 
 Export (``python -m giantpipe.consolidate``'s own ``main``): checkpoints of N tensors of one
-size, N and 4N, exported in a fresh process each (its modules imported first); the peak of its
-memory (VmHWM, reset before the export) above what it held before. ``whole`` is the export as
-it was before it streamed: every weight loaded, then saved.
+size, N and 4N, exported in a fresh process each (forked from a server that imported the
+script's modules once, and run first on a checkpoint of a few KiB of the same kind, so the code
+pages it touches, which a fork does not map, are in); the peak of its memory (VmHWM, reset
+before the export) above what it held before. ``whole`` is the export as it was before it
+streamed: every weight loaded, then saved. The K ranks fork from the same server.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +44,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--export-one", nargs=4, help=argparse.SUPPRESS)
     add_output_options(parser, "checkpoints/share.md")
     return parser.parse_args(argv)
 
@@ -143,7 +145,8 @@ def load_rows(setup: Setup, folder: Path, state: dict[str, torch.Tensor]) -> lis
     # one start-up of K processes for both sources (read_my_share drops each source's files
     # from the page cache and counts its own reads)
     args = (setup.ranks, free_port(), sources, shares, str(out))
-    mp.start_processes(_rank, args=args, nprocs=setup.ranks, start_method="spawn")
+    forkserver()
+    mp.start_processes(_rank, args=args, nprocs=setup.ranks, start_method="forkserver")
     rows = []
     for name in sources:
         for rank in range(setup.ranks):
@@ -175,45 +178,45 @@ EXPORTS = {
 tensors (0: one file)."""
 
 
-def peak_of_export(directory: Path, out: Path, kind: str, shard_bytes: int) -> float:
-    """MiB above its start that a fresh process's memory peaks at, exporting ``directory``."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--export-one",
-            str(directory),
-            str(out),
-            kind,
-            str(shard_bytes),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return float(done.stdout.strip().splitlines()[-1])
+def forkserver() -> multiprocessing.context.ForkServerContext:
+    """The server the ranks and the exports fork from: it imports this script's modules (and
+    the fake tensors' an export brings) once, where a new interpreter each costs seconds of
+    CPU."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", "torch._subclasses.fake_tensor"])
+    return context
 
 
-def export_one(directory: Path, out: Path, kind: str, shard_bytes: int) -> None:
-    """In this process: the export, and its peak memory above the start, printed in MiB."""
+def export_peak(directory: Path, out: Path, kind: str, shard_bytes: int, warm: Path) -> float:
+    """In a fresh process: the export, and its peak memory above the start, in MiB; the
+    export of ``warm`` (a few KiB) first, so the code the export runs is mapped in before."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     FakeTensorMode()  # the modules it brings (about 150 MiB) are the process's, not the model's
 
-    def whole() -> None:  # the export as it was before it streamed
-        state, _ = merged(directory)
-        atomic_save(state, out)
+    def export(source: Path, to: Path, shard: int) -> None:
+        if kind == "whole":  # the export as it was before it streamed
+            state, _ = merged(source)
+            atomic_save(state, to)
+            return
+        args = [str(source), str(to), "--format", kind]
+        consolidate(args + (["--max-shard-size", str(shard)] if shard else []))
 
-    args = [str(directory), str(out), "--format", kind]
-    args += ["--max-shard-size", str(shard_bytes)] if shard_bytes else []
-    _, peak = peak_above_start(whole if kind == "whole" else lambda: consolidate(args))
-    print(f"{peak / MiB:.1f}")
+    export(warm, out.with_name(f"warm-{out.name}"), WARM_BYTES if shard_bytes else 0)
+    _, peak = peak_above_start(lambda: export(directory, out, shard_bytes))
+    return peak / MiB
+
+
+WARM_BYTES = 1024  # the warm-up checkpoint's tensors, each its own shard
 
 
 def export_rows(setup: Setup, folder: Path) -> list[str]:
     """Per export and checkpoint size: the export's peak memory above its start."""
     rows = []
     tensor = setup.tensor_mib * MiB
+    warm = folder / "export-warm"
+    save_checkpoint(warm, {f"{i}.weight": torch.randn(WARM_BYTES // 4) for i in range(3)})
+    context = forkserver()
     for count in (setup.tensors, 4 * setup.tensors):
         torch.manual_seed(count)
         state = {f"{i}.weight": torch.randn(tensor // 4) for i in range(count)}
@@ -222,15 +225,18 @@ def export_rows(setup: Setup, folder: Path) -> list[str]:
         del state
         for name, (kind, suffix, shard) in EXPORTS.items():
             out = folder / f"out-{count}{suffix}"
-            peak = peak_of_export(directory, out, kind, shard * tensor)
+            with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as fresh:
+                peak = fresh.submit(export_peak, directory, out, kind, shard * tensor, warm)
+                peak = peak.result()
             rows.append(
                 f"| {name} | {count * setup.tensor_mib} | {setup.tensor_mib} | {peak:.1f} "
                 f"| {peak / setup.tensor_mib:.2f} |"
             )
-            if out.is_dir():
-                shutil.rmtree(out)
-            else:
-                out.unlink()
+            for written in (out, out.with_name(f"warm-{out.name}")):
+                if written.is_dir():
+                    shutil.rmtree(written)
+                else:
+                    written.unlink()
     return rows
 
 
@@ -264,10 +270,6 @@ def report(setup: Setup, folder: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.export_one:
-        directory, out, kind, shard_bytes = args.export_one
-        export_one(Path(directory), Path(out), kind, int(shard_bytes))
-        return 0
     folder = Path(tempfile.mkdtemp(prefix="giantpipe-share-bench-", dir=args.dir))
     try:
         lines = report(QUICK if args.quick else FULL, folder)

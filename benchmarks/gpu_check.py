@@ -13,8 +13,9 @@ GPUs, their overlap with compute and the distributed executor at K=2 over NCCL. 
 cannot prove is printed as "needs 2 GPUs", what CPU stand-ins cannot as "CUDA only"; a case
 none of whose rows could be judged is "not run (needs 2 GPUs)", never a pass.
 
-The cases: the GPU tests (tests/gpu, ``python -m pytest -m gpu``; this script runs each case's
-tests in a pytest of its own) and the speed and memory measurements (gpu_measure.py)::
+The cases: the GPU tests (tests/gpu, ``python -m pytest -m gpu``; on GPUs this script runs each
+case's tests in a pytest of its own, a dry run neighbouring cases in one) and the speed and
+memory measurements (gpu_measure.py)::
 
     transparency-fp32   every schedule x re-materialization mode equals the plain model, fp32
     transparency-bf16   the same in bf16: error vs fp32 no worse than 1.5x the plain bf16 model's
@@ -139,27 +140,47 @@ CASES: dict[str, Case] = {
 # ---- running a case ----------------------------------------------------------------------------
 
 
-def run_case(name: str, opts: GpuOptions, timeout: float | None) -> CaseResult:
-    """Runs case ``name``: its tests in a pytest of their own, or its measurement in a child."""
+def groups(names: list[str], opts: GpuOptions) -> list[list[str]]:
+    """The cases ``names`` in the processes they run in, in order: on GPUs each case alone (a
+    CUDA context, and a hang, of its own); in a dry run neighbouring cases of tests share one
+    pytest, whose start-up is most of what a case costs on CPU stand-ins.
+
+    >>> groups(["front-door", "host-sync", "memory", "nccl"], GpuOptions(True, True, 0))
+    [['front-door', 'host-sync'], ['memory'], ['nccl']]
+    """
+    out: list[list[str]] = []
+    for name in names:
+        if opts.dry and out and CASES[name].tests and CASES[out[-1][-1]].tests:
+            out[-1].append(name)
+        else:
+            out.append([name])
+    return out
+
+
+def run_group(names: list[str], opts: GpuOptions, timeout: float | None) -> list[CaseResult]:
+    """Runs one of :func:`groups`: its tests in a pytest, or its measurement in a child."""
+    (name, *_) = names
     if CASES[name].tests:
-        return run_tests(name, opts, timeout)
-    return run_measurement(name, opts, timeout or ceiling(MEASUREMENTS[name].timeout, opts.env()))
+        return run_tests(names, opts, timeout)
+    return [run_measurement(name, opts, timeout or ceiling(MEASUREMENTS[name].timeout, opts.env()))]
 
 
-def run_tests(name: str, opts: GpuOptions, timeout: float | None) -> CaseResult:
-    """``python -m pytest -m gpu TESTS`` in its own process group, seeing ``opts`` (and
-    ``timeout`` seconds per test, else each test's own); each test's row read back from the
-    rows file the tests' conftest writes. A test that hangs ends its pytest with every
-    thread's stack (pytest-timeout's ``thread`` method)."""
+def run_tests(names: list[str], opts: GpuOptions, timeout: float | None) -> list[CaseResult]:
+    """``python -m pytest -m gpu TESTS`` over the tests of cases ``names``, in its own process
+    group, seeing ``opts`` (and ``timeout`` seconds per test, else each test's own); each
+    test's row read back from the rows file the tests' conftest writes. A test that hangs ends
+    its pytest with every thread's stack (pytest-timeout's ``thread`` method); the cases after
+    it run again in a pytest of their own."""
     env = {**os.environ, **opts.env(), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
     if timeout is not None:
         env[TIMEOUT] = str(timeout)
-    command = [sys.executable, "-m", "pytest", *CASES[name].tests, "-m", "gpu", "-n", "0",
+    tests = [test for name in names for test in CASES[name].tests]
+    command = [sys.executable, "-m", "pytest", *tests, "-m", "gpu", "-n", "0",
                "-p", "no:cacheprovider", "-q"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         rows = Path(tmp, "rows.jsonl")
         env[ROWS] = str(rows)
-        started = time.perf_counter()
+        started = time.time()
         proc = subprocess.Popen(
             command, cwd=ROOT, env=env, text=True, start_new_session=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -170,9 +191,62 @@ def run_tests(name: str, opts: GpuOptions, timeout: float | None) -> CaseResult:
             kill_group(proc.pid)
             log, _ = proc.communicate()
         kill_group(proc.pid)  # ranks or workers the tests left behind
-        seconds = time.perf_counter() - started
+        ended = time.time()
         lines = rows.read_text().splitlines() if rows.exists() else []
-    return _tests_outcome(name, seconds, [json.loads(line) for line in lines], log, proc.returncode)
+    records = [json.loads(line) for line in lines]
+    if len(names) == 1:
+        return [_tests_outcome(names[0], ended - started, records, log, proc.returncode)]
+    return _shared_outcomes(names, (started, ended), records, log, proc.returncode, opts, timeout)
+
+
+def _shared_outcomes(
+    names: list[str],
+    span: tuple[float, float],
+    records: list[dict],
+    log: str,
+    code: int,
+    opts: GpuOptions,
+    timeout: float | None,
+) -> list[CaseResult]:
+    """Each case of one pytest run over several: its records, and the seconds from its first
+    test's start to the next case's (the first case's counted from the launch, the last's to
+    the end). The case in whose test the pytest ended early (a timeout, a crash) takes its
+    whole output and exit status; the others their own failures' reports; the cases it never
+    started run again."""
+    mine: dict[str | None, list[dict]] = {name: [] for name in names}
+    firsts: dict[str, float] = {}  # each case's first test's start (records come in order)
+    for r in records:
+        case = _case_of(r["nodeid"], names)
+        mine.setdefault(case, []).append(r)
+        if case is not None and r.get("started"):
+            firsts.setdefault(case, r["time"])
+    begun = list(firsts)
+    failed = any(r.get("outcome") == "failed" for r in records)
+    early = TIMED_OUT in log or code not in (0, 1) or (code == 1 and not failed)
+    last = begun[-1] if begun and early else None
+    out = []
+    for i, name in enumerate(begun):
+        start = span[0] if i == 0 else firsts[name]
+        end = firsts[begun[i + 1]] if i + 1 < len(begun) else span[1]
+        own = "\n".join(r["log"] for r in mine[name] if r.get("log"))
+        fails = any(r.get("outcome") == "failed" for r in mine[name])
+        case_log, case_code = (log, code) if name == last else (own, int(fails))
+        out.append(_tests_outcome(name, end - start, mine[name], case_log, case_code))
+    rest = [name for name in names if name not in firsts]
+    if rest and last is not None:  # the pytest ended before these: they get their own
+        out += [case for group in groups(rest, opts) for case in run_group(group, opts, timeout)]
+    else:  # it ran none of their tests (a usage or collection error): each says so
+        out += [_tests_outcome(name, span[1] - span[0], [], log, code) for name in rest]
+    return sorted(out, key=lambda case: names.index(case.name))
+
+
+def _case_of(nodeid: str, names: list[str]) -> str | None:
+    """Which of the cases ``names`` the test ``nodeid`` belongs to."""
+    for name in names:
+        for test in CASES[name].tests:
+            if nodeid == test or nodeid.startswith((f"{test}::", f"{test}[")):
+                return name
+    return None
 
 
 def _tests_outcome(
@@ -274,11 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     report = ["\n".join(head + environment(opts)) + "\n"]
     print(report[0], flush=True)
     started, cases = time.perf_counter(), []
-    for name in args.only or list(CASES):
-        cases.append(run_case(name, opts, args.timeout))
-        gpu_bands.judge(cases[-1], bands.get(where, {}))
-        report.append(section(cases[-1]))
-        print(report[-1], flush=True)
+    for group in groups(args.only or list(CASES), opts):
+        for result in run_group(group, opts, args.timeout):
+            gpu_bands.judge(result, bands.get(where, {}))
+            cases.append(result)
+            report.append(section(result))
+            print(report[-1], flush=True)
     budget = None if opts.dry else BUDGET_S["quick" if opts.quick else "full"]
     report.append(summary(cases, time.perf_counter() - started, budget))
     path = None if args.out is None else report_path(args.out, opts)

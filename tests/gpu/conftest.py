@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             "nodeid": item.nodeid,
             "started": True,
             "timeout": mark.args[0] if mark else None,
+            "time": time.time(),  # where a case sharing its pytest with others begins
         }
         _append(Path(path), started)
 

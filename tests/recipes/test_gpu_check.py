@@ -1,5 +1,5 @@
-"""benchmarks/gpu_check.py: every case (the GPU tests of tests/gpu, each case in a pytest of its
-own, and the measurements, each in a child process) runs on CPU stand-ins (so the script a lent
+"""benchmarks/gpu_check.py: every case (the GPU tests of tests/gpu, neighbouring cases in one
+pytest, and the measurements, each in a child process) runs on CPU stand-ins (so the script a lent
 GPU runs has not rotted); a hanging case is a failure with every thread's stack, a wrong result
 makes the script exit 1; the pieces a GPU run judges by (intervals of a profile, the host-read
 recorder) do what they say."""
@@ -90,6 +90,49 @@ def test_a_hanging_case_fails_with_every_threads_stack(check: ModuleType, capsys
     assert "+ Timeout +" in out  # pytest-timeout's dump, at the test's timeout
     assert "in _stall" in out and "in front_door" in out  # the stalled stage, the waiting door
     assert "- front-door: timed out after 3 s" in out
+
+
+def test_cases_sharing_a_pytest_each_get_their_rows_seconds_and_log(
+    check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run runs neighbouring cases of tests in one pytest (their start-ups were most of
+    its time): each case gets its own tests' rows, the seconds from its first test's start (the
+    first from the launch), its own failures' reports; the case the pytest hung in gets the
+    stacks; the cases it never reached run again, each group in a pytest of its own."""
+    from gpu_common import CaseResult
+
+    from giantpipe.testing.gpu import GpuOptions
+
+    dry = GpuOptions(dry=True, quick=False, gpus=0)
+    names = ["transparency-bf16", "fp16-scaler", "front-door", "host-sync", "nccl"]
+    assert check.groups(names, dry) == [names]
+    assert check.groups(names, GpuOptions(dry=False, quick=False, gpus=1)) == [[n] for n in names]
+    bf16 = "tests/gpu/test_transparency.py::test_bf16_is_no_worse_than_the_plain_model[zb-v-never]"
+    fp16, door = "tests/gpu/test_fp16_scaler.py::test_x", "tests/gpu/test_front_door.py::test_y"
+
+    def start(node: str, at: float) -> dict:
+        return {"nodeid": node, "started": True, "timeout": 3, "time": at}
+
+    def outcome(node: str, verdict: str, log: str = "") -> dict:
+        props = [["check", node[-4:]], ["measured", "1e-7"]]
+        return {"nodeid": node, "outcome": verdict, "when": "call", "properties": props,
+                "reason": "", "log": log}  # fmt: skip
+
+    records = [start(bf16, 110.0), outcome(bf16, "passed"), start(fp16, 130.0),
+               outcome(fp16, "failed", "AssertionError: scale"), start(door, 135.0)]  # fmt: skip
+    again: list[list[str]] = []
+    monkeypatch.setattr(check, "run_group", lambda group, *_: again.append(group) or [
+        CaseResult(name, 1.0) for name in group])  # fmt: skip
+    stacks = "+ Timeout +\nThread 1: in _stall"
+    got = check._shared_outcomes(names, (100.0, 140.0), records, stacks, 1, dry, 3.0)
+    assert [case.name for case in got] == names
+    assert again == [["host-sync", "nccl"]]  # never reached: run again, together
+    bf16_case, fp16_case, door_case = got[:3]
+    assert (bf16_case.verdict, bf16_case.seconds, bf16_case.log) == ("pass", 30.0, "")
+    assert (fp16_case.verdict, fp16_case.seconds) == ("FAIL", 5.0)
+    assert fp16_case.log == "AssertionError: scale" and fp16_case.problem is None
+    assert door_case.problem == "timed out after 3 s" and door_case.seconds == 5.0
+    assert door_case.log == stacks and door_case.rows == []
 
 
 def test_a_wrong_transparency_result_exits_1(check: ModuleType, capsys) -> None:

@@ -2,9 +2,10 @@
 
 The script: a stage of a GPipe raises ValueError, then torch.OutOfMemoryError; both are caught
 ("kept") and the script ends. Stage 0 stays in its action (torch ops, taking the GIL back after
-each) for :data:`AFTER` seconds after stage 1 raised, so when the script ends a failed step's
-worker thread is always inside its action: what crashed the interpreter at exit once in 13 runs
-of the issue's script (whose stage 0 happened to be in an action then, now and then).
+each) for :data:`AFTER` seconds after stage 1 raised the second time, so when the script ends a
+failed step's worker thread is always inside its action: what crashed the interpreter at exit
+once in 13 runs of the issue's script (whose stage 0 happened to be in an action then, now and
+then).
 
 ``python failing_then_exit.py RUNS`` imports torch once, then forks RUNS children (two at a
 time); each runs the script and ends as a script does (the interpreter's whole finalization).
@@ -32,16 +33,17 @@ end and the interpreter to start finalizing."""
 
 
 class Boom(nn.Module):
-    """Raises ``exc`` when set, after starting the clock of the step's ``deadline``."""
+    """Raises ``exc`` when set, after setting the step's ``deadline`` ``after`` seconds on."""
 
     def __init__(self) -> None:
         super().__init__()
         self.exc: BaseException | None = None
+        self.after = AFTER
         self.deadline = [0.0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.exc is not None:
-            self.deadline[0] = time.perf_counter() + AFTER
+            self.deadline[0] = time.perf_counter() + self.after
             raise self.exc
         return x
 
@@ -66,15 +68,18 @@ class Busy(nn.Module):
 
 
 def script() -> None:
-    """The exception script: one good step, then two failed ones, both caught."""
+    """The exception script: one good step, then two failed ones, both caught. Only the last
+    keeps stage 0 busy after it raised: the one whose thread is in its action at exit (the
+    first's would only be joined by the next step, burning CPU meanwhile)."""
     torch.manual_seed(0)
     busy, boom = Busy(), Boom()
     model = nn.Sequential(nn.Linear(8, 8), busy, boom, nn.Linear(8, 1))
     pipe = GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4)
     x, y = torch.randn(16, 8), torch.randn(16, 1)
     pipe.train_step(x, y, nn.functional.mse_loss)
-    for exc in (ValueError("bad"), torch.OutOfMemoryError("CUDA out of memory (simulated)")):
-        busy.calls, boom.exc = 0, exc
+    oom = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    for exc, after in ((ValueError("bad"), 0.0), (oom, AFTER)):
+        busy.calls, boom.exc, boom.after = 0, exc, after
         busy.deadline = boom.deadline = [math.inf]  # set when stage 1 raises
         try:
             pipe.train_step(x, y, nn.functional.mse_loss)
