@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from giantpipe.engine.schedules import schedule_builders
+from tests.support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 RATIO = re.compile(r"\| (\d+) \| ([\w /-]+?) \| ([\d.]+) \| ([\d., ]+) \|")
@@ -57,3 +58,15 @@ def worktrees_at(commit: str) -> set[str]:
         if fields.get("HEAD") == commit:
             found.add(fields["worktree"])
     return found
+
+
+def test_its_model_choices_are_the_distributed_benchmarks_models() -> None:
+    """distributed_commits.py names the models in a torch-free literal (its --help answers before
+    torch loads); the models it runs are distributed_cpu.py's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))  # distributed_commits imports its neighbours
+    try:
+        commits = load_script("benchmarks/distributed_commits.py")
+        cpu = load_script("benchmarks/distributed_cpu.py")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert set(commits.MODELS) == set(cpu.FULL) == set(cpu.QUICK)
