@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -9,20 +10,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.worktrees import worktrees_under
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_quick_comparison_prints_both_measurements() -> None:
+def test_quick_comparison_prints_both_measurements(tmp_path: Path) -> None:
     inside = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True)
     if shutil.which("git") is None or inside.returncode != 0:
         pytest.skip("needs a git checkout")
-    before = worktrees()
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "commits.py"), "--base", "HEAD", "--quick"],
         capture_output=True,
         text=True,
         timeout=600,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),  # its worktree goes under tmp_path
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| local")]
@@ -31,11 +34,4 @@ def test_quick_comparison_prints_both_measurements() -> None:
     for row in rows:
         base, head, ratio = (float(cell) for cell in row.strip("|").split("|")[2:5])
         assert base > 0 and head > 0 and ratio > 0
-    assert worktrees() == before  # the base's temporary worktree is gone
-
-
-def worktrees() -> list[str]:
-    listed = subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "list", "--porcelain"], capture_output=True, text=True
-    )
-    return [line for line in listed.stdout.splitlines() if line.startswith("worktree ")]
+    assert worktrees_under(tmp_path) == []  # the base's temporary worktree is gone

@@ -3,6 +3,7 @@ same processes, end to end (here HEAD against itself); the base's worktree is go
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -13,13 +14,14 @@ import pytest
 
 from giantpipe.engine.schedules import schedule_builders
 from tests.support.scripts import load_script
+from tests.support.worktrees import worktrees_under
 
 REPO = Path(__file__).resolve().parents[2]
 RATIO = re.compile(r"\| (\d+) \| ([\w /-]+?) \| ([\d.]+) \| ([\d., ]+) \|")
 
 
 @pytest.mark.slow
-def test_quick_comparison_times_both_revisions_and_pippy_side_by_side() -> None:
+def test_quick_comparison_times_both_revisions_and_pippy_side_by_side(tmp_path: Path) -> None:
     if shutil.which("git") is None:
         pytest.skip("needs git")
     inside = subprocess.run(
@@ -27,11 +29,13 @@ def test_quick_comparison_times_both_revisions_and_pippy_side_by_side() -> None:
     )
     if inside.returncode != 0:
         pytest.skip("needs a git checkout")
-    head = inside.stdout.strip()
-    before = worktrees_at(head)
     command = [sys.executable, str(REPO / "benchmarks" / "distributed_commits.py")]
     done = subprocess.run(
-        [*command, "--base", "HEAD", "--quick"], capture_output=True, text=True, timeout=900
+        [*command, "--base", "HEAD", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),  # its worktree goes under tmp_path
     )
     assert done.returncode == 0, done.stderr[-3000:]
     header = next(line for line in done.stdout.splitlines() if line.startswith("| M | base-"))
@@ -43,21 +47,7 @@ def test_quick_comparison_times_both_revisions_and_pippy_side_by_side() -> None:
     for m in (1, 4):
         for name in ("head / base gpipe", "base best / pippy best", "head best / pippy best"):
             assert ratios[(m, name)] > 0, (m, name)
-    assert worktrees_at(head) == before  # the base's temporary worktree is gone
-
-
-def worktrees_at(commit: str) -> set[str]:
-    """The repository's worktrees checked out at ``commit`` (other people's worktrees, which
-    come and go meanwhile on a shared checkout, sit at other commits)."""
-    listed = subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "list", "--porcelain"], capture_output=True, text=True
-    )
-    found = set()
-    for block in listed.stdout.split("\n\n"):
-        fields = dict(line.partition(" ")[::2] for line in block.splitlines())
-        if fields.get("HEAD") == commit:
-            found.add(fields["worktree"])
-    return found
+    assert worktrees_under(tmp_path) == []  # the base's temporary worktree is gone
 
 
 def test_its_model_choices_are_the_distributed_benchmarks_models() -> None:
