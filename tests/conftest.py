@@ -23,6 +23,8 @@ import pytest
 
 from tests.timeouts import KNOB, TIMEOUT_WORDS, busy_hint, scale
 
+pytest_plugins = ["tests.cpu_report"]  # --cpu-report=N: the tests that cost the most CPU
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 
