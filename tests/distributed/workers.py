@@ -428,7 +428,9 @@ def faulty(
     except RankFailure as exc:
         stopped = time.time()
         started = float(trigger.read_text()) if trigger.exists() else stopped
-        _outlive_the_others(rank, dist.get_world_size() - 1)
+        # a killed or silent rank never reads the board: rank 0 waits for the others only
+        readers = dist.get_world_size() - (0 if how == "raise" else 1)
+        _outlive_the_others(rank, readers - 1)
         return {"failure": str(exc), "after_s": stopped - started}
     return {"failure": None}
 

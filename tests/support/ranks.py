@@ -36,10 +36,22 @@ from tests.timeouts import scaled, timed_out
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Ranks fork from one server process that imported torch and the engine once per test session:
-# a spawned rank importing torch again costs seconds of CPU on a 2-core machine. Each rank still
-# gets the launching process's environment and working directory as they are at launch.
-PRELOAD = ["torch", "torch.distributed", "tests.support.ranks", "giantpipe.engine.distributed.pipe"]
+# Ranks fork from one server process that imported torch, the engine and the runner once per
+# test session: a spawned rank importing them again costs seconds of CPU on a 2-core machine
+# (torch._dynamo, which the first meta op or the reference imports, ~0.8 s; matplotlib, which
+# a run's closing pictures import, ~0.5 s). Each rank still gets the launching process's
+# environment and working directory as they are at launch.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "tests.support.ranks",
+    "giantpipe.engine.distributed.pipe",
+    "giantpipe.runner",
+    "giantpipe.testing.reference",
+    "matplotlib.pyplot",
+    "matplotlib.backends.backend_agg",
+]
 
 RENDEZVOUS_S = 30.0
 """The world's timeout (scaled): how long a rank waits for the others to join it, or in a
