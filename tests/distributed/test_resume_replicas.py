@@ -1,9 +1,10 @@
 """A resume with R >= 2 replicas continues exactly as the run that was not stopped.
 
-Each replica's first stage draws its own dropout seeds from its process's generators, so every
-rank must get its own generator states back (a resume that restores rank 0's only would still
-pass every resume test with R = 1); the EMA and the data position are restored on every rank
-too. Dropout 0.5 makes any other seed show in the losses."""
+Each step's dropout seed is drawn from the generator of every stage-0 rank (replica r mixes r
+into it), so a resume that puts no generator state back fails here; the EMA and the data
+position are restored on every rank too. Dropout 0.5 makes any other seed show in the losses.
+(The replicas' generators stay in step, as only that draw advances them: restoring rank 0's
+states on every rank would pass too, and is equivalent today.)"""
 
 from __future__ import annotations
 
