@@ -85,10 +85,17 @@ class Setup:
     tensor_mib: int
     tensors: int
     """Export: the smaller checkpoint's count of tensors of ``tensor_mib`` (the larger: 4x)."""
+    preload: tuple[str, ...] = ()
+    """More modules the fork server imports once (every figure is taken after the imports)."""
 
 
 FULL = Setup(1024, intermediate=2816, layers=8, vocab=8192, ranks=4, tensor_mib=32, tensors=8)
-QUICK = Setup(128, intermediate=352, layers=4, vocab=1024, ranks=4, tensor_mib=4, tensors=2)
+QUICK = Setup(
+    128, intermediate=352, layers=4, vocab=1024, ranks=4, tensor_mib=4, tensors=2,
+    # what each rank's read of the Hugging Face folder imports (its tied names): in each of the
+    # K ranks, that import was most of a quick run's CPU
+    preload=("transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama"),
+)  # fmt: skip
 
 
 def save_checkpoint(directory: Path, state: dict[str, torch.Tensor]) -> None:
@@ -145,7 +152,7 @@ def load_rows(setup: Setup, folder: Path, state: dict[str, torch.Tensor]) -> lis
     # one start-up of K processes for both sources (read_my_share drops each source's files
     # from the page cache and counts its own reads)
     args = (setup.ranks, free_port(), sources, shares, str(out))
-    forkserver()
+    forkserver(setup)
     mp.start_processes(_rank, args=args, nprocs=setup.ranks, start_method="forkserver")
     rows = []
     for name in sources:
@@ -178,12 +185,12 @@ EXPORTS = {
 tensors (0: one file)."""
 
 
-def forkserver() -> multiprocessing.context.ForkServerContext:
+def forkserver(setup: Setup) -> multiprocessing.context.ForkServerContext:
     """The server the ranks and the exports fork from: it imports this script's modules (and
-    the fake tensors' an export brings) once, where a new interpreter each costs seconds of
-    CPU."""
+    the fake tensors' an export brings, and ``setup.preload``) once, where a new interpreter
+    each costs seconds of CPU."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", "torch._subclasses.fake_tensor"])
+    context.set_forkserver_preload(["__main__", "torch._subclasses.fake_tensor", *setup.preload])
     return context
 
 
@@ -216,7 +223,7 @@ def export_rows(setup: Setup, folder: Path) -> list[str]:
     tensor = setup.tensor_mib * MiB
     warm = folder / "export-warm"
     save_checkpoint(warm, {f"{i}.weight": torch.randn(WARM_BYTES // 4) for i in range(3)})
-    context = forkserver()
+    context = forkserver(setup)
     for count in (setup.tensors, 4 * setup.tensors):
         torch.manual_seed(count)
         state = {f"{i}.weight": torch.randn(tensor // 4) for i in range(count)}

@@ -2,7 +2,7 @@
 torchgpipe and torch.distributed.pipelining, on three models.
 
     python benchmarks/peers.py            # full run: 30-60 min on 2 shared cores
-    python benchmarks/peers.py --quick    # tiny sizes, one round; what the tests run
+    python benchmarks/peers.py --quick    # tiny sizes, one pass timed and sampled; the tests
 
 Hardware: any CPU; two stages, one core each (the whole benchmark runs with OMP_NUM_THREADS=1:
 on a shared 2-core VM OpenMP with 2 threads per process is 30-60x slower under load, and every
@@ -72,15 +72,19 @@ class Setup:
     rounds: int
     steps: int
     quick: bool
+    one_pass: bool = False
+    """The timed steps run in the memory pass's processes, after its sampled step (no timed
+    round of their own: two processes fewer, the times under its allocator setting)."""
 
 
 FULL = Setup(("mlp", "amoebanet", "transformer"), chunks=(1, 4, 8), rounds=3, steps=2, quick=False)
-QUICK = Setup(("mlp", "amoebanet", "transformer"), chunks=(1, 2), rounds=1, steps=1, quick=True)
+QUICK = Setup(("mlp", "amoebanet", "transformer"), chunks=(1, 2), rounds=1, steps=1, quick=True,
+              one_pass=True)  # fmt: skip
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, one round (for tests)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one pass (for tests)")
     add_output_options(p, "peers")
     p.add_argument("--models", nargs="+", choices=FULL.models)
     p.add_argument("--memory-pass", type=Path, help=argparse.SUPPRESS)  # the child process
@@ -383,19 +387,25 @@ def benchmark(setup: Setup, balances: dict[str, dict[int, list[int]]]) -> dict[s
 
 
 def memory_pass(setup: Setup, path: Path) -> None:
-    """In the child process: one memory-sampled step per method; reads the balances from
-    ``path`` and writes the peaks back into it."""
+    """In the child process: one memory-sampled step per method (then, with
+    ``setup.one_pass``, its timed steps); reads the balances from ``path`` and writes the peaks
+    (and the seconds) back into it."""
     balances = {
         n: {int(m): b for m, b in per.items()} for n, per in json.loads(path.read_text()).items()
     }
-    once = replace(setup, steps=0)
+    once = setup if setup.one_pass else replace(setup, steps=0)
     print("memory pass", file=sys.stderr, flush=True)
-    found = {name: local_round(name, once, balances[name], True)[1] for name in setup.models}
-    for name, (_, peaks) in dist_round(setup.models, once, balances, True).items():
-        found[name].update(peaks)
+    found = {name: local_round(name, once, balances[name], True) for name in setup.models}
+    for name, (seconds, peaks) in dist_round(setup.models, once, balances, True).items():
+        found[name][0].update(seconds)
+        found[name][1].update(peaks)
     path.write_text(json.dumps({
-        name: [[method, m, peak] for (method, m), peak in per.items()]
-        for name, per in found.items()
+        name: {
+            "peak": [[method, m, peak] for (method, m), peak in peaks.items()],
+            "seconds": [[method, m, sec] for (method, m), sec in seconds.items()]
+            if setup.one_pass else [],
+        }
+        for name, (seconds, peaks) in found.items()
     }))  # fmt: skip
 
 
@@ -407,7 +417,9 @@ def run_memory_pass(setup: Setup, results: dict[str, Result], argv: Sequence[str
         command = [sys.executable, __file__, *argv, "--memory-pass", str(path)]
         subprocess.run(command, env={**os.environ, **MEMORY_ENV}, check=True)
         for name, rows in json.loads(path.read_text()).items():
-            results[name].peak = {(method, m): peak for method, m, peak in rows}
+            r = results[name]
+            r.peak = {(method, m): peak for method, m, peak in rows["peak"]}
+            r.rate.update({(method, m): r.batch / sec for method, m, sec in rows["seconds"]})
 
 
 def bound(result: Result, m: int) -> float:
@@ -492,14 +504,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     started, load = datetime.datetime.now(), os.getloadavg()[0]
     balances = {n: {m: balance_of(n, setup.quick, m) for m in setup.chunks} for n in setup.models}
-    results = benchmark(setup, balances)
+    if setup.one_pass:
+        batches = {n: SIZES[n][setup.quick]["batch"] for n in setup.models}
+        results = {n: Result({}, {}, balances[n], batches[n]) for n in setup.models}
+    else:
+        results = benchmark(setup, balances)
     run_memory_pass(setup, results, sys.argv[1:] if argv is None else argv)
     parts = [
         f"# Peers on CPU, K=2{' (--quick)' if setup.quick else ''}\n\n"
         f"`python benchmarks/peers.py{' --quick' if setup.quick else ''}`, "
         f"{started:%Y-%m-%d %H:%M}, torch {torch.__version__}, {os.cpu_count()} CPUs (shared), no "
         f"GPU, OMP_NUM_THREADS=1; load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at "
-        f"end; median of {setup.rounds} rounds x {setup.steps} steps, checkpoint never.\n"
+        f"end; median of {setup.rounds} rounds x {setup.steps} steps, checkpoint never"
+        + (", timed in the memory pass (its allocator setting)" if setup.one_pass else "")
+        + ".\n"
     ]
     for name, r in results.items():
         parts += [throughput_table(name, setup, r), memory_table(name, setup, r)]
