@@ -27,8 +27,16 @@ import torch
 from giantpipe.checkpoint.errors import CheckpointError
 from giantpipe.checkpoint.run import read_checkpoint
 from giantpipe.checkpoint.unpickling import safe_load
-from tests.integration.fault_runs import fingerprint, losses, run, start, summary, wait_for_step
-from tests.support.train import environment, error_lines, train
+from tests.integration.fault_runs import (
+    TINY,
+    fingerprint,
+    losses,
+    run,
+    start,
+    summary,
+    wait_for_step,
+)
+from tests.support.train import environment, error_lines, train, train_here
 from tests.timeouts import scaled
 
 STEPS = 12
@@ -40,10 +48,10 @@ pytestmark = pytest.mark.slow
 
 
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, steps: int) -> list[tuple[int, float]]:
-    """The uninterrupted run's loss at every step."""
+    """The uninterrupted run's loss at every step: the same job as the interrupted runs', trained
+    in this process (the runs under test are train.py's; the reference needs no interpreter)."""
     run_dir = tmp_path_factory.mktemp("faults") / "reference"
-    result = run(run_dir, f"trainer.max_steps={steps}")
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert train_here(run_dir, *TINY, f"trainer.max_steps={steps}")["status"] == "completed"
     return losses(run_dir)
 
 
