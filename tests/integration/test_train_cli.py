@@ -9,7 +9,7 @@ import pytest
 
 from giantpipe.checkpoint.run import read_checkpoint
 from tests.support.runs import QUICK_MLP
-from tests.support.train import command, environment, ok, one_error_line, train
+from tests.support.train import command, environment, ok, one_error_line, train, train_here
 from tests.timeouts import run
 
 pytestmark = pytest.mark.slow  # every test runs python train.py end to end (torch, training)
@@ -32,9 +32,10 @@ def fingerprint(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """An uninterrupted 20-step run, and a 10-step run with a copy of its step-10 checkpoint."""
+    """An uninterrupted 20-step run (the reference: the same job, trained in this process), and
+    a 10-step train.py run with a copy of its step-10 checkpoint."""
     root = tmp_path_factory.mktemp("runs")
-    ok(train(*TINY, "trainer.max_steps=20", f"hydra.run.dir={root / 'full'}", cwd=root))
+    assert train_here(root / "full", *TINY, "trainer.max_steps=20")["status"] == "completed"
     ok(train(*TINY, "trainer.max_steps=10", f"hydra.run.dir={root / 'part'}", cwd=root))
     shutil.copytree(root / "part" / "last", root / "step10")
     return {"root": root, "full": root / "full", "part": root / "part", "ckpt": root / "step10"}

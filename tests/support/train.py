@@ -1,5 +1,6 @@
 """``train.py`` (or another script of a checkout) in a subprocess, as a user runs it, and its
-output read: one process, or two ranks under torchrun.
+output read: one process, or two ranks under torchrun; or, where a test only needs the local
+executor's result, the same job in the test's own process (:func:`train_here`).
 
 Every command gets the checkout on ``PYTHONPATH``, W&B offline and ``HYDRA_FULL_ERROR`` unset (the
 one-line errors a user sees); a timeout is lengthened by tests/timeouts.py's knob and, run out,
@@ -114,3 +115,24 @@ def imported(result: subprocess.CompletedProcess[str]) -> set[str]:
     """Top-level packages ``-X importtime`` saw imported (its lines end with the module name)."""
     rows = [line.rpartition("|")[2] for line in result.stderr.splitlines()]
     return {row.strip().split(".")[0] for row in rows if row.startswith(" ")}
+
+
+def train_here(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    """The job ``python train.py OVERRIDES hydra.run.dir=RUN_DIR`` runs, in this process: the
+    config composed from conf/, checked, recorded in ``config.yaml`` with its command line, and
+    trained by the local executor; its summary. What a test compares with a torchrun run, at no
+    second interpreter's cost (torch is imported here already)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from giantpipe.cli.checks import to_experiment
+    from giantpipe.cli.job import derived_keys
+    from giantpipe.cli.registration import register_configs
+    from giantpipe.runner import train as train_in_process
+
+    register_configs(REPO / "conf")
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", list(overrides))
+    experiment = to_experiment(cfg)
+    config_yaml = f"# overrides: {' '.join(overrides)}\n" + OmegaConf.to_yaml(cfg, resolve=True)
+    return train_in_process(experiment, run_dir, config_yaml, derived_keys(cfg))
