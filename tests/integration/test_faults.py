@@ -91,7 +91,7 @@ def test_sigterm_saves_marks_preempted_and_resumes_exactly(
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=scaled(60))
-    assert time.monotonic() - sent < 10
+    assert time.monotonic() - sent < scaled(10)  # save and exit, not the 60 s above
     assert proc.returncode == 143, err[-2000:]
     stopped = summary(run_dir)
     assert stopped["status"] == "preempted"
