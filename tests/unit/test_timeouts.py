@@ -56,6 +56,7 @@ def test_any_failure_that_reads_as_a_timeout_names_the_knob(tmp_path: Path) -> N
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "src")])}
     env.pop(KNOB, None)
+    env.pop("PYTEST_ADDOPTS", None)  # the outer run's options (e.g. --cpu-report) are not its
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
          str(tmp_path)],
