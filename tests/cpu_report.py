@@ -17,14 +17,17 @@ from collections.abc import Generator
 
 import pytest
 
+from tests.support.forks import forked_cpu
+
 CPU_KEY = "cpu_seconds"
 _SPENT = pytest.StashKey[float]()
 
 
 def cpu_seconds() -> float:
-    """This process' CPU seconds so far, its own and its waited-for children's."""
+    """This process' CPU seconds so far, its own, its waited-for children's and those its fork
+    server forked for it (ranks, ``train.py`` runs: tests/support/forks.py)."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + forked_cpu()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

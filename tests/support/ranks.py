@@ -28,30 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from giantpipe.engine.distributed.layout import init_distributed
 from giantpipe.testing import free_port, rank_env
+from tests.support.forks import context
 from tests.timeouts import scaled, timed_out
 
 REPO = Path(__file__).resolve().parents[2]
-
-# Ranks fork from one server process that imported torch, the engine and the runner once per
-# test session: a spawned rank importing them again costs seconds of CPU on a 2-core machine
-# (torch._dynamo, which the first meta op or the reference imports, ~0.8 s; matplotlib, which
-# a run's closing pictures import, ~0.5 s). Each rank still gets the launching process's
-# environment and working directory as they are at launch.
-PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "tests.support.ranks",
-    "giantpipe.engine.distributed.pipe",
-    "giantpipe.runner",
-    "giantpipe.testing.reference",
-    "matplotlib.pyplot",
-    "matplotlib.backends.backend_agg",
-]
 
 RENDEZVOUS_S = 30.0
 """The world's timeout (scaled): how long a rank waits for the others to join it, or in a
@@ -101,8 +84,7 @@ def start_ranks(
     world's, e.g. ``"cuda:gloo"`` for one that takes no CPU tensor, as an NCCL world would not,
     or None for the runner's (:func:`run_rank`): an NCCL world on GPUs, one GPU a rank."""
     tmp.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = context()  # the imports done once (tests/support/forks.py)
     port = free_port()
     here = (dict(os.environ), os.getcwd(), backend)
     procs: list[BaseProcess] = [

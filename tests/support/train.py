@@ -1,5 +1,5 @@
-"""``train.py`` (or another script of a checkout) in a subprocess, as a user runs it, and its
-output read: one process, or two ranks under torchrun; or, where a test only needs the local
+"""``train.py`` (or another script of a checkout) in a process of its own, as a user runs it,
+and its output read: one process, or two ranks under torchrun; or, where a test only needs the local
 executor's result, the same job in the test's own process (:func:`train_here`).
 
 Every command gets the checkout on ``PYTHONPATH``, W&B offline and ``HYDRA_FULL_ERROR`` unset (the
@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.support.forks import forkable, run_script
 from tests.timeouts import run, scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +52,15 @@ def train(
     importtime: bool = False,
     script: Path = TRAIN,
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """``python SCRIPT ARGS`` in ``cwd`` to its end, its output captured; fails, saying so,
-    after ``scaled(timeout)`` s. ``importtime``: ``-X importtime`` (read by :func:`imported`)."""
+    after ``scaled(timeout)`` s. Forked from the tests' server (:mod:`tests.support.forks`, the
+    imports done once) where a fork shows what a fresh interpreter would; ``fresh``, ``importtime``
+    (``-X importtime``, read by :func:`imported`), a script of another checkout or a
+    ``PYTHONPATH`` in ``env``: a new interpreter."""
+    if not (fresh or importtime) and forkable(script, env):
+        return run_script(script, list(args), cwd, environment(env), timeout)
     full = command(*args, script=script, importtime=importtime)
     return run(full, timeout, cwd=cwd, env=environment(env), capture_output=True, text=True)
 
