@@ -3,8 +3,8 @@ and matplotlib once, from which ranks and ``train.py`` runs start as processes o
 
 A fresh interpreter spends about 5 s of CPU importing what every run imports (torch, dynamo,
 the runner, Hydra, matplotlib); on CI's two cores the suite's ~170 runs and ~150 ranks spent most
-of their CPU there. A forked script gets the environment, working directory and ``sys.argv`` it
-was given, runs as ``__main__``, and exits as the interpreter would (non-daemon threads joined,
+of their CPU there. A forked script gets the environment (its thread count too), working
+folder and ``sys.argv`` it was given, runs as ``__main__``, and exits as the interpreter would (non-daemon threads joined,
 ``atexit`` run, a ``SystemExit``'s code or an uncaught exception's traceback and 1).
 
 What a fork cannot show needs a fresh interpreter (:func:`forkable` says which): what a command
@@ -119,6 +119,10 @@ def _script_child(
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # read when the server loaded OpenMP, not now
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [script, *args]
     # as `python SCRIPT` builds it: the script's folder, then PYTHONPATH's, then the rest
     first = [str(Path(script).parent), *env.get("PYTHONPATH", "").split(os.pathsep)]

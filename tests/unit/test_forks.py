@@ -93,3 +93,11 @@ def test_a_server_importing_another_checkouts_giantpipe_forks_nothing(
     elsewhere = importlib.machinery.ModuleSpec("giantpipe", None, origin="/other/src/giantpipe")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: elsewhere)
     assert not forkable(REPO / "train.py", None)
+
+
+def test_a_forked_script_gets_the_thread_count_its_environment_asks(tmp_path: Path) -> None:
+    script = tmp_path / "threads.py"
+    script.write_text("import torch\nprint(torch.get_num_threads())\n")
+    for threads in ("1", "3"):
+        env = {**os.environ, "OMP_NUM_THREADS": threads}
+        assert run_script(script, [], tmp_path, env, timeout=60).stdout == f"{threads}\n"
