@@ -52,14 +52,13 @@ def train(
     importtime: bool = False,
     script: Path = TRAIN,
     env: dict[str, str] | None = None,
-    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """``python SCRIPT ARGS`` in ``cwd`` to its end, its output captured; fails, saying so,
     after ``scaled(timeout)`` s. Forked from the tests' server (:mod:`tests.support.forks`, the
-    imports done once) where a fork shows what a fresh interpreter would; ``fresh``, ``importtime``
-    (``-X importtime``, read by :func:`imported`), a script of another checkout or a
-    ``PYTHONPATH`` in ``env``: a new interpreter."""
-    if not (fresh or importtime) and forkable(script, env):
+    imports done once) where a fork shows what a fresh interpreter would; ``importtime`` (``-X
+    importtime``, read by :func:`imported`), a script of another checkout or a ``PYTHONPATH`` in
+    ``env``: a new interpreter."""
+    if not importtime and forkable(script, env):
         return run_script(script, list(args), cwd, environment(env), timeout)
     full = command(*args, script=script, importtime=importtime)
     return run(full, timeout, cwd=cwd, env=environment(env), capture_output=True, text=True)
