@@ -63,6 +63,11 @@ def generated_lines(args: argparse.Namespace, checkpoint: Path, cfg: dict[str, A
         eos = tokenizer.eos_id if words else None  # words stop at the end of text
         out = continue_rows(pipe, rows if stage0 else None, args, eos)
         lines = [tokenizer.decode(ids).strip() if words else " ".join(map(str, ids)) for ids in out]
+    if "RANK" in os.environ:  # every group freed before the interpreter's shutdown
+        from giantpipe.engine.distributed.layout import end_distributed
+
+        pipe.release()
+        end_distributed()
     if not printing:
         return []
     return [f"{prompt} -> {line}" for prompt, line in zip(prompts, lines, strict=True)]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from giantpipe.config import ConfigError, PipelineConfig
 from giantpipe.engine.distributed.faults import wait_work
-from giantpipe.engine.distributed.layout import HOST_BACKEND, init_distributed
+from giantpipe.engine.distributed.layout import HOST_BACKEND, end_distributed, init_distributed
 
 _T = TypeVar("_T")
 
@@ -158,8 +158,7 @@ class TorchrunWorld(World):
         pipe, self._pipe, self._group, self._host = self._pipe, None, None, None
         if pipe is not None:
             pipe.release()  # no request may outlive the groups (see DistributedPipe.release)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_distributed()  # and no group the interpreter's shutdown
 
 
 def open_world(cfg: PipelineConfig) -> World:

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -394,6 +395,25 @@ def init_distributed(backend: str | None = None, timeout: float = 60.0) -> None:
     if "nccl" in backend:
         default_nccl_error_handling()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def end_distributed() -> None:
+    """Ends what :func:`init_distributed` began: destroys every process group and forgets the
+    groups pipes cached (:func:`build_groups`, :func:`tied_group`), so the groups are freed now.
+    Left to the interpreter's shutdown, a gloo group freeing a request's tensor on its own thread
+    aborts the process ("terminate called without an active exception") after a run that
+    succeeded. Release each pipe first (``DistributedPipe.release``).
+
+    Example::
+
+        pipe.release()
+        end_distributed()
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CACHE.clear()
+    _TIED.clear()
+    gc.collect()  # a pipe in a reference cycle holds its groups until collected
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

@@ -12,6 +12,7 @@ Example (``torchrun --nproc_per_node=2 train.py``)::
     pipe = DistributedPipe(build_model, balance=[4, 4], chunks=8)   # R = world size / K
     loss = pipe.train_step(x if pipe.needs_inputs else None,
                            y if pipe.needs_targets else None, nn.functional.cross_entropy)
+    pipe.release(); end_distributed()                       # at the end: nothing left behind
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from giantpipe.engine.distributed.layout import (
     build_groups,
     comm_device,
     drop_groups,
+    end_distributed,
     init_distributed,
     resolve_device,
     tied_workers,
@@ -85,7 +87,13 @@ from giantpipe.engine.spec import (
 from giantpipe.engine.stats import StepStats, device_peak, reset_device_peak
 from giantpipe.engine.step_config import LossFn, LossSpec
 
-__all__ = ["DistributedPipe", "RankFailure", "clip_grad_norm_", "init_distributed"]
+__all__ = [
+    "DistributedPipe",
+    "RankFailure",
+    "clip_grad_norm_",
+    "end_distributed",
+    "init_distributed",
+]
 
 ModelSource = nn.Sequential | Callable[[], nn.Sequential]
 _T = TypeVar("_T")
@@ -441,7 +449,7 @@ class DistributedPipe(Pipe):
         Example::
 
             pipe.release()
-            dist.destroy_process_group()
+            end_distributed()
         """
         if self._box is not None:
             self._box.drop()

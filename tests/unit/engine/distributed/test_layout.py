@@ -13,6 +13,7 @@ All of it runs on CPU: a one-process world on a file store, or ``new_group`` rec
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from giantpipe.engine.distributed.layout import (
     build_groups,
     comm_device,
     drop_groups,
+    end_distributed,
     init_distributed,
     tied_group,
 )
@@ -205,3 +207,21 @@ def test_boundary_payloads_leave_from_a_cuda_device_whatever_the_world(
         assert comm_device(torch.device("cpu")) == torch.device("cpu")
     finally:
         dist.destroy_process_group()
+
+
+def test_ending_the_world_frees_every_group_before_the_interpreters_shutdown(
+    tmp_path: Path,
+) -> None:
+    # A group the pipes' caches kept alive was freed during the shutdown, where a gloo thread
+    # freeing a request's tensor aborted a rank whose run had succeeded.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    layout = Layout(world_size=1, rank=0, workers=1, placement=(0,))
+    groups = build_groups(layout, 30.0, torch.device("cpu"))
+    made = [*groups.unique(), tied_group(layout, [0], 30.0, "cpu"), dist.group.WORLD]
+    alive = [weakref.ref(group) for group in made]
+    del groups, made
+    end_distributed()
+    assert not dist.is_initialized()
+    assert [ref for ref in alive if ref() is not None] == []
