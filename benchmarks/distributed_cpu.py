@@ -173,7 +173,7 @@ import torch.multiprocessing as mp
 from engine_cpu import mlp, plain_step, timed  # noqa: E402
 from torch import nn
 
-from giantpipe.engine.distributed.pipe import DistributedPipe  # noqa: E402
+from giantpipe.engine.distributed.pipe import DistributedPipe, end_distributed  # noqa: E402
 from giantpipe.engine.schedules import build_schedule, schedule_builders  # noqa: E402
 from giantpipe.testing import free_port, rank_env  # noqa: E402
 
@@ -338,7 +338,7 @@ def _worker(rank: int, port: int, setups: list[Setup], flip: bool, out_path: str
             del ours, theirs
     torch.save(results, f"{out_path}.{rank}")
     dist.barrier()
-    dist.destroy_process_group()
+    end_distributed()  # every group freed now, not during the shutdown
 
 
 def one_round(setups: list[Setup], flip: bool) -> list[dict[Key, float]]:

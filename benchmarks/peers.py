@@ -321,6 +321,8 @@ def _dist_worker(rank: int, port: int, names: tuple[str, ...], setup: Setup,
                  ) -> None:  # fmt: skip
     import torch.distributed as dist
 
+    from giantpipe.engine.distributed.pipe import end_distributed
+
     torch.set_num_threads(1)
     os.environ.update(rank_env(rank, 2, port))
     dist.init_process_group("gloo", rank=rank, world_size=2,
@@ -333,7 +335,7 @@ def _dist_worker(rank: int, port: int, names: tuple[str, ...], setup: Setup,
                 seconds, peak = measure(step, setup.steps, memory)
                 rows.append((name, method, m, seconds, peak))
     torch.save(rows, f"{out}.{rank}")
-    dist.destroy_process_group()
+    end_distributed()  # every group freed now, not during the shutdown
 
 
 def dist_round(names: tuple[str, ...], setup: Setup, balances: dict[str, dict[int, list[int]]],
