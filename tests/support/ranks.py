@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from giantpipe.engine.distributed.layout import init_distributed
+from giantpipe.engine.distributed.layout import end_distributed, init_distributed
 from giantpipe.testing import free_port, rank_env
 from tests.support.forks import context
 from tests.timeouts import scaled, timed_out
@@ -54,7 +53,7 @@ def run_rank(target: str, tmp: Path, kwargs: dict[str, Any], backend: str | None
         module, name = target.split(":")
         result = getattr(importlib.import_module(module), name)(tmp, **kwargs)
         torch.save({"ok": True, "result": result}, out)
-        dist.destroy_process_group()
+        end_distributed()  # every group freed before a torchrun rank's interpreter shuts down
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         what = f"{type(exc).__name__}: {exc}"
         torch.save(
