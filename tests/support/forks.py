@@ -159,13 +159,18 @@ def run_script(
     return subprocess.CompletedProcess(command, proc.exitcode, stdout, stderr)
 
 
-def forked_cpu() -> float:
+def forked_cpu(tasks: Path = Path("/proc/self/task")) -> float:
     """CPU seconds of the processes this process's fork server has forked and seen end (the
-    server reaps them, so they are not this process's waited-for children); 0 without one."""
+    server reaps them, so they are not this process's waited-for children); 0 without one.
+    ``tasks``: this process's threads, each listing its children."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
-    for children in Path("/proc/self/task").glob("*/children"):
-        for pid in children.read_text().split():
+    for children in tasks.glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for pid in pids:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

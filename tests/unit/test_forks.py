@@ -102,3 +102,11 @@ def test_a_forked_script_gets_the_thread_count_its_environment_asks(tmp_path: Pa
     for threads in ("1", "3"):
         env = {**os.environ, "OMP_NUM_THREADS": threads}
         assert run_script(script, [], tmp_path, env, timeout=60).stdout == f"{threads}\n"
+
+
+def test_counting_forked_cpu_survives_a_thread_that_ended_meanwhile(tmp_path: Path) -> None:
+    # A worker's thread that ended between the listing of /proc/self/task and the read of its
+    # children once failed a test's teardown (and pytest, with an internal error); a folder
+    # where the file should be reads with an OSError as the vanished file did.
+    (tmp_path / "7" / "children").mkdir(parents=True)
+    assert forked_cpu(tmp_path) == 0.0
