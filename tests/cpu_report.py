@@ -42,8 +42,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
-    """Measures setup, call and teardown together (a fixture's run belongs to its first test)."""
-    item.stash[_SPENT] = -cpu_seconds()
+    """Measures setup, call and teardown together (a fixture's run belongs to its first test),
+    only when asked: reading the fork server's figures from /proc costs every test."""
+    if item.config.getoption("cpu_report"):
+        item.stash[_SPENT] = -cpu_seconds()
     return (yield)
 
 
